@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Create the project's virtual environment and install tightfit into it, with the right torch build.
+#
+# Why a script: a plain `pip install torch` on a CPU-only machine downloads the newest multi-GB CUDA build.
+# Order of preference:
+#   1. a GPU machine (nvidia-smi answers): the registry's default torch, which is CUDA-enabled on Linux;
+#   2. a torch wheel that pip already offers locally (find-links / a wheel cache): install it, then resolve only
+#      its small dependencies from the registry, pinned to that exact version so nothing newer is pulled;
+#   3. otherwise the registry's torch.
+# Usage: scripts/setup_env.sh [VENV_DIR]
+set -euo pipefail
+venv="${1:-.venv}"
+python="${PYTHON:-python3}"
+
+if [ ! -x "$venv/bin/python" ]; then
+    echo "setup: creating virtual environment $venv"
+    "$python" -m venv "$venv"
+fi
+pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+
+have_torch() { "$venv/bin/python" -c "import torch" >/dev/null 2>&1; }
+
+if ! have_torch; then
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        echo "setup: GPU found, installing CUDA-enabled torch"
+        "${pip[@]}" install "torch>=2.4"
+    elif "${pip[@]}" install --no-index --no-deps "torch>=2.4" >/dev/null 2>&1; then
+        version=$("$venv/bin/python" -c "import importlib.metadata as m; print(m.version('torch'))")
+        echo "setup: using the locally offered torch wheel $version"
+        "${pip[@]}" install "torch==$version"
+    else
+        echo "setup: installing torch from the package registry"
+        "${pip[@]}" install "torch>=2.4"
+    fi
+fi
+
+echo "setup: installing tightfit (editable) with the dev extra"
+"${pip[@]}" install -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
+"$venv/bin/python" -c "import tightfit, torch; print('setup: tightfit ready, torch', torch.__version__)"

@@ -1,0 +1,22 @@
+"""tightfit: train PyTorch models that do not fit your hardware.
+
+Public entry points:
+- `tightfit.wrap(model, placement_or_budget, ...)`: stream a model's states across GPU, CPU and NVMe inside an
+  ordinary `loss.backward(); opt.step()` loop (see tightfit/offload/).
+- `tightfit train` / `tightfit plan` / `tightfit env`: the command line (tightfit/cli.py).
+"""
+
+from tightfit.offload.placement import Placement, State, Tier, UnitPlacement
+
+__version__ = "0.1.0"
+
+__all__ = ["Placement", "State", "Tier", "UnitPlacement", "__version__"]
+
+
+def __getattr__(name: str):
+    # `wrap` is imported lazily so `import tightfit` stays cheap and the engine can be built independently.
+    if name == "wrap":
+        from tightfit.offload.wrap import wrap
+
+        return wrap
+    raise AttributeError(f"module 'tightfit' has no attribute {name!r}")

@@ -1,0 +1,269 @@
+"""Typed configuration: one dataclass per component, CLI flags and TOML sections built from them.
+
+Why: a setting is declared once, with its type, default and help text (the attribute docstring-style `help`
+metadata). The CLI (`--micro-batch 8`), the TOML file (`[train] micro_batch = 8`) and the checkpoint's saved
+config all derive from the same field, and every error names the flag the user typed.
+
+Precedence: dataclass defaults < `--config FILE.toml` < command-line flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tightfit.errors import UsageError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+
+def _f(default, help: str, choices: tuple | None = None):
+    """A dataclass field with help text (and optional choices) for its CLI flag."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class ModelConfig:
+    model: str = _f("gpt", "model to train: 'gpt' (the reference GPT) or 'hf:PATH' (a local Hugging Face folder)")
+    n_layer: int = _f(4, "reference GPT: number of transformer blocks")
+    n_head: int = _f(4, "reference GPT: attention heads")
+    n_embd: int = _f(128, "reference GPT: residual width")
+    tokenizer: str | None = _f(None, "local Hugging Face tokenizer folder (default: byte-level tokens, vocab 256)")
+
+
+@dataclass
+class DataConfig:
+    data: str | None = _f(None, "text file or folder of text files (default: the Python standard library's source)")
+    val_fraction: float = _f(0.05, "fraction of the corpus held out for validation (the end of the token stream)")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = _f(3e-3, "peak learning rate")
+    min_lr: float = _f(3e-4, "learning rate at the end of the cosine decay")
+    warmup_steps: int = _f(30, "linear warm-up steps")
+    weight_decay: float = _f(0.1, "AdamW decoupled weight decay (matrices only; biases, norms exempt)")
+    beta1: float = _f(0.9, "AdamW beta1")
+    beta2: float = _f(0.95, "AdamW beta2")
+    grad_clip: float = _f(1.0, "clip the global gradient norm to this value (0 disables clipping)")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = _f(600, "optimizer steps to train")
+    micro_batch: int = _f(16, "sequences per micro-batch")
+    seq_len: int = _f(128, "tokens per sequence")
+    grad_accum: int = _f(1, "micro-batches accumulated per optimizer step")
+    eval_interval: int = _f(100, "evaluate every N steps (and at the end)")
+    eval_batches: int = _f(8, "held-out batches per evaluation (fixed, the same every time)")
+    log_interval: int = _f(10, "print progress every N steps")
+    save_interval: int = _f(0, "write a checkpoint every N steps (0: only at the end)")
+    out_dir: str = _f("runs/default", "folder for checkpoints and metrics.jsonl")
+    resume: bool = _f(False, "continue from the checkpoint in --out-dir")
+    max_time: float = _f(0.0, "stop after this many seconds of training (0: no limit)")
+    seed: int = _f(1337, "random seed (model init, data order)")
+    device: str = _f("auto", "where to compute", ("auto", "cpu", "cuda"))
+    precision: str = _f("auto", "compute precision (auto: bf16 on CUDA, fp32 on CPU)", ("auto", "fp32", "bf16", "fp16"))
+    threads: int = _f(0, "CPU threads for torch (0: torch's default)")
+
+
+@dataclass
+class MemoryConfig:
+    gpu_mem: str | None = _f(None, "device memory budget, e.g. 8GiB (default: what the device has, less headroom)")
+    cpu_mem: str | None = _f(None, "host memory budget, e.g. 16GiB (default: available RAM, less headroom)")
+    nvme: str | None = _f(None, "swap folder for the NVMe tier, optionally with a size: PATH[:SIZE]")
+    offload: str = _f("auto", "offload: auto (planner decides), none (plain PyTorch), or a tier for every state",
+                      ("auto", "none", "device", "host", "nvme"))
+    checkpointing: str = _f("auto", "activation checkpointing of units", ("auto", "on", "off"))
+    trace: str | None = _f(None, "write a Chrome trace and memory timeline of one step to this folder")
+
+
+@dataclass
+class ParallelConfig:
+    nproc_per_node: int = _f(1, "processes (GPUs) per node; >1 launches through torch.distributed")
+    nnodes: int = _f(1, "number of nodes")
+    node_rank: int = _f(0, "this node's rank")
+    master_addr: str = _f("127.0.0.1", "address of the rank-0 node")
+    master_port: int = _f(29500, "port of the rank-0 node")
+    strategy: str = _f("auto", "scale-out strategy",
+                       ("auto", "ddp", "zero1", "zero2", "zero3", "tp", "pp", "dp_tp", "dp_pp", "pp_tp", "dp_pp_tp"))
+    interconnect: str = _f("auto", "interconnect for what-if planning",
+                           ("auto", "nvlink", "pcie", "infiniband", "ethernet"))
+    tp: int = _f(0, "tensor-parallel degree (0: chosen by the strategy)")
+    pp: int = _f(0, "pipeline-parallel degree (0: chosen by the strategy)")
+    pp_schedule: str = _f("1f1b", "pipeline schedule", ("gpipe", "1f1b"))
+    pp_microbatches: int = _f(4, "pipeline micro-batches per step")
+
+
+@dataclass
+class Config:
+    """Everything `tightfit train` and `tightfit plan` read."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "config") -> "Config":
+        cfg = cls()
+        _apply(cfg, d, source)
+        return cfg
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _base_type(tp) -> type:
+    """int for `int`, str for `str | None`, and so on."""
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0]
+    return tp
+
+
+def _coerce(value, tp: type, flag: str):
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if str(value).lower() in ("1", "true", "yes", "on"):
+            return True
+        if str(value).lower() in ("0", "false", "no", "off"):
+            return False
+        raise UsageError(f"{flag}: expected true or false, got {value!r}")
+    try:
+        return tp(value)
+    except (TypeError, ValueError):
+        raise UsageError(f"{flag}: expected {tp.__name__}, got {value!r}") from None
+
+
+def _sections(cfg: Config):
+    hints = typing.get_type_hints(Config)
+    for sec in dataclasses.fields(Config):
+        yield sec.name, getattr(cfg, sec.name), hints[sec.name]
+
+
+def _set(obj, f: dataclasses.Field, value, flag: str) -> None:
+    tp = _base_type(typing.get_type_hints(type(obj))[f.name])
+    if value is None:
+        setattr(obj, f.name, None)
+        return
+    value = _coerce(value, tp, flag)
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        raise UsageError(f"{flag}: {value!r} is not one of {', '.join(map(str, choices))}")
+    setattr(obj, f.name, value)
+
+
+def _apply(cfg: Config, d: dict, source: str) -> None:
+    """Apply a nested dict ({section: {field: value}}), as read from TOML or a checkpoint."""
+    sections = {name: obj for name, obj, _ in _sections(cfg)}
+    for sec_name, values in d.items():
+        if sec_name not in sections or not isinstance(values, dict):
+            raise UsageError(f"{source}: unknown section [{sec_name}]; known: {', '.join(sections)}")
+        obj = sections[sec_name]
+        fields = {f.name: f for f in dataclasses.fields(obj)}
+        for key, value in values.items():
+            if key not in fields:
+                raise UsageError(f"{source}: unknown setting {sec_name}.{key}")
+            _set(obj, fields[key], value, f"{source}: {sec_name}.{key} ({flag_name(key)})")
+
+
+def add_config_args(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per config field (grouped by section), plus --config."""
+    parser.add_argument("--config", metavar="FILE.toml", help="read settings from a TOML file; flags override it")
+    for sec_name, obj, _ in _sections(Config()):
+        group = parser.add_argument_group(sec_name)
+        for f in dataclasses.fields(obj):
+            tp = _base_type(typing.get_type_hints(type(obj))[f.name])
+            help_text = f.metadata.get("help", "") + f" (default: {f.default})"
+            if tp is bool:
+                group.add_argument(flag_name(f.name), dest=f"{sec_name}.{f.name}", action="store_const",
+                                   const=True, default=None, help=help_text)
+            else:
+                # Values stay strings here; _set converts and validates them so the error names the flag.
+                group.add_argument(flag_name(f.name), dest=f"{sec_name}.{f.name}", default=None,
+                                   metavar=tp.__name__.upper(), help=help_text)
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """Defaults, then the TOML file named by --config, then flags."""
+    cfg = Config()
+    if getattr(args, "config", None):
+        path = Path(args.config)
+        if not path.is_file():
+            raise UsageError(f"--config: file {path} does not exist")
+        try:
+            data = tomllib.loads(path.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise UsageError(f"--config: {path} is not valid TOML ({e})") from None
+        _apply(cfg, data, f"--config {path}")
+    for sec_name, obj, _ in _sections(cfg):
+        for f in dataclasses.fields(obj):
+            value = getattr(args, f"{sec_name}.{f.name}", None)
+            if value is not None:
+                _set(obj, f, value, flag_name(f.name))
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Range checks that a type alone cannot express; each error names its flag."""
+    t, o = cfg.train, cfg.optim
+    positive = {"steps": t.steps, "micro_batch": t.micro_batch, "seq_len": t.seq_len, "grad_accum": t.grad_accum,
+                "eval_interval": t.eval_interval, "eval_batches": t.eval_batches, "log_interval": t.log_interval,
+                "n_layer": cfg.model.n_layer, "n_head": cfg.model.n_head, "n_embd": cfg.model.n_embd,
+                "nproc_per_node": cfg.parallel.nproc_per_node, "nnodes": cfg.parallel.nnodes,
+                "pp_microbatches": cfg.parallel.pp_microbatches}
+    for name, value in positive.items():
+        if value <= 0:
+            raise UsageError(f"{flag_name(name)}: must be a positive integer, got {value}")
+    non_negative = {"save_interval": t.save_interval, "warmup_steps": o.warmup_steps, "threads": t.threads,
+                    "max_time": t.max_time, "grad_clip": o.grad_clip, "weight_decay": o.weight_decay,
+                    "tp": cfg.parallel.tp, "pp": cfg.parallel.pp}
+    for name, value in non_negative.items():
+        if value < 0:
+            raise UsageError(f"{flag_name(name)}: must not be negative, got {value}")
+    if not (0.0 < o.lr < 10.0):
+        raise UsageError(f"--lr: must be in (0, 10), got {o.lr}")
+    if not (0.0 <= o.min_lr <= o.lr):
+        raise UsageError(f"--min-lr: must be between 0 and --lr ({o.lr}), got {o.min_lr}")
+    if not (0.0 < cfg.data.val_fraction < 0.5):
+        raise UsageError(f"--val-fraction: must be in (0, 0.5), got {cfg.data.val_fraction}")
+    if cfg.model.n_embd % cfg.model.n_head:
+        raise UsageError(f"--n-head: must divide --n-embd ({cfg.model.n_embd}), got {cfg.model.n_head}")
+    # Sizes are parsed here so a bad one fails before any work starts.
+    from tightfit.utils.sizes import parse_size
+
+    for name in ("gpu_mem", "cpu_mem"):
+        value = getattr(cfg.memory, name)
+        if value is not None:
+            parse_size(value, flag_name(name))
+    if cfg.memory.nvme is not None:
+        parse_nvme(cfg.memory.nvme)
+
+
+def parse_nvme(spec: str) -> tuple[str, int | None]:
+    """'PATH[:SIZE]' -> (path, bytes or None)."""
+    from tightfit.utils.sizes import parse_size
+
+    path, sep, size = spec.rpartition(":") if ":" in spec else (spec, "", "")
+    if not sep:
+        path, size = spec, ""
+    if not path:
+        raise UsageError("--nvme: give a folder, optionally with a size: PATH[:SIZE]")
+    return path, (parse_size(size, "--nvme") if size else None)

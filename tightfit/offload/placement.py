@@ -1,0 +1,127 @@
+"""Where each state of each unit lives: the contract between the planner and the offload engine.
+
+Why a separate file: the planner produces a `Placement`, the engine consumes one, tests and users can write one by
+hand. Neither side imports the other; both import this.
+
+Vocabulary:
+- a *unit* is a group of parameters moved together (a transformer block, or the leftover "root" parameters);
+  units are named by their module path (e.g. "blocks.3"), the leftovers by `ROOT_UNIT`;
+- a unit has four *states*: compute parameters (the dtype the forward runs in), the fp32 master copy, gradients,
+  and optimizer moments (Adam's exp_avg and exp_avg_sq);
+- each state of each unit lives on one *tier*: the device (CUDA memory; on a CPU-only machine the CPU itself with
+  a byte budget), host memory (pinned on CUDA), or NVMe (safetensors files in a swap folder).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from enum import Enum
+
+ROOT_UNIT = "root"
+"""Name of the unit holding every parameter that belongs to no repeated block (embeddings, final norm, head)."""
+
+
+class Tier(str, Enum):
+    """A memory tier, fastest first."""
+
+    DEVICE = "device"
+    HOST = "host"
+    NVME = "nvme"
+
+
+class State(str, Enum):
+    """The per-unit training states the planner places independently."""
+
+    PARAMS = "params"
+    MASTER = "master"
+    GRADS = "grads"
+    OPTIM = "optim"
+
+
+@dataclass(frozen=True)
+class UnitPlacement:
+    """Tier of each state of one unit."""
+
+    params: Tier = Tier.DEVICE
+    """Compute parameters between uses (they are always brought to the device to compute)."""
+    master: Tier = Tier.DEVICE
+    """fp32 master weights (the same tensor as params when compute is fp32 and both share a tier)."""
+    grads: Tier = Tier.DEVICE
+    """Accumulated gradients, kept until the optimizer step."""
+    optim: Tier = Tier.DEVICE
+    """Optimizer moments (Adam exp_avg, exp_avg_sq)."""
+
+    def tier(self, state: State) -> Tier:
+        return getattr(self, state.value)
+
+    @classmethod
+    def all_on(cls, tier: Tier) -> "UnitPlacement":
+        return cls(tier, tier, tier, tier)
+
+    def to_dict(self) -> dict[str, str]:
+        return {s.value: self.tier(s).value for s in State}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, str]) -> "UnitPlacement":
+        return cls(**{s.value: Tier(d.get(s.value, Tier.DEVICE.value)) for s in State})
+
+
+@dataclass
+class Placement:
+    """A complete placement: per-unit tiers, budgets and schedule knobs. JSON round-trips."""
+
+    default: UnitPlacement = field(default_factory=UnitPlacement)
+    """Placement of every unit not named in `units`."""
+    units: dict[str, UnitPlacement] = field(default_factory=dict)
+    """Per-unit overrides, keyed by unit name."""
+    device_budget: int | None = None
+    """Bytes the engine may hold on the device tier (None: no limit)."""
+    host_budget: int | None = None
+    """Bytes of host memory for tier storage and staging (None: no limit)."""
+    nvme_dir: str | None = None
+    """Swap folder for the NVMe tier; required when any state is placed on NVMe."""
+    nvme_budget: int | None = None
+    """Bytes the swap folder may use (None: its free space)."""
+    prefetch_depth: int = 2
+    """How many units ahead of the running one are fetched."""
+    staging_buffers: int = 4
+    """Pinned host staging buffers per dtype (CUDA); bounds host memory used for in-flight copies."""
+    checkpoint_units: list[str] = field(default_factory=list)
+    """Units whose activations are recomputed in backward instead of stored."""
+    tiled_linears: dict[str, int] = field(default_factory=dict)
+    """Linear modules to replace by tiles before wrapping: module path -> number of tiles."""
+
+    def of(self, unit: str) -> UnitPlacement:
+        return self.units.get(unit, self.default)
+
+    def uses(self, tier: Tier) -> bool:
+        return any(p.tier(s) == tier for p in [self.default, *self.units.values()] for s in State)
+
+    @classmethod
+    def everywhere(cls, tier: Tier | str, **kwargs) -> "Placement":
+        """Every state of every unit on one tier."""
+        return cls(default=UnitPlacement.all_on(Tier(tier)), **kwargs)
+
+    def with_units(self, **overrides: UnitPlacement) -> "Placement":
+        return replace(self, units={**self.units, **overrides})
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["default"] = self.default.to_dict()
+        d["units"] = {k: v.to_dict() for k, v in self.units.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Placement":
+        d = dict(d)
+        d["default"] = UnitPlacement.from_dict(d.get("default", {}))
+        d["units"] = {k: UnitPlacement.from_dict(v) for k, v in d.get("units", {}).items()}
+        return cls(**d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Placement":
+        return cls.from_dict(json.loads(text))
