@@ -1,0 +1,103 @@
+"""The `tightfit` command: train, plan, probe, env.
+
+Why this file is thin: every flag comes from the typed config dataclasses (tightfit/config.py); each subcommand
+hands a validated `Config` to the component that owns it. Bad input anywhere raises `UsageError`, which ends here
+as one line on stderr and exit status 2 — no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from tightfit import __version__
+from tightfit.config import Config, add_config_args, config_from_args
+from tightfit.errors import UsageError
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tightfit", description="Train PyTorch models that do not fit your hardware.")
+    parser.add_argument("--version", action="version", version=f"tightfit {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train a model (default: the reference GPT on the Python stdlib source)")
+    add_config_args(train)
+
+    plan = sub.add_parser("plan", help="show where each state would live, predicted memory and step time")
+    add_config_args(plan)
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+    probe = sub.add_parser("probe", help="measure this machine's bandwidths and throughputs (cached for planning)")
+    probe.add_argument("--nvme", default=None, help="swap folder whose disk to measure (default: the cache folder)")
+
+    env = sub.add_parser("env", help="torch version, devices and memory, host RAM, free disk")
+    env.add_argument("--nvme", default=None, help="swap folder whose free space to report")
+    env.add_argument("--json", action="store_true", help="print as JSON")
+    return parser
+
+
+def _world_size(cfg: Config) -> int:
+    return cfg.parallel.nproc_per_node * cfg.parallel.nnodes
+
+
+def _cmd_train(cfg: Config, argv: list[str]) -> int:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from tightfit.parallel.run import run_distributed
+
+        run_distributed(cfg)
+        return 0
+    if _world_size(cfg) > 1:
+        from tightfit.parallel.run import launch
+
+        return launch(cfg, argv)
+    from tightfit.train.loop import train
+
+    train(cfg)
+    return 0
+
+
+def _cmd_plan(cfg: Config, as_json: bool) -> int:
+    if _world_size(cfg) > 1:
+        from tightfit.parallel.whatif import what_if
+
+        report = what_if(cfg)
+        print(json.dumps(report.to_dict(), indent=2) if as_json else report)
+        return 0
+    from tightfit.planner import plan_from_config
+
+    plan = plan_from_config(cfg)
+    print(plan.to_json() if as_json else plan.table())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "env":
+            from tightfit.env import environment, format_environment
+
+            env = environment(args.nvme)
+            print(json.dumps(env, indent=2) if args.json else format_environment(env))
+            return 0
+        if args.command == "probe":
+            from tightfit.planner.probe import run_probe
+
+            print(run_probe(args.nvme))
+            return 0
+        cfg = config_from_args(args)
+        if args.command == "train":
+            return _cmd_train(cfg, argv)
+        return _cmd_plan(cfg, args.json)
+    except UsageError as e:
+        print(f"tightfit: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("tightfit: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""Text corpora as token streams, with a deterministic train/validation split and resumable batch sampling.
+
+Why this shape:
+- The embedded default needs no download: the Python standard library's own source files are on every machine
+  that runs tightfit (located with `sysconfig`), read in sorted order so every run sees the same corpus.
+- Tokens are bytes (vocab 256) unless a local Hugging Face tokenizer is given.
+- The split is positional: the last `val_fraction` of the token stream is held out. Validation uses a fixed list
+  of batches (drawn once from a generator seeded independently of training), so every evaluation sees the same
+  tokens and runs are comparable.
+- Training batches are drawn at random offsets from a `torch.Generator`; its state *is* the data position, saved
+  in checkpoints, so a resumed run draws exactly the batches the uninterrupted run would have drawn.
+- In a distributed run each data-parallel rank draws from its own generator stream (seed + rank): the same thing
+  DistributedSampler achieves — disjoint, reproducible shards of the sample stream.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tightfit.errors import UsageError
+
+_TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".json", ".csv", ".tsv", ".html", ".xml", ".c", ".h", ".js", ".tex"}
+_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "__pycache__", "idlelib", "lib2to3"}
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's .py sources (tests and site-packages excluded), in a fixed order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files: list[Path] = []
+    for d, dirs, names in os.walk(root):
+        dirs[:] = sorted(x for x in dirs if x not in _SKIP_DIRS)
+        files.extend(Path(d) / n for n in sorted(names) if n.endswith(".py"))
+    return files
+
+
+def corpus_files(data: str | None) -> list[Path]:
+    """Files of the corpus named by --data (a file or a folder), or the stdlib default."""
+    if data is None:
+        return stdlib_files()
+    path = Path(data)
+    if not path.exists():
+        raise UsageError(f"--data: {path} does not exist; give a text file or a folder of text files")
+    if path.is_file():
+        files = [path]
+    else:
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in _TEXT_SUFFIXES)
+        if not files:
+            raise UsageError(f"--data: no text files ({', '.join(sorted(_TEXT_SUFFIXES))}) under {path}")
+    return files
+
+
+def load_tokens(data: str | None, tokenizer=None) -> np.ndarray:
+    """The whole corpus as one token array (uint8 for bytes, int32 for a tokenizer's ids)."""
+    files = corpus_files(data)
+    if tokenizer is None:
+        raw = b"\n".join(f.read_bytes() for f in files)
+        tokens = np.frombuffer(raw, dtype=np.uint8)
+    else:
+        text = "\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
+        tokens = np.asarray(tokenizer.encode(text), dtype=np.int32)
+    return tokens
+
+
+@dataclass
+class TokenDataset:
+    """A token stream split into train and validation parts, and the batch sampler over it."""
+
+    train: torch.Tensor  # [N_train] int64
+    val: torch.Tensor  # [N_val] int64
+    seq_len: int
+    vocab_size: int
+
+    @classmethod
+    def from_tokens(cls, tokens: np.ndarray, seq_len: int, val_fraction: float, vocab_size: int,
+                    source: str = "--data") -> "TokenDataset":
+        n = len(tokens)
+        n_val = int(n * val_fraction)
+        if n_val < seq_len + 1 or n - n_val < seq_len + 1:
+            raise UsageError(
+                f"{source}: corpus has {n} tokens, too few for --seq-len {seq_len} with --val-fraction "
+                f"{val_fraction}; give more text or a shorter --seq-len"
+            )
+        t = torch.from_numpy(tokens.astype(np.int64))
+        return cls(train=t[: n - n_val], val=t[n - n_val:], seq_len=seq_len, vocab_size=vocab_size)
+
+    def _batch(self, split: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = starts[:, None] + torch.arange(self.seq_len + 1)[None, :]  # [B, T+1]
+        chunk = split[idx]
+        return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()  # inputs, next-token targets: [B, T] each
+
+    def sample(self, batch_size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """A training batch at random offsets; advances `generator` (the resumable data position)."""
+        starts = torch.randint(0, len(self.train) - self.seq_len - 1, (batch_size,), generator=generator)
+        return self._batch(self.train, starts)
+
+    def val_batches(self, n_batches: int, batch_size: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A fixed held-out set: the same `n_batches` batches on every call."""
+        g = torch.Generator().manual_seed(seed)
+        out = []
+        for _ in range(n_batches):
+            starts = torch.randint(0, len(self.val) - self.seq_len - 1, (batch_size,), generator=g)
+            out.append(self._batch(self.val, starts))
+        return out
+
+
+def data_generator(seed: int, rank: int = 0) -> torch.Generator:
+    """The training-batch generator of one data-parallel rank."""
+    return torch.Generator().manual_seed(seed * 1000003 + rank)

@@ -1,0 +1,188 @@
+"""The training loop behind `tightfit train`, readable top to bottom.
+
+One step: for each of `grad_accum` micro-batches, forward under autocast and backward (loss divided by the
+accumulation count); clip the global gradient norm; optimizer step; zero gradients. The same loop serves plain
+PyTorch and offloaded models: what differs is which model/optimizer pair `setup_memory` hands back, not the loop.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tightfit.config import Config
+from tightfit.errors import UsageError
+from tightfit.train import checkpoint as ckpt
+from tightfit.train.data import TokenDataset, data_generator, load_tokens
+from tightfit.train.memory import MemorySetup, setup_memory
+from tightfit.train.progress import Progress, format_duration
+from tightfit.utils.sizes import format_size
+
+
+def resolve_device(cfg: Config) -> torch.device:
+    want = cfg.train.device
+    if want == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device: cuda was asked for but torch sees no CUDA device; use --device cpu")
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(want)
+
+
+def resolve_precision(cfg: Config, device: torch.device) -> torch.dtype:
+    p = cfg.train.precision
+    if p == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if p == "fp16" and device.type != "cuda":
+        raise UsageError("--precision: fp16 needs a CUDA device; use bf16 or fp32 on CPU")
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[p]
+
+
+def lr_at(step: int, cfg: Config) -> float:
+    """Linear warm-up to --lr, then cosine decay to --min-lr at --steps. `step` counts from 0."""
+    o, total = cfg.optim, cfg.train.steps
+    if step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    progress = (step - o.warmup_steps) / max(1, total - o.warmup_steps)
+    return o.min_lr + (o.lr - o.min_lr) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+@dataclass
+class Summary:
+    """What a run did; returned by `train()` and printed at the end."""
+
+    steps_done: int
+    final_step: int
+    train_loss: float
+    val_loss: float
+    seconds: float
+    tokens_per_s: float
+    checkpoint: Path | None
+    peak_memory: dict[str, int] = field(default_factory=dict)
+
+
+def load_dataset(cfg: Config, tokenizer) -> TokenDataset:
+    tokens = load_tokens(cfg.data.data, tokenizer)
+    vocab = tokenizer.vocab_size if tokenizer is not None else 256
+    return TokenDataset.from_tokens(tokens, cfg.train.seq_len, cfg.data.val_fraction, vocab)
+
+
+@torch.no_grad()
+def evaluate(model, batches, loss_fn, device, autocast) -> float:
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    for x, y in batches:
+        with autocast():
+            total += loss_fn(model, x.to(device), y.to(device)).item()
+    model.train(was_training)
+    return total / len(batches)
+
+
+def train(cfg: Config, *, quiet: bool = False) -> Summary:
+    """Run `tightfit train` with a validated config. Raises UsageError on bad input."""
+    from tightfit.models.build import build_model, get_tokenizer_for, model_loss
+
+    t, o = cfg.train, cfg.optim
+    if t.threads:
+        torch.set_num_threads(t.threads)
+    device = resolve_device(cfg)
+    dtype = resolve_precision(cfg, device)
+    out_dir = Path(t.out_dir)
+    ckpt_path = out_dir / ckpt.CHECKPOINT_NAME
+    if not t.resume and ckpt_path.exists():
+        raise UsageError(f"--out-dir: {out_dir} already holds a checkpoint; pass --resume to continue it, "
+                         "or choose another --out-dir")
+
+    torch.manual_seed(t.seed)
+    tokenizer = get_tokenizer_for(cfg.model)
+    dataset = load_dataset(cfg, tokenizer)
+    model = build_model(cfg.model, vocab_size=dataset.vocab_size, block_size=t.seq_len)
+
+    resume_from = ckpt.load_checkpoint(ckpt_path) if t.resume else None
+    if t.resume and resume_from is None:
+        raise UsageError(f"--resume: no checkpoint in {out_dir}; drop --resume to start fresh")
+    if resume_from is not None:
+        ckpt.check_compatible(resume_from, [(n, tuple(p.shape)) for n, p in model.named_parameters()])
+
+    mem: MemorySetup = setup_memory(model, cfg, device, dtype)
+    model, opt = mem.model, mem.optimizer
+    say = (lambda s: None) if quiet else (lambda s: print(s, flush=True))
+    say(mem.describe())
+
+    gen = data_generator(t.seed)
+    start_step = 0
+    if resume_from is not None:
+        mem.import_state(resume_from.get)
+        ckpt.restore_rng(resume_from.rng_states(), gen)
+        start_step = resume_from.step
+        say(f"resumed from {ckpt_path} at step {start_step}")
+    if start_step >= t.steps:
+        raise UsageError(f"--steps: the checkpoint is already at step {start_step}; ask for more than that")
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    val_batches = dataset.val_batches(t.eval_batches, t.micro_batch, seed=t.seed + 1)
+    tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum
+    progress = Progress(t.steps, start_step, tokens_per_step, out_dir / "metrics.jsonl", mem.memory_in_use,
+                        enabled=not quiet)
+    autocast = ((lambda: torch.autocast(device.type, dtype=dtype)) if dtype != torch.float32 else nullcontext)
+    say(f"training {sum(p.numel() for p in model.parameters()):,} parameters on {device} ({str(dtype)[6:]}), "
+        f"{len(dataset.train):,} train / {len(dataset.val):,} val tokens, {tokens_per_step:,} tokens per step")
+
+    def save(step: int) -> Path:
+        return ckpt.save_checkpoint(ckpt_path, mem.export_state(), step=step, config=cfg.to_dict(),
+                                    signature=ckpt.model_signature(mem.named_shapes()),
+                                    rng=ckpt.capture_rng(gen))
+
+    t_start = time.perf_counter()
+    step, loss_val, val_loss, grad_norm = start_step, float("nan"), float("nan"), None
+    while step < t.steps:
+        lr = lr_at(step, cfg)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        loss_sum = 0.0
+        for _ in range(t.grad_accum):
+            x, y = dataset.sample(t.micro_batch, gen)
+            with autocast():
+                loss = model_loss(model, x.to(device), y.to(device)) / t.grad_accum
+            mem.backward(loss)
+            loss_sum += loss.item()
+        grad_norm = mem.clip_and_step(o.grad_clip)
+        step += 1
+        loss_val = loss_sum
+        if not math.isfinite(loss_val):
+            raise UsageError(f"--lr: the loss became {loss_val} at step {step}; lower --lr or raise --warmup-steps")
+        if step % t.log_interval == 0 or step == t.steps:
+            progress.step(step, loss_val, lr, grad_norm)
+        if step % t.eval_interval == 0 or step == t.steps:
+            val_loss = evaluate(model, val_batches, model_loss, device, autocast)
+            progress.eval(step, val_loss)
+        if t.save_interval and step % t.save_interval == 0 and step < t.steps:
+            save(step)
+        if t.max_time and time.perf_counter() - t_start > t.max_time:
+            say(f"--max-time {t.max_time:g}s reached at step {step}")
+            if step % t.eval_interval:
+                val_loss = evaluate(model, val_batches, model_loss, device, autocast)
+                progress.eval(step, val_loss)
+            break
+
+    seconds = time.perf_counter() - t_start
+    path = save(step)
+    summary = Summary(steps_done=step - start_step, final_step=step, train_loss=loss_val, val_loss=val_loss,
+                      seconds=seconds, tokens_per_s=(step - start_step) * tokens_per_step / max(seconds, 1e-9),
+                      checkpoint=path, peak_memory=mem.peak_memory())
+    progress.log({"kind": "summary", "steps": summary.steps_done, "final_step": step, "train_loss": loss_val,
+                  "val_loss": val_loss, "seconds": seconds, "tokens_per_s": summary.tokens_per_s,
+                  "peak_memory": summary.peak_memory})
+    peaks = ", ".join(f"{k} {format_size(v)}" for k, v in summary.peak_memory.items())
+    say(f"done: {summary.steps_done} steps in {format_duration(seconds)} ({summary.tokens_per_s:,.0f} tok/s), "
+        f"train loss {loss_val:.4f}, val loss {val_loss:.4f} nats/token; peak memory {peaks}; "
+        f"checkpoint {path}")
+    comparison = mem.compare_with_plan(seconds / max(1, summary.steps_done))
+    if comparison:
+        say(comparison)
+    return summary

@@ -1,0 +1,101 @@
+"""How a training run holds its model: the object the loop asks to backward, clip, step, save and report memory.
+
+Why an object and not flags: plain PyTorch and the offload engine differ in where tensors live, how gradients
+are clipped and how state is exported, but the loop is the same. `setup_memory` picks the implementation once;
+the loop never tests which one it has.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import psutil
+import torch
+import torch.nn as nn
+
+from tightfit.config import Config
+from tightfit.utils.sizes import format_size
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: decay matrices and embeddings, not biases or norm gains. Frozen parameters are left out."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+class PlainMemory:
+    """Everything on one device, torch's fused AdamW: the reference every other placement is checked against."""
+
+    def __init__(self, model: nn.Module, cfg: Config, device: torch.device, dtype: torch.dtype) -> None:
+        self.device = device
+        self.model = model.to(device)
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(param_groups(self.model, o.weight_decay), lr=o.lr,
+                                           betas=(o.beta1, o.beta2), fused=True)
+        # fp16 needs loss scaling; bf16 and fp32 do not.
+        self.scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+        self._peak_rss = _rss()
+
+    def describe(self) -> str:
+        return f"memory: plain PyTorch, every state on {self.device} (--offload none)"
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def clip_and_step(self, max_norm: float) -> float | None:
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        norm = None
+        if max_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def named_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        return [(n, tuple(p.shape)) for n, p in self.model.named_parameters()]
+
+    def export_state(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from tightfit.offload.state_io import export_state
+
+        return export_state(self.model, self.optimizer)
+
+    def import_state(self, get: Callable[[str], torch.Tensor]) -> None:
+        from tightfit.offload.state_io import import_state
+
+        import_state(self.model, self.optimizer, get)
+
+    def memory_in_use(self) -> dict[str, int]:
+        rss = _rss()
+        self._peak_rss = max(self._peak_rss, rss)
+        if self.device.type == "cuda":
+            return {"device": torch.cuda.memory_allocated(self.device), "host": rss}
+        return {"host": rss}
+
+    def peak_memory(self) -> dict[str, int]:
+        self.memory_in_use()
+        if self.device.type == "cuda":
+            return {"device": torch.cuda.max_memory_allocated(self.device), "host": self._peak_rss}
+        return {"host": self._peak_rss}
+
+    def compare_with_plan(self, step_seconds: float) -> str | None:
+        return None
+
+
+def setup_memory(model: nn.Module, cfg: Config, device: torch.device, dtype: torch.dtype) -> PlainMemory:
+    """Pick how the run holds its model: plain PyTorch, or the offload engine with a planned placement."""
+    return PlainMemory(model, cfg, device, dtype)
+
+
+__all__ = ["PlainMemory", "param_groups", "setup_memory", "format_size"]
