@@ -1,0 +1,251 @@
+"""`TiledLinear`: one `nn.Linear` stored and computed as a grid of smaller tiles.
+
+Why: offloading moves whole units, so the largest single layer sets the smallest device that can train a model. A
+Linear whose weight and gradient do not fit the device budget (a 128k-vocabulary head, a very wide MLP projection)
+must be cut. Splitting the weight [out, in] into a grid of tiles [out_o, in_i] lets an offload engine fetch one
+tile, compute its partial product, release it and fetch the next, so only one tile (plus its gradient) is resident.
+
+Layout, chosen for the offload engine's unit detector (children of an `nn.ModuleList` that share a class):
+
+    TiledLinear
+      tiles: ModuleList[LinearTile]       # out_splits * in_splits tiles, row-major: tile k = (o, i), k = o*in_splits+i
+        LinearTile.weight  [out_o, in_i]  # one contiguous parameter per tile: the unit that moves
+        LinearTile.bias    [out_o]        # only on the first tile of each output row (i == 0), else None
+
+Each tile is its own unit (a flat list, not one unit per output row): an output row of a 128k x 8k head is still
+the size of the whole problem when the grid is all rows. Tiles are called as modules (`tile(x_i)`), never read as
+bare tensors, so an engine's forward and backward hooks on each tile fire in the order the tiles are used.
+
+Forward, for x [..., in] split into slices x_i [..., in_i] (views, no copy):
+
+    y_o = sum_i x_i @ W_oi^T + b_o      # [..., out_o]; the partial sum is accumulated in place
+    y   = cat_o y_o                     # [..., out]
+
+Numerics: output splits do not change any dot product. Input splits change the summation order of each dot product
+(one fp32 rounding per extra split), about 1e-7 relative in fp32; under autocast the partial sums are added in the
+autocast dtype (bf16: one bf16 rounding per input split), so prefer output splits, which `plan_tiles` does.
+
+Checkpoints: `state_dict()` gathers the tiles into a plain Linear's `weight` [out, in] and `bias` [out], and
+`load_state_dict()` accepts those keys (or the native `tiles.*` keys), so a model saves and loads the same files
+tiled or not. Gathering materialises one full weight for the duration of the save.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tightfit.errors import UsageError
+
+
+def split_sizes(n: int, parts: int) -> list[int]:
+    """Sizes of `parts` near-equal slices of `n` (the first `n % parts` get one more), like `torch.tensor_split`."""
+    q, r = divmod(n, parts)
+    return [q + 1] * r + [q] * (parts - r)
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    out, acc = [], 0
+    for s in sizes:
+        out.append(acc)
+        acc += s
+    return out
+
+
+class LinearTile(nn.Module):
+    """One tile of a `TiledLinear`: weight [out_o, in_i] and, on the first tile of a row, bias [out_o].
+
+    A class of its own (not an `nn.Linear`) so transforms that look for `nn.Linear` (tiling itself, tensor
+    parallel plans, size planners) never mistake a tile for a layer.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, device=None, dtype=None) -> None:
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, **kw))
+        self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)  # [..., in_i] -> [..., out_o]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class TiledLinear(nn.Module):
+    """Drop-in `nn.Linear(in_features, out_features, bias)` stored as `out_splits x in_splits` tiles.
+
+    `in_splits` / `out_splits` may not divide the features; slices then differ by one (see `split_sizes`).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        in_splits: int = 1,
+        out_splits: int = 1,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        for name, splits, feats in (("in_splits", in_splits, in_features), ("out_splits", out_splits, out_features)):
+            if not isinstance(splits, int) or not 1 <= splits <= feats:
+                raise UsageError(f"TiledLinear: {name} must be an integer in [1, {feats}], got {splits!r}")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.in_splits = in_splits
+        self.out_splits = out_splits
+        self.in_sizes = split_sizes(in_features, in_splits)
+        self.out_sizes = split_sizes(out_features, out_splits)
+        self.in_offsets = _offsets(self.in_sizes)
+        self.out_offsets = _offsets(self.out_sizes)
+        self.tiles = nn.ModuleList(
+            LinearTile(i_size, o_size, bias and i == 0, device=device, dtype=dtype)
+            for o_size in self.out_sizes
+            for i, i_size in enumerate(self.in_sizes)
+        )
+        self.reset_parameters()
+        # Checkpoint compatibility with nn.Linear: save as `weight`/`bias`, accept them on load.
+        self.register_state_dict_post_hook(_save_as_linear)
+        self.register_load_state_dict_pre_hook(_load_from_linear)
+
+    @property
+    def has_bias(self) -> bool:
+        return self.tiles[0].bias is not None
+
+    def tile(self, o: int, i: int) -> LinearTile:
+        """The tile holding output slice `o` and input slice `i`."""
+        return self.tiles[o * self.in_splits + i]
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's initialisation of the whole layer: U(-1/sqrt(in), 1/sqrt(in)) for weight and bias.
+
+        Each tile must use the fan-in of the *whole* layer, not its own slice, to get nn.Linear's distribution.
+        """
+        bound = 1.0 / math.sqrt(self.in_features)
+        with torch.no_grad():
+            for t in self.tiles:
+                if t.weight.device.type == "meta":
+                    continue
+                t.weight.uniform_(-bound, bound)
+                if t.bias is not None:
+                    t.bias.uniform_(-bound, bound)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise UsageError(f"TiledLinear: input has {x.shape[-1]} features, expected {self.in_features}")
+        # x_i [..., in_i]: views of x, no copy (`narrow` of the last dim).
+        xs = [x.narrow(-1, off, size) for off, size in zip(self.in_offsets, self.in_sizes)]
+        ys = []
+        for o in range(self.out_splits):
+            y = self.tile(o, 0)(xs[0])  # [..., out_o], carries the bias
+            for i in range(1, self.in_splits):
+                # In place: F.linear's backward does not need its output, so accumulating into it is safe and saves
+                # one [..., out_o] buffer per input split.
+                y = y.add_(self.tile(o, i)(xs[i]))
+            ys.append(y)
+        # The row outputs are freed after the cat: cat's backward only slices the incoming gradient.
+        return ys[0] if self.out_splits == 1 else torch.cat(ys, dim=-1)  # [..., out]
+
+    # ---- conversion to and from nn.Linear ---------------------------------------------------------------------
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, in_splits: int = 1, out_splits: int = 1) -> "TiledLinear":
+        """A TiledLinear holding a copy of `linear`'s parameters (same device, dtype and requires_grad).
+
+        Memory: the tiles are copies, so the weight exists twice until the caller drops `linear`.
+        """
+        if not isinstance(linear, nn.Linear):
+            raise UsageError(f"TiledLinear.from_linear: expected an nn.Linear, got {type(linear).__name__}")
+        w = linear.weight
+        tiled = cls(
+            linear.in_features, linear.out_features, in_splits, out_splits,
+            bias=linear.bias is not None, device="meta", dtype=w.dtype,
+        )
+        # Built on meta (no init cost), then each tile takes its slice of the real weight.
+        with torch.no_grad():
+            for o, (oo, os_) in enumerate(zip(tiled.out_offsets, tiled.out_sizes)):
+                for i, (io, is_) in enumerate(zip(tiled.in_offsets, tiled.in_sizes)):
+                    t = tiled.tile(o, i)
+                    t.weight = nn.Parameter(w[oo:oo + os_, io:io + is_].clone(), requires_grad=w.requires_grad)
+                    if t.bias is not None:
+                        b = linear.bias
+                        t.bias = nn.Parameter(b[oo:oo + os_].clone(), requires_grad=b.requires_grad)
+        tiled.train(linear.training)
+        return tiled
+
+    def gathered_weight(self) -> torch.Tensor:
+        """The full weight [out, in] assembled from the tiles (a new tensor; not tracked by autograd)."""
+        with torch.no_grad():
+            rows = [torch.cat([self.tile(o, i).weight for i in range(self.in_splits)], dim=1)
+                    for o in range(self.out_splits)]
+            return torch.cat(rows, dim=0)
+
+    def gathered_bias(self) -> torch.Tensor | None:
+        """The full bias [out] assembled from the tiles, or None."""
+        if not self.has_bias:
+            return None
+        with torch.no_grad():
+            return torch.cat([self.tile(o, 0).bias for o in range(self.out_splits)])
+
+    def to_linear(self) -> nn.Linear:
+        """A plain nn.Linear with the same parameters (copies)."""
+        w = self.tiles[0].weight
+        lin = nn.Linear(self.in_features, self.out_features, bias=self.has_bias, device="meta", dtype=w.dtype)
+        lin.weight = nn.Parameter(self.gathered_weight(), requires_grad=w.requires_grad)
+        if self.has_bias:
+            lin.bias = nn.Parameter(self.gathered_bias(), requires_grad=self.tiles[0].bias.requires_grad)
+        lin.train(self.training)
+        return lin
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.has_bias}, "
+                f"in_splits={self.in_splits}, out_splits={self.out_splits}")
+
+
+# ---- state-dict hooks (module-level functions: the public hook API tags the callable, which a bound method refuses)
+
+
+def _save_as_linear(module: TiledLinear, state_dict: dict, prefix: str, local_metadata) -> None:
+    """Replace the `tiles.*` entries by a plain Linear's `weight` [out, in] and `bias` [out]."""
+    tile_prefix = prefix + "tiles."
+    tile_keys = [k for k in state_dict if k.startswith(tile_prefix)]
+    if not tile_keys:
+        return
+    for k in tile_keys:
+        del state_dict[k]
+    # Entries are detached like nn.Module.state_dict's own (keep_vars=True cannot return tiles as one Parameter).
+    state_dict[prefix + "weight"] = module.gathered_weight()
+    if module.has_bias:
+        state_dict[prefix + "bias"] = module.gathered_bias()
+
+
+def _load_from_linear(module: TiledLinear, state_dict: dict, prefix: str, local_metadata, strict, missing_keys,
+                      unexpected_keys, error_msgs) -> None:
+    """Rewrite a plain Linear's `weight`/`bias` entries into per-tile entries (views, copied by load_state_dict)."""
+    wkey, bkey = prefix + "weight", prefix + "bias"
+    if wkey not in state_dict:
+        return  # native tiles.* keys, or missing: load_state_dict reports what is missing
+    w = state_dict.pop(wkey)
+    b = state_dict.pop(bkey, None)
+    if tuple(w.shape) != (module.out_features, module.in_features):
+        error_msgs.append(f"size mismatch for {wkey}: copying a param with shape {tuple(w.shape)} from checkpoint, "
+                          f"the shape in current model is {(module.out_features, module.in_features)}.")
+        return
+    # load_state_dict(assign=True) makes the entries the parameters: give each tile its own storage then, rather
+    # than a strided view that keeps the whole checkpoint weight alive.
+    own = (lambda t: t.clone()) if local_metadata.get("assign_to_params_buffers", False) else (lambda t: t)
+    for o, (oo, os_) in enumerate(zip(module.out_offsets, module.out_sizes)):
+        for i, (io, is_) in enumerate(zip(module.in_offsets, module.in_sizes)):
+            k = o * module.in_splits + i
+            state_dict[f"{prefix}tiles.{k}.weight"] = own(w[oo:oo + os_, io:io + is_])
+            if i == 0 and b is not None:
+                state_dict[f"{prefix}tiles.{k}.bias"] = own(b[oo:oo + os_])
+    if b is not None and not module.has_bias:
+        unexpected_keys.append(bkey)
