@@ -1,0 +1,214 @@
+"""Measure a disk's raw sequential bandwidth, and the NVMe tier's bandwidth on the same disk.
+
+Why: the NVMe tier is judged against the disk it runs on ("the tier's bandwidth is >= 85% of the raw disk
+bandwidth measured in the same run"), and the planner needs the disk's speed to cost a placement. Both want the
+same number: sequential O_DIRECT transfers of large blocks with several requests in flight, on a file in the
+swap folder itself (a folder, not a device: the filesystem is part of what the tier pays for).
+
+`measure_raw` uses fio when it is installed (the reference tool, libaio, iodepth = queue_depth), and otherwise a
+Python loop of the same shape: `queue_depth` threads each issuing `block_bytes` pwrite/preadv calls on an O_DIRECT
+descriptor into 4096-aligned buffers, working through the file in order. Buffers hold random bytes so a virtual
+disk cannot shortcut zero blocks. The file is preallocated before timing (as the tier's files are) and deleted
+afterwards. Where the filesystem refuses O_DIRECT the loop runs buffered and evicts the file from the page cache
+between writing and reading; the result's `method` says which ran.
+
+`measure_store` moves the same volume through an `NvmeStore` (aligned staging buffers, the tier's defaults) and
+times it wall-clock, submit to last completion.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tightfit.errors import UsageError
+from tightfit.offload.aligned import DIRECT_ALIGN, aligned_empty
+from tightfit.utils.sizes import format_size
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    """Sequential bandwidth of one measurement."""
+
+    read_Bps: float
+    write_Bps: float
+    nbytes: int
+    """Bytes written, then the same bytes read."""
+    method: str
+    """'fio', 'python-direct', 'python-buffered' (filesystem without O_DIRECT), or 'store'."""
+
+
+def measure_raw_bandwidth(folder: str | Path, nbytes: int, **kwargs) -> tuple[float, float]:
+    """(read bytes/s, write bytes/s) of sequential O_DIRECT transfers of `nbytes` in `folder`. See `measure_raw`."""
+    bw = measure_raw(folder, nbytes, **kwargs)
+    return bw.read_Bps, bw.write_Bps
+
+
+def measure_raw(
+    folder: str | Path,
+    nbytes: int,
+    *,
+    block_bytes: int = 4 << 20,
+    queue_depth: int = 8,
+    use_fio: bool = True,
+) -> Bandwidth:
+    """Write then read `nbytes` sequentially in `folder` with `queue_depth` blocks of `block_bytes` in flight."""
+    folder = Path(folder)
+    if block_bytes <= 0 or block_bytes % DIRECT_ALIGN:
+        raise ValueError(f"block_bytes must be a positive multiple of {DIRECT_ALIGN}, got {block_bytes}")
+    nbytes = max(block_bytes, nbytes // block_bytes * block_bytes)  # whole blocks, so every transfer is aligned
+    _check_space(folder, nbytes)
+    if use_fio and shutil.which("fio"):
+        return _fio(folder, nbytes, block_bytes, queue_depth)
+    return _python(folder, nbytes, block_bytes, queue_depth)
+
+
+def measure_store(
+    folder: str | Path, nbytes: int, *, tensor_bytes: int = 64 << 20, threads: int = 8, chunk_bytes: int = 4 << 20
+) -> Bandwidth:
+    """Write then read `nbytes` through an `NvmeStore` as fp32 tensors of `tensor_bytes`, from aligned buffers."""
+    from tightfit.offload.nvme import NvmeStore  # here, so the planner's probe does not import the store
+
+    folder = Path(folder)
+    _check_space(folder, nbytes + (1 << 20))
+    sizes = [min(tensor_bytes, nbytes - s) // 4 for s in range(0, nbytes, tensor_bytes)]
+    # Host staging buffers, one per tensor, aligned so the store can use O_DIRECT; freed when this returns.
+    bufs = [aligned_empty(n, torch.float32) for n in sizes]
+    for b in bufs:
+        b.view(torch.int32).random_()
+    with tempfile.TemporaryDirectory(dir=folder, prefix="tightfit-storebench-") as d:
+        with NvmeStore(d, threads=threads, chunk_bytes=chunk_bytes) as store:
+            store.create("bench", {f"t{i}": ((n,), torch.float32) for i, n in enumerate(sizes)})
+            t0 = time.perf_counter()
+            for f in [store.write("bench", f"t{i}", b) for i, b in enumerate(bufs)]:
+                f.result()
+            t_write = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for f in [store.read("bench", f"t{i}", b) for i, b in enumerate(bufs)]:
+                f.result()
+            t_read = time.perf_counter() - t0
+            method = "store" if store.stats()["direct_bytes"] else "store-buffered"
+    total = sum(sizes) * 4
+    return Bandwidth(total / t_read, total / t_write, total, method)
+
+
+def _check_space(folder: Path, nbytes: int) -> None:
+    if not folder.is_dir():
+        raise UsageError(f"--nvme: {folder} is not a folder; create it or pick another path")
+    free = shutil.disk_usage(folder).free
+    if nbytes > free:
+        raise UsageError(
+            f"--nvme: disk benchmark in {folder} needs {format_size(nbytes)} but {format_size(free)} is free; "
+            f"free space or measure a smaller volume"
+        )
+
+
+def _fio(folder: Path, nbytes: int, block_bytes: int, queue_depth: int) -> Bandwidth:
+    path = folder / f".tightfit-rawbench-{os.getpid()}.tmp"
+    bw = {}
+    try:
+        for rw in ("write", "read"):  # the read pass reads the file the write pass laid out
+            out = subprocess.run(
+                ["fio", "--name=tightfit-raw", f"--filename={path}", f"--size={nbytes}", f"--bs={block_bytes}",
+                 f"--rw={rw}", "--direct=1", "--ioengine=libaio", f"--iodepth={queue_depth}",
+                 "--refill_buffers=1", "--output-format=json"],
+                capture_output=True, text=True, check=True,
+            ).stdout
+            bw[rw] = parse_fio_bw(out, rw)
+    finally:
+        path.unlink(missing_ok=True)
+    return Bandwidth(bw["read"], bw["write"], nbytes, "fio")
+
+
+def parse_fio_bw(fio_json: str, rw: str) -> float:
+    """Bytes/s of direction `rw` ('read' or 'write') summed over the jobs of a `fio --output-format=json` run."""
+    start = fio_json.find("{")  # fio may print warnings before the JSON
+    data = json.loads(fio_json[start:])
+    return float(sum(job[rw]["bw_bytes"] for job in data["jobs"]))
+
+
+def _python(folder: Path, nbytes: int, block_bytes: int, queue_depth: int) -> Bandwidth:
+    path = folder / f".tightfit-rawbench-{os.getpid()}.tmp"
+    nblocks = nbytes // block_bytes
+    # One aligned buffer per worker thread (random bytes), reused for every block that thread moves.
+    bufs = [aligned_empty(block_bytes) for _ in range(queue_depth)]
+    for b in bufs:
+        b.random_(0, 256)
+    views = [memoryview(b.numpy()) for b in bufs]
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    dfd, method = None, "python-buffered"
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        if _O_DIRECT:
+            try:
+                dfd = os.open(path, os.O_RDWR | _O_DIRECT)
+                os.pwrite(dfd, views[0], 0)  # some filesystems accept the open and refuse the transfer
+                method = "python-direct"
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                if dfd is not None:
+                    os.close(dfd)
+                dfd = None
+        io_fd = dfd if dfd is not None else fd
+        t_write = _run_blocks(io_fd, views, nblocks, block_bytes, write=True)
+        if dfd is None:  # buffered: make the write durable, then make sure the reads come from the disk
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, nbytes, os.POSIX_FADV_DONTNEED)
+        t_read = _run_blocks(io_fd, views, nblocks, block_bytes, write=False)
+    finally:
+        os.close(fd)
+        if dfd is not None:
+            os.close(dfd)
+        path.unlink(missing_ok=True)
+    return Bandwidth(nbytes / t_read, nbytes / t_write, nbytes, method)
+
+
+def _run_blocks(fd: int, views: list[memoryview], nblocks: int, block_bytes: int, write: bool) -> float:
+    """Seconds for len(views) threads to move blocks 0..nblocks-1 in order, each taking the next free block."""
+    lock = threading.Lock()
+    next_block = [0]
+    errors: list[BaseException] = []
+
+    def worker(view: memoryview) -> None:
+        try:
+            while True:
+                with lock:
+                    i = next_block[0]
+                    next_block[0] += 1
+                if i >= nblocks:
+                    return
+                off, done = i * block_bytes, 0
+                while done < block_bytes:
+                    if write:
+                        n = os.pwrite(fd, view[done:], off + done)
+                    else:
+                        n = os.preadv(fd, [view[done:]], off + done)
+                    if n <= 0:
+                        raise OSError(errno.EIO, "short transfer in the disk benchmark")
+                    done += n
+        except BaseException as e:  # reported on the calling thread below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(v,), name="tightfit-diskbench") for v in views]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return elapsed

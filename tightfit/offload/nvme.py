@@ -1,0 +1,429 @@
+"""The NVMe tier: tensors kept in preallocated safetensors files, rewritten in place by a pool of I/O threads.
+
+Why this shape:
+- *safetensors files*, one per group the engine chooses (typically one per unit and state), so the swap folder is
+  never an opaque blob: any safetensors reader opens it, and a kept folder doubles as a checkpoint. The layout
+  (safetensors_file.py) starts every tensor at a multiple of 4096 bytes so it can be moved with O_DIRECT.
+- *preallocated, updated in place*: `create` reserves every block up front (posix_fallocate) and writes the header
+  once; afterwards reads and writes touch only tensor bytes at known offsets. The file is complete and valid from
+  the moment it appears (it is built under a temporary name and renamed), and a full disk is met at `create`,
+  where it is a clean `UsageError`, rather than halfway through a training step.
+- *positional I/O from a thread pool*: `os.pwrite` / `os.preadv` release the GIL, so `threads` requests are in
+  flight at once while Python keeps scheduling compute. A tensor is cut into `chunk_bytes` pieces so one large
+  tensor alone keeps the disk's queue full. The bytes go straight between the caller's tensor memory and the
+  file: no intermediate copy in Python.
+- *O_DIRECT where alignment allows*: when the tensor's buffer address and its file offset agree modulo 4096 (the
+  engine allocates its staging buffers with `aligned_empty`), the aligned body goes through an O_DIRECT
+  descriptor, which skips the page cache (no second memcpy, no write-back bursts, no cache evicting the host
+  tier). Unaligned heads and tails, unaligned buffers and filesystems that refuse O_DIRECT (EINVAL) use an
+  ordinary buffered descriptor on the same file. The two descriptors never share a page within one request.
+
+Errors: a request's `Future` carries its error. ENOSPC/EDQUOT become a `UsageError` naming the folder; the file
+keeps its valid header and size, and every tensor not being written at that moment keeps its bytes.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tightfit.errors import UsageError
+from tightfit.offload.aligned import DIRECT_ALIGN
+from tightfit.offload.safetensors_file import Entry, is_padding, plan_layout, read_layout
+from tightfit.utils.sizes import format_size
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the platform has none (macOS): every transfer is buffered
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+SUFFIX = ".safetensors"
+
+
+@dataclass
+class _File:
+    """One open tier file."""
+
+    path: Path
+    entries: dict[str, Entry]
+    size: int
+    fd: int
+    """Buffered O_RDWR descriptor: header, unaligned heads/tails, unaligned buffers, and the O_DIRECT fallback."""
+    dfd: int | None
+    """O_DIRECT descriptor on the same file (None: not asked for, or refused at open). Closed with the file."""
+    owned: bool
+    """Created by this store: counts against the budget, deleted on close unless keep=True."""
+    direct: bool = True
+    """Cleared for good after the first EINVAL on `dfd`; later requests plan buffered transfers only."""
+    dirty: bool = False
+    """Written since the last `flush` (needs an fsync to be durable)."""
+    pending: set = field(default_factory=set)
+    """Request futures in flight on this file; `delete`/`create` wait for them before closing descriptors."""
+
+
+class NvmeStore:
+    """A folder of safetensors files whose tensors are read and written asynchronously, in place.
+
+    folder: the swap folder (created if missing). budget_bytes: most bytes the files this store creates may take
+    (None: the disk's free space). threads: I/O threads = requests in flight. direct: use O_DIRECT where possible.
+    chunk_bytes: largest single transfer (a multiple of 4096). keep: leave the created files on `close`.
+    """
+
+    def __init__(
+        self,
+        folder: str | Path,
+        budget_bytes: int | None = None,
+        threads: int = 8,
+        direct: bool = True,
+        *,
+        chunk_bytes: int = 4 << 20,
+        keep: bool = False,
+    ):
+        self.folder = Path(folder)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"--nvme: cannot create swap folder {self.folder} ({e.strerror}); pick another path")
+        if not os.access(self.folder, os.W_OK):
+            raise UsageError(f"--nvme: swap folder {self.folder} is not writable; pick another path")
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        if chunk_bytes < DIRECT_ALIGN or chunk_bytes % DIRECT_ALIGN:
+            raise ValueError(f"chunk_bytes must be a positive multiple of {DIRECT_ALIGN}, got {chunk_bytes}")
+        self.budget_bytes = budget_bytes
+        self.direct = direct and _O_DIRECT != 0
+        self.chunk_bytes = chunk_bytes
+        self.keep = keep
+        self._files: dict[str, _File] = {}
+        # Guards _files, _pending and the counters below; never held while waiting on I/O.
+        self._lock = threading.Lock()
+        # The I/O threads: each runs one chunk (one pwrite/preadv) at a time, overlapping compute on the caller's
+        # threads and each other. Live until close(), which drains them.
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tightfit-nvme")
+        self._pending: set[Future] = set()
+        self._closed = False
+        # Bandwidth accounting per direction: bytes moved, and busy time = wall time with >= 1 chunk in flight.
+        self._bytes = {"read": 0, "write": 0}
+        self._busy = {"read": 0.0, "write": 0.0}
+        self._inflight = {"read": 0, "write": 0}
+        self._since = {"read": 0.0, "write": 0.0}
+        self._direct_bytes = 0
+        self._fallbacks = 0
+
+    # ---- files -------------------------------------------------------------------------------------------------
+
+    def path(self, file: str) -> Path:
+        if not file or "/" in file or os.sep in file or file in (".", ".."):
+            raise ValueError(f"tier file name must be a plain name, got {file!r}")
+        return self.folder / (file + SUFFIX)
+
+    def used_bytes(self) -> int:
+        """Bytes of the files this store created and still holds (what the budget is checked against)."""
+        with self._lock:
+            return sum(f.size for f in self._files.values() if f.owned)
+
+    def create(
+        self, file: str, tensors: dict[str, tuple[tuple[int, ...], torch.dtype]], *, align: bool = True
+    ) -> None:
+        """Preallocate `<folder>/<file>.safetensors` holding `tensors` (all zeros), replacing any file of that name.
+
+        align=False packs tensors without padding entries (smaller header, a file for other tools); only tensors
+        that happen to land on a 4096 boundary then use O_DIRECT.
+        """
+        path = self.path(file)
+        header, entries, size = plan_layout(tensors, DIRECT_ALIGN if align else 1)
+        self._drop(file, unlink=False)  # a replaced file's descriptors go first; its blocks are freed below
+        old_size = path.stat().st_size if path.exists() else 0
+        if self.budget_bytes is not None:
+            used = self.used_bytes()
+            if used + size > self.budget_bytes:
+                raise UsageError(
+                    f"--nvme: swap folder {self.folder} needs {format_size(size)} more for {path.name} but its "
+                    f"budget of {format_size(self.budget_bytes)} has {format_size(self.budget_bytes - used)} left; "
+                    f"raise the size in --nvme PATH:SIZE or place fewer states on NVMe"
+                )
+        free = shutil.disk_usage(self.folder).free + old_size
+        if size > free:
+            raise UsageError(self._full_msg(path.name, f"needs {format_size(size)} but {format_size(free)} is free"))
+        tmp = path.with_name(path.name + ".partial")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _pwrite_all(fd, memoryview(header), 0)
+            try:
+                os.posix_fallocate(fd, 0, size)  # reserve every block now: later in-place writes cannot run out
+            except OSError as e:
+                if e.errno in _FULL:
+                    raise
+                os.ftruncate(fd, size)  # filesystem without fallocate: sparse file, ENOSPC caught per write
+        except OSError as e:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            if e.errno in _FULL:
+                raise UsageError(self._full_msg(path.name, f"needs {format_size(size)}: disk full")) from None
+            raise
+        os.close(fd)
+        os.replace(tmp, path)  # the file appears complete and valid, or not at all
+        self._open(file, path, entries, size, owned=True)
+
+    def attach(self, file: str) -> list[str]:
+        """Open an existing `<folder>/<file>.safetensors` (from any writer) for reads and in-place writes.
+
+        Attached files are never deleted by the store and do not count against its budget. Returns tensor names.
+        """
+        path = self.path(file)
+        self._drop(file, unlink=False)
+        entries, size = read_layout(path)
+        self._open(file, path, entries, size, owned=False)
+        return self.names(file)
+
+    def names(self, file: str) -> list[str]:
+        """Tensor names in `file`, in file order, padding entries left out."""
+        return [n for n in self._file(file).entries if not is_padding(n)]
+
+    def entry(self, file: str, name: str) -> Entry:
+        return self._entry(self._file(file), file, name)
+
+    def delete(self, file: str) -> None:
+        """Wait for `file`'s requests, close it and remove it from the folder (attached files too)."""
+        self._drop(file, unlink=True)
+
+    # ---- transfers ---------------------------------------------------------------------------------------------
+
+    def write(self, file: str, name: str, src: torch.Tensor) -> Future:
+        """Copy `src` (contiguous CPU, the entry's dtype and size) into the file. The Future's result is `src`.
+
+        `src` must not be modified until the Future is done; it is kept alive by the request until then.
+        """
+        return self._submit("write", file, name, src)
+
+    def read(self, file: str, name: str, dst: torch.Tensor) -> Future:
+        """Copy the stored tensor into `dst` (contiguous CPU, same dtype and size). The Future's result is `dst`."""
+        return self._submit("read", file, name, dst)
+
+    def wait(self, file: str | None = None) -> None:
+        """Block until every request in flight (on `file`, or anywhere) is done. Errors stay on their Futures."""
+        with self._lock:
+            if file is None:
+                pending = list(self._pending)
+            else:
+                pending = list(self._files[file].pending) if file in self._files else []
+        wait_futures(pending)
+
+    def flush(self) -> None:
+        """Wait for all requests, then fsync every file written since the last flush (durable on the disk)."""
+        self.wait()
+        with self._lock:
+            dirty = [f for f in self._files.values() if f.dirty]
+        for f in dirty:
+            os.fsync(f.fd)
+            f.dirty = False
+
+    def stats(self) -> dict:
+        """Bytes moved and busy seconds per direction, with the bandwidth they give (bytes / busy second).
+
+        Busy time is wall time during which at least one chunk of that direction was executing, so concurrent
+        chunks are not double-counted and idle gaps between requests are not counted.
+        """
+        now = time.perf_counter()
+        with self._lock:
+            busy = {k: self._busy[k] + (now - self._since[k] if self._inflight[k] else 0.0) for k in self._busy}
+            out = {
+                "bytes_read": self._bytes["read"],
+                "bytes_written": self._bytes["write"],
+                "read_busy_s": busy["read"],
+                "write_busy_s": busy["write"],
+                "direct_bytes": self._direct_bytes,
+                "buffered_bytes": self._bytes["read"] + self._bytes["write"] - self._direct_bytes,
+                "direct_fallbacks": self._fallbacks,
+            }
+        out["read_Bps"] = out["bytes_read"] / busy["read"] if busy["read"] else 0.0
+        out["write_Bps"] = out["bytes_written"] / busy["write"] if busy["write"] else 0.0
+        return out
+
+    def close(self) -> None:
+        """Drain the I/O threads, close every file, delete the created ones unless keep=True. Idempotent."""
+        if self._closed:
+            return
+        self.wait()
+        self._pool.shutdown(wait=True)
+        for file in list(self._files):
+            self._drop(file, unlink=not self.keep and self._files[file].owned)
+        self._closed = True
+
+    def __enter__(self) -> "NvmeStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- internals ---------------------------------------------------------------------------------------------
+
+    def _full_msg(self, name: str, what: str) -> str:
+        return (
+            f"--nvme: swap folder {self.folder} is out of space: {name} {what}; free space on that disk, "
+            f"or point --nvme at a bigger one"
+        )
+
+    def _open(self, file: str, path: Path, entries: dict[str, Entry], size: int, owned: bool) -> None:
+        fd = os.open(path, os.O_RDWR)
+        dfd = None
+        if self.direct:
+            try:
+                dfd = os.open(path, os.O_RDWR | _O_DIRECT)
+            except OSError as e:
+                if e.errno != errno.EINVAL:  # EINVAL: the filesystem has no O_DIRECT; anything else is real
+                    os.close(fd)
+                    raise
+        with self._lock:
+            self._files[file] = _File(path, entries, size, fd, dfd, owned, direct=dfd is not None)
+
+    def _drop(self, file: str, unlink: bool) -> None:
+        self.wait(file)
+        with self._lock:
+            f = self._files.pop(file, None)
+        if f is None:
+            return
+        os.close(f.fd)
+        if f.dfd is not None:
+            os.close(f.dfd)
+        if unlink:
+            f.path.unlink(missing_ok=True)
+
+    def _file(self, file: str) -> _File:
+        if self._closed:
+            raise RuntimeError("NvmeStore is closed")
+        try:
+            return self._files[file]
+        except KeyError:
+            raise KeyError(f"no tier file {file!r} in {self.folder}; create() or attach() it first") from None
+
+    @staticmethod
+    def _entry(f: _File, file: str, name: str) -> Entry:
+        e = f.entries.get(name)
+        if e is None or is_padding(name):
+            raise KeyError(f"tier file {file!r} has no tensor {name!r}")
+        return e
+
+    def _submit(self, kind: str, file: str, name: str, t: torch.Tensor) -> Future:
+        f = self._file(file)
+        e = self._entry(f, file, name)
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"{kind} {file}/{name}: tensor must be contiguous and on the CPU")
+        if t.dtype != e.dtype or t.numel() * t.element_size() != e.nbytes:
+            raise ValueError(
+                f"{kind} {file}/{name}: stored as {e.dtype} {list(e.shape)}, got {t.dtype} {list(t.shape)}"
+            )
+        req: Future = Future()
+        req.set_running_or_notify_cancel()
+        if e.nbytes == 0:
+            req.set_result(t)
+            return req
+        # A writable view of the tensor's own bytes (no copy). The chunks' closures hold it, which keeps the
+        # tensor's storage alive until the last chunk is done.
+        buf = memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+        parts = self._plan(f, e, t.data_ptr())
+        remaining = [len(parts)]
+        errors: list[BaseException] = []
+        req_lock = threading.Lock()
+
+        def part_done(cf: Future) -> None:
+            with req_lock:
+                remaining[0] -= 1
+                if cf.exception() is not None:
+                    errors.append(cf.exception())
+                last = remaining[0] == 0
+            if last:  # report only once every chunk has stopped touching the caller's buffer
+                with self._lock:
+                    self._pending.discard(req)
+                    f.pending.discard(req)
+                    if kind == "write":
+                        f.dirty = True
+                if errors:
+                    req.set_exception(errors[0])
+                else:
+                    req.set_result(t)
+
+        with self._lock:
+            self._pending.add(req)
+            f.pending.add(req)
+        for start, n, direct in parts:
+            cf = self._pool.submit(self._io, kind, f, name, e.offset + start, buf[start : start + n], direct)
+            cf.add_done_callback(part_done)
+        return req
+
+    def _plan(self, f: _File, e: Entry, addr: int) -> list[tuple[int, int, bool]]:
+        """Cut one tensor into (start, length, direct) transfers of at most chunk_bytes.
+
+        O_DIRECT is possible only where file offset and buffer address are both 4096-aligned, i.e. when they agree
+        modulo 4096: then a buffered head reaches the first aligned offset, the body goes direct in whole blocks,
+        and a buffered tail carries the last partial block.
+        """
+        n, A, C = e.nbytes, DIRECT_ALIGN, self.chunk_bytes
+        head = body = 0
+        if f.direct and (e.offset - addr) % A == 0:
+            head = min(n, (-e.offset) % A)
+            body = (n - head) // A * A
+        parts: list[tuple[int, int, bool]] = []
+        for lo, hi, direct in ((0, head, False), (head, head + body, True), (head + body, n, False)):
+            parts += [(s, min(C, hi - s), direct) for s in range(lo, hi, C)]
+        return parts
+
+    def _io(self, kind: str, f: _File, name: str, off: int, buf: memoryview, direct: bool) -> None:
+        """Run one transfer on an I/O thread (the GIL is released inside pwrite/preadv)."""
+        with self._lock:
+            if self._inflight[kind] == 0:
+                self._since[kind] = time.perf_counter()
+            self._inflight[kind] += 1
+        done, moved_direct = 0, 0
+        try:
+            if direct and f.direct and f.dfd is not None:
+                try:
+                    done = moved_direct = _transfer_once(kind, f.dfd, buf, off)
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise
+                    # The filesystem refused O_DIRECT after all (e.g. tmpfs, some network filesystems): stop
+                    # planning direct transfers for this file and finish this one buffered.
+                    with self._lock:
+                        f.direct = False
+                        self._fallbacks += 1
+            while done < len(buf):  # buffered path; also finishes a short direct transfer
+                done += _transfer_once(kind, f.fd, buf[done:], off + done)
+        except OSError as e:
+            if e.errno in _FULL:
+                raise UsageError(
+                    self._full_msg(f.path.name, f"could not take tensor {name!r} ({os.strerror(e.errno)})")
+                ) from None
+            raise OSError(e.errno, f"{kind} of tensor {name!r} at byte {off + done} failed", str(f.path)) from e
+        finally:
+            with self._lock:
+                self._inflight[kind] -= 1
+                if self._inflight[kind] == 0:
+                    self._busy[kind] += time.perf_counter() - self._since[kind]
+                self._bytes[kind] += done
+                self._direct_bytes += moved_direct
+
+
+def _transfer_once(kind: str, fd: int, buf: memoryview, off: int) -> int:
+    """One pwrite or preadv call; bytes moved (> 0). Reading past the end of the file is an error."""
+    if kind == "write":
+        n = os.pwrite(fd, buf, off)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, "pwrite wrote nothing")
+    else:
+        n = os.preadv(fd, [buf], off)
+        if n <= 0:
+            raise OSError(errno.EIO, "unexpected end of file (was the tier file truncated?)")
+    return n
+
+
+def _pwrite_all(fd: int, buf: memoryview, off: int) -> None:
+    done = 0
+    while done < len(buf):
+        done += _transfer_once("write", fd, buf[done:], off + done)
