@@ -134,14 +134,19 @@ class NvmeStore:
         """Preallocate `<folder>/<file>.safetensors` holding `tensors` (all zeros), replacing any file of that name.
 
         align=False packs tensors without padding entries (smaller header, a file for other tools); only tensors
-        that happen to land on a 4096 boundary then use O_DIRECT.
+        that happen to land on a 4096 boundary then use O_DIRECT. If the budget or the disk cannot take the file,
+        a UsageError is raised before anything changes; a file being replaced counts as freed for both checks.
         """
+        if self._closed:
+            raise RuntimeError("NvmeStore is closed")
         path = self.path(file)
         header, entries, size = plan_layout(tensors, DIRECT_ALIGN if align else 1)
-        self._drop(file, unlink=False)  # a replaced file's descriptors go first; its blocks are freed below
-        old_size = path.stat().st_size if path.exists() else 0
+        with self._lock:
+            old = self._files.get(file)
+        replaced = old.size if old is not None and old.owned else 0  # its share of the budget comes back
+        old_size = path.stat().st_size if path.exists() else 0  # and its blocks, once it is removed below
         if self.budget_bytes is not None:
-            used = self.used_bytes()
+            used = self.used_bytes() - replaced
             if used + size > self.budget_bytes:
                 raise UsageError(
                     f"--nvme: swap folder {self.folder} needs {format_size(size)} more for {path.name} but its "
@@ -151,6 +156,9 @@ class NvmeStore:
         free = shutil.disk_usage(self.folder).free + old_size
         if size > free:
             raise UsageError(self._full_msg(path.name, f"needs {format_size(size)} but {format_size(free)} is free"))
+        # Checks passed: the old file goes first, so its blocks are free for the new one.
+        self._drop(file, unlink=False)
+        path.unlink(missing_ok=True)
         tmp = path.with_name(path.name + ".partial")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
