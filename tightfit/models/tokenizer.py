@@ -1,0 +1,71 @@
+"""Tokenizers behind one small interface: `vocab_size`, `encode(str) -> list[int]`, `decode(list[int]) -> str`.
+
+Why: the data pipeline should not care where tokens come from. The default is byte-level (vocab 256: the UTF-8
+bytes of the text; needs nothing, works on any text, and is what the reference GPT trains on). A fine-tuned
+Hugging Face model needs its own tokenizer, read from a local folder (`--tokenizer PATH`) with
+`transformers.AutoTokenizer`, offline: tightfit never reaches a model hub.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from tightfit.errors import UsageError
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "spiece.model")
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens. `decode` replaces byte sequences that are not valid UTF-8 (a sample may end mid-character)."""
+
+    vocab_size = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A local Hugging Face tokenizer folder. Encoding adds no special tokens: corpora are token streams."""
+
+    def __init__(self, path: str | Path) -> None:
+        folder = Path(path).expanduser()
+        if not folder.is_dir():
+            raise UsageError(f"--tokenizer: {folder} is not a folder; give a local Hugging Face tokenizer folder")
+        if not any((folder / f).is_file() for f in _TOKENIZER_FILES):
+            raise UsageError(f"--tokenizer: {folder} holds no tokenizer files ({', '.join(_TOKENIZER_FILES[:3])}, "
+                             "...); save one there with tokenizer.save_pretrained(folder)")
+        try:
+            import transformers
+        except ImportError:  # pragma: no cover - depends on the environment
+            raise UsageError("--tokenizer: needs transformers; pip install 'tightfit[hf]'") from None
+        try:
+            self._tok = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        except (OSError, ValueError, KeyError) as e:
+            raise UsageError(f"--tokenizer: transformers cannot read {folder} ({str(e).splitlines()[0]})") from None
+        # The corpus is encoded as one long text; the model's max length is irrelevant here, so silence that check.
+        self._tok.model_max_length = int(1e30)
+        self.path = folder
+        self.vocab_size = len(self._tok)  # the base vocabulary plus added tokens: every id encode can return
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(list(ids))
+
+
+def get_tokenizer(spec: str | Path | None) -> ByteTokenizer | HFTokenizer:
+    """`None` -> byte-level tokens; a folder path -> that Hugging Face tokenizer."""
+    return ByteTokenizer() if spec is None else HFTokenizer(spec)
