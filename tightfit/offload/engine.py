@@ -1,0 +1,443 @@
+"""The offload engine: owns the units, the tier stores and the mover, and reacts to the hooks' events.
+
+Why one object: everything that must agree about a step (which units are on the device, how many device bytes are
+in use, which gradients are still travelling) lives here, so the invariants are checked in one place. It is
+found through `engine_of(model)` / `engine_of_param(p)`, two weak registries keyed by object identity: nothing is
+attached to the model's parameters.
+
+Life of a unit's parameters in one step (see docs/ENGINE.md for the full picture):
+  forward start    -> materialise (wait for the prefetch, or fetch now); prefetch the next `depth` units
+  forward end      -> release (storage freed; autograd's saved views stay valid, see flat_unit's note)
+  backward start   -> materialise again; prefetch the next units in backward order
+  grads complete   -> ship the gradients to the grads tier (accumulating), release
+  end of backward  -> ship/release whatever the per-unit events did not (unused parameters, frozen units)
+The root unit is materialised from the model's forward start until its gradients are complete.
+
+[Note: device budget] Device bytes in use = the device-tier stores (fixed at wrap) + the flat buffers of the
+units materialised right now. A prefetch only starts when its unit fits; materialising a needed unit first
+evicts prefetched units that are not in use; if it still does not fit, that is a UsageError. Gradients produced
+by autograd live on the device only from their unit's backward until shipped (at most ~one unit's worth), and
+activations are the model's own; neither is counted, so leave headroom for them in the budget.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from tightfit.errors import UsageError
+from tightfit.offload.aligned import aligned_empty
+from tightfit.offload.flat_unit import AT_REST, GRADS, MASTER, PARAMS, OffloadUnit, Where
+from tightfit.offload.hooks import queue_end_of_backward, register_hooks, remove_hooks
+from tightfit.offload.placement import ROOT_UNIT, Placement, State, Tier
+from tightfit.offload.schedule import Phase, Schedule
+from tightfit.offload.staging import BufferPool, CpuMover, CudaMover
+from tightfit.offload.tiers import DiskStore, MemoryStore, TierStore
+from tightfit.offload.units import UnitPolicy, find_units
+from tightfit.utils.sizes import format_size
+
+_ENGINES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # wrapped model -> its engine
+_PARAM_ENGINE: WeakIdKeyDictionary = WeakIdKeyDictionary()  # wrapped parameter -> its engine
+
+
+def engine_of(model: nn.Module) -> "OffloadEngine":
+    """The engine of a model returned by `tightfit.wrap`."""
+    engine = _ENGINES.get(model)
+    if engine is None:
+        raise UsageError("this model is not wrapped; call tightfit.wrap(model, placement) first")
+    return engine
+
+
+def engine_of_param(p: torch.Tensor) -> "OffloadEngine | None":
+    return _PARAM_ENGINE.get(p)
+
+
+class OffloadEngine:
+    """Streams one model's unit states across device, host and NVMe. Built by `tightfit.wrap`."""
+
+    def __init__(self, model: nn.Module, placement: Placement, compute_dtype: torch.dtype,
+                 device: torch.device, units: UnitPolicy = None) -> None:
+        if _ENGINES.get(model) is not None:
+            raise UsageError("wrap: this model is already wrapped")
+        if compute_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise UsageError(f"wrap(compute_dtype=...): use torch.float32, bfloat16 or float16, not {compute_dtype}")
+        self.model = model
+        self.placement = placement
+        self.compute_dtype = compute_dtype
+        self.device = device
+        specs = find_units(model, units)
+        names = {s.name for s in specs}
+        for name in [*placement.units, *placement.checkpoint_units]:
+            if name not in names:
+                raise UsageError(f"placement names unit {name!r}, which this model does not have; units are: "
+                                 f"{', '.join(sorted(names))}")
+        if ROOT_UNIT in placement.checkpoint_units:
+            raise UsageError(f"placement.checkpoint_units: the {ROOT_UNIT!r} unit cannot be checkpointed")
+        if placement.uses(Tier.NVME) and not placement.nvme_dir:
+            raise UsageError("placement puts states on nvme but gives no nvme_dir; pass --nvme PATH")
+
+        # The stores, one per tier. Device: the compute device. Host: CPU memory, pinned when a GPU copies from it.
+        # Disk: created only when some state is placed there. All live until `close`.
+        self.stores: dict[Tier, TierStore] = {
+            Tier.DEVICE: MemoryStore(Tier.DEVICE, device),
+            Tier.HOST: MemoryStore(Tier.HOST, torch.device("cpu"), pin=device.type == "cuda"),
+        }
+        if placement.uses(Tier.NVME):
+            self.stores[Tier.NVME] = DiskStore(placement.nvme_dir, placement.nvme_budget)
+        self.units: dict[str, OffloadUnit] = {
+            s.name: OffloadUnit(s, placement.of(s.name), self.stores, compute_dtype, device) for s in specs}
+        self._check_budgets()
+
+        host_left = None if placement.host_budget is None else placement.host_budget - self._host_tier_bytes()
+        # [Note: staging memory] in staging.py: every transfer and optimizer working buffer comes from this pool.
+        self.pool = BufferPool(host_left, pin=device.type == "cuda")
+        self.mover = CudaMover(self.pool, device) if device.type == "cuda" else CpuMover(self.pool)
+        # Gradient worker: accumulates gradients that left the device into their host/disk tier, one unit after
+        # another, overlapping the backward of the units after. One thread keeps micro-batches of a unit in order.
+        # Shut down by `close`.
+        self.grad_worker = ThreadPoolExecutor(1, thread_name_prefix="tightfit-grads")
+        self.schedule = Schedule(placement.prefetch_depth)
+        self.phase = Phase.IDLE
+        self._in_backward = False
+        self.device_bytes = self.stores[Tier.DEVICE].bytes
+        self.device_peak = self.device_bytes
+        self._active: set[str] = set()  # units materialised because they compute now (not mere prefetches)
+        self._timers: dict[str, float] = {}
+        self._t_step = None
+
+        for unit in self.units.values():
+            self._initialise(unit)
+        for module in model.modules():
+            for key, buf in module._buffers.items():
+                if buf is not None and buf.device != device:
+                    module._buffers[key] = buf.to(device)
+        # Trainable parameter -> (unit, index in unit.trainable), and the model's parameter order (for norms).
+        self._slot_of = {id(s.param): (u, i) for u in self.units.values() for i, s in enumerate(u.trainable)}
+        self._param_order = [self._slot_of[id(p)] for p in model.parameters() if id(p) in self._slot_of]
+        self._handles = register_hooks(self)
+        _ENGINES[model] = self
+        for unit in self.units.values():
+            for slot in unit.spec.slots:
+                _PARAM_ENGINE[slot.param] = self
+
+    # ---- wrap time -------------------------------------------------------------------------------------------
+
+    def _host_tier_bytes(self) -> int:
+        return sum(n * torch.empty((), dtype=d).element_size()
+                   for u in self.units.values() for e in [u.entries().get(Tier.HOST, {})] for n, d in e.values())
+
+    def _check_budgets(self) -> None:
+        p = self.placement
+        if p.device_budget is not None:
+            fixed = sum(n * torch.empty((), dtype=d).element_size()
+                        for u in self.units.values() for n, d in u.entries().get(Tier.DEVICE, {}).values())
+            root = self.units[ROOT_UNIT]
+            root_bytes = 0 if root.resident else root.compute_bytes
+            streamed = [u for u in self.units.values() if not u.resident and not u.spec.is_root]
+            big = max(streamed, key=lambda u: u.compute_bytes, default=None)
+            need = fixed + root_bytes + (big.compute_bytes if big else 0)
+            if need > p.device_budget:
+                what = f"; unit {big.name!r} needs {format_size(big.compute_bytes)} while it computes" if big else ""
+                raise UsageError(
+                    f"device budget {format_size(p.device_budget)} is too small: device-tier states take "
+                    f"{format_size(fixed)}, the root unit {format_size(root_bytes)}{what}; raise --gpu-mem, move "
+                    "states off the device tier, or split the model into smaller units")
+        if p.host_budget is not None and self._host_tier_bytes() > p.host_budget:
+            raise UsageError(f"host budget {format_size(p.host_budget)} is smaller than the host-tier states "
+                             f"({format_size(self._host_tier_bytes())}); raise --cpu-mem or place states on nvme")
+
+    def _initialise(self, unit: OffloadUnit) -> None:
+        """Allocate the unit's entries in their stores, write the model's current values, bind the params."""
+        for tier, entries in unit.entries().items():
+            self.stores[tier].allocate(unit.name, entries)
+        if not any(s.param.is_meta for s in unit.spec.slots):  # meta-initialised models get values by import_state
+            master = aligned_empty(unit.spec.numel, torch.float32)
+            master.zero_()  # padding between parameters stays zero forever
+            for slot in unit.spec.slots:
+                slot.view(master).copy_(slot.param.detach())
+            self.write_master(unit, master)
+        unit.bind()
+
+    def write_master(self, unit: OffloadUnit, master: torch.Tensor) -> None:
+        """Store fp32 master values (a host tensor of the unit's flat size) and the compute params cast from them."""
+        unit.store[State.MASTER].save(unit.name, unit.master_entry, master).result()
+        if unit.master_entry == MASTER:
+            unit.store[State.PARAMS].save(unit.name, PARAMS, master.to(self.compute_dtype)).result()
+        if unit.on_device and not unit.resident:
+            self.release(unit)  # the device copy is stale
+
+    def read_master(self, unit: OffloadUnit) -> torch.Tensor:
+        """The unit's fp32 master values as a new host tensor."""
+        out = aligned_empty(unit.spec.numel, torch.float32)
+        unit.store[State.MASTER].load(unit.name, unit.master_entry, out).result()
+        return out
+
+    # ---- device memory ---------------------------------------------------------------------------------------
+
+    def _fits(self, nbytes: int) -> bool:
+        budget = self.placement.device_budget
+        return budget is None or self.device_bytes + nbytes <= budget
+
+    def _charge(self, nbytes: int) -> None:
+        self.device_bytes += nbytes
+        self.device_peak = max(self.device_peak, self.device_bytes)
+
+    def materialise(self, unit: OffloadUnit) -> None:
+        self._active.add(unit.name)
+        if unit.resident or unit.where[State.PARAMS] == Where.ON_DEVICE:
+            return
+        t0 = time.perf_counter()
+        if unit.where[State.PARAMS] != Where.IN_FLIGHT:
+            if not self._fits(unit.compute_bytes):
+                for other in self.units.values():  # evict prefetches that are not computing
+                    if other.on_device and not other.resident and other.name not in self._active:
+                        self.release(other)
+                if not self._fits(unit.compute_bytes):
+                    raise UsageError(
+                        f"device budget {format_size(self.placement.device_budget)} exceeded materialising unit "
+                        f"{unit.name!r} ({format_size(unit.compute_bytes)}; "
+                        f"{format_size(self.device_bytes)} in use); raise --gpu-mem or lower prefetch_depth")
+            self._charge(unit.compute_bytes)
+            unit.start_fetch(self.mover)
+        unit.finish_fetch(self.mover)
+        self._time("params_wait_s", t0)
+
+    def prefetch(self, names: list[str]) -> None:
+        for name in names:
+            unit = self.units[name]
+            if unit.resident or unit.on_device or not self._fits(unit.compute_bytes):
+                continue
+            self._charge(unit.compute_bytes)
+            unit.start_fetch(self.mover)
+
+    def release(self, unit: OffloadUnit) -> None:
+        self._active.discard(unit.name)
+        if unit.resident or not unit.on_device:
+            return
+        unit.free(self.mover)
+        self.device_bytes -= unit.compute_bytes
+
+    def release_all(self) -> None:
+        for unit in self.units.values():
+            self.release(unit)
+
+    # ---- events from the hooks -------------------------------------------------------------------------------
+
+    def on_root_forward_start(self) -> None:
+        self.phase = Phase.FORWARD
+        self._t_step = time.perf_counter()
+        self.schedule.begin(Phase.FORWARD)
+        root = self.units[ROOT_UNIT]
+        self.materialise(root)
+        if torch.is_grad_enabled():
+            root.awaiting_backward = True
+        self.prefetch(self.schedule.first(Phase.FORWARD))
+
+    def on_root_forward_end(self) -> None:
+        self.schedule.end(Phase.FORWARD)
+        self.phase = Phase.IDLE
+        if not torch.is_grad_enabled():
+            self.release(self.units[ROOT_UNIT])
+        self._time("forward_s", self._t_step)
+
+    def on_unit_forward_start(self, unit: OffloadUnit) -> None:
+        nxt = self.schedule.visit(Phase.FORWARD, unit.name) if self.phase == Phase.FORWARD else []
+        self.materialise(unit)
+        self.prefetch(nxt)
+        if torch.is_grad_enabled():
+            unit.awaiting_backward = True
+
+    def on_unit_forward_end(self, unit: OffloadUnit) -> None:
+        self.release(unit)
+
+    def _enter_backward(self) -> None:
+        if self._in_backward:
+            return
+        self._in_backward = True
+        self._t_bwd = time.perf_counter()
+        self.phase = Phase.BACKWARD
+        self.schedule.begin(Phase.BACKWARD)
+        queue_end_of_backward(self._end_of_backward)
+
+    def on_unit_backward_start(self, unit: OffloadUnit) -> None:
+        self._enter_backward()
+        nxt = self.schedule.visit(Phase.BACKWARD, unit.name)
+        self.materialise(unit)
+        self.prefetch(nxt)
+
+    def on_grad(self, unit: OffloadUnit, index: int) -> None:
+        self._enter_backward()
+        unit.got.add(index)
+        self._maybe_finish(unit)
+
+    def on_unit_inputs_grad(self, unit: OffloadUnit) -> None:
+        unit.open_calls -= 1
+        self._maybe_finish(unit)
+
+    def _maybe_finish(self, unit: OffloadUnit) -> None:
+        if unit.awaiting_backward and unit.open_calls <= 0 and len(unit.got) == len(unit.trainable):
+            self._finish_backward(unit)
+
+    def _finish_backward(self, unit: OffloadUnit) -> None:
+        self.ship_grads(unit)
+        self.release(unit)
+        unit.reset_backward()
+
+    def _end_of_backward(self) -> None:
+        for unit in self.units.values():
+            if unit.awaiting_backward or unit.got:
+                self._finish_backward(unit)
+        self.release_all()  # prefetches the step did not use
+        self.schedule.end(Phase.BACKWARD)
+        self.phase = Phase.IDLE
+        self._in_backward = False
+        self._time("backward_s", self._t_bwd)
+
+    # ---- gradients -------------------------------------------------------------------------------------------
+
+    def ship_grads(self, unit: OffloadUnit) -> None:
+        """Move the unit's new `param.grad`s into its grads tier, accumulating; free `param.grad`."""
+        pairs = []
+        for i in sorted(unit.got):
+            slot = unit.trainable[i]
+            g = slot.param.grad
+            if g is not None:
+                pairs.append((i, slot, g))
+                slot.param.grad = None  # the device memory goes back as soon as the copy below has read it
+        if not pairs:
+            return
+        had = list(unit.has_grad)
+        new = {i for i, _, _ in pairs}
+        for i in new:
+            unit.has_grad[i] = True
+        acc = unit.store[State.GRADS].tensor(unit.name, GRADS)
+        if acc is not None and acc.device == self.device:
+            # Addressable where the gradients are: accumulate in place now (ordered on the compute stream).
+            for i, slot, g in pairs:
+                view = slot.view(acc)
+                view.add_(g) if had[i] else view.copy_(g)
+            self._record_norms(unit, acc)
+            unit.where[State.GRADS] = AT_REST[unit.placement.grads]
+            return
+        packed = self.mover.pack_grads([((slot.offset, slot.shape), g) for _, slot, g in pairs],
+                                       unit.spec.train_numel)
+        unit.where[State.GRADS] = Where.IN_FLIGHT
+        unit.grad_pending = self.grad_worker.submit(self._accumulate_off_device, unit, packed,
+                                                    unit.grad_pending, new, had)
+
+    def _accumulate_off_device(self, unit: OffloadUnit, packed: Future, previous: Future | None,
+                               new: set[int], had: list[bool]) -> None:
+        """Grad worker: add a packed host copy of new gradients into the unit's host or disk gradient entry."""
+        t0 = time.perf_counter()
+        if previous is not None:
+            previous.result()
+        buf = packed.result()
+        store = unit.store[State.GRADS]
+        acc = store.tensor(unit.name, GRADS)
+        if acc is not None:  # host memory
+            for i in new:
+                slot = unit.trainable[i]
+                view = slot.view(acc)
+                view.add_(slot.view(buf)) if had[i] else view.copy_(slot.view(buf))
+            self._record_norms(unit, acc)
+        else:  # disk: read-modify-write through the packed buffer
+            if any(had):
+                old = self.pool.take(unit.spec.train_numel, torch.float32)
+                store.load(unit.name, GRADS, old).result()
+                for i, slot in enumerate(unit.trainable):
+                    if had[i] and i in new:
+                        slot.view(buf).add_(slot.view(old))  # old + new: the same bits as torch's grad += new
+                    elif had[i]:
+                        slot.view(buf).copy_(slot.view(old))
+                self.pool.give(old)
+            self._record_norms(unit, buf)
+            store.save(unit.name, GRADS, buf).result()
+        self.pool.give(buf)
+        unit.where[State.GRADS] = AT_REST[unit.placement.grads]
+        self._time("grad_accumulate_s", t0)
+
+    @staticmethod
+    def _record_norms(unit: OffloadUnit, flat: torch.Tensor) -> None:
+        idx = [i for i, h in enumerate(unit.has_grad) if h]
+        norms = torch._foreach_norm([unit.trainable[i].view(flat) for i in idx], 2.0) if idx else []
+        for i, n in zip(idx, norms):
+            unit.grad_norms[i] = n
+
+    def wait_grads(self) -> None:
+        """Block until every gradient shipped so far has reached its tier."""
+        for unit in self.units.values():
+            if unit.grad_pending is not None:
+                unit.grad_pending.result()
+                unit.grad_pending = None
+
+    def zero_grad(self) -> None:
+        self.wait_grads()
+        for unit in self.units.values():
+            unit.has_grad = [False] * len(unit.trainable)
+            unit.grad_norms = [None] * len(unit.trainable)
+            unit.where[State.GRADS] = Where.EMPTY
+
+    def locate(self, p: torch.Tensor) -> "tuple[OffloadUnit, int] | None":
+        """(unit, index into unit.trainable) of a trainable parameter of this model; None if frozen."""
+        return self._slot_of.get(id(p))
+
+    def grad_norms_in_model_order(self) -> list[torch.Tensor]:
+        return [u.grad_norms[i] for u, i in self._param_order if u.has_grad[i]]
+
+    def step_order(self) -> list[OffloadUnit]:
+        """Units in the order the optimizer steps them: backward order (their gradients are ready first)."""
+        names = Schedule._distinct(self.schedule.order[Phase.BACKWARD])
+        names += [n for n in reversed(list(self.units)) if n not in names]
+        return [self.units[n] for n in names]
+
+    # ---- introspection ---------------------------------------------------------------------------------------
+
+    def _time(self, key: str, t0: float | None) -> None:
+        if t0 is not None:
+            self._timers[key] = self._timers.get(key, 0.0) + time.perf_counter() - t0
+
+    def timings(self) -> dict[str, float]:
+        """Accumulated seconds since the last `reset_timings`: forward_s, backward_s (wall), params_wait_s (the
+        main thread blocked on parameter fetches), grad_accumulate_s (grad worker), optimizer_s (step compute),
+        optimizer_io_wait_s (step blocked on loads/writes), optimizer_wall_s; plus the disk store's stats."""
+        out = dict(self._timers)
+        if Tier.NVME in self.stores:
+            out["nvme"] = self.stores[Tier.NVME].stats()
+        return out
+
+    def reset_timings(self) -> None:
+        self._timers.clear()
+
+    def memory_report(self) -> dict:
+        """Bytes per tier (in use and peak) and, per unit, bytes and placement of each state."""
+        disk = self.stores.get(Tier.NVME)
+        return {
+            "device": {"in_use": self.device_bytes, "peak": self.device_peak, "budget": self.placement.device_budget},
+            "host": {"tier": self.stores[Tier.HOST].bytes, "staging": self.pool.bytes, "staging_peak": self.pool.peak,
+                     "budget": self.placement.host_budget},
+            "nvme": {"bytes": disk.disk_bytes if disk else 0, "budget": self.placement.nvme_budget},
+            "units": {u.name: self.unit_report(u) for u in self.units.values()},
+        }
+
+    @staticmethod
+    def unit_report(unit: OffloadUnit) -> dict:
+        sizes = {State.PARAMS: unit.compute_bytes, State.MASTER: 0 if unit.master_entry == PARAMS else 4 * unit.spec.numel,
+                 State.GRADS: 4 * unit.spec.train_numel, State.OPTIM: 8 * unit.spec.train_numel}
+        return {"numel": unit.spec.numel, "trainable_numel": unit.spec.train_numel,
+                "states": {s.value: {"tier": unit.placement.tier(s).value, "where": unit.where[s].value,
+                                     "bytes": sizes[s]} for s in State}}
+
+    def close(self) -> None:
+        """Remove the hooks and free the engine's buffers (the model is unusable afterwards)."""
+        self.wait_grads()
+        remove_hooks(self, self._handles)
+        self.grad_worker.shutdown(wait=True)
+        self.mover.close()
+        for store in self.stores.values():
+            store.close()
+        self.pool.clear()
+        _ENGINES.pop(self.model, None)

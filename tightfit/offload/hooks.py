@@ -1,0 +1,99 @@
+"""The hooks that tell the engine where the model is in its step. They hold no data and decide nothing.
+
+Why apart from the engine: these functions are the only code that knows about PyTorch's hook APIs; the engine
+sees five events: root forward start/end, unit forward start/end, unit backward start, a gradient arrived, a
+unit's input gradients are done. The backward events:
+- *unit backward start*: a multi-grad hook ("any") on the unit's forward outputs fires when the first gradient
+  reaches them, i.e. right before autograd runs the unit's backward; the engine re-materialises the unit there.
+- *gradient arrived*: `register_post_accumulate_grad_hook` on each trainable parameter fires once per backward,
+  after its gradient is complete in `param.grad`.
+- *input gradients done*: a multi-grad hook ("all") on the unit's floating inputs fires after the unit's backward
+  has produced the gradients of its inputs: nodes of the unit that needed its parameters have run by then.
+- *end of backward*: a callback queued on autograd's engine flushes what the per-unit events did not.
+
+Activation checkpointing wraps the unit's `forward` (an attribute of the module instance, removed by
+`unwrap_hooks`) in non-reentrant `torch.utils.checkpoint`; the recomputation calls the original forward from
+inside the unit's backward, after the unit-backward-start event has re-materialised the parameters.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import checkpoint
+
+
+def _grad_tensors(tree) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _checkpointed(forward):
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
+
+
+def register_hooks(engine) -> list:
+    """Install every hook the engine needs; returns the handles (removed by `remove_hooks`)."""
+    handles = []
+    model = engine.model
+
+    def root_pre(module, args, kwargs):
+        engine.on_root_forward_start()
+
+    def root_post(module, args, kwargs, output):
+        engine.on_root_forward_end()
+
+    handles.append(model.register_forward_pre_hook(root_pre, with_kwargs=True))
+    handles.append(model.register_forward_hook(root_post, with_kwargs=True))
+
+    for unit in engine.units.values():
+        if unit.spec.is_root:
+            continue
+
+        def pre(module, args, kwargs, unit=unit):
+            engine.on_unit_forward_start(unit)
+            if torch.is_grad_enabled():
+                inputs = _grad_tensors((args, kwargs))
+                if inputs:
+                    unit.open_calls += 1
+                    torch.autograd.graph.register_multi_grad_hook(
+                        inputs, lambda grads, unit=unit: engine.on_unit_inputs_grad(unit), mode="all")
+
+        def post(module, args, kwargs, output, unit=unit):
+            outputs = _grad_tensors(output)
+            if outputs:
+                torch.autograd.graph.register_multi_grad_hook(
+                    outputs, lambda grad, unit=unit: engine.on_unit_backward_start(unit), mode="any")
+            engine.on_unit_forward_end(unit)
+
+        handles.append(unit.spec.module.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(unit.spec.module.register_forward_hook(post, with_kwargs=True))
+
+    for unit in engine.units.values():
+        for i, slot in enumerate(unit.trainable):
+            handles.append(slot.param.register_post_accumulate_grad_hook(
+                lambda p, unit=unit, i=i: engine.on_grad(unit, i)))
+
+    for name in engine.placement.checkpoint_units:
+        module = engine.units[name].spec.module
+        module.forward = _checkpointed(module.forward)
+    return handles
+
+
+def remove_hooks(engine, handles: list) -> None:
+    for h in handles:
+        h.remove()
+    for name in engine.placement.checkpoint_units:
+        engine.units[name].spec.module.__dict__.pop("forward", None)
+
+
+def queue_end_of_backward(callback) -> None:
+    """Run `callback` when the current backward pass finishes (call from inside a backward hook)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)

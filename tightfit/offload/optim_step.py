@@ -1,0 +1,171 @@
+"""The per-unit AdamW step over flat buffers, pipelined across units.
+
+Why per unit: the optimizer's working set (fp32 master, gradient, two moments: 16 bytes per parameter) of the
+whole model is exactly what does not fit; one unit's does. Why pipelined: for units on NVMe the step is I/O bound;
+while unit k is stepped (torch's fused AdamW kernel on the CPU, which releases the GIL and uses every core), the
+states of unit k+1 are being read and those of unit k-1 written back, by the NVMe engine's threads.
+
+    main thread:   [step k-1]        [step k]          [step k+1]
+    disk reads:  [load k] [load k+1]        [load k+2]
+    disk writes:            [write k-1]        [write k]
+
+States that are addressable memory where the step runs (host tier; the device tier when the device is the CPU)
+are stepped in place: no copy, no buffer. The others (NVMe; host states stepped on a GPU...) go through buffers
+from the engine's pool, which bounds how far ahead the pipeline reads ([Note: staging memory], staging.py).
+
+The step runs where the states are: on the device when master, gradients and moments of the unit are all on the
+device tier (e.g. a GPU with room), otherwise on the CPU.
+
+The math is `torch._fused_adamw_` on lists of per-parameter views, with one float32 step count per parameter,
+exactly what `torch.optim.AdamW(fused=True)` runs on the same tensors, so results are bitwise equal to it.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+
+import torch
+
+from tightfit.offload.flat_unit import AT_REST, EXP_AVG, EXP_AVG_SQ, GRADS, MASTER, PARAMS, OffloadUnit, Where
+from tightfit.offload.placement import State, Tier
+
+Work = tuple[OffloadUnit, list[tuple[dict, list[int]]]]
+"""A unit and, per parameter group, the indices (into unit.trainable) of the slots to step."""
+
+
+class _Loaded:
+    """One unit's optimizer working set: entry -> 1-D tensor, the pending loads, and the pool buffers lent."""
+
+    def __init__(self, unit: OffloadUnit) -> None:
+        self.unit = unit
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.loads: list[Future] = []
+        self.borrowed: dict[str, torch.Tensor] = {}  # entry -> pool buffer (written back and returned after step)
+
+
+def _step_device(engine, unit: OffloadUnit) -> torch.device:
+    p = unit.placement
+    if p.master == p.grads == p.optim == Tier.DEVICE:
+        return engine.device
+    return torch.device("cpu")
+
+
+def _working_bytes(unit: OffloadUnit) -> int:
+    return 4 * unit.spec.numel + 12 * unit.spec.train_numel + unit.compute_bytes
+
+
+def _prepare(engine, unit: OffloadUnit) -> _Loaded:
+    """Find or start loading the unit's master, gradients and moments where the step runs."""
+    where = _step_device(engine, unit)
+    work = _Loaded(unit)
+    fresh_moments = unit.where[State.OPTIM] == Where.EMPTY
+    for state, entry, numel in ((State.MASTER, unit.master_entry, unit.spec.numel),
+                                (State.GRADS, GRADS, unit.spec.train_numel),
+                                (State.OPTIM, EXP_AVG, unit.spec.train_numel),
+                                (State.OPTIM, EXP_AVG_SQ, unit.spec.train_numel)):
+        store = unit.store[state]
+        t = store.tensor(unit.name, entry)
+        if t is not None and t.device == where:
+            work.tensors[entry] = t  # stepped in place
+            if state == State.OPTIM and fresh_moments:
+                t.zero_()
+            continue
+        buf = engine.pool.take(numel, torch.float32)
+        work.tensors[entry] = work.borrowed[entry] = buf
+        if state == State.OPTIM and fresh_moments:
+            buf.zero_()  # torch.optim.AdamW starts its moments at zero; nothing to read
+        else:
+            work.loads.append(store.load(unit.name, entry, buf))
+    return work
+
+
+def _step(unit: OffloadUnit, work: _Loaded, groups: list[tuple[dict, list[int]]],
+          grad_scales: list[torch.Tensor]) -> None:
+    master, grads = work.tensors[unit.master_entry], work.tensors[GRADS]
+    m, v = work.tensors[EXP_AVG], work.tensors[EXP_AVG_SQ]
+    for group, idx in groups:
+        slots = [unit.trainable[i] for i in idx]
+        g = [s.view(grads) for s in slots]
+        for scale in grad_scales:  # loss-scale inverse, clip coefficient: torch multiplies grads the same way
+            torch._foreach_mul_(g, scale.to(grads.device))
+        for i in idx:
+            if unit.steps[i] is None:
+                unit.steps[i] = torch.tensor(0.0, dtype=torch.float32, device=master.device)
+            elif unit.steps[i].device != master.device:  # imported from a checkpoint
+                unit.steps[i] = unit.steps[i].to(master.device)
+        steps = [unit.steps[i] for i in idx]
+        torch._foreach_add_(steps, 1)
+        beta1, beta2 = group["betas"]
+        torch._fused_adamw_([s.view(master) for s in slots], g, [s.view(m) for s in slots],
+                            [s.view(v) for s in slots], [], steps, amsgrad=False, lr=group["lr"],
+                            beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
+                            maximize=False)
+
+
+def _write_back(engine, work: _Loaded) -> list[Future]:
+    """Save what changed (master, moments, compute params) to its tier; return the pending writes."""
+    unit = work.unit
+    writes: list[tuple[Future, torch.Tensor | None]] = []
+    for state, entry in ((State.MASTER, unit.master_entry), (State.OPTIM, EXP_AVG), (State.OPTIM, EXP_AVG_SQ)):
+        buf = work.borrowed.get(entry)
+        if buf is not None:
+            writes.append((unit.store[state].save(unit.name, entry, buf), buf))
+    if GRADS in work.borrowed:
+        engine.pool.give(work.borrowed[GRADS])  # gradients are consumed by the step; nothing to write
+    if unit.master_entry == MASTER:  # separate compute copy: refresh it from the new master values
+        master = work.tensors[MASTER]
+        target = unit.store[State.PARAMS].tensor(unit.name, PARAMS)
+        if target is not None:
+            target.copy_(master)
+        else:
+            cast = engine.pool.take(unit.spec.numel, unit.compute_dtype)
+            cast.copy_(master)
+            writes.append((unit.store[State.PARAMS].save(unit.name, PARAMS, cast), cast))
+    futures = []
+    for fut, buf in writes:
+        if buf is not None:
+            fut.add_done_callback(lambda _f, buf=buf: engine.pool.give(buf))
+        futures.append(fut)
+    return futures
+
+
+def step_units(engine, work: list[Work], grad_scales: list[torch.Tensor]) -> None:
+    """One optimizer step over `work`, in order, with loads of the next unit overlapping this unit's step."""
+    t_wall = time.perf_counter()
+    engine.wait_grads()
+    engine.release_all()  # a materialised copy would go stale
+    io_wait = compute = 0.0
+    writes: list[Future] = []
+    work = [w for w in work if w[1]]
+    loaded = _prepare(engine, work[0][0]) if work else None
+    for k, (unit, groups) in enumerate(work):
+        current, loaded = loaded, None
+        t0 = time.perf_counter()
+        for f in current.loads:
+            f.result()
+        io_wait += time.perf_counter() - t0
+        if k + 1 < len(work):
+            nxt = work[k + 1][0]
+            cap = engine.pool.capacity
+            # Read ahead only when the pool has room for it; otherwise load after this step frees its buffers
+            # (waiting here for buffers this unit holds would never end).
+            if cap is None or cap - engine.pool.bytes >= _working_bytes(nxt):
+                loaded = _prepare(engine, nxt)
+        t0 = time.perf_counter()
+        _step(unit, current, groups, grad_scales)
+        compute += time.perf_counter() - t0
+        writes.extend(_write_back(engine, current))
+        unit.where[State.OPTIM] = AT_REST[unit.placement.optim]
+        if loaded is None and k + 1 < len(work):
+            loaded = _prepare(engine, work[k + 1][0])
+    t0 = time.perf_counter()
+    for f in writes:
+        f.result()
+    io_wait += time.perf_counter() - t0
+    for unit, _ in work:
+        unit.where[State.GRADS] = Where.EMPTY
+    engine.zero_grad()
+    engine._timers["optimizer_s"] = engine._timers.get("optimizer_s", 0.0) + compute
+    engine._timers["optimizer_io_wait_s"] = engine._timers.get("optimizer_io_wait_s", 0.0) + io_wait
+    engine._time("optimizer_wall_s", t_wall)

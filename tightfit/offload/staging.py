@@ -1,0 +1,196 @@
+"""Moving bytes between tier stores and the compute device: the bounded host buffer pool and two movers.
+
+Why a mover object: the schedule is the same on every machine, only "copy these bytes to the device" differs.
+`CpuMover` (no GPU: the device is the CPU with a budget) runs copies on a small thread pool; `CudaMover` runs them
+on dedicated CUDA streams through pinned staging buffers, ordered with events. The engine picks one at wrap time
+and never tests the device type again.
+
+[Note: staging memory] Every host buffer the engine needs for a transfer or an optimizer step comes from one
+`BufferPool` with a byte capacity (what the host budget leaves after the host tier itself). `take` blocks when the
+pool is exhausted until another transfer returns a buffer: that back-pressure is what keeps peak host memory
+within budget however far ahead the schedule runs.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from tightfit.errors import UsageError
+from tightfit.offload.aligned import aligned_empty
+from tightfit.offload.tiers import TierStore, done_future
+
+
+class BufferPool:
+    """Reusable 1-D host buffers (4096-byte aligned for O_DIRECT; pinned on CUDA), at most `capacity` bytes."""
+
+    def __init__(self, capacity: int | None, pin: bool = False) -> None:
+        self.capacity = capacity
+        self.pin = pin
+        # (numel, dtype) -> idle buffers. Kept for reuse; dropped (freed) only to make room for another size.
+        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self._cond = threading.Condition()
+        self.bytes = 0  # bytes allocated (idle + lent)
+        self.peak = 0
+
+    @staticmethod
+    def _size(numel: int, dtype: torch.dtype) -> int:
+        return numel * torch.empty((), dtype=dtype).element_size()
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        need = self._size(numel, dtype)
+        if self.capacity is not None and need > self.capacity:
+            raise UsageError(f"host budget: a {need} B staging buffer does not fit the {self.capacity} B left for "
+                             "staging; raise --cpu-mem or use smaller units")
+        with self._cond:
+            while True:
+                idle = self._free.get((numel, dtype))
+                if idle:
+                    return idle.pop()
+                if self.capacity is None or self.bytes + need <= self.capacity:
+                    break
+                # Free idle buffers of other sizes before waiting for a lent one to come back.
+                victims = [(k, lst) for k, lst in self._free.items() if lst]
+                if victims:
+                    k, lst = victims[0]
+                    lst.pop()
+                    self.bytes -= self._size(*k)
+                    continue
+                self._cond.wait()
+            self.bytes += need
+            self.peak = max(self.peak, self.bytes)
+        return aligned_empty(numel, dtype, pin=self.pin)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._cond:
+            self._free.setdefault((buf.numel(), buf.dtype), []).append(buf)
+            self._cond.notify_all()
+
+    def clear(self) -> None:
+        with self._cond:
+            for (numel, dtype), lst in self._free.items():
+                self.bytes -= len(lst) * self._size(numel, dtype)
+            self._free.clear()
+
+
+class CpuMover:
+    """No GPU: the "device" is host memory with a budget, so a fetch is a memcpy or a disk read into place."""
+
+    def __init__(self, pool: BufferPool, threads: int = 2) -> None:
+        self.pool = pool
+        # Copy threads: a host-tier fetch (memcpy of a unit's params into its device buffer) runs here, overlapping
+        # the compute of the unit before it. torch's copy releases the GIL. Shut down by `close`.
+        self.copier = ThreadPoolExecutor(threads, thread_name_prefix="tightfit-copy")
+
+    def fetch(self, store: TierStore, unit: str, entry: str, dst: torch.Tensor) -> Future:
+        src = store.tensor(unit, entry)
+        if src is not None:
+            return self.copier.submit(dst.copy_, src)
+        # Disk: read into an aligned staging buffer (O_DIRECT; and the NVMe engine pins the buffer it reads into,
+        # which `dst`, whose storage is freed and re-allocated, must never be), then copy into place.
+        staging = self.pool.take(dst.numel(), dst.dtype)
+        read = store.load(unit, entry, staging)
+
+        def then() -> None:
+            read.result()
+            dst.copy_(staging)
+            self.pool.give(staging)
+
+        return self.copier.submit(then)
+
+    def wait(self, fut: Future) -> None:
+        fut.result()
+
+    def pack_grads(self, grads: list[tuple[torch.Tensor, torch.Tensor]], numel: int) -> Future:
+        """Copy (flat-view, grad) pairs' grads into one pooled fp32 host buffer; the future gives the buffer.
+
+        `grads` pairs a slot's view of a length-`numel` flat with its gradient; the buffer gets each gradient at
+        the view's offset (regions of slots without a gradient are left unwritten)."""
+        buf = self.pool.take(numel, torch.float32)
+        for view, g in grads:
+            _region(buf, view).copy_(g)
+        return done_future(buf)
+
+    def close(self) -> None:
+        self.copier.shutdown(wait=True)
+
+
+def _region(buf: torch.Tensor, view_like: tuple[int, torch.Size]) -> torch.Tensor:
+    offset, shape = view_like
+    return buf[offset : offset + shape.numel()].view(shape)
+
+
+class CudaMover:
+    """GPU: pinned staging buffers, a host-to-device and a device-to-host stream, events for ordering.
+
+    Hot path (the main thread): only enqueues copies and `wait_event`s; it never synchronises with the GPU.
+    Waiting for a copy to finish before a staging buffer is reused happens on the `waiter` thread.
+    """
+
+    def __init__(self, pool: BufferPool, device: torch.device, threads: int = 2) -> None:
+        self.pool = pool
+        self.device = device
+        # h2d: parameter fetches (overlap the compute of the units before). d2h: gradient copies out (overlap the
+        # backward of the units after). Both live as long as the engine.
+        self.h2d = torch.cuda.Stream(device)
+        self.d2h = torch.cuda.Stream(device)
+        # Waiter threads: block on disk reads and on copy events so staging buffers go back to the pool as soon as
+        # a copy is done, without the main thread ever synchronising. Shut down by `close`.
+        self.waiter = ThreadPoolExecutor(threads, thread_name_prefix="tightfit-cuda-wait")
+
+    def fetch(self, store: TierStore, unit: str, entry: str, dst: torch.Tensor) -> Future:
+        # `dst` was (re)allocated on the compute stream; the copy must not start before that point of it.
+        alloc = torch.cuda.Event()
+        alloc.record(torch.cuda.current_stream(self.device))
+        src = store.tensor(unit, entry)
+        if src is not None:  # pinned host (or device) memory: one async copy
+            with torch.cuda.stream(self.h2d):
+                self.h2d.wait_event(alloc)
+                dst.copy_(src, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record(self.h2d)
+            return done_future(ready)
+        staging = self.pool.take(dst.numel(), dst.dtype)
+        read = store.load(unit, entry, staging)
+
+        def then() -> torch.cuda.Event:
+            read.result()
+            with torch.cuda.device(self.device), torch.cuda.stream(self.h2d):
+                self.h2d.wait_event(alloc)
+                dst.copy_(staging, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record(self.h2d)
+            ready.synchronize()  # waiter thread only: the staging buffer is free once the copy has run
+            self.pool.give(staging)
+            return ready
+
+        return self.waiter.submit(then)
+
+    def wait(self, fut: Future) -> None:
+        # A host wait only for the disk read, never for the GPU: the compute stream waits on the copy's event.
+        torch.cuda.current_stream(self.device).wait_event(fut.result())
+
+    def pack_grads(self, grads: list[tuple[tuple[int, torch.Size], torch.Tensor]], numel: int) -> Future:
+        buf = self.pool.take(numel, torch.float32)
+        produced = torch.cuda.Event()
+        produced.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.d2h):
+            self.d2h.wait_event(produced)
+            for view, g in grads:
+                _region(buf, view).copy_(g, non_blocking=True)
+                # The caller drops param.grad right after this call; the allocator must not reuse its memory until
+                # the d2h stream has read it.
+                g.record_stream(self.d2h)
+            copied = torch.cuda.Event()
+            copied.record(self.d2h)
+
+        def then() -> torch.Tensor:
+            copied.synchronize()
+            return buf
+
+        return self.waiter.submit(then)
+
+    def close(self) -> None:
+        self.waiter.shutdown(wait=True)

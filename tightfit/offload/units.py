@@ -1,0 +1,163 @@
+"""Grouping a model's parameters into units and laying each unit out as one flat buffer.
+
+Why: the engine moves parameters, gradients and optimizer moments between tiers a unit at a time. One flat
+buffer per unit turns dozens of small transfers into one large one (what disks and PCIe need to reach their
+bandwidth), gives the NVMe tier one contiguous entry per state, and lets the optimizer step a unit with one fused
+kernel call over views. This file only decides *which* parameters form a unit and *where* each sits in the flat
+buffer; it moves nothing.
+
+Unit policy (first match wins, walking the module tree top-down, never descending into a chosen unit):
+- default: every child of an `nn.ModuleList` whose children all have the same class (a stack of blocks);
+- a list of module paths (fnmatch patterns allowed, e.g. "blocks.*", "tok_emb");
+- a callable `(module_path, module) -> bool`.
+Every parameter that belongs to no chosen module, or that is shared between two units (tied weights), goes to the
+`ROOT_UNIT` unit.
+
+Layout of a unit's flat buffer (elements, one dtype): trainable parameters first, each starting at a multiple of
+`ALIGN` elements, then frozen ones. Gradients and optimizer moments cover only the trainable prefix
+`[0, train_numel)`, so a frozen parameter has no gradient or optimizer state anywhere.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Callable, Sequence, Union
+
+import torch
+import torch.nn as nn
+
+from tightfit.errors import UsageError
+from tightfit.offload.placement import ROOT_UNIT
+
+ALIGN = 16
+"""Element alignment of each parameter inside a flat buffer (64 bytes in fp32): keeps vectorised kernels on
+their fast path and makes the views' data pointers cache-line aligned."""
+
+UnitPolicy = Union[None, Sequence[str], Callable[[str, nn.Module], bool]]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one parameter sits in its unit's flat buffer."""
+
+    name: str
+    """Qualified parameter name, as `model.named_parameters()` gives it (the first name of a tied parameter)."""
+    param: nn.Parameter
+    offset: int
+    """First element in the flat buffer."""
+    shape: torch.Size
+    trainable: bool
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        """This parameter's region of `flat`, shaped like the parameter."""
+        return flat[self.offset : self.offset + self.numel].view(self.shape)
+
+
+@dataclass
+class UnitSpec:
+    """The parameters of one unit and their layout. Immutable after `find_units`."""
+
+    name: str
+    module: nn.Module
+    """The module whose forward brackets the unit's use (the whole model for the root unit)."""
+    slots: list[Slot] = field(default_factory=list)
+    numel: int = 0
+    """Elements in the flat buffer (all parameters, with alignment padding)."""
+    train_numel: int = 0
+    """Elements of the trainable prefix (gradients and optimizer moments have this size)."""
+
+    @property
+    def trainable(self) -> list[Slot]:
+        return [s for s in self.slots if s.trainable]
+
+    @property
+    def is_root(self) -> bool:
+        return self.name == ROOT_UNIT
+
+
+def _round_up(n: int, k: int = ALIGN) -> int:
+    return (n + k - 1) // k * k
+
+
+def _default_policy(path: str, module: nn.Module, parent: nn.Module | None) -> bool:
+    if not isinstance(parent, nn.ModuleList) or len(parent) < 2:
+        return False
+    return len({type(m) for m in parent}) == 1
+
+
+def _choose_modules(model: nn.Module, policy: UnitPolicy) -> dict[str, nn.Module]:
+    """Module path -> module for every non-root unit, in module-tree order."""
+    if policy is not None and not callable(policy):
+        patterns = [policy] if isinstance(policy, str) else list(policy)
+        if not all(isinstance(p, str) for p in patterns):
+            raise UsageError("wrap(units=...): give a list of module paths or a callable(path, module) -> bool")
+        names = dict(model.named_modules())
+        for pat in patterns:
+            if not any(fnmatch.fnmatchcase(n, pat) for n in names if n):
+                raise UsageError(f"wrap(units=...): no module matches {pat!r}; see model.named_modules()")
+        match = lambda path, module, parent: any(fnmatch.fnmatchcase(path, p) for p in patterns)  # noqa: E731
+    elif callable(policy):
+        match = lambda path, module, parent: bool(policy(path, module))  # noqa: E731
+    else:
+        match = _default_policy
+    chosen: dict[str, nn.Module] = {}
+
+    def walk(module: nn.Module, prefix: str) -> None:
+        for child_name, child in module.named_children():
+            path = f"{prefix}.{child_name}" if prefix else child_name
+            if match(path, child, module):
+                if path == ROOT_UNIT:
+                    raise UsageError(f"wrap(units=...): a module may not be named {ROOT_UNIT!r} (reserved)")
+                chosen[path] = child
+            else:
+                walk(child, path)
+
+    walk(model, "")
+    return chosen
+
+
+def find_units(model: nn.Module, policy: UnitPolicy = None) -> list[UnitSpec]:
+    """Group `model`'s parameters into units and lay each unit out. The root unit comes first."""
+    chosen = _choose_modules(model, policy)
+    # Which units use each parameter: a module's direct parameters belong to the innermost chosen ancestor.
+    users: dict[int, set[str]] = {}
+    by_id: dict[int, nn.Parameter] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        owner = ROOT_UNIT
+        for unit_path in chosen:
+            if path == unit_path or path.startswith(unit_path + "."):
+                owner = unit_path
+                break
+        for p in module._parameters.values():
+            if p is not None:
+                users.setdefault(id(p), set()).add(owner)
+                by_id[id(p)] = p
+    unit_of = {pid: (next(iter(u)) if len(u) == 1 else ROOT_UNIT) for pid, u in users.items()}
+
+    specs = {ROOT_UNIT: UnitSpec(ROOT_UNIT, model)}
+    specs.update({path: UnitSpec(path, module) for path, module in chosen.items()})
+    members: dict[str, list[tuple[str, nn.Parameter]]] = {name: [] for name in specs}
+    for name, p in model.named_parameters():  # remove_duplicate=True: tied parameters appear once
+        if not p.is_floating_point():
+            raise UsageError(f"wrap: parameter {name} has dtype {p.dtype}; only floating-point parameters can be "
+                             "offloaded (make it a buffer instead)")
+        members[unit_of[id(p)]].append((name, p))
+    for unit_name, spec in specs.items():
+        ordered = [m for m in members[unit_name] if m[1].requires_grad] + \
+                  [m for m in members[unit_name] if not m[1].requires_grad]
+        offset = 0
+        for name, p in ordered:
+            offset = _round_up(offset)
+            spec.slots.append(Slot(name, p, offset, p.shape, p.requires_grad))
+            offset += p.numel()
+            if p.requires_grad:
+                spec.train_numel = offset
+        spec.numel = _round_up(offset)
+        spec.train_numel = _round_up(spec.train_numel) if spec.train_numel else 0
+    # A unit with no parameters (e.g. a parameter-free block) is dropped; the root unit always stays.
+    return [s for s in specs.values() if s.slots or s.is_root]

@@ -1,0 +1,47 @@
+"""`tightfit.wrap`: apply offloading to a model, in place.
+
+Why a verb applied from outside: the model file holds no offload code (the same model trains plain, offloaded,
+tiled or parallel); `wrap` installs hooks and replaces each unit's parameters by views of one flat buffer, and
+returns the same module object so the user's loop does not change:
+
+    model = tightfit.wrap(model, Placement.everywhere("nvme", nvme_dir="/mnt/swap"))
+    opt = tightfit.optim.AdamW(model.parameters(), lr=3e-4)
+    for x, y in data:
+        loss = model(x, y); loss.backward(); opt.step(); opt.zero_grad()
+
+"No offload" is the general path with every state on the device tier.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from tightfit.errors import UsageError
+from tightfit.offload.engine import OffloadEngine
+from tightfit.offload.placement import Placement
+from tightfit.offload.units import UnitPolicy
+
+
+def wrap(model: nn.Module, placement: Placement, *, compute_dtype: torch.dtype = torch.float32,
+         device: torch.device | str | None = None, units: UnitPolicy = None) -> nn.Module:
+    """Offload `model`'s training states as `placement` says; returns `model` itself.
+
+    compute_dtype: dtype of the parameters during forward/backward (fp32 master weights are kept regardless).
+    device: where to compute (default: CUDA if available, else the CPU, with `placement.device_budget`).
+    units: which modules are units: a list of module paths (fnmatch patterns allowed) or a callable
+        `(path, module) -> bool`; default: the children of every ModuleList of same-class children.
+    Use `tightfit.offload.engine_of(model)` for memory reports and timings.
+    """
+    if not isinstance(placement, Placement):
+        raise UsageError(f"wrap: expected a tightfit.Placement, got {type(placement).__name__}; build one with "
+                         "Placement.everywhere('device') or the planner")
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type not in ("cpu", "cuda"):
+        raise UsageError(f"wrap(device=...): only cpu and cuda are supported, got {device}")
+    OffloadEngine(model, placement, compute_dtype, device, units)
+    return model

@@ -1,0 +1,113 @@
+"""`tightfit.optim.AdamW`: the optimizer of a wrapped model, a drop-in for `torch.optim.AdamW`.
+
+Why a subclass of `torch.optim.Optimizer`: learning-rate schedules, gradient-accumulation loops and loggers that
+read or edit `param_groups[i]["lr"]` keep working. What differs is where the state is: the moments, the fp32
+master weights and the gradients live in the engine's tiers, not in `self.state` (which stays empty), and
+`step()` runs the engine's per-unit pipelined step (tightfit/offload/optim_step.py).
+
+Memory: the optimizer holds nothing of its own. Per step, at most two units' working sets (16 B/param each) are
+in host memory at once, drawn from the engine's bounded buffer pool.
+
+Clipping: `opt.clip_grad_norm_(max_norm)` replaces `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`.
+The per-parameter gradient norms are computed when the gradients are accumulated into their tier (no second pass
+over the disk), so clipping only stacks them; the clip coefficient is applied to each unit's gradients inside the
+step, just before AdamW, as torch multiplies them before its step. Because the norm needs every gradient, a
+clipped step starts after backward has finished; see docs/ENGINE.md for how clipping and overlap coexist.
+
+Checkpoints: use `tightfit.offload.state_io.export_state(model, opt)` / `import_state`; `state_dict()` carries
+only the hyperparameters.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+
+from tightfit.errors import UsageError
+from tightfit.offload.engine import OffloadEngine, engine_of_param
+from tightfit.offload.optim_step import step_units
+
+
+class AdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay) over a wrapped model's parameters; same defaults as torch.optim.AdamW."""
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2) -> None:
+        if not 0.0 <= float(lr):
+            raise UsageError(f"tightfit.optim.AdamW: lr must be >= 0, got {lr}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise UsageError(f"tightfit.optim.AdamW: betas must be in [0, 1), got {betas}")
+        if eps < 0.0 or weight_decay < 0.0:
+            raise UsageError("tightfit.optim.AdamW: eps and weight_decay must be >= 0")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        engines = set()
+        for group in self.param_groups:
+            for p in group["params"]:
+                engine = engine_of_param(p)
+                if engine is None:
+                    raise UsageError("tightfit.optim.AdamW: a parameter is not part of a wrapped model; call "
+                                     "tightfit.wrap(model, placement) before creating the optimizer")
+                engines.add(engine)
+        if len(engines) != 1:
+            raise UsageError("tightfit.optim.AdamW: parameters come from several wrapped models; use one optimizer "
+                             "per model")
+        self.engine: OffloadEngine = engines.pop()
+        # Multipliers applied to the gradients inside the next step (loss-scale inverse, clip coefficient).
+        self._grad_scales: list[torch.Tensor] = []
+
+    def _work(self):
+        """Per unit (in the engine's order), per parameter group, the trainable slots with a gradient."""
+        by_unit: dict[str, list[tuple[dict, list[int]]]] = {}
+        for group in self.param_groups:
+            per_unit: dict[str, list[int]] = {}
+            for p in group["params"]:
+                where = self.engine.locate(p)
+                if where is None:
+                    continue  # frozen
+                unit, i = where
+                if unit.has_grad[i]:
+                    per_unit.setdefault(unit.name, []).append(i)
+            for name, idx in per_unit.items():
+                by_unit.setdefault(name, []).append((group, idx))
+        return [(u, by_unit[u.name]) for u in self.engine.step_order() if u.name in by_unit]
+
+    @torch.no_grad()
+    def step(self, closure: Callable | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        step_units(self.engine, self._work(), self._grad_scales)
+        self._grad_scales = []
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop accumulated gradients (they live in the engine's grads tier; `param.grad` is always None)."""
+        self.engine.zero_grad()
+        self._grad_scales = []
+
+    def scale_grads_(self, factor: torch.Tensor | float) -> None:
+        """Multiply every gradient by `factor` inside the next step (used by the loss scaler's unscale)."""
+        self._grad_scales.append(torch.as_tensor(factor, dtype=torch.float32))
+
+    def grad_norms(self) -> list[torch.Tensor]:
+        """Per-parameter 2-norms of the accumulated gradients (with pending multipliers), in model order."""
+        self.engine.wait_grads()
+        norms = [n for n in self.engine.grad_norms_in_model_order()]
+        if norms and self._grad_scales:
+            factor = torch.stack(self._grad_scales).prod()
+            norms = [n * factor for n in norms]
+        return norms
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Clip the global gradient norm like `torch.nn.utils.clip_grad_norm_`; returns the norm before clipping."""
+        if norm_type != 2.0:
+            raise UsageError("tightfit.optim.AdamW.clip_grad_norm_: only norm_type=2.0 is supported")
+        norms = self.grad_norms()
+        if not norms:
+            return 0.0
+        total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        self._grad_scales.append(coef)
+        return float(total)
