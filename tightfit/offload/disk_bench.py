@@ -7,13 +7,14 @@ swap folder itself (a folder, not a device: the filesystem is part of what the t
 
 `measure_raw` uses fio when it is installed (the reference tool, libaio, iodepth = queue_depth), and otherwise a
 Python loop of the same shape: `queue_depth` threads each issuing `block_bytes` pwrite/preadv calls on an O_DIRECT
-descriptor into 4096-aligned buffers, working through the file in order. Buffers hold random bytes so a virtual
+descriptor into 4096-aligned memory, working through the file in order. The memory holds random bytes so a virtual
 disk cannot shortcut zero blocks. The file is preallocated before timing (as the tier's files are) and deleted
 afterwards. Where the filesystem refuses O_DIRECT the loop runs buffered and evicts the file from the page cache
 between writing and reading; the result's `method` says which ran.
 
-`measure_store` moves the same volume through an `NvmeStore` (aligned staging buffers, the tier's defaults) and
-times it wall-clock, submit to last completion.
+`measure_store` moves the same volume through an `NvmeStore` (aligned staging memory, the tier's defaults) and
+times it wall-clock, submit to last completion. Give both the same `staging_buffer` to compare them side by side:
+then the only difference between the two figures is the store's code path.
 """
 
 from __future__ import annotations
@@ -63,8 +64,13 @@ def measure_raw(
     block_bytes: int = 4 << 20,
     queue_depth: int = 8,
     use_fio: bool = True,
+    staging: torch.Tensor | None = None,
 ) -> Bandwidth:
-    """Write then read `nbytes` sequentially in `folder` with `queue_depth` blocks of `block_bytes` in flight."""
+    """Write then read `nbytes` sequentially in `folder` with `queue_depth` blocks of `block_bytes` in flight.
+
+    staging: host memory the Python loop moves blocks through (see `staging_buffer`); block i uses the i-th
+    block-sized slice, cycling when the volume is larger. Pass the same one to `measure_store` to compare the two.
+    """
     folder = Path(folder)
     if block_bytes <= 0 or block_bytes % DIRECT_ALIGN:
         raise ValueError(f"block_bytes must be a positive multiple of {DIRECT_ALIGN}, got {block_bytes}")
@@ -72,25 +78,38 @@ def measure_raw(
     _check_space(folder, nbytes)
     if use_fio and shutil.which("fio"):
         return _fio(folder, nbytes, block_bytes, queue_depth)
-    return _python(folder, nbytes, block_bytes, queue_depth)
+    if staging is None:
+        staging = staging_buffer(nbytes)
+    views = _slices(staging, block_bytes)
+    return _python(folder, nbytes, block_bytes, queue_depth, views)
 
 
 def measure_store(
-    folder: str | Path, nbytes: int, *, tensor_bytes: int = 64 << 20, threads: int = 8, chunk_bytes: int = 4 << 20
+    folder: str | Path,
+    nbytes: int,
+    *,
+    tensor_bytes: int = 64 << 20,
+    threads: int = 8,
+    chunk_bytes: int = 4 << 20,
+    staging: torch.Tensor | None = None,
 ) -> Bandwidth:
-    """Write then read `nbytes` through an `NvmeStore` as fp32 tensors of `tensor_bytes`, from aligned buffers."""
+    """Write then read `nbytes` through an `NvmeStore` as uint8 tensors of `tensor_bytes`, wall-clock timed.
+
+    staging: as for `measure_raw`; tensor i moves through its i-th tensor-sized slice (cycling).
+    """
     from tightfit.offload.nvme import NvmeStore  # here, so the planner's probe does not import the store
 
     folder = Path(folder)
     _check_space(folder, nbytes + (1 << 20))
-    sizes = [min(tensor_bytes, nbytes - s) // 4 for s in range(0, nbytes, tensor_bytes)]
-    # Host staging buffers, one per tensor, aligned so the store can use O_DIRECT; freed when this returns.
-    bufs = [aligned_empty(n, torch.float32) for n in sizes]
-    for b in bufs:
-        b.view(torch.int32).random_()
+    if staging is None:
+        staging = staging_buffer(nbytes)
+    tensor_bytes = max(DIRECT_ALIGN, min(tensor_bytes, staging.numel()) // DIRECT_ALIGN * DIRECT_ALIGN)
+    slots = _slices(staging, tensor_bytes)
+    sizes = [min(tensor_bytes, nbytes - s) for s in range(0, nbytes, tensor_bytes)]
+    bufs = [slots[i % len(slots)][:n] for i, n in enumerate(sizes)]
     with tempfile.TemporaryDirectory(dir=folder, prefix="tightfit-storebench-") as d:
         with NvmeStore(d, threads=threads, chunk_bytes=chunk_bytes) as store:
-            store.create("bench", {f"t{i}": ((n,), torch.float32) for i, n in enumerate(sizes)})
+            store.create("bench", {f"t{i}": ((n,), torch.uint8) for i, n in enumerate(sizes)})
             t0 = time.perf_counter()
             for f in [store.write("bench", f"t{i}", b) for i, b in enumerate(bufs)]:
                 f.result()
@@ -100,8 +119,28 @@ def measure_store(
                 f.result()
             t_read = time.perf_counter() - t0
             method = "store" if store.stats()["direct_bytes"] else "store-buffered"
-    total = sum(sizes) * 4
+    total = sum(sizes)
     return Bandwidth(total / t_read, total / t_write, total, method)
+
+
+def staging_buffer(nbytes: int, max_bytes: int = 1 << 30) -> torch.Tensor:
+    """A 4096-aligned uint8 host buffer of min(nbytes, max_bytes) random bytes for the measurements above.
+
+    Random, so a virtual disk cannot shortcut zero or repeated blocks; written once here, so every page is
+    faulted in before any timed loop. Distinct memory per block up to max_bytes: on some virtual machines DMA into
+    the same few pages over and over is markedly slower, and both measurements should see the same memory.
+    """
+    buf = aligned_empty(max(DIRECT_ALIGN, min(nbytes, max_bytes)))
+    buf.random_(0, 256)
+    return buf
+
+
+def _slices(staging: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """Consecutive `size`-byte slices of `staging` (at least one: a short buffer gives one short slice)."""
+    if staging.dtype != torch.uint8 or staging.data_ptr() % DIRECT_ALIGN:
+        raise ValueError("staging must be a 4096-aligned uint8 tensor (see staging_buffer)")
+    n = max(1, staging.numel() // size)
+    return [staging[i * size : (i + 1) * size] for i in range(n)]
 
 
 def _check_space(folder: Path, nbytes: int) -> None:
@@ -139,14 +178,12 @@ def parse_fio_bw(fio_json: str, rw: str) -> float:
     return float(sum(job[rw]["bw_bytes"] for job in data["jobs"]))
 
 
-def _python(folder: Path, nbytes: int, block_bytes: int, queue_depth: int) -> Bandwidth:
+def _python(folder: Path, nbytes: int, block_bytes: int, queue_depth: int, blocks: list[torch.Tensor]) -> Bandwidth:
     path = folder / f".tightfit-rawbench-{os.getpid()}.tmp"
     nblocks = nbytes // block_bytes
-    # One aligned buffer per worker thread (random bytes), reused for every block that thread moves.
-    bufs = [aligned_empty(block_bytes) for _ in range(queue_depth)]
-    for b in bufs:
-        b.random_(0, 256)
-    views = [memoryview(b.numpy()) for b in bufs]
+    if blocks[0].numel() < block_bytes:
+        raise ValueError(f"staging buffer smaller than one block ({block_bytes} bytes)")
+    views = [memoryview(b.numpy()) for b in blocks]
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     dfd, method = None, "python-buffered"
     try:
@@ -163,11 +200,11 @@ def _python(folder: Path, nbytes: int, block_bytes: int, queue_depth: int) -> Ba
                     os.close(dfd)
                 dfd = None
         io_fd = dfd if dfd is not None else fd
-        t_write = _run_blocks(io_fd, views, nblocks, block_bytes, write=True)
+        t_write = _run_blocks(io_fd, views, nblocks, block_bytes, queue_depth, write=True)
         if dfd is None:  # buffered: make the write durable, then make sure the reads come from the disk
             os.fsync(fd)
             os.posix_fadvise(fd, 0, nbytes, os.POSIX_FADV_DONTNEED)
-        t_read = _run_blocks(io_fd, views, nblocks, block_bytes, write=False)
+        t_read = _run_blocks(io_fd, views, nblocks, block_bytes, queue_depth, write=False)
     finally:
         os.close(fd)
         if dfd is not None:
@@ -176,13 +213,18 @@ def _python(folder: Path, nbytes: int, block_bytes: int, queue_depth: int) -> Ba
     return Bandwidth(nbytes / t_read, nbytes / t_write, nbytes, method)
 
 
-def _run_blocks(fd: int, views: list[memoryview], nblocks: int, block_bytes: int, write: bool) -> float:
-    """Seconds for len(views) threads to move blocks 0..nblocks-1 in order, each taking the next free block."""
+def _run_blocks(
+    fd: int, views: list[memoryview], nblocks: int, block_bytes: int, queue_depth: int, write: bool
+) -> float:
+    """Seconds for `queue_depth` threads to move blocks 0..nblocks-1 in order, each taking the next free block.
+
+    Block i moves through views[i % len(views)].
+    """
     lock = threading.Lock()
     next_block = [0]
     errors: list[BaseException] = []
 
-    def worker(view: memoryview) -> None:
+    def worker() -> None:
         try:
             while True:
                 with lock:
@@ -190,7 +232,7 @@ def _run_blocks(fd: int, views: list[memoryview], nblocks: int, block_bytes: int
                     next_block[0] += 1
                 if i >= nblocks:
                     return
-                off, done = i * block_bytes, 0
+                off, done, view = i * block_bytes, 0, views[i % len(views)]
                 while done < block_bytes:
                     if write:
                         n = os.pwrite(fd, view[done:], off + done)
@@ -202,7 +244,7 @@ def _run_blocks(fd: int, views: list[memoryview], nblocks: int, block_bytes: int
         except BaseException as e:  # reported on the calling thread below
             errors.append(e)
 
-    threads = [threading.Thread(target=worker, args=(v,), name="tightfit-diskbench") for v in views]
+    threads = [threading.Thread(target=worker, name="tightfit-diskbench") for _ in range(queue_depth)]
     t0 = time.perf_counter()
     for t in threads:
         t.start()
