@@ -1,0 +1,16 @@
+"""The memory planner: decide where every state lives, predict memory and step time, explain both.
+
+Entry points:
+- `make_plan(model, cfg, hardware=None) -> Plan` (planner.py): the placement the engine consumes, with predictions.
+- `Plan.summary()`, `Plan.table()`, `Plan.to_json()`, `Plan.compare(measured)` (plan.py): what the CLI prints.
+- `tightfit.planner.probe.run_probe(folder) -> HardwareProfile`: measure this machine (`tightfit probe`).
+- `tightfit.planner.trace.write_trace(plan, folder)`: Chrome trace + memory timeline of one simulated step.
+See docs/PLANNER.md for the model behind the predictions.
+"""
+
+from tightfit.planner.hardware import HardwareProfile
+from tightfit.planner.plan import Plan
+from tightfit.planner.planner import make_plan
+from tightfit.planner.search import Infeasible
+
+__all__ = ["HardwareProfile", "Infeasible", "Plan", "make_plan"]

@@ -1,0 +1,243 @@
+"""Planner tests on synthetic hardware profiles: no measurement, no real allocation (models live on meta)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tightfit.config import Config
+from tightfit.errors import UsageError
+from tightfit.models.gpt import GPT, GPTConfig
+from tightfit.offload.placement import State, Tier
+from tightfit.planner import HardwareProfile, Plan, make_plan
+from tightfit.planner.costs import act_bytes, engine_device_bytes
+from tightfit.planner.hardware import GiB
+from tightfit.planner.model_profile import profile_model
+from tightfit.planner.search import violations
+from tightfit.planner.trace import write_trace
+
+MiB = 2**20
+
+
+def meta_gpt(n_layer=4, n_embd=256, n_head=4, vocab=256) -> GPT:
+    with torch.device("meta"):
+        return GPT(GPTConfig(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab))
+
+
+def cfg(**memory) -> Config:
+    c = Config()
+    c.train.micro_batch, c.train.seq_len = 8, 128
+    for k, v in memory.items():
+        setattr(c.memory, k, v)
+    return c
+
+
+GPU = HardwareProfile.synthetic()
+CPU = HardwareProfile.synthetic(cuda=False, device_name="cpu", gpu_total=0, gpu_free=0, host_total=4 * GiB,
+                                host_available=3 * GiB, h2d_bw=5e9, d2h_bw=5e9, mem_bw=10e9, runtime_rss=300 * MiB,
+                                device_adam_rate=1e9, matmul_flops={128: 20e9, 1024: 60e9})
+
+
+def test_profile_counts_units_params_and_activations():
+    m = meta_gpt()
+    prof = profile_model(m, 8, 128)
+    assert [u.name for u in prof.units] == ["root", "blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    assert sum(u.numel for u in prof.units) >= m.num_params()  # the engine pads each flat buffer
+    blk = prof.unit("blocks.1")
+    tokens_bytes = 8 * 128 * 256 * 4  # one [B, T, C] fp32 tensor
+    assert blk.act_input == tokens_bytes
+    # A GPT block saves ~16 hidden-sized tensors (flash attention: no [T, T] scores).
+    assert 10 * tokens_bytes < blk.act_saved < 24 * tokens_bytes
+    assert blk.largest_linear[1:] in ((256, 1024), (1024, 256))
+    # ~6 FLOPs per parameter per token over forward + backward, within the attention share.
+    tokens = 8 * 128
+    assert 5.5 * blk.numel * tokens < blk.fwd.flops + blk.bwd.flops < 8 * blk.numel * tokens
+    assert prof.act_peak >= sum(u.act_saved for u in prof.units)
+
+
+def test_activations_scale_with_micro_batch_and_checkpointing_reduces_them():
+    m = meta_gpt()
+    a, b = profile_model(m, 4, 128), profile_model(m, 8, 128)
+    assert b.unit("blocks.0").act_saved == 2 * a.unit("blocks.0").act_saved
+    ck = {u.name for u in b.units if u.checkpointable}
+    assert act_bytes(b, ck) < act_bytes(b, set()) / 2
+
+
+def test_everything_fits_on_a_large_gpu():
+    plan = make_plan(meta_gpt(), cfg(), GPU)
+    assert all(plan.placement.of(u.name).tier(s) == Tier.DEVICE for u in plan.profile.units for s in State)
+    assert plan.prediction.bottleneck == "compute"
+    assert not violations(plan.prediction, _budgets(plan))
+
+
+def _budgets(plan):
+    from tightfit.planner.search import Budgets
+
+    return Budgets(plan.budgets["device"], plan.budgets["host"], plan.budgets["nvme"] or 0,
+                   plan.placement.nvme_dir, plan.budget_sources)
+
+
+@pytest.mark.parametrize("gpu_mem", ["90MiB", "110MiB", "140MiB"])
+def test_budgets_honoured_and_fastest_first(gpu_mem):
+    plan = make_plan(meta_gpt(), cfg(gpu_mem=gpu_mem, checkpointing="off"), GPU)
+    pred, p = plan.prediction, plan.placement
+    assert pred.peak["device"] <= plan.budgets["device"]
+    assert pred.peak["host"] <= plan.budgets["host"]
+    # Fastest-first (greedy by touches per step): an item left off the device that comes before one placed on it
+    # must have been too big for the room that was left; and no optimizer state sits on the device unless that
+    # unit's gradients do (the device optimizer needs both).
+    for u in plan.profile.units:
+        if p.of(u.name).optim == Tier.DEVICE:
+            assert p.of(u.name).grads == Tier.DEVICE
+    on_dev_params = [u for u in plan.profile.units if p.of(u.name).params == Tier.DEVICE]
+    on_dev_grads = [u for u in plan.profile.units if p.of(u.name).grads == Tier.DEVICE]
+    if on_dev_grads:
+        left = [u for u in plan.profile.units if p.of(u.name).params != Tier.DEVICE]
+        assert all(u.numel >= min(g.trainable for g in on_dev_grads) for u in left)
+    assert on_dev_params or not on_dev_grads
+
+
+def test_more_device_memory_never_means_less_on_the_device():
+    on_dev = []
+    for mem in ("90MiB", "110MiB", "140MiB", "400MiB"):
+        plan = make_plan(meta_gpt(), cfg(gpu_mem=mem, checkpointing="off"), GPU)
+        on_dev.append(plan.tier_bytes()["device"])
+    assert on_dev == sorted(on_dev)
+
+
+def test_host_limited_spills_least_touched_to_nvme(tmp_path):
+    plan = make_plan(meta_gpt(), cfg(gpu_mem="90MiB", cpu_mem="20MiB", nvme=f"{tmp_path}:1GiB",
+                                     checkpointing="off"), GPU)
+    p = plan.placement
+    assert p.uses(Tier.NVME) and p.nvme_dir == str(tmp_path)
+    assert plan.prediction.peak["host"] <= 20 * MiB
+    assert plan.prediction.peak["nvme"] <= GiB
+    # Optimizer moments go to NVMe before any unit's parameters do.
+    units = plan.profile.units
+    if any(p.of(u.name).params == Tier.NVME for u in units):
+        assert all(p.of(u.name).optim == Tier.NVME for u in units if u.trainable)
+    assert plan.prediction.traffic["nvme_read_opt"] > 0
+
+
+def test_infeasible_host_names_nvme_with_size():
+    with pytest.raises(UsageError) as e:
+        make_plan(meta_gpt(), cfg(gpu_mem="90MiB", cpu_mem="10MiB", checkpointing="off"), GPU)
+    msg = str(e.value)
+    assert "host memory" in msg and "--nvme PATH with" in msg and "MiB free" in msg and "\n" not in msg
+
+
+def test_infeasible_device_suggests_micro_batch_and_checkpointing():
+    with pytest.raises(UsageError) as e:
+        make_plan(meta_gpt(), cfg(gpu_mem="30MiB", checkpointing="off"), GPU)
+    msg = str(e.value)
+    assert "device memory" in msg and "--micro-batch" in msg and "--gpu-mem" in msg
+
+
+def test_checkpointing_auto_kicks_in_only_when_needed():
+    small = make_plan(meta_gpt(), cfg(gpu_mem="400MiB"), GPU)
+    assert small.placement.checkpoint_units == []
+    tight = make_plan(meta_gpt(), cfg(gpu_mem="45MiB"), GPU)
+    assert tight.placement.checkpoint_units
+    assert tight.prediction.peak["device"] <= 45 * MiB
+    assert "root" not in tight.placement.checkpoint_units
+
+
+def test_infeasible_nvme_too_small(tmp_path):
+    with pytest.raises(UsageError, match="NVMe tier"):
+        make_plan(meta_gpt(), cfg(gpu_mem="90MiB", cpu_mem="10MiB", nvme=f"{tmp_path}:1MiB",
+                                  checkpointing="off"), GPU)
+
+
+def test_tiling_triggers_for_a_unit_larger_than_the_device():
+    # Blocks of 12.6M parameters (50 MiB fp32; MLP Linears 16 MiB each) cannot stream through 60 MiB.
+    with torch.device("meta"):
+        m = GPT(GPTConfig(n_layer=2, n_embd=1024, n_head=8, block_size=16))
+    c = cfg(gpu_mem="60MiB", cpu_mem="64GiB", checkpointing="on")
+    c.train.micro_batch, c.train.seq_len = 1, 16
+    plan = make_plan(m, c, HardwareProfile.synthetic(host_available=200 * GiB, host_total=256 * GiB))
+    assert plan.placement.tiled_linears
+    path, n = next(iter(plan.placement.tiled_linears.items()))
+    assert path.startswith("blocks.") and n >= 2
+    assert plan.prediction.peak["device"] <= 60 * MiB
+
+
+def test_forced_modes_put_every_state_on_one_tier(tmp_path):
+    for mode in ("device", "host", "none"):
+        plan = make_plan(meta_gpt(), cfg(offload=mode), GPU)
+        want = Tier.DEVICE if mode in ("device", "none") else Tier.HOST
+        assert all(plan.placement.of(u.name).tier(s) == want for u in plan.profile.units for s in State)
+        assert plan.prediction.step_s > 0
+    plan = make_plan(meta_gpt(), cfg(offload="nvme", nvme=f"{tmp_path}:1GiB"), GPU)
+    assert plan.placement.default.params == Tier.NVME and plan.prediction.nvme_s > 0
+    with pytest.raises(UsageError, match="--nvme"):
+        make_plan(meta_gpt(), cfg(offload="nvme"), GPU)
+    over = make_plan(meta_gpt(), cfg(offload="device", gpu_mem="10MiB"), GPU)
+    assert any("warning" in r for r in over.reasons)
+
+
+def test_cpu_only_machine_shares_ram_between_device_and_host():
+    plan = make_plan(meta_gpt(), cfg(), CPU)
+    assert plan.shared_pool and plan.budgets["device"] is None
+    assert plan.prediction.peak["device"] + plan.prediction.peak["host"] <= plan.budgets["host"]
+    assert "host<->device" not in plan.summary() or True
+    small = HardwareProfile.synthetic(**{**CPU.to_dict(), "host_total": GiB, "host_available": 1100 * MiB,
+                                         "runtime_rss": 0})
+    with pytest.raises(UsageError):
+        make_plan(meta_gpt(n_layer=8, n_embd=1024, n_head=8), cfg(), small)
+
+
+def test_step_time_terms_and_bottleneck():
+    fast_disk = make_plan(meta_gpt(), cfg(offload="nvme", nvme="/tmp/x:1GiB"), GPU)
+    slow = HardwareProfile.synthetic(nvme_read_bw=1e6, nvme_write_bw=1e6)
+    slow_disk = make_plan(meta_gpt(), cfg(offload="nvme", nvme="/tmp/x:1GiB"), slow)
+    assert slow_disk.prediction.bottleneck == "nvme"
+    assert slow_disk.prediction.step_s > fast_disk.prediction.step_s
+    pr = slow_disk.prediction
+    assert pr.step_s >= max(pr.compute_s, pr.nvme_s) * 0.99
+
+
+def test_plan_json_round_trip_and_text(tmp_path):
+    plan = make_plan(meta_gpt(), cfg(gpu_mem="110MiB", cpu_mem="1GiB", nvme=f"{tmp_path}:1GiB"), GPU)
+    again = Plan.from_json(plan.to_json())
+    assert again.to_dict() == plan.to_dict()
+    assert again.placement.to_dict() == plan.placement.to_dict()
+    text = plan.table()
+    for word in ("device", "host", "nvme", "predicted peak", "bottleneck", "blocks.3", "compute"):
+        assert word in text
+    assert len(plan.summary().splitlines()) <= 5
+    cmp = plan.compare({"device_peak": plan.prediction.peak["device"], "step_s": plan.prediction.step_s * 2,
+                        "device_engine_peak": engine_device_bytes(plan.prediction.breakdown)})
+    assert "(+0%)" in cmp and "(-50%)" in cmp
+
+
+def test_trace_is_valid_chrome_trace(tmp_path):
+    plan = make_plan(meta_gpt(), cfg(offload="nvme", nvme=f"{tmp_path}:1GiB"), GPU)
+    files = write_trace(plan, tmp_path / "trace", measured=[{"name": "fwd", "stream": "main", "start_s": 0.0,
+                                                               "dur_s": 0.01}])
+    data = json.loads(files[0].read_text())
+    events = data["traceEvents"]
+    assert events and all({"name", "ph", "pid"} <= e.keys() for e in events)
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {"compute", "nvme read", "host->device"} <= {e["cat"] for e in spans if "cat" in e}
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+    assert any(e["ph"] == "C" for e in events) and any(e["pid"] == 2 for e in spans)
+    mem = json.loads(files[1].read_text())
+    assert mem["samples"] and max(s["device"] for s in mem["samples"]) > 0
+
+
+def test_trace_written_by_make_plan_on_trace_flag(tmp_path):
+    make_plan(meta_gpt(), cfg(trace=str(tmp_path / "t")), GPU)
+    assert (tmp_path / "t" / "plan_trace.json").is_file()
+
+
+def test_hardware_profile_round_trip_and_cache(tmp_path, monkeypatch):
+    from tightfit.planner import hardware
+
+    monkeypatch.setenv("TIGHTFIT_CACHE", str(tmp_path))
+    hw = HardwareProfile.synthetic(key=hardware.machine_key())
+    assert HardwareProfile.from_dict(json.loads(json.dumps(hw.to_dict()))) == hw
+    hardware.save_cached(hw)
+    assert hardware.load_cached() == hw
+    assert hw.matmul_rate(512) == pytest.approx((20e12 + 100e12) / 2)

@@ -1,0 +1,160 @@
+"""What the machine offers: memory per tier and measured speeds, cached per machine.
+
+Why measured rather than looked up: the planner's step-time prediction is only as good as its speeds, and a shared
+VM, a throttled NVMe or a busy PCIe switch differ from any data sheet. `tightfit probe` (see `probe.py`) measures
+once and caches the result under ~/.cache/tightfit/hardware.json, keyed by hostname + devices; `tightfit plan`
+and `tightfit train` reuse it. Capacities that change from minute to minute (free GPU memory, available RAM, free
+disk) are re-read live by `current()` each time a plan is made.
+
+Tests never measure: they build a `HardwareProfile` by hand (see `HardwareProfile.synthetic`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+GiB = 1024**3
+
+
+@dataclass
+class HardwareProfile:
+    """Capacities (bytes) and speeds (bytes/s, FLOP/s, elements/s) of one machine."""
+
+    key: str
+    """Cache key: hostname + device names."""
+    cuda: bool
+    """The device tier is a CUDA GPU; otherwise the device tier is the CPU with a byte budget."""
+    device_name: str
+    """"cpu" or the GPU's name."""
+    gpu_total: int
+    """GPU memory in bytes (0 without CUDA)."""
+    gpu_free: int
+    """GPU memory free right now (0 without CUDA)."""
+    host_total: int
+    """Physical RAM."""
+    host_available: int
+    """RAM available right now (psutil's `available`: free + reclaimable page cache)."""
+    nvme_free: int
+    """Free bytes in the swap folder (0 when none was given)."""
+    nvme_read_bw: float
+    """Sequential O_DIRECT read bandwidth of the swap folder's disk."""
+    nvme_write_bw: float
+    """Sequential O_DIRECT write bandwidth of the swap folder's disk."""
+    h2d_bw: float
+    """Host -> device copy bandwidth (pinned, CUDA); on a CPU-only machine the memcpy bandwidth."""
+    d2h_bw: float
+    """Device -> host copy bandwidth (pinned, CUDA); on a CPU-only machine the memcpy bandwidth."""
+    mem_bw: float
+    """Memory bandwidth of the compute device for memory-bound ops (copy of a large tensor: read + write bytes)."""
+    cpu_adam_rate: float
+    """Parameters per second of torch's fused AdamW on CPU (fp32 master + moments + fp32 grads)."""
+    device_adam_rate: float
+    """Parameters per second of AdamW on the device (equals cpu_adam_rate on a CPU-only machine)."""
+    matmul_flops: dict[int, float] = field(default_factory=dict)
+    """Matmul FLOP/s of the compute device at square sizes (size -> FLOP/s), in the compute dtype."""
+    op_overhead_s: float = 10e-6
+    """Seconds of fixed dispatch overhead per aten op (dominates small models on CPU)."""
+    runtime_rss: int = 0
+    """RSS of a process that imported torch and ran a tiny step: the floor under every host measurement."""
+    threads: int = 1
+    """torch intra-op threads during the measurements."""
+    measured_at: float = 0.0
+    """Unix time of the measurement (0: synthetic)."""
+
+    def matmul_rate(self, size: int) -> float:
+        """FLOP/s for a matmul of problem size `size`: log-linear interpolation between measured sizes."""
+        pts = sorted(self.matmul_flops.items())
+        if not pts:
+            return 1e11
+        if size <= pts[0][0]:
+            return pts[0][1]
+        for (s0, f0), (s1, f1) in zip(pts, pts[1:]):
+            if size <= s1:
+                import math
+
+                w = (math.log2(size) - math.log2(s0)) / (math.log2(s1) - math.log2(s0))
+                return f0 + w * (f1 - f0)
+        return pts[-1][1]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "HardwareProfile":
+        d = dict(d)
+        d["matmul_flops"] = {int(k): float(v) for k, v in d.get("matmul_flops", {}).items()}
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+    @classmethod
+    def synthetic(cls, **overrides) -> "HardwareProfile":
+        """A plausible single-GPU workstation; tests override what they exercise."""
+        base = cls(key="synthetic", cuda=True, device_name="synthetic-gpu", gpu_total=24 * GiB, gpu_free=24 * GiB,
+                   host_total=64 * GiB, host_available=60 * GiB, nvme_free=0, nvme_read_bw=3e9, nvme_write_bw=2e9,
+                   h2d_bw=20e9, d2h_bw=20e9, mem_bw=900e9, cpu_adam_rate=1e9, device_adam_rate=20e9,
+                   matmul_flops={256: 20e12, 1024: 100e12, 4096: 150e12}, op_overhead_s=5e-6,
+                   runtime_rss=400 * 2**20, threads=16)
+        return replace(base, **overrides)
+
+
+def machine_key() -> str:
+    """hostname + compute devices: a cached profile is reused only on the same machine with the same GPUs."""
+    devs = "cpu"
+    if torch.cuda.is_available():
+        devs = ",".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+    return f"{socket.gethostname()}|{devs}|threads={torch.get_num_threads()}"
+
+
+def cache_path() -> Path:
+    root = os.environ.get("TIGHTFIT_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "tightfit")
+    return Path(root).expanduser() / "hardware.json"
+
+
+def load_cached() -> HardwareProfile | None:
+    """The cached profile of this machine, or None."""
+    path = cache_path()
+    try:
+        entries = json.loads(path.read_text())
+        d = entries.get(machine_key())
+        return HardwareProfile.from_dict(d) if d else None
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def save_cached(hw: HardwareProfile) -> Path:
+    path = cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError):
+        entries = {}
+    entries[hw.key] = hw.to_dict()
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(entries, indent=2))
+    os.replace(tmp, path)
+    return path
+
+
+def current(hw: HardwareProfile, nvme_dir: str | None) -> HardwareProfile:
+    """`hw` with the capacities that change over time re-read now (free GPU memory, available RAM, free disk)."""
+    import psutil
+
+    vm = psutil.virtual_memory()
+    free_gpu = hw.gpu_free
+    if hw.cuda and torch.cuda.is_available():
+        free_gpu, _ = torch.cuda.mem_get_info()
+    nvme_free = 0
+    if nvme_dir:
+        probe_dir = Path(nvme_dir)
+        while not probe_dir.exists() and probe_dir != probe_dir.parent:
+            probe_dir = probe_dir.parent  # the folder may not exist yet: its disk is its nearest existing parent's
+        nvme_free = shutil.disk_usage(probe_dir).free
+    return replace(hw, host_available=vm.available, host_total=vm.total, gpu_free=free_gpu, nvme_free=nvme_free,
+                   measured_at=hw.measured_at or time.time())

@@ -1,0 +1,416 @@
+"""What a model costs, measured without allocating it: parameter bytes, activations and work per unit.
+
+Why a meta-device trace: the planner must answer "does it fit?" before a single real byte is allocated (the model
+may be 100x the machine). A forward + backward of one micro-batch at the configured shape runs on meta tensors
+(shapes and dtypes only, no data, no compute) under a dispatch mode that sees every aten op. From that one pass we
+get, exactly for this model and this micro-batch x seq_len:
+- the bytes autograd saves for backward, per unit (through saved-tensor hooks, deduplicated by storage);
+- the peak of live activation bytes over the step (tracking every op output until its last reference dies);
+- the work per unit: matmul / attention FLOPs bucketed by problem size, memory traffic of everything else, and
+  the op count (per-op dispatch overhead matters for small models on CPU).
+Hardware enters only later (`costs.py`), so one profile serves every what-if.
+
+Units follow the engine's rule (`tightfit/offload/units.py` when present): the children of every nn.ModuleList
+whose children all share one class are units; everything else belongs to `ROOT_UNIT`.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.func import functional_call
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+from tightfit.offload.placement import ROOT_UNIT
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Work:
+    """Work of one phase of one unit, in hardware-independent terms."""
+
+    gemm_flops: dict[int, float] = field(default_factory=dict)
+    """Matmul and attention FLOPs, keyed by problem size (cube root of m*k*n, rounded to a power of two)."""
+    mem_bytes: float = 0.0
+    """Bytes read + written by the non-matmul ops (norms, activations, adds, softmax): memory-bound work."""
+    n_ops: int = 0
+    """aten ops dispatched (views excluded): each costs a fixed dispatch overhead."""
+
+    def add(self, other: "Work", scale: float = 1.0) -> None:
+        for k, v in other.gemm_flops.items():
+            self.gemm_flops[k] = self.gemm_flops.get(k, 0.0) + v * scale
+        self.mem_bytes += other.mem_bytes * scale
+        self.n_ops += int(round(other.n_ops * scale))
+
+    def scaled(self, scale: float) -> "Work":
+        w = Work()
+        w.add(self, scale)
+        return w
+
+    @property
+    def flops(self) -> float:
+        return sum(self.gemm_flops.values())
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Work":
+        return cls({int(k): v for k, v in d["gemm_flops"].items()}, d["mem_bytes"], d["n_ops"])
+
+
+@dataclass
+class UnitProfile:
+    """One unit: what it stores and what it costs per micro-step."""
+
+    name: str
+    """Module path of the unit ("blocks.3") or ROOT_UNIT."""
+    numel: int
+    """Parameters in the unit."""
+    trainable: int
+    """Parameters with requires_grad (only these get gradients, master weights and Adam moments)."""
+    largest_linear: tuple[str, int, int] | None
+    """(module path, in_features, out_features) of the unit's largest nn.Linear, for the tiling decision."""
+    act_saved: int
+    """Bytes autograd keeps from this unit's forward until its backward (no checkpointing)."""
+    act_input: int
+    """Bytes of the unit's input: all a checkpointed unit keeps (its forward is recomputed in backward)."""
+    fwd: Work = field(default_factory=Work)
+    """Forward work of one micro-batch."""
+    bwd: Work = field(default_factory=Work)
+    """Backward work of one micro-batch (attributed to units in proportion to their forward FLOPs)."""
+    checkpointable: bool = True
+    """The unit is one module call (a block); the root unit's leftovers are not."""
+    linears: list[tuple[str, int, int]] = field(default_factory=list)
+    """Every nn.Linear of the unit, largest first: the candidates for tiling."""
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "UnitProfile":
+        d = dict(d)
+        d["fwd"], d["bwd"] = Work.from_dict(d["fwd"]), Work.from_dict(d["bwd"])
+        d["largest_linear"] = tuple(d["largest_linear"]) if d["largest_linear"] else None
+        d["linears"] = [tuple(x) for x in d.get("linears", [])]
+        return cls(**d)
+
+
+@dataclass
+class ModelProfile:
+    """Every unit in execution order, plus whole-step activation facts."""
+
+    units: list[UnitProfile]
+    """Units in forward execution order (root first: its embeddings run first)."""
+    compute_dtype: str
+    """"fp32", "bf16" or "fp16": dtype of compute parameters and activations."""
+    micro_batch: int
+    """Sequences per micro-batch the profile was traced at."""
+    seq_len: int
+    """Tokens per sequence the profile was traced at."""
+    act_peak: int
+    """Peak live activation bytes over forward + backward without checkpointing (saved + transient)."""
+    measured: bool = True
+    """False when the trace failed and activations/work come from a formula (see `reasons`)."""
+    note: str = ""
+    """Why the trace fell back, when it did."""
+
+    @property
+    def act_transient(self) -> int:
+        """Peak bytes beyond what is saved: gradients of activations, logits, temporaries of the running op."""
+        return max(0, self.act_peak - sum(u.act_saved for u in self.units))
+
+    def unit(self, name: str) -> UnitProfile:
+        return next(u for u in self.units if u.name == name)
+
+    @property
+    def numel(self) -> int:
+        return sum(u.numel for u in self.units)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelProfile":
+        d = dict(d)
+        d["units"] = [UnitProfile.from_dict(u) for u in d["units"]]
+        return cls(**d)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Units
+
+
+def unit_layout(model: nn.Module) -> tuple[dict[str, nn.Module], dict[str, int], dict[str, int]]:
+    """(unit name -> module for non-root units, unit -> numel, unit -> trainable numel), in execution order.
+
+    Uses the engine's detector (`tightfit.offload.units.find_units`) so the planner's units are the engine's units,
+    padding of its flat buffers included; the fallback implements the same default rule for a tree without it.
+    """
+    try:
+        from tightfit.offload.units import find_units
+    except ImportError:  # pragma: no cover - the engine is part of the package; kept for partial installs
+        find_units = None
+    if find_units is not None:
+        specs = find_units(model)
+        mods = {s.name: s.module for s in specs if s.name != ROOT_UNIT}
+        return mods, {s.name: s.numel for s in specs}, {s.name: s.train_numel for s in specs}
+    mods: dict[str, nn.Module] = {}
+    for path, mod in model.named_modules():
+        if not isinstance(mod, nn.ModuleList) or len(mod) < 2 or any(path.startswith(u + ".") for u in mods):
+            continue
+        if len({type(c) for c in mod}) == 1:
+            mods.update({f"{path}.{i}" if path else str(i): child for i, child in enumerate(mod)})
+    numel = {ROOT_UNIT: 0, **dict.fromkeys(mods, 0)}
+    trainable = dict(numel)
+    for pname, p in model.named_parameters():
+        u = _unit_of_param(pname, list(mods))
+        numel[u] += p.numel()
+        trainable[u] += p.numel() if p.requires_grad else 0
+    return mods, numel, trainable
+
+
+def _unit_of_param(name: str, unit_names: list[str]) -> str:
+    for u in unit_names:
+        if name.startswith(u + "."):
+            return u
+    return ROOT_UNIT
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The meta trace
+
+
+class _FusedAttention(TorchFunctionMode):
+    """Route `F.scaled_dot_product_attention` to the fused kernel the real device would pick.
+
+    On meta tensors SDPA falls back to the math path, which materialises the [T, T] scores; CPU and CUDA both run a
+    flash kernel that saves only the output and a log-sum-exp. Without this the profile would over-state attention
+    activations by a factor of T / head_dim.
+    """
+
+    def __init__(self, cuda: bool) -> None:
+        super().__init__()
+        self.cuda = cuda
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            q, k, v = args[:3]
+            mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+            causal = kwargs.get("is_causal", args[5] if len(args) > 5 else False)
+            if mask is None and q.shape[-1] == v.shape[-1] and q.shape[:-2] == k.shape[:-2]:
+                scale = kwargs.get("scale")
+                if self.cuda and q.dtype in (torch.float16, torch.bfloat16):
+                    out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)
+                else:
+                    out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
+                                                                                      scale=scale)
+                return out[0]
+        return func(*args, **kwargs)
+
+
+_VIEW_OPS = {"view", "_unsafe_view", "t", "transpose", "expand", "permute", "reshape", "detach", "alias",
+             "unsqueeze", "squeeze", "slice", "select", "split", "split_with_sizes", "as_strided", "_reshape_alias",
+             "lift_fresh", "unbind"}
+_ATTN_OPS = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
+             "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"}
+
+
+def _bucket(m: float, k: float, n: float) -> int:
+    """Problem-size key of a matmul: cube root of m*k*n rounded to a power of two (16 .. 16384)."""
+    size = max(1.0, m * k * n) ** (1 / 3)
+    return int(2 ** min(14, max(4, round(math.log2(size)))))
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+class _Tracer(TorchDispatchMode):
+    """Counts work per phase/unit and tracks live activation bytes over one meta step.
+
+    Liveness: every op output's storage is counted from creation until the last Python tensor object viewing it is
+    collected (weakref finalizers). Autograd's saved tensors stay referenced because the saved-tensor hook returns
+    them as Python objects, so they count while saved, as on a real device.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unit = ROOT_UNIT
+        self.phase = "fwd"
+        self.work: dict[tuple[str, str], Work] = {}
+        self.live: dict[int, list[int]] = {}  # storage key -> [nbytes, live tensor objects]
+        self.live_bytes = 0
+        self.peak = 0
+        self.ignore: set[int] = set()  # storages of parameters (not activations)
+
+    def _track(self, t: torch.Tensor) -> None:
+        key = _storage_key(t)
+        if key in self.ignore:
+            return
+        entry = self.live.get(key)
+        if entry is None:
+            nbytes = t.untyped_storage().nbytes()
+            entry = self.live[key] = [nbytes, 0]
+            self.live_bytes += nbytes
+            self.peak = max(self.peak, self.live_bytes)
+        entry[1] += 1
+        weakref.finalize(t, self._release, key)
+
+    def _release(self, key: int) -> None:
+        entry = self.live.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.live_bytes -= entry[0]
+            del self.live[key]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        if name in _VIEW_OPS:
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            for o in outs:
+                if isinstance(o, torch.Tensor):
+                    self._track(o)
+            return out
+        w = self.work.setdefault((self.unit, self.phase), Work())
+        w.n_ops += 1
+        tensors_in = [a for a in _flat(args, kwargs) if isinstance(a, torch.Tensor)]
+        outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
+        if name in _ATTN_OPS:
+            q = tensors_in[0] if "backward" not in name else tensors_in[1]
+            b_h = q.shape[0] * q.shape[1]
+            t_q, d = q.shape[2], q.shape[3]
+            t_k = tensors_in[1].shape[2] if "backward" not in name else tensors_in[2].shape[2]
+            causal = any(a is True for a in args)
+            flops = 4.0 * b_h * t_q * t_k * d * (0.5 if causal else 1.0) * (2.5 if "backward" in name else 1.0)
+            key = _bucket(t_q, d, t_k)
+            w.gemm_flops[key] = w.gemm_flops.get(key, 0.0) + flops
+        elif func.overloadpacket in flop_registry or func in flop_registry:
+            flops = float(flop_registry[func.overloadpacket](*args, out_val=out, **kwargs))
+            mats = [a for a in tensors_in if a.dim() >= 2]
+            m = mats[-2].shape[-2] if len(mats) >= 2 else 1
+            k_, n = (mats[-1].shape[-2], mats[-1].shape[-1]) if mats else (1, 1)
+            key = _bucket(m, k_, n)
+            w.gemm_flops[key] = w.gemm_flops.get(key, 0.0) + flops
+        else:
+            w.mem_bytes += sum(a.numel() * a.element_size() for a in tensors_in + outs)
+        for o in outs:
+            self._track(o)
+        return out
+
+
+def _flat(args, kwargs):
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, (list, tuple)):
+            yield from a
+        else:
+            yield a
+
+
+def _loss_fn(model: nn.Module, vocab: int):
+    """How to run one training micro-step of `model`: (ids, targets) -> scalar loss."""
+    from tightfit.models.gpt import GPT
+
+    if isinstance(model, GPT):
+        return lambda call, ids: call((ids, ids))
+    if hasattr(getattr(model, "config", None), "vocab_size"):  # Hugging Face causal LM
+        return lambda call, ids: call((), {"input_ids": ids, "labels": ids}).loss
+    return lambda call, ids: call((ids,)).float().mean()
+
+
+def _vocab(model: nn.Module) -> int:
+    cfg = getattr(model, "config", None)
+    return int(getattr(cfg, "vocab_size", 256))
+
+
+def profile_model(model: nn.Module, micro_batch: int, seq_len: int, compute_dtype: str = "fp32",
+                  cuda: bool = False) -> ModelProfile:
+    """Profile `model` (on any device, including meta) for one micro-batch of [micro_batch, seq_len] tokens."""
+    unit_mods, numel, trainable = unit_layout(model)
+    names = list(unit_mods)
+    linears: dict[str, list[tuple[str, int, int]]] = {}
+    for mpath, mod in model.named_modules():
+        if isinstance(mod, nn.Linear):
+            u = _unit_of_param(mpath + ".weight", names)
+            linears.setdefault(u, []).append((mpath, mod.in_features, mod.out_features))
+    for lst in linears.values():
+        lst.sort(key=lambda x: -x[1] * x[2])
+
+    order = [ROOT_UNIT, *names]
+    units = {n: UnitProfile(n, numel[n], trainable[n], (linears.get(n) or [None])[0], 0, 0,
+                            checkpointable=n != ROOT_UNIT, linears=linears.get(n, [])) for n in order}
+    try:
+        act_peak = _trace(model, unit_mods, units, micro_batch, seq_len, _DTYPES[compute_dtype], cuda)
+        measured, note = True, ""
+    except Exception as e:  # a model the generic step cannot drive: fall back to a formula, and say so
+        act_peak = _formula(units, micro_batch, seq_len, DTYPE_BYTES[compute_dtype])
+        measured, note = False, f"meta trace failed ({type(e).__name__}: {e}); activations and work estimated"
+    return ModelProfile(list(units.values()), compute_dtype, micro_batch, seq_len, act_peak, measured, note)
+
+
+def _trace(model, unit_mods, units, micro_batch, seq_len, dtype, cuda) -> int:
+    tracer = _Tracer()
+    params = {n: torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype, device="meta")
+              .requires_grad_(p.requires_grad) for n, p in model.named_parameters()}
+    buffers = {n: torch.empty(b.shape, dtype=b.dtype, device="meta") for n, b in model.named_buffers()}
+    tracer.ignore = {_storage_key(t) for t in [*params.values(), *buffers.values()]}
+    for p in params.values():
+        if p.requires_grad:  # the engine moves each gradient off the device as soon as it is produced
+            p.register_post_accumulate_grad_hook(lambda t: setattr(t, "grad", None))
+
+    saved: dict[str, dict[int, int]] = {n: {} for n in units}
+
+    def pack(t):
+        key = _storage_key(t)
+        if key not in tracer.ignore and tracer.phase == "fwd":
+            saved[tracer.unit].setdefault(key, t.untyped_storage().nbytes())
+        return t
+
+    handles = []
+    for name, mod in unit_mods.items():
+        def pre(m, args, name=name):
+            tracer.unit = name
+            x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            units[name].act_input = x.numel() * x.element_size() if x is not None else 0
+
+        handles.append(mod.register_forward_pre_hook(pre))
+        handles.append(mod.register_forward_hook(lambda m, a, o: setattr(tracer, "unit", ROOT_UNIT)))
+    ids = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
+    run = _loss_fn(model, _vocab(model))
+    try:
+        with _FusedAttention(cuda), tracer, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = run(lambda a, k=None: functional_call(model, {**params, **buffers}, a, k), ids)
+            tracer.unit, tracer.phase = ROOT_UNIT, "bwd"
+            loss.backward()
+            del loss
+    finally:
+        for h in handles:
+            h.remove()
+    for name, u in units.items():
+        u.act_saved = sum(saved[name].values())
+        u.fwd = tracer.work.get((name, "fwd"), Work())
+    # Backward ops run outside any module hook; give each unit a share proportional to its forward FLOPs.
+    bwd = tracer.work.get((ROOT_UNIT, "bwd"), Work())
+    total_fwd = sum(u.fwd.flops for u in units.values()) or 1.0
+    for u in units.values():
+        u.bwd = bwd.scaled(u.fwd.flops / total_fwd)
+    return tracer.peak
+
+
+def _formula(units: dict[str, UnitProfile], micro_batch: int, seq_len: int, nbytes: int) -> int:
+    """Activation estimate when tracing fails: ~16 hidden-sized tensors saved per block (attention excluded)."""
+    tokens = micro_batch * seq_len
+    total = 0
+    for u in units.values():
+        hidden = u.largest_linear[1] if u.largest_linear else 0
+        u.act_input = tokens * hidden * nbytes
+        u.act_saved = 16 * u.act_input if u.checkpointable else 2 * u.act_input
+        u.fwd = Work({_bucket(tokens, hidden, hidden): 2.0 * tokens * u.numel}, 8.0 * u.act_input, 30)
+        u.bwd = u.fwd.scaled(2.0)
+        total += u.act_saved
+    return int(total * 1.25)

@@ -1,0 +1,185 @@
+"""The planner's output: a placement, what it is predicted to cost, why, and how to print it.
+
+Why one object: `tightfit plan` prints it, `tightfit train` prints its summary before training and compares it with
+what was measured after, the engine consumes its `placement`, and `--json` / `--trace` serialise it. The plan
+keeps the model and hardware profiles it was made from, so a saved plan can be re-drawn (`trace.py`) or
+re-predicted without the model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+from tightfit.offload.placement import Placement, State
+from tightfit.planner.costs import Prediction, TrainShape, engine_device_bytes, state_bytes
+from tightfit.planner.hardware import HardwareProfile
+from tightfit.planner.model_profile import ModelProfile
+from tightfit.utils.sizes import format_size
+
+TIERS = ("device", "host", "nvme")
+
+
+@dataclass
+class Plan:
+    """A placement with its predictions and reasons. JSON round-trips (`to_json` / `from_json`)."""
+
+    placement: Placement
+    """What the engine consumes."""
+    prediction: Prediction
+    """Peak bytes per tier and step-time terms of `placement`."""
+    budgets: dict[str, int | None]
+    """Tier -> byte budget the plan honours (None: no limit; on a CPU-only machine "device" shares "host")."""
+    budget_sources: dict[str, str]
+    """Tier -> the flag or "machine" the budget came from."""
+    reasons: list[str]
+    """One line per decision, in the order they were made."""
+    mode: str
+    """--offload: "auto", "none", or the single tier every state was put on."""
+    shape: TrainShape
+    """The training settings the costs depend on."""
+    profile: ModelProfile
+    """Per-unit bytes and work the plan was made from (tile units included when tiling was applied)."""
+    hardware: HardwareProfile
+    """Capacities and speeds the plan was made with."""
+    shared_pool: bool = False
+    """CPU-only machine without --gpu-mem: device and host tiers share the host budget."""
+
+    # --- serialisation ------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {"placement": self.placement.to_dict(), "prediction": asdict(self.prediction),
+                "budgets": self.budgets, "budget_sources": self.budget_sources, "reasons": self.reasons,
+                "mode": self.mode, "shape": asdict(self.shape), "profile": asdict(self.profile),
+                "hardware": self.hardware.to_dict(), "shared_pool": self.shared_pool}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        return cls(Placement.from_dict(d["placement"]), Prediction(**d["prediction"]), d["budgets"],
+                   d["budget_sources"], d["reasons"], d["mode"], TrainShape(**d["shape"]),
+                   ModelProfile.from_dict(d["profile"]), HardwareProfile.from_dict(d["hardware"]),
+                   d.get("shared_pool", False))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        return cls.from_dict(json.loads(text))
+
+    # --- views --------------------------------------------------------------------------------------------------
+    def tier_bytes(self) -> dict[str, int]:
+        """Bytes of states resident on each tier (buffers and activations excluded)."""
+        out = dict.fromkeys(TIERS, 0)
+        for u in self.profile.units:
+            for s in State:
+                out[self.placement.of(u.name).tier(s).value] += state_bytes(u, s, self.placement, self.shape)
+        return out
+
+    def _budget_text(self, tier: str) -> str:
+        b = self.budgets.get(tier)
+        if tier == "device" and self.shared_pool:
+            return "shares host"
+        if tier == "nvme" and not self.placement.nvme_dir:
+            return "-"
+        return "none" if b is None else format_size(b)
+
+    def summary(self) -> str:
+        """A few lines for `tightfit train` to print before training."""
+        p, pr = self.placement, self.prediction
+        counts: dict[str, int] = {}
+        for u in self.profile.units:
+            for s in State:
+                t = p.of(u.name).tier(s).value
+                counts[t] = counts.get(t, 0) + 1
+        where = ", ".join(f"{n} on {t}" for t, n in counts.items())
+        peaks = ", ".join(f"{t} {format_size(pr.peak.get(t, 0))}/{self._budget_text(t)}" for t in TIERS
+                          if pr.peak.get(t, 0) or t != "nvme")
+        lines = [f"plan ({self.mode}): {len(self.profile.units)} units x 4 states: {where}",
+                 f"  predicted peak: {peaks}",
+                 f"  predicted step: {pr.step_s * 1e3:.0f} ms ({pr.tokens_per_s:,.0f} tokens/s), "
+                 f"bottleneck: {pr.bottleneck}"]
+        extras = []
+        if p.checkpoint_units:
+            extras.append(f"checkpointing {len(p.checkpoint_units)} unit(s)")
+        if p.tiled_linears:
+            extras.append("tiling " + ", ".join(f"{k} x{v}" for k, v in p.tiled_linears.items()))
+        if extras:
+            lines.append("  " + "; ".join(extras))
+        return "\n".join(lines)
+
+    def table(self) -> str:
+        """The full `tightfit plan` output."""
+        p, pr = self.placement, self.prediction
+        lines = [f"tightfit plan: {self.hardware.device_name}, compute {self.profile.compute_dtype}, micro-batch "
+                 f"{self.profile.micro_batch} x {self.profile.seq_len} tokens, grad-accum {self.shape.grad_accum}, "
+                 f"--offload {self.mode}", ""]
+        head = f"{'unit':<28}{'params':>10}  " + "".join(f"{s.value:>18}" for s in State)
+        lines += [head, "-" * len(head)]
+        for u in self.profile.units:
+            up = p.of(u.name)
+            cells = "".join(f"{format_size(state_bytes(u, s, p, self.shape)) + ' ' + up.tier(s).value:>18}"
+                            for s in State)
+            lines.append(f"{u.name:<28}{u.numel:>10,}  {cells}")
+        lines.append("")
+        tb = self.tier_bytes()
+        lines.append(f"{'tier':<8}{'states':>12}{'predicted peak':>16}{'budget':>14}   breakdown at peak")
+        for t in TIERS:
+            parts = ", ".join(f"{k} {format_size(v)}" for k, v in pr.breakdown.get(t, {}).items() if v)
+            lines.append(f"{t:<8}{format_size(tb[t]):>12}{format_size(pr.peak.get(t, 0)):>16}"
+                         f"{self._budget_text(t):>14}   {parts}")
+        if not self.hardware.cuda:
+            lines.append(f"predicted RSS (runtime {format_size(pr.runtime_rss)} + host + CPU device): "
+                         f"{format_size(pr.rss(False))}")
+        lines.append("")
+        lines.append(f"schedule: prefetch depth {p.prefetch_depth}, staging buffers {p.staging_buffers}, "
+                     f"checkpointed units {len(p.checkpoint_units)}, tiled linears {len(p.tiled_linears)}")
+        tr = pr.traffic
+        lines.append(f"traffic per step: host->device {format_size(tr.get('h2d', 0) + tr.get('h2d_opt', 0))}, "
+                     f"device->host {format_size(tr.get('d2h', 0))}, nvme read "
+                     f"{format_size(tr.get('nvme_read', 0) + tr.get('nvme_read_opt', 0))}, nvme write "
+                     f"{format_size(tr.get('nvme_write', 0) + tr.get('nvme_write_opt', 0))}")
+        lines.append(f"step time terms: compute {pr.compute_s * 1e3:.1f} ms, host<->device {pr.copy_s * 1e3:.1f} ms, "
+                     f"nvme {pr.nvme_s * 1e3:.1f} ms, optimizer {pr.optim_s * 1e3:.1f} ms, "
+                     f"exposed latency {pr.exposed_s * 1e3:.1f} ms")
+        lines.append(f"predicted step: {pr.step_s * 1e3:.1f} ms ({pr.tokens_per_s:,.0f} tokens/s); "
+                     f"bottleneck: {pr.bottleneck}")
+        if self.reasons:
+            lines.append("")
+            lines += [f"- {r}" for r in self.reasons]
+        if not self.profile.measured:
+            lines.append(f"- note: {self.profile.note}")
+        return "\n".join(lines)
+
+    def compare(self, measured: dict) -> str:
+        """Predicted vs measured, one line per quantity measured.
+
+        Keys understood (any subset): "device_peak" (everything on the device: CUDA peak allocated),
+        "device_engine_peak" (what the engine counts: device-tier states + materialised units), "host_peak"
+        (host tier + buffer pool), "nvme_peak", "rss_peak" (bytes) and "step_s" (seconds per optimizer step).
+        "rss_peak" is compared with runtime + host (+ CPU device) bytes.
+        """
+        pr = self.prediction
+        pairs = [(f"{t} peak", pr.peak.get(t, 0), measured.get(f"{t}_peak"), True) for t in TIERS]
+        pairs.insert(1, ("device (engine)", engine_device_bytes(pr.breakdown), measured.get("device_engine_peak"), True))
+        pairs.append(("process RSS", pr.rss(self.hardware.cuda), measured.get("rss_peak"), True))
+        pairs.append(("step time", pr.step_s, measured.get("step_s"), False))
+        lines = ["predicted vs measured:"]
+        for name, pred, meas, is_bytes in pairs:
+            if meas is None:
+                continue
+            fmt = format_size if is_bytes else (lambda s: f"{s * 1e3:.1f} ms")
+            err = (pred - meas) / meas * 100 if meas else 0.0
+            lines.append(f"  {name:<12} predicted {fmt(pred):>10}  measured {fmt(meas):>10}  ({err:+.0f}%)")
+        return "\n".join(lines)
+
+    def over_budget(self) -> list[str]:
+        """Tiers whose predicted peak exceeds their budget (non-empty only for a forced --offload mode)."""
+        out = []
+        for t in TIERS:
+            b = self.budgets.get(t)
+            peak = self.prediction.peak.get(t, 0) + (self.prediction.peak.get("device", 0)
+                                                     if t == "host" and self.shared_pool else 0)
+            if b is not None and peak > b and not (t == "device" and self.shared_pool):
+                out.append(t)
+        return out
+

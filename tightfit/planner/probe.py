@@ -1,0 +1,158 @@
+"""`tightfit probe`: measure this machine's speeds once (~10 s) and cache them.
+
+Why these measurements: each is the rate of one term of the step-time model (`costs.py`), measured the way the
+engine spends it:
+- matmul FLOP/s at square sizes 128..2048 in the compute dtype (small GEMMs are far below peak on every device);
+- memory bandwidth (a large tensor copy), for norms, activations and other memory-bound ops;
+- per-op overhead: a chain of tiny ops with autograd, forward + backward, divided by the aten ops it dispatches
+  (counted by the same tracer the model profile uses, so the two agree on what "an op" is);
+- fused AdamW on CPU (and on the GPU), in parameters per second;
+- host<->device copies (pinned, CUDA; a memcpy between tier buffers on a CPU-only machine);
+- the swap folder's sequential O_DIRECT read/write bandwidth (`tightfit.offload.disk_bench`);
+- the RSS of a fresh process that imported torch and ran a tiny step: the runtime floor under host memory.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from tightfit.planner.hardware import HardwareProfile, current, load_cached, machine_key, save_cached
+
+_MATMUL_SIZES = (128, 256, 512, 1024, 2048)
+
+
+def _timeit(fn, min_s: float = 0.15, max_reps: int = 200) -> float:
+    """Seconds per call: one warm-up, then repeat until `min_s` has passed."""
+    fn()
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    reps, t0 = 0, time.perf_counter()
+    while True:
+        fn()
+        reps += 1
+        if reps >= max_reps or time.perf_counter() - t0 >= min_s:
+            break
+    sync()
+    return (time.perf_counter() - t0) / reps
+
+
+def measure_matmul(device: str, dtype: torch.dtype) -> dict[int, float]:
+    out = {}
+    for n in _MATMUL_SIZES:
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        out[n] = 2.0 * n**3 / _timeit(lambda: a @ b)
+    return out
+
+
+def measure_mem_bw(device: str, nbytes: int = 256 << 20) -> float:
+    """Bytes read + written per second by a large copy."""
+    src = torch.ones(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    return 2.0 * nbytes / _timeit(lambda: dst.copy_(src))
+
+
+def measure_op_overhead(device: str) -> float:
+    """Seconds per dispatched aten op on tiny tensors, autograd included."""
+    from tightfit.planner.model_profile import _Tracer
+
+    def chain(x):
+        for _ in range(100):
+            x = x * 1.0001 + 0.001
+        return x.sum()
+
+    def step(dev):
+        x = torch.ones(8, device=dev, requires_grad=True)
+        chain(x).backward()
+
+    tracer = _Tracer()
+    with tracer:
+        step("meta")
+    n_ops = sum(w.n_ops for w in tracer.work.values())
+    return _timeit(lambda: step(device)) / max(1, n_ops)
+
+
+def measure_adam(device: str, numel: int = 4 << 20) -> float:
+    """Parameters per second of torch's fused AdamW (fp32 params, grads and moments)."""
+    p = torch.nn.Parameter(torch.randn(numel, device=device))
+    p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
+    return numel / _timeit(opt.step, min_s=0.2)
+
+
+def measure_copies(nbytes: int = 256 << 20) -> tuple[float, float]:
+    """(host->device, device->host) bytes/s: pinned copies on CUDA, a memcpy between buffers on CPU."""
+    if torch.cuda.is_available():
+        host = torch.empty(nbytes // 4, pin_memory=True)
+        dev = torch.empty(nbytes // 4, device="cuda")
+        h2d = nbytes / _timeit(lambda: dev.copy_(host, non_blocking=True))
+        d2h = nbytes / _timeit(lambda: host.copy_(dev, non_blocking=True))
+        return h2d, d2h
+    a, b = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+    bw = nbytes / _timeit(lambda: b.copy_(a))
+    return bw, bw
+
+
+def measure_runtime_rss() -> int:
+    """RSS of a fresh Python that imported torch and tightfit and ran a tiny training step."""
+    code = ("import psutil, torch, tightfit\n"
+            "from tightfit.models.gpt import GPT, GPTConfig\n"
+            "m = GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2, block_size=16))\n"
+            "x = torch.zeros(2, 16, dtype=torch.long)\n"
+            "opt = torch.optim.AdamW(m.parameters(), fused=True)\n"
+            "m(x, x).backward(); opt.step()\n"
+            "print(psutil.Process().memory_info().rss)\n")
+    try:
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        return int(res.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError, OSError):
+        import psutil
+
+        return psutil.Process().memory_info().rss
+
+
+def measure_disk(folder: str | None, nbytes: int = 256 << 20) -> tuple[float, float]:
+    """(read, write) bytes/s of sequential O_DIRECT transfers in `folder` (a temporary folder when None)."""
+    from tightfit.offload.disk_bench import measure_raw_bandwidth
+
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+        return measure_raw_bandwidth(folder, nbytes)
+    with tempfile.TemporaryDirectory(prefix="tightfit-probe-") as d:
+        return measure_raw_bandwidth(d, nbytes)
+
+
+def run_probe(folder: str | None = None, save: bool = True) -> HardwareProfile:
+    """Measure this machine (disk speed in `folder`, the swap folder) and cache the result."""
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    gpu_total = torch.cuda.get_device_properties(0).total_memory if cuda else 0
+    h2d, d2h = measure_copies()
+    read_bw, write_bw = measure_disk(folder)
+    cpu_adam = measure_adam("cpu")
+    hw = HardwareProfile(
+        key=machine_key(), cuda=cuda, device_name=torch.cuda.get_device_name(0) if cuda else "cpu",
+        gpu_total=gpu_total, gpu_free=gpu_total, host_total=0, host_available=0, nvme_free=0,
+        nvme_read_bw=read_bw, nvme_write_bw=write_bw, h2d_bw=h2d, d2h_bw=d2h, mem_bw=measure_mem_bw(device),
+        cpu_adam_rate=cpu_adam, device_adam_rate=measure_adam("cuda") if cuda else cpu_adam,
+        matmul_flops=measure_matmul(device, dtype), op_overhead_s=measure_op_overhead(device),
+        runtime_rss=measure_runtime_rss(), threads=torch.get_num_threads(), measured_at=time.time())
+    hw = current(hw, folder)
+    if save:
+        save_cached(hw)
+    return hw
+
+
+def load_or_probe(folder: str | None = None) -> HardwareProfile:
+    """The cached profile of this machine, measured now if there is none; capacities re-read live."""
+    hw = load_cached()
+    if hw is None:
+        hw = run_probe(folder)
+    return current(hw, folder)

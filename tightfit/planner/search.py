@@ -1,0 +1,353 @@
+"""Choosing a placement: budgets from flags or the machine, then a greedy fill of the fastest tiers.
+
+Why greedy: the states of a transformer are a few identical units plus a root; what matters is which *kind* of
+state sits where, and a greedy fill in order of "touched most per step" is both near-optimal for that structure
+and explainable in one line per decision (the `reasons` the plan prints). Each move is checked with the full
+memory model (`costs.memory`), so no budget is ever exceeded by the arithmetic that chose it.
+
+Order of decisions (each step can only make the next easier):
+1. budgets (flags, else the machine less headroom);
+2. activation checkpointing (auto: only if activations + the smallest streaming window do not fit the device);
+3. tiling (only if one unit's largest Linear alone leaves no room on the device);
+4. prefetch depth (hide one unit's fetch behind the compute of the units before it), staging buffers;
+5. states: start on host; promote to the device in priority order while the device budget holds; demote to NVMe
+   in reverse priority while host memory does not hold; promote again (a CPU-only machine's shared RAM may have
+   room after the NVMe demotion).
+Priority = touches per step: params 2 x accum (3 x with checkpointing), grads accum + 1, master + moments 2.
+When nothing fits, `Infeasible` carries the smallest change that does, with numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from tightfit.errors import UsageError
+from tightfit.offload.placement import Placement, State, Tier, UnitPlacement
+from tightfit.planner.costs import Prediction, TrainShape, act_bytes, memory, predict, units_per_window
+from tightfit.planner.hardware import GiB, HardwareProfile
+from tightfit.planner.model_profile import ModelProfile, UnitProfile, Work
+from tightfit.utils.sizes import format_size
+
+_GROUPS: dict[str, tuple[State, ...]] = {"params": (State.PARAMS,), "grads": (State.GRADS,),
+                                         "optimizer": (State.MASTER, State.OPTIM)}
+
+
+@dataclass
+class Budgets:
+    """Byte budgets per tier and where each came from."""
+
+    device: int | None
+    """Device tier (None on a CPU-only machine without --gpu-mem: the device shares `host`'s pool)."""
+    host: int
+    """Host memory for tier storage and buffers (the torch runtime's own RSS excluded)."""
+    nvme: int = 0
+    """Bytes the swap folder may use (0: no NVMe tier)."""
+    nvme_dir: str | None = None
+    """The swap folder (--nvme PATH)."""
+    source: dict[str, str] = field(default_factory=dict)
+    """Tier -> the flag that set it ("--gpu-mem") or "machine"."""
+
+    @property
+    def shared(self) -> bool:
+        """Device and host tiers draw on one RAM pool (CPU-only machine, no --gpu-mem)."""
+        return self.device is None
+
+    def for_tier(self, tier: str) -> int | None:
+        return {"device": self.device if self.device is not None else self.host, "host": self.host,
+                "nvme": self.nvme if self.nvme_dir else 0}[tier]
+
+
+def host_headroom(hw: HardwareProfile) -> int:
+    """RAM left to the OS and other processes when no --cpu-mem is given: 10% of RAM, at least 1 GiB."""
+    return max(GiB, hw.host_total // 10)
+
+
+def device_headroom(hw: HardwareProfile) -> int:
+    """GPU memory left to the CUDA context, allocator fragmentation and kernels' workspaces: 8%, at least 512 MiB."""
+    return max(512 * 2**20, int(hw.gpu_total * 0.08))
+
+
+def budgets_from(memory_cfg, hw: HardwareProfile) -> Budgets:
+    """Budgets from --gpu-mem / --cpu-mem / --nvme, or from the machine with headroom."""
+    from tightfit.config import parse_nvme
+    from tightfit.utils.sizes import parse_size
+
+    src: dict[str, str] = {}
+    if memory_cfg.gpu_mem is not None:
+        device, src["device"] = parse_size(memory_cfg.gpu_mem, "--gpu-mem"), "--gpu-mem"
+    elif hw.cuda:
+        device, src["device"] = max(0, hw.gpu_free - device_headroom(hw)), "machine"
+    else:
+        device, src["device"] = None, "machine (shared with host RAM)"
+    if memory_cfg.cpu_mem is not None:
+        host, src["host"] = parse_size(memory_cfg.cpu_mem, "--cpu-mem"), "--cpu-mem"
+    else:
+        host = max(0, hw.host_available - hw.runtime_rss - host_headroom(hw))
+        if not hw.cuda and device is not None:
+            host = max(0, host - device)  # a CPU "device" budget comes out of the same RAM
+        src["host"] = "machine"
+    nvme_dir, nvme = None, 0
+    if memory_cfg.nvme is not None:
+        nvme_dir, size = parse_nvme(memory_cfg.nvme)
+        nvme = size if size is not None else int(hw.nvme_free * 0.95)
+        src["nvme"] = "--nvme" if size is not None else "--nvme (free space)"
+    return Budgets(device, host, nvme, nvme_dir, src)
+
+
+class Infeasible(UsageError):
+    """No placement fits; the message names the smallest change that does."""
+
+
+def violations(pred: Prediction, b: Budgets) -> list[tuple[str, int, int]]:
+    """(tier, predicted, budget) for every budget `pred` exceeds."""
+    out = []
+    if b.shared:
+        total = pred.peak["device"] + pred.peak["host"]
+        if total > b.host:
+            out.append(("host", total, b.host))
+    else:
+        for tier in ("device", "host"):
+            if pred.peak[tier] > b.for_tier(tier):
+                out.append((tier, pred.peak[tier], b.for_tier(tier)))
+    if pred.peak["nvme"] > b.for_tier("nvme"):
+        out.append(("nvme", pred.peak["nvme"], b.for_tier("nvme")))
+    return out
+
+
+def _device_ok(pred: Prediction, b: Budgets) -> bool:
+    if b.shared:
+        return pred.peak["device"] + pred.peak["host"] <= b.host
+    return pred.peak["device"] <= b.device
+
+
+def _host_ok(pred: Prediction, b: Budgets) -> bool:
+    used = pred.peak["host"] + (pred.peak["device"] if b.shared else 0)
+    return used <= b.host
+
+
+@dataclass
+class SearchResult:
+    placement: Placement
+    prediction: Prediction
+    profile: ModelProfile
+    """The profile the placement refers to (with tile units when tiling was applied)."""
+    reasons: list[str]
+
+
+def _set(placement: Placement, unit: str, group: str, tier: Tier) -> Placement:
+    up = placement.of(unit)
+    kw = {s.value: tier for s in _GROUPS[group]}
+    return placement.with_units(**{unit: replace(up, **kw)})
+
+
+def _items(profile: ModelProfile, shape: TrainShape, ck: set[str]) -> list[tuple[str, str]]:
+    """(unit, group) in priority order: most touched per step first, then execution order."""
+    a = shape.grad_accum
+    scored = []
+    for i, u in enumerate(profile.units):
+        scored.append(((3 if u.name in ck else 2) * a, 0, i, u.name, "params"))
+        if u.trainable:
+            scored.append((a + 1, 1, i, u.name, "grads"))
+            scored.append((2, 2, i, u.name, "optimizer"))
+    scored.sort(key=lambda x: (-x[0], x[1], x[2]))
+    return [(name, group) for *_, name, group in scored]
+
+
+def fixed(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainShape, tier: Tier,
+          checkpointing: str, label: str) -> SearchResult:
+    """Every state on one tier (--offload device|host|nvme|none): predicted, budgets reported, not enforced."""
+    if tier == Tier.NVME and not b.nvme_dir:
+        raise UsageError("--offload nvme: needs a swap folder, add --nvme PATH[:SIZE]")
+    ck = [u.name for u in profile.units if u.checkpointable] if checkpointing == "on" else []
+    p = Placement.everywhere(tier, checkpoint_units=ck, nvme_dir=b.nvme_dir)
+    p = _finish(p, profile, hw, b, shape)
+    pred = predict(profile, p, hw, shape)
+    reasons = [f"{label}: every state on the {tier.value} tier"]
+    for t, need, have in violations(pred, b):
+        reasons.append(f"warning: {t} needs {format_size(need)}, budget {format_size(have)}: this run may not fit")
+    return SearchResult(p, pred, profile, reasons)
+
+
+def _finish(p: Placement, profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainShape) -> Placement:
+    """Prefetch depth, staging buffers and budgets of a placement whose tiers are chosen."""
+    depth = units_per_window(profile, p, hw, shape)
+    return replace(p, prefetch_depth=depth, staging_buffers=depth + 2, device_budget=b.device,
+                   host_budget=b.host, nvme_dir=b.nvme_dir, nvme_budget=b.nvme if b.nvme_dir else None)
+
+
+def search(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainShape,
+           checkpointing: str = "auto") -> SearchResult:
+    """The fastest placement the budgets allow (see the module docstring for the order of decisions)."""
+    reasons: list[str] = []
+    ckable = sorted((u for u in profile.units if u.checkpointable), key=lambda u: u.act_input - u.act_saved)
+    ck: set[str] = {u.name for u in ckable} if checkpointing == "on" else set()
+
+    everything = _finish(Placement.everywhere(Tier.DEVICE, checkpoint_units=sorted(ck)), profile, hw, b, shape)
+    pred = predict(profile, everything, hw, shape)
+    if not violations(pred, b):
+        reasons.append("everything fits on the device tier: no offload")
+        return SearchResult(everything, pred, profile, reasons)
+
+    dev_room = b.device if b.device is not None else b.host
+    stream_min = _min_streaming(profile, shape)
+    if checkpointing == "auto":
+        for u in ckable:
+            if act_bytes(profile, ck) + stream_min <= dev_room:
+                break
+            ck.add(u.name)
+        if ck:
+            reasons.append(f"activation checkpointing of {len(ck)} unit(s): activations of all units "
+                           f"({format_size(act_bytes(profile, set()))}) do not fit beside the streaming window")
+    profile, tiled = _tile(profile, shape, dev_room - act_bytes(profile, ck), reasons)
+
+    p = Placement.everywhere(Tier.HOST, checkpoint_units=sorted(ck), tiled_linears=tiled)
+    p = _finish(p, profile, hw, b, shape)
+    items = _items(profile, shape, ck)
+    p = _promote(p, items, profile, hw, b, shape)
+    p = _demote(p, items, profile, hw, b, shape)
+    p = _promote(p, items, profile, hw, b, shape)
+    pred = predict(profile, p, hw, shape)
+    while violations(pred, b) and p.prefetch_depth > 1:  # a shallower window may be what makes it fit
+        p = replace(p, prefetch_depth=p.prefetch_depth - 1, staging_buffers=p.prefetch_depth + 1)
+        pred = predict(profile, p, hw, shape)
+    bad = violations(pred, b)
+    if bad:
+        raise Infeasible(_suggest(bad[0], profile, hw, b, shape, p, pred))
+    reasons += _explain(profile, p, pred, shape)
+    return SearchResult(p, pred, profile, reasons)
+
+
+def _min_streaming(profile: ModelProfile, shape: TrainShape) -> int:
+    """Device bytes of the smallest streaming schedule: the running unit + one prefetched + grads leaving."""
+    unit = max(u.numel for u in profile.units) * shape.compute_bytes
+    grads = max(u.trainable for u in profile.units) * shape.compute_bytes
+    return 2 * unit + 2 * grads
+
+
+def _promote(p, items, profile, hw, b, shape) -> Placement:
+    for unit, group in items:
+        up = p.of(unit)
+        if up.tier(_GROUPS[group][0]) == Tier.DEVICE:
+            continue
+        if group == "optimizer" and up.grads != Tier.DEVICE:
+            continue  # the device optimizer needs this unit's gradients on the device too
+        trial = _set(p, unit, group, Tier.DEVICE)
+        if _device_ok(predict_mem(profile, trial, hw, shape), b):
+            p = trial
+    return p
+
+
+def _demote(p, items, profile, hw, b, shape) -> Placement:
+    pred = predict_mem(profile, p, hw, shape)
+    if _host_ok(pred, b) or not b.nvme_dir:
+        return p
+    for unit, group in reversed(items):
+        up = p.of(unit)
+        if up.tier(_GROUPS[group][0]) != Tier.HOST:
+            continue
+        p = _set(p, unit, group, Tier.NVME)
+        pred = predict_mem(profile, p, hw, shape)
+        if _host_ok(pred, b):
+            break
+    return p
+
+
+def predict_mem(profile, p, hw, shape) -> Prediction:
+    pred = Prediction()
+    pred.peak, pred.breakdown = memory(profile, p, hw, shape)
+    return pred
+
+
+def _tile(profile: ModelProfile, shape: TrainShape, room: int, reasons: list[str]):
+    """Split the Linears of units too large to stream through `room` device bytes; tiles become units."""
+    if _min_streaming(profile, shape) <= room:
+        return profile, {}
+    from tightfit.tiling import plan_tiles
+
+    # Two tiles resident (running + prefetched), each with its gradient: what plan_tiles' byte limit covers.
+    max_tile = max(1, room // 2)
+    units: list[UnitProfile] = []
+    tiled: dict[str, int] = {}
+    for u in profile.units:
+        if 2 * u.numel * shape.compute_bytes <= max_tile or not u.linears:
+            units.append(u)
+            continue
+        rest_numel, tiles = u.numel, []
+        for path, in_f, out_f in u.linears:
+            try:
+                in_s, out_s = plan_tiles(in_f, out_f, shape.compute_bytes, max_tile)
+            except UsageError:
+                continue
+            n = max(1, in_s * out_s)
+            if n == 1 and 2 * rest_numel * shape.compute_bytes <= max_tile:
+                break  # what is left of the unit fits as one piece
+            tiled[path] = n
+            rest_numel -= in_f * out_f
+            per = math.ceil(in_f * out_f / n)
+            tiles += [UnitProfile(f"{path}.tiles.{i}", per, per, None, 0, 0, Work(), Work(), checkpointable=False)
+                      for i in range(n)]
+            reasons.append(f"tiling {path} ({in_f}x{out_f}) into {n} tile(s): unit {u.name} "
+                           f"({format_size(u.numel * shape.compute_bytes)}) does not fit the device window")
+        trainable = max(0, u.trainable - (u.numel - rest_numel))
+        units.append(replace(u, numel=rest_numel, trainable=trainable))
+        units += tiles
+    return replace(profile, units=units), tiled
+
+
+def _explain(profile: ModelProfile, p: Placement, pred: Prediction, shape: TrainShape) -> list[str]:
+    out = []
+    for group, states in _GROUPS.items():
+        tiers: dict[str, int] = {}
+        for u in profile.units:
+            if group != "params" and not u.trainable:
+                continue
+            t = p.of(u.name).tier(states[0]).value
+            tiers[t] = tiers.get(t, 0) + 1
+        out.append(f"{group}: " + ", ".join(f"{n} unit(s) on {t}" for t, n in tiers.items()))
+    if any(p.of(u.name).params != Tier.DEVICE for u in profile.units):
+        out.append(f"prefetch depth {p.prefetch_depth}: hides one unit's fetch behind the compute before it")
+    return out
+
+
+def _suggest(bad: tuple[str, int, int], profile: ModelProfile, hw: HardwareProfile, b: Budgets,
+             shape: TrainShape, p: Placement, pred: Prediction) -> str:
+    """One line: what is short, by how much, and the smallest change that fits."""
+    tier, need, have = bad
+    if tier == "device" or (tier == "host" and b.shared and not b.nvme_dir and
+                            pred.breakdown["device"]["activations"] > have):
+        act = pred.breakdown["device"]["activations"]
+        other = need - act
+        flag = "--gpu-mem" if b.source.get("device") == "--gpu-mem" else ("--cpu-mem" if b.shared else "--gpu-mem")
+        msg = (f"needs {format_size(need)} device memory (activations of --micro-batch {profile.micro_batch}: "
+               f"{format_size(act)}, parameters in flight: {format_size(other)}), {format_size(have)} available")
+        options = []
+        if act > 0 and have > other:
+            mb = max(0, int(profile.micro_batch * (have - other) / act))
+            if 1 <= mb < profile.micro_batch:
+                accum = math.ceil(shape.grad_accum * profile.micro_batch / mb)
+                options.append(f"--micro-batch {mb} --grad-accum {accum}")
+        if not p.checkpoint_units:
+            options.append("--checkpointing on")
+        options.append(f"{flag} {format_size(need)}")
+        return msg + ": use " + ", or ".join(options)
+    if tier == "host":
+        total_ram = need
+        msg = f"needs {format_size(total_ram)} host memory, {format_size(have)} available"
+        spill = _nvme_need(profile, hw, b, shape)
+        if not b.nvme_dir:
+            return msg + f": add --nvme PATH with {format_size(spill)} free" + (
+                f", or raise --cpu-mem to {format_size(total_ram)}" if b.source.get("host") == "--cpu-mem" else "")
+        return msg + f" even with the NVMe tier: raise --cpu-mem or free RAM ({format_size(total_ram - have)} more)"
+    return (f"needs {format_size(need)} on the NVMe tier ({b.nvme_dir}), {format_size(have)} allowed: point --nvme "
+            f"at a disk with {format_size(need)} free, or raise its SIZE")
+
+
+def _nvme_need(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainShape) -> int:
+    """Swap space the plan would use if an unlimited NVMe tier were added."""
+    trial = replace(b, nvme=1 << 62, nvme_dir=b.nvme_dir or "<nvme>")
+    try:
+        res = search(profile, hw, trial, shape, "auto")
+        return res.prediction.peak["nvme"]
+    except UsageError:
+        return sum(u.trainable * 16 + u.numel * shape.compute_bytes for u in profile.units)

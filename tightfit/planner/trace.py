@@ -1,0 +1,215 @@
+"""The picture of a plan: a simulated step as a Chrome trace (opens in Perfetto) and a memory-per-tier timeline.
+
+Why simulate: a user asking "why is my step slow?" needs to see which stream is busy and which waits, before
+spending GPU hours. The plan's costs give each operation's duration; this file schedules them on their resources
+with the engine's dependencies (a unit computes after its parameters arrived; a fetch starts when the window has
+room; gradients leave after the unit's backward; the optimizer updates a unit after its states were read) and
+records what each tier holds over time. The simulation is a picture of the plan; the plan's step time comes from
+the analytic model in `costs.py` (the two agree within the exposed latencies the analytic model approximates).
+
+Resources: on CUDA the GPU, the two PCIe directions, the disk and the CPU (optimizer) run concurrently; on a
+CPU-only machine compute, copies and the optimizer share one "cpu" resource and only the disk runs beside it.
+
+Files written to the folder: `plan_trace.json` (Chrome trace events), `memory_timeline.json` (time, bytes per
+tier), and `memory_timeline.png` when matplotlib is importable. Measured engine events, when given, are added to
+the trace as a second process so prediction and measurement sit side by side.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tightfit.offload.placement import State, Tier
+from tightfit.planner.costs import work_time
+from tightfit.planner.plan import TIERS, Plan
+
+
+@dataclass
+class Timeline:
+    """A simulated step: trace events and memory samples."""
+
+    events: list[dict] = field(default_factory=list)
+    """Chrome "X" events: name, track, start and duration in microseconds."""
+    memory: list[tuple[float, dict[str, int]]] = field(default_factory=list)
+    """(time in seconds, bytes per tier) after each change."""
+    step_s: float = 0.0
+
+
+class _Sim:
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        cuda = plan.hardware.cuda
+        # Track name -> resource it occupies. Tracks sharing a resource never overlap.
+        self.resource = {"compute": "gpu" if cuda else "cpu", "host->device": "h2d" if cuda else "cpu",
+                         "device->host": "d2h" if cuda else "cpu", "nvme read": "disk", "nvme write": "disk",
+                         "optimizer": "cpu"}
+        self.free_at: dict[str, float] = {}
+        self.tl = Timeline()
+        self.mem = {t: 0 for t in TIERS}
+
+    def run(self, track: str, name: str, dur: float, after: float = 0.0) -> float:
+        """Schedule `dur` seconds on `track` no earlier than `after`; returns the end time."""
+        res = self.resource[track]
+        start = max(after, self.free_at.get(res, 0.0))
+        end = start + dur
+        self.free_at[res] = end
+        if dur > 0:
+            self.tl.events.append({"name": name, "ph": "X", "pid": 1, "tid": track, "ts": start * 1e6,
+                                   "dur": dur * 1e6, "cat": track})
+        return end
+
+    def change(self, t: float, tier: str, delta: int) -> None:
+        self.mem[tier] += delta
+        self.tl.memory.append((t, dict(self.mem)))
+
+
+def simulate(plan: Plan) -> Timeline:
+    """Schedule one optimizer step of `plan` (all micro-batches, then the optimizer)."""
+    p, hw, prof, shape = plan.placement, plan.hardware, plan.profile, plan.shape
+    sim = _Sim(plan)
+    streamed = {u.name for u in prof.units if p.of(u.name).params != Tier.DEVICE}
+    resident = plan.tier_bytes()
+    for t in TIERS:
+        sim.change(0.0, t, resident[t])
+    sim.change(0.0, "host", sum(v for k, v in plan.prediction.breakdown.get("host", {}).items() if k != "states"))
+    ck = set(p.checkpoint_units)
+    units = prof.units
+    t_done = 0.0
+    for micro in range(shape.grad_accum):
+        # Forward: fetch unit i when unit i - depth - 1 has released its window slot.
+        released: list[float] = []
+        for i, u in enumerate(units):
+            pbytes = u.numel * shape.compute_bytes
+            ready = t_done
+            if u.name in streamed:
+                slot = released[i - p.prefetch_depth - 1] if i > p.prefetch_depth else 0.0
+                if p.of(u.name).params == Tier.NVME:
+                    slot = sim.run("nvme read", f"read {u.name} params", pbytes / hw.nvme_read_bw, slot)
+                ready = sim.run("host->device", f"fetch {u.name}", pbytes / hw.h2d_bw, slot)
+                sim.change(ready, "device", pbytes)
+            end = sim.run("compute", f"fwd {u.name}", work_time(u.fwd, hw), ready)
+            saved = u.act_input if u.name in ck else u.act_saved
+            sim.change(end, "device", saved)
+            if u.name in streamed:
+                sim.change(end, "device", -pbytes)
+            released.append(end)
+            t_done = end
+        # Backward, last unit first.
+        released = []
+        for j, u in enumerate(reversed(units)):
+            pbytes = u.numel * shape.compute_bytes
+            ready = t_done
+            if u.name in streamed:
+                slot = released[j - p.prefetch_depth - 1] if j > p.prefetch_depth else t_done
+                if p.of(u.name).params == Tier.NVME:
+                    slot = sim.run("nvme read", f"read {u.name} params", pbytes / hw.nvme_read_bw, slot)
+                ready = sim.run("host->device", f"fetch {u.name}", pbytes / hw.h2d_bw, slot)
+                sim.change(ready, "device", pbytes)
+            if u.name in ck:
+                ready = sim.run("compute", f"recompute {u.name}", work_time(u.fwd, hw), ready)
+                sim.change(ready, "device", u.act_saved - u.act_input)
+            end = sim.run("compute", f"bwd {u.name}", work_time(u.bwd, hw), ready)
+            sim.change(end, "device", -u.act_saved)
+            if u.name in streamed:
+                sim.change(end, "device", -pbytes)
+            released.append(end)
+            t_done = end
+            if u.trainable and p.of(u.name).grads != Tier.DEVICE:
+                g = u.trainable * shape.compute_bytes
+                out = sim.run("device->host", f"grads {u.name}", g / hw.d2h_bw, end)
+                if p.of(u.name).grads == Tier.NVME:
+                    sim.run("nvme write", f"write {u.name} grads", u.trainable * 4 / hw.nvme_write_bw, out)
+    # Optimizer: per unit, read its NVMe states, update, write them back.
+    t_opt = t_done
+    for u in units:
+        if not u.trainable:
+            continue
+        up = p.of(u.name)
+        on_dev = up.master == up.grads == up.optim == Tier.DEVICE
+        nv = sum(_state_nbytes(plan, u, s) for s in (State.MASTER, State.OPTIM, State.GRADS) if up.tier(s) == Tier.NVME)
+        ready = sim.run("nvme read", f"read {u.name} optimizer states", nv / hw.nvme_read_bw, t_done) if nv else t_done
+        rate = hw.device_adam_rate if on_dev else hw.cpu_adam_rate
+        track = "compute" if on_dev else "optimizer"
+        end = sim.run(track, f"adamw {u.name}", u.trainable / rate, ready)
+        if nv:
+            end = max(end, sim.run("nvme write", f"write {u.name} optimizer states", nv / hw.nvme_write_bw, end))
+        if not on_dev and up.params == Tier.DEVICE:
+            end = sim.run("host->device", f"params {u.name}", u.numel * shape.compute_bytes / hw.h2d_bw, end)
+        t_opt = max(t_opt, end)
+    sim.tl.step_s = max([t_opt, *sim.free_at.values()])
+    return sim.tl
+
+
+def _state_nbytes(plan: Plan, u, s: State) -> int:
+    from tightfit.planner.costs import state_bytes
+
+    return state_bytes(u, s, plan.placement, plan.shape)
+
+
+def chrome_trace(tl: Timeline, measured: list[dict] | None = None) -> dict:
+    """Chrome trace JSON: pid 1 the simulated plan (one thread per stream) with memory counters; pid 2 measured."""
+    tracks = sorted({e["tid"] for e in tl.events})
+    tid = {name: i + 1 for i, name in enumerate(tracks)}
+    events = [{"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "tightfit plan (simulated)"}}]
+    events += [{"name": "thread_name", "ph": "M", "pid": 1, "tid": i, "args": {"name": n}} for n, i in tid.items()]
+    events += [{**e, "tid": tid[e["tid"]]} for e in tl.events]
+    for t, mem in tl.memory:
+        events.append({"name": "memory (MiB)", "ph": "C", "pid": 1, "ts": t * 1e6,
+                       "args": {k: round(v / 2**20, 3) for k, v in mem.items()}})
+    if measured:
+        mtracks = sorted({str(e.get("stream", "engine")) for e in measured})
+        mtid = {n: i + 1 for i, n in enumerate(mtracks)}
+        events.append({"name": "process_name", "ph": "M", "pid": 2, "args": {"name": "engine (measured)"}})
+        events += [{"name": "thread_name", "ph": "M", "pid": 2, "tid": i, "args": {"name": n}}
+                   for n, i in mtid.items()]
+        events += [{"name": str(e.get("name", "")), "ph": "X", "pid": 2, "tid": mtid[str(e.get("stream", "engine"))],
+                    "ts": float(e["start_s"]) * 1e6, "dur": float(e["dur_s"]) * 1e6} for e in measured]
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_trace(plan: Plan, folder: str | Path, measured: list[dict] | None = None) -> list[Path]:
+    """Write the trace, the memory timeline (JSON, and PNG with matplotlib) of one simulated step of `plan`.
+
+    `measured`: engine events as dicts with "name", "stream", "start_s", "dur_s" (seconds), shown beside the plan.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tl = simulate(plan)
+    out = [folder / "plan_trace.json", folder / "memory_timeline.json"]
+    out[0].write_text(json.dumps(chrome_trace(tl, measured)))
+    budgets = {t: plan.budgets.get(t) for t in TIERS}
+    out[1].write_text(json.dumps({"step_s": tl.step_s, "budgets": budgets,
+                                  "samples": [{"t": t, **m} for t, m in tl.memory]}))
+    png = _plot(tl, plan, folder / "memory_timeline.png")
+    if png:
+        out.append(png)
+    return out
+
+
+def _plot(tl: Timeline, plan: Plan, path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ts = [t * 1e3 for t, _ in tl.memory]
+    for tier in TIERS:
+        ys = [m[tier] / 2**20 for _, m in tl.memory]
+        if any(ys):
+            ax.step(ts, ys, where="post", label=tier)
+            b = plan.budgets.get(tier)
+            if b is not None and not (tier == "device" and plan.shared_pool):
+                ax.axhline(b / 2**20, linestyle="--", linewidth=0.8, color=ax.lines[-1].get_color())
+    ax.set_xlabel("time in step (ms)")
+    ax.set_ylabel("MiB")
+    ax.set_title("predicted memory per tier over one step (dashed: budgets)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
