@@ -3,8 +3,9 @@
 Why: the tier must reach >= 85% of what the disk itself delivers. Both are measured in the same run, interleaved
 (raw, store, raw, store, ...) through the same host memory, so background load on a shared machine and the
 memory's behaviour hit both alike. The raw figure of a round is the best over the queue depths tried (fio when
-installed, otherwise the Python O_DIRECT loop of disk_bench.py). Two ratios per direction: best store / best raw, and the median over rounds of
-store / raw within a round (the side-by-side figure, least sensitive to load that comes and goes).
+installed, otherwise the Python O_DIRECT loop of disk_bench.py). Two ratios per direction: best store / best
+raw, and the median over rounds of store / raw within a round (the side-by-side figure, least sensitive to load
+that comes and goes).
 
     .venv/bin/python benchmarks/bench_disk.py --folder /tmp --mib 1024 --repeats 3
 """

@@ -77,7 +77,10 @@ def measure_raw(
     nbytes = max(block_bytes, nbytes // block_bytes * block_bytes)  # whole blocks, so every transfer is aligned
     _check_space(folder, nbytes)
     if use_fio and shutil.which("fio"):
-        return _fio(folder, nbytes, block_bytes, queue_depth)
+        try:
+            return _fio(folder, nbytes, block_bytes, queue_depth)
+        except (subprocess.CalledProcessError, ValueError, KeyError):
+            pass  # fio without libaio, or an unexpected output format: measure with the Python loop instead
     if staging is None:
         staging = staging_buffer(nbytes)
     views = _slices(staging, block_bytes)

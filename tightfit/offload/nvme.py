@@ -101,6 +101,8 @@ class NvmeStore:
         self.chunk_bytes = chunk_bytes
         self.keep = keep
         self._files: dict[str, _File] = {}
+        # Serialises create/attach/delete, so two callers cannot both pass the budget check for the same bytes.
+        self._layout_lock = threading.Lock()
         # Guards _files, _pending and the counters below; never held while waiting on I/O.
         self._lock = threading.Lock()
         # The I/O threads: each runs one chunk (one pwrite/preadv) at a time, overlapping compute on the caller's
@@ -141,43 +143,13 @@ class NvmeStore:
             raise RuntimeError("NvmeStore is closed")
         path = self.path(file)
         header, entries, size = plan_layout(tensors, DIRECT_ALIGN if align else 1)
-        with self._lock:
-            old = self._files.get(file)
-        replaced = old.size if old is not None and old.owned else 0  # its share of the budget comes back
-        old_size = path.stat().st_size if path.exists() else 0  # and its blocks, once it is removed below
-        if self.budget_bytes is not None:
-            used = self.used_bytes() - replaced
-            if used + size > self.budget_bytes:
-                raise UsageError(
-                    f"--nvme: swap folder {self.folder} needs {format_size(size)} more for {path.name} but its "
-                    f"budget of {format_size(self.budget_bytes)} has {format_size(self.budget_bytes - used)} left; "
-                    f"raise the size in --nvme PATH:SIZE or place fewer states on NVMe"
-                )
-        free = shutil.disk_usage(self.folder).free + old_size
-        if size > free:
-            raise UsageError(self._full_msg(path.name, f"needs {format_size(size)} but {format_size(free)} is free"))
-        # Checks passed: the old file goes first, so its blocks are free for the new one.
-        self._drop(file, unlink=False)
-        path.unlink(missing_ok=True)
-        tmp = path.with_name(path.name + ".partial")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            _pwrite_all(fd, memoryview(header), 0)
-            try:
-                os.posix_fallocate(fd, 0, size)  # reserve every block now: later in-place writes cannot run out
-            except OSError as e:
-                if e.errno in _FULL:
-                    raise
-                os.ftruncate(fd, size)  # filesystem without fallocate: sparse file, ENOSPC caught per write
-        except OSError as e:
-            os.close(fd)
-            tmp.unlink(missing_ok=True)
-            if e.errno in _FULL:
-                raise UsageError(self._full_msg(path.name, f"needs {format_size(size)}: disk full")) from None
-            raise
-        os.close(fd)
-        os.replace(tmp, path)  # the file appears complete and valid, or not at all
-        self._open(file, path, entries, size, owned=True)
+        with self._layout_lock:
+            self._check_room(file, path, size)
+            # Checks passed: the old file goes first, so its blocks are free for the new one.
+            self._drop(file, unlink=False)
+            path.unlink(missing_ok=True)
+            self._preallocate(path, header, size)
+            self._open(file, path, entries, size, owned=True)
 
     def attach(self, file: str) -> list[str]:
         """Open an existing `<folder>/<file>.safetensors` (from any writer) for reads and in-place writes.
@@ -185,9 +157,10 @@ class NvmeStore:
         Attached files are never deleted by the store and do not count against its budget. Returns tensor names.
         """
         path = self.path(file)
-        self._drop(file, unlink=False)
-        entries, size = read_layout(path)
-        self._open(file, path, entries, size, owned=False)
+        with self._layout_lock:
+            self._drop(file, unlink=False)
+            entries, size = read_layout(path)
+            self._open(file, path, entries, size, owned=False)
         return self.names(file)
 
     def names(self, file: str) -> list[str]:
@@ -199,7 +172,8 @@ class NvmeStore:
 
     def delete(self, file: str) -> None:
         """Wait for `file`'s requests, close it and remove it from the folder (attached files too)."""
-        self._drop(file, unlink=True)
+        with self._layout_lock:
+            self._drop(file, unlink=True)
 
     # ---- transfers ---------------------------------------------------------------------------------------------
 
@@ -271,6 +245,44 @@ class NvmeStore:
         self.close()
 
     # ---- internals ---------------------------------------------------------------------------------------------
+
+    def _check_room(self, file: str, path: Path, size: int) -> None:
+        """UsageError unless the budget and the disk can take `size` bytes for `file` (its old version freed)."""
+        with self._lock:
+            old = self._files.get(file)
+        replaced = old.size if old is not None and old.owned else 0  # its share of the budget comes back
+        if self.budget_bytes is not None:
+            left = self.budget_bytes - (self.used_bytes() - replaced)
+            if size > left:
+                raise UsageError(
+                    f"--nvme: swap folder {self.folder} needs {format_size(size)} more for {path.name} but its "
+                    f"budget of {format_size(self.budget_bytes)} has {format_size(left)} left; "
+                    f"raise the size in --nvme PATH:SIZE or place fewer states on NVMe"
+                )
+        free = shutil.disk_usage(self.folder).free + (path.stat().st_size if path.exists() else 0)
+        if size > free:
+            raise UsageError(self._full_msg(path.name, f"needs {format_size(size)} but {format_size(free)} is free"))
+
+    def _preallocate(self, path: Path, header: bytes, size: int) -> None:
+        """Write `header` and reserve `size` bytes under a temporary name, then rename: valid, or not there."""
+        tmp = path.with_name(path.name + ".partial")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _pwrite_all(fd, memoryview(header), 0)
+            try:
+                os.posix_fallocate(fd, 0, size)  # reserve every block now: later in-place writes cannot run out
+            except OSError as e:
+                if e.errno in _FULL:
+                    raise
+                os.ftruncate(fd, size)  # filesystem without fallocate: sparse file, ENOSPC caught per write
+        except OSError as e:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            if e.errno in _FULL:
+                raise UsageError(self._full_msg(path.name, f"needs {format_size(size)}: disk full")) from None
+            raise
+        os.close(fd)
+        os.replace(tmp, path)
 
     def _full_msg(self, name: str, what: str) -> str:
         return (
