@@ -85,7 +85,8 @@ def evaluate(model, batches, loss_fn, device, autocast) -> float:
 
 def train(cfg: Config, *, quiet: bool = False) -> Summary:
     """Run `tightfit train` with a validated config. Raises UsageError on bad input."""
-    from tightfit.models.build import build_model, get_tokenizer_for, model_loss
+    from tightfit.models.build import build_model, model_loss
+    from tightfit.models.tokenizer import get_tokenizer
 
     t, o = cfg.train, cfg.optim
     if t.threads:
@@ -99,7 +100,8 @@ def train(cfg: Config, *, quiet: bool = False) -> Summary:
                          "or choose another --out-dir")
 
     torch.manual_seed(t.seed)
-    tokenizer = get_tokenizer_for(cfg.model)
+    # Byte-level text takes the fast path (raw bytes are the token ids); a named tokenizer encodes the text.
+    tokenizer = get_tokenizer(cfg.model.tokenizer) if cfg.model.tokenizer else None
     dataset = load_dataset(cfg, tokenizer)
     model = build_model(cfg.model, vocab_size=dataset.vocab_size, block_size=t.seq_len)
 
