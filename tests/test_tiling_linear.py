@@ -192,3 +192,15 @@ def test_tile_linears_errors_and_tied_weights():
         tile_linears(model)
     with pytest.raises(UsageError, match="max_tile_bytes"):
         tile_linears(model, max_tile_bytes="lots")
+
+
+def test_engine_style_hooks_fire_per_tile_in_order():
+    """An offload engine brackets each tile with forward and full backward hooks; both must fire once per tile."""
+    tiled = TiledLinear(8, 6, in_splits=2, out_splits=3)
+    fwd, bwd = [], []
+    for k, m in enumerate(tiled.tiles):
+        m.register_forward_pre_hook(lambda mod, args, k=k: fwd.append(k))
+        m.register_full_backward_pre_hook(lambda mod, g, k=k: bwd.append(k))
+    tiled(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    assert fwd == list(range(6))
+    assert sorted(bwd) == list(range(6))

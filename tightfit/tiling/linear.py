@@ -18,7 +18,7 @@ bare tensors, so an engine's forward and backward hooks on each tile fire in the
 
 Forward, for x [..., in] split into slices x_i [..., in_i] (views, no copy):
 
-    y_o = sum_i x_i @ W_oi^T + b_o      # [..., out_o]; the partial sum is accumulated in place
+    y_o = sum_i x_i @ W_oi^T + b_o      # [..., out_o]
     y   = cat_o y_o                     # [..., out]
 
 Numerics: output splits do not change any dot product. Input splits change the summation order of each dot product
@@ -146,9 +146,9 @@ class TiledLinear(nn.Module):
         for o in range(self.out_splits):
             y = self.tile(o, 0)(xs[0])  # [..., out_o], carries the bias
             for i in range(1, self.in_splits):
-                # In place: F.linear's backward does not need its output, so accumulating into it is safe and saves
-                # one [..., out_o] buffer per input split.
-                y = y.add_(self.tile(o, i)(xs[i]))
+                # Out of place on purpose: an engine's full backward hooks on a tile wrap its output in a view that
+                # may not be modified in place. Costs one transient [..., out_o] buffer.
+                y = y + self.tile(o, i)(xs[i])
             ys.append(y)
         # The row outputs are freed after the cat: cat's backward only slices the incoming gradient.
         return ys[0] if self.out_splits == 1 else torch.cat(ys, dim=-1)  # [..., out]
