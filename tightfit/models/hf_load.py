@@ -225,46 +225,84 @@ class LoadReport:
     """Checkpoint tensors the model has no place for (ignored)."""
 
 
-def stream_into(model: nn.Module, ckpt: HFCheckpoint, *, dtype: torch.dtype = torch.float32, strict: bool = True,
-                units: list[str] | None = None,
-                on_unit: Callable[[str, list[str]], None] | None = None) -> LoadReport:
-    """Materialise the meta `model`'s tensors from `ckpt`, one unit at a time.
+class UnitStreamer:
+    """Materialises a meta model's tensors from a checkpoint one unit at a time, and turns them back into meta.
 
-    `units`: module paths of the offload units (default: hf_units' detection, the engine's rule). After a unit's
-    tensors are all in place, `on_unit(unit_name, its state_dict names)` runs; it may move them elsewhere. Floating
-    tensors become `dtype`; integer buffers keep theirs. Every check (missing tensors, shapes) runs before the
-    first byte is read, so a bad checkpoint fails fast and leaves nothing half-loaded.
+    Why a class: the plain loader pushes units in order (`stream_into`), while the offload engine pulls values
+    tensor by tensor as it fills each unit's tiers (hf_wrap.py); both need the same matching, checks, tie
+    handling and missing-tensor init, done once here. Every check (missing tensors, shapes) runs in the
+    constructor, before the first byte is read, so a bad checkpoint fails fast and leaves nothing half-loaded.
     """
-    slots = model_slots(model)
-    prefix = getattr(model, "base_model_prefix", "")
-    used = _match(slots, ckpt, prefix + "." if prefix else "")
-    report = LoadReport(missing=[s.names[0] for s in slots if s.entry is None],
-                        unexpected=sorted(set(ckpt.entries) - used))
-    if report.missing and strict:
-        raise UsageError(f"{ckpt.folder}: checkpoint lacks {len(report.missing)} tensors the model needs, e.g. "
-                         f"{report.missing[:3]}; pass strict=False to initialise them randomly")
-    if report.unexpected:
-        warnings.warn(f"{ckpt.folder}: ignoring {len(report.unexpected)} checkpoint tensors the model has no place "
-                      f"for, e.g. {report.unexpected[:3]}", stacklevel=2)
 
-    groups = slot_units(model, [s.names[0] for s in slots], units)
-    slot_of = {s.names[0]: s for s in slots}
-    with TensorReader() as reader:
-        for unit, names in groups.items():
-            unit_slots = [slot_of[n] for n in names]
-            missing = [s for s in unit_slots if s.entry is None]
-            for s in missing:  # placeholders, filled by the model's own init just below
-                _set(model, s, torch.empty(s.shape, dtype=dtype if s.dtype.is_floating_point else s.dtype))
-            for module in _modules_to_init(model, missing):
-                with torch.no_grad():
-                    model._init_weights(module)
-            for s in unit_slots:
-                if s.entry is not None:
-                    want = dtype if s.entry.dtype.is_floating_point else None
-                    _set(model, s, reader.read(s.entry, want))
+    def __init__(self, model: nn.Module, ckpt: HFCheckpoint, *, dtype: torch.dtype = torch.float32,
+                 strict: bool = True, units=None) -> None:
+        self.model, self.ckpt, self.dtype = model, ckpt, dtype
+        slots = model_slots(model)
+        prefix = getattr(model, "base_model_prefix", "")
+        used = _match(slots, ckpt, prefix + "." if prefix else "")
+        self.report = LoadReport(missing=[s.names[0] for s in slots if s.entry is None],
+                                 unexpected=sorted(set(ckpt.entries) - used))
+        if self.report.missing and strict:
+            raise UsageError(f"{ckpt.folder}: checkpoint lacks {len(self.report.missing)} tensors the model needs, "
+                             f"e.g. {self.report.missing[:3]}; pass strict=False to initialise them randomly")
+        if self.report.unexpected:
+            warnings.warn(f"{ckpt.folder}: ignoring {len(self.report.unexpected)} checkpoint tensors the model has "
+                          f"no place for, e.g. {self.report.unexpected[:3]}", stacklevel=3)
+        slot_of = {s.names[0]: s for s in slots}
+        self.groups: dict[str, list[_Slot]] = {
+            unit: [slot_of[n] for n in names]
+            for unit, names in slot_units(model, [s.names[0] for s in slots], units).items()}
+        self.unit_of = {n: unit for unit, group in self.groups.items() for s in group for n in s.names}
+        """Every state_dict name (tied aliases included) -> its unit."""
+        self.reader = TensorReader()  # one plain handle per shard; closed by close()
+
+    def __enter__(self) -> "UnitStreamer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.reader.close()
+
+    def load(self, unit: str, *, buffers_only: bool = False) -> list[str]:
+        """Materialise every tensor of `unit` on the CPU; returns their state_dict names (aliases included).
+
+        buffers_only: only its persistent buffers (what an engine that takes over the parameters still needs).
+        """
+        group = [s for s in self.groups[unit] if not (buffers_only and s.is_param)]
+        missing = [s for s in group if s.entry is None]
+        for s in missing:  # placeholders, filled by the model's own init just below
+            _set(self.model, s, torch.empty(s.shape, dtype=self.dtype if s.dtype.is_floating_point else s.dtype))
+        for module in _modules_to_init(self.model, missing):
+            with torch.no_grad():
+                self.model._init_weights(module)
+        for s in group:
+            if s.entry is not None:
+                want = self.dtype if s.entry.dtype.is_floating_point else None
+                _set(self.model, s, self.reader.read(s.entry, want))
+        return [n for s in group for n in s.names]
+
+    def release(self, unit: str) -> None:
+        """Turn `unit`'s tensors back into meta tensors, freeing their memory."""
+        for s in self.groups[unit]:
+            _set(self.model, s, torch.empty(s.shape, dtype=s.dtype, device="meta"))
+
+
+def stream_into(model: nn.Module, ckpt: HFCheckpoint, *, dtype: torch.dtype = torch.float32, strict: bool = True,
+                units=None, on_unit: Callable[[str, list[str]], None] | None = None) -> LoadReport:
+    """Materialise the meta `model`'s tensors from `ckpt`, one unit at a time, and keep them.
+
+    `units`: the offload unit policy (default: the engine's detection; see hf_units). After a unit's tensors are
+    in place, `on_unit(unit_name, its state_dict names)` runs; it may move them elsewhere before the next unit is
+    read. Floating tensors become `dtype`; integer buffers keep theirs.
+    """
+    with UnitStreamer(model, ckpt, dtype=dtype, strict=strict, units=units) as streamer:
+        for unit in streamer.groups:
+            names = streamer.load(unit)
             if on_unit is not None:
-                on_unit(unit, [n for s in unit_slots for n in s.names])
-    return report
+                on_unit(unit, names)
+    return streamer.report
 
 
 def load_hf_model(path: str | Path, *, dtype: torch.dtype = torch.float32, strict: bool = True,

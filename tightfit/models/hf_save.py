@@ -66,6 +66,16 @@ def saved_names(model: nn.Module) -> dict[str, str]:
     return out
 
 
+def _is_wrapped(model: nn.Module) -> bool:
+    from tightfit.offload.engine import engine_of
+
+    try:
+        engine_of(model)
+    except UsageError:
+        return False
+    return True
+
+
 def _model_tensors(model: nn.Module, names: Iterable[str]) -> Iterable[tuple[str, torch.Tensor]]:
     for n in names:
         try:
@@ -80,7 +90,8 @@ def save_hf_model(model: nn.Module, folder: str | Path, *, max_shard_size: int |
     """Write `model` (a transformers causal-LM model) to `folder` in the Hugging Face layout; returns the folder.
 
     dtype: store floating tensors in this dtype (default: the dtype each tensor has in the model).
-    tensors: where the values come from (default: the model's own tensors). Names are state_dict names, after
+    tensors: where the values come from (default: the model's own tensors or, for a model wrapped by
+        `tightfit.wrap`, the engine's fp32 master weights, streamed from their tiers by `export_state`). Names are state_dict names, after
         removing `strip_prefix` (the engine's `export_state` yields "model.<name>": pass strip_prefix="model.");
         names that are not model tensors (optimizer moments) are skipped; every saved tensor must arrive.
     The model's shapes and dtypes plan the files, so its parameters may live anywhere (even on meta) when
@@ -95,6 +106,12 @@ def save_hf_model(model: nn.Module, folder: str | Path, *, max_shard_size: int |
     if limit <= 0:
         raise UsageError(f"max_shard_size: must be positive, got {max_shard_size!r}")
 
+    if tensors is None and _is_wrapped(model):
+        from tightfit.offload.state_io import export_state
+
+        # The parameters of a wrapped model are compute-dtype views that are empty between uses; the values to
+        # save are the fp32 masters, one unit at a time from whichever tier holds them.
+        tensors, strip_prefix, dtype = export_state(model), "model.", dtype or torch.float32
     kept = saved_names(model)
     slots = {s.names[0]: s for s in model_slots(model)}
     specs = []
