@@ -26,14 +26,12 @@ def test_training_lowers_the_loss_and_logs(tiny_args, tmp_path, capsys):
 
 
 def test_resume_is_bit_identical(tiny_args, tmp_path):
-    straight = [*tiny_args[:-8], "--out-dir", str(tmp_path / "straight")]
-    straight = [a for a in tiny_args]
-    i = straight.index("--out-dir")
-    a = straight[: i + 1] + [str(tmp_path / "straight")] + straight[i + 2:]
-    b = straight[: i + 1] + [str(tmp_path / "split")] + straight[i + 2:]
+    i = tiny_args.index("--out-dir")
+    a = tiny_args[: i + 1] + [str(tmp_path / "straight")] + tiny_args[i + 2:]
+    b = tiny_args[: i + 1] + [str(tmp_path / "split")] + tiny_args[i + 2:]
     assert main(["train", *a, "--steps", "10"]) == 0
-    # 5 steps, stop; then resume to 10. --max-time is not used: the stop is a clean end at --steps 5.
-    assert main(["train", *b, "--steps", "5"]) == 0
+    # Interrupted after 5 of 10 steps (same LR schedule), then resumed to 10.
+    assert main(["train", *b, "--steps", "10", "--stop-at", "5"]) == 0
     ckpt5 = _weights(tmp_path / "split")
     assert main(["train", *b, "--steps", "10", "--resume"]) == 0
     w_straight, w_split = _weights(tmp_path / "straight"), _weights(tmp_path / "split")

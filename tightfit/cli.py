@@ -65,9 +65,10 @@ def _cmd_plan(cfg: Config, as_json: bool) -> int:
         report = what_if(cfg)
         print(json.dumps(report.to_dict(), indent=2) if as_json else report)
         return 0
-    from tightfit.planner import plan_from_config
+    from tightfit.planner import make_plan
+    from tightfit.train.loop import build_meta_model
 
-    plan = plan_from_config(cfg)
+    plan = make_plan(build_meta_model(cfg), cfg)
     print(plan.to_json() if as_json else plan.table())
     return 0
 

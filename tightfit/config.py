@@ -69,6 +69,7 @@ class TrainConfig:
     out_dir: str = _f("runs/default", "folder for checkpoints and metrics.jsonl")
     resume: bool = _f(False, "continue from the checkpoint in --out-dir")
     max_time: float = _f(0.0, "stop after this many seconds of training (0: no limit)")
+    stop_at: int = _f(0, "stop with a checkpoint after this step, keeping the schedule of --steps (0: run to --steps)")
     seed: int = _f(1337, "random seed (model init, data order)")
     device: str = _f("auto", "where to compute", ("auto", "cpu", "cuda"))
     precision: str = _f("auto", "compute precision (auto: bf16 on CUDA, fp32 on CPU)", ("auto", "fp32", "bf16", "fp16"))
@@ -233,7 +234,7 @@ def validate(cfg: Config) -> None:
         if value <= 0:
             raise UsageError(f"{flag_name(name)}: must be a positive integer, got {value}")
     non_negative = {"save_interval": t.save_interval, "warmup_steps": o.warmup_steps, "threads": t.threads,
-                    "max_time": t.max_time, "grad_clip": o.grad_clip, "weight_decay": o.weight_decay,
+                    "max_time": t.max_time, "stop_at": t.stop_at, "grad_clip": o.grad_clip, "weight_decay": o.weight_decay,
                     "tp": cfg.parallel.tp, "pp": cfg.parallel.pp}
     for name, value in non_negative.items():
         if value < 0:

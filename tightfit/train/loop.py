@@ -71,6 +71,28 @@ def load_dataset(cfg: Config, tokenizer) -> TokenDataset:
     return TokenDataset.from_tokens(tokens, cfg.train.seq_len, cfg.data.val_fraction, vocab)
 
 
+def build_meta_model(cfg: Config) -> torch.nn.Module:
+    """The model `cfg` names, on the meta device: shapes for planning, no memory, no weights read."""
+    from tightfit.models.build import hf_path
+    from tightfit.models.gpt import GPT, GPTConfig
+
+    path = hf_path(cfg.model.model)
+    if path is None:
+        m = cfg.model
+        with torch.device("meta"):
+            return GPT(GPTConfig(vocab_size=_vocab_size(cfg), block_size=cfg.train.seq_len, n_layer=m.n_layer,
+                                 n_head=m.n_head, n_embd=m.n_embd))
+    from tightfit.models.hf_load import HFCheckpoint, build_meta_model
+
+    return build_meta_model(HFCheckpoint.open(path).config)
+
+
+def _vocab_size(cfg: Config) -> int:
+    from tightfit.models.tokenizer import get_tokenizer
+
+    return get_tokenizer(cfg.model.tokenizer).vocab_size if cfg.model.tokenizer else 256
+
+
 @torch.no_grad()
 def evaluate(model, batches, loss_fn, device, autocast) -> float:
     was_training = model.training
@@ -165,8 +187,13 @@ def train(cfg: Config, *, quiet: bool = False) -> Summary:
             progress.eval(step, val_loss)
         if t.save_interval and step % t.save_interval == 0 and step < t.steps:
             save(step)
-        if t.max_time and time.perf_counter() - t_start > t.max_time:
-            say(f"--max-time {t.max_time:g}s reached at step {step}")
+        stop = ""
+        if t.stop_at and step >= t.stop_at and step < t.steps:
+            stop = f"--stop-at {t.stop_at} reached"
+        elif t.max_time and time.perf_counter() - t_start > t.max_time:
+            stop = f"--max-time {t.max_time:g}s reached at step {step}"
+        if stop:
+            say(f"{stop}; continue with --resume")
             if step % t.eval_interval:
                 val_loss = evaluate(model, val_batches, model_loss, device, autocast)
                 progress.eval(step, val_loss)

@@ -7,7 +7,7 @@ the loop never tests which one it has.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 import psutil
 import torch
@@ -24,6 +24,23 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class MemorySetup(Protocol):
+    """What the training loop needs from whatever holds the model's states."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+
+    def describe(self) -> str: ...
+    def backward(self, loss: torch.Tensor) -> None: ...
+    def clip_and_step(self, max_norm: float) -> float | None: ...
+    def named_shapes(self) -> list[tuple[str, tuple[int, ...]]]: ...
+    def export_state(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+    def import_state(self, get: Callable[[str], torch.Tensor]) -> None: ...
+    def memory_in_use(self) -> dict[str, int]: ...
+    def peak_memory(self) -> dict[str, int]: ...
+    def compare_with_plan(self, step_seconds: float) -> str | None: ...
 
 
 def _rss() -> int:
