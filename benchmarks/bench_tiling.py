@@ -35,7 +35,17 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from tightfit.tiling import TiledLinear, grid_for_count, plan_tiles, tiled_cross_entropy  # noqa: E402
+import tightfit  # noqa: E402
+from tightfit import Placement, Tier  # noqa: E402
+from tightfit.offload.engine import engine_of  # noqa: E402
+from tightfit.optim import AdamW  # noqa: E402
+from tightfit.tiling import (  # noqa: E402
+    TiledLinear,
+    grid_for_count,
+    plan_tiles,
+    tile_linears,
+    tiled_cross_entropy,
+)
 
 MiB = 1024**2
 
@@ -224,17 +234,37 @@ def _train_grid(in_f: int, out_f: int, budget: int) -> tuple[int, int]:
     return plan_tiles(in_f, out_f, 4, budget // 2)
 
 
+ADAM_LR = 1e-3
+HOST_BUDGET_X = int(os.environ.get("HOST_BUDGET_X", "2"))  # wrap: host staging pool = this x the device budget
+
+
 def child_train(variant: str, in_f: int, out_f: int, n: int, steps: int, budget: int, folder: str) -> dict:
     lr = 0.5
     torch.manual_seed(0)
     x = torch.randn(n, in_f)  # [N, in]: one batch, fitted for `steps` steps, so the loss must fall
     target = torch.randn(n, out_f)  # [N, out]
+    start = _rss()
     info = {}
-    if variant == "plain":
+    engine = None
+    if variant in ("plain-sgd", "plain-adamw"):
         model = nn.Linear(in_f, out_f, bias=False, device="meta")
         model.weight = nn.Parameter(torch.from_file(os.path.join(folder, "full.bin"), size=out_f * in_f)
                                     .view(out_f, in_f))
-        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        opt = (torch.optim.SGD(model.parameters(), lr=lr) if variant == "plain-sgd"
+               else torch.optim.AdamW(model.parameters(), lr=ADAM_LR, fused=True))
+    elif variant == "wrap":
+        model = nn.Linear(in_f, out_f, bias=False, device="meta")
+        model.weight = nn.Parameter(torch.from_file(os.path.join(folder, "full.bin"), size=out_f * in_f)
+                                    .view(out_f, in_f))
+        model = nn.Sequential(model)
+        grid = tile_linears(model, max_tile_bytes=budget // 2)  # in place: model[0] is now a TiledLinear
+        # Every state of every tile on NVMe files; the device tier is the CPU with a byte budget.
+        placement = Placement.everywhere(Tier.NVME, nvme_dir=os.path.join(folder, "swap"), device_budget=budget,
+                                         host_budget=HOST_BUDGET_X * budget)
+        tightfit.wrap(model, placement, device="cpu")
+        engine = engine_of(model)
+        opt = AdamW(model.parameters(), lr=ADAM_LR)
+        info = {"grid": f"{model[0].out_splits}x{model[0].in_splits}", "tiles": grid["0"]}
     else:
         in_s, out_s = _train_grid(in_f, out_f, budget)
         model = TiledLinear(in_f, out_f, in_s, out_s, bias=False, device="meta")
@@ -243,6 +273,7 @@ def child_train(variant: str, in_f: int, out_f: int, n: int, steps: int, budget:
         info = {"grid": f"{out_s}x{in_s}", "tile_mib": model.tiles[0].weight.nbytes / MiB}
     gc.collect()
     before = _reset_peak_rss()
+    info["held_at_start"] = before - start  # what setup left resident (the tiles: nothing, they are in files)
     losses = []
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -253,12 +284,15 @@ def child_train(variant: str, in_f: int, out_f: int, n: int, steps: int, budget:
             opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     info["step_s"] = (time.perf_counter() - t0) / steps
-    if variant != "plain":
+    if variant == "tiled-sgd":
         info["tracked_peak"] = streamer.peak
+    if engine is not None:
+        info["tracked_peak"] = engine.memory_report()["device"]["peak"]
+        engine.close()
     return {"variant": variant, "losses": losses, "peak_delta": _peak_rss() - before, **info}
 
 
-def bench_train(in_f: int, out_f: int, n: int, steps: int, budget: int) -> None:
+def bench_train(in_f: int, out_f: int, n: int, steps: int, budget: int, variants: list[str]) -> None:
     with tempfile.TemporaryDirectory(prefix="tightfit-tiling-") as folder:
         torch.manual_seed(1)
         w = torch.empty(out_f, in_f)
@@ -268,25 +302,28 @@ def bench_train(in_f: int, out_f: int, n: int, steps: int, budget: int) -> None:
         TileStreamer.write_tiles(w, TiledLinear(in_f, out_f, in_s, out_s, bias=False, device="meta"), folder)
         del w
         args = [str(in_f), str(out_f), str(n), str(steps), str(budget), folder]
-        plain = _child(["train", "plain", *args])
-        tiled = _child(["train", "tiled", *args])
+        res = {v: _child(["train", v, *args]) for v in variants}
     wbytes = in_f * out_f * 4
     print(f"\n### One Linear [{out_f}, {in_f}] fp32 ({wbytes / MiB:.0f} MiB weight, "
-          f"{2 * wbytes / MiB:.0f} MiB with its gradient), budget {budget / MiB:.0f} MiB, SGD lr 0.5, N={n}, "
+          f"{2 * wbytes / MiB:.0f} MiB with its gradient), budget {budget / MiB:.0f} MiB, N={n}, "
           f"{steps} steps on one batch\n")
-    print("Peak RSS delta: process peak minus RSS before the first step. Both variants start with the weight only "
-          "in files (plain maps its file lazily), so the delta is all the memory the training steps hold. Tracked: "
-          "bytes of tile weights + grads in memory at once.\n")
-    print("| variant | grid (out x in) | peak RSS delta (MiB) | tracked tiles peak (MiB) | within budget | s/step | "
-          "losses |")
-    print("|---|---|---|---|---|---|---|")
-    for r in (plain, tiled):
+    print("Peak RSS delta: process peak minus RSS before the first step; every variant starts with the weight only "
+          "in files (plain maps its file lazily), so the delta is all the memory the training steps hold. "
+          "Tracked: device bytes the engine (wrap) or the demo streamer (tiled-sgd) held at once.\n")
+    print("| variant | optimizer | grid (out x in) | resident before step 1 (MiB) | peak RSS delta (MiB) | "
+          "tracked device peak (MiB) | within budget | s/step | losses |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for v, r in res.items():
         ok = "yes" if r["peak_delta"] <= budget else "no"
         tracked = f"{r['tracked_peak'] / MiB:.0f}" if "tracked_peak" in r else "-"
-        print(f"| {r['variant']} | {r.get('grid', '1x1')} | {r['peak_delta'] / MiB:.0f} | {tracked} | {ok} | "
-              f"{r['step_s']:.2f} | {', '.join(f'{v:.6f}' for v in r['losses'])} |")
-    diff = max(abs(a - b) / abs(a) for a, b in zip(plain["losses"], tiled["losses"]))
-    print(f"\nlargest relative loss difference, tiled vs plain: {diff:.2e}")
+        optname = "SGD lr 0.5" if v.endswith("sgd") else f"AdamW lr {ADAM_LR}"
+        print(f"| {v} | {optname} | {r.get('grid', '1x1')} | {r['held_at_start'] / MiB:.0f} | "
+              f"{r['peak_delta'] / MiB:.0f} | {tracked} | {ok} | "
+              f"{r['step_s']:.2f} | {', '.join(f'{x:.6f}' for x in r['losses'])} |")
+    for a, b in (("plain-sgd", "tiled-sgd"), ("plain-adamw", "wrap")):
+        if a in res and b in res:
+            diff = max(abs(x - y) / abs(x) for x, y in zip(res[a]["losses"], res[b]["losses"]))
+            print(f"\nlargest relative loss difference, {b} vs {a}: {diff:.2e}")
 
 
 # ---- CLI --------------------------------------------------------------------------------------------------------
@@ -309,6 +346,8 @@ def main() -> None:
     p.add_argument("--train-features", type=int, default=16384, help="square Linear for `train` (16384: 1 GiB fp32)")
     p.add_argument("--budget-mib", type=int, default=256)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--train-variants", default="plain-sgd,tiled-sgd,plain-adamw,wrap",
+                   help="comma-separated subset of plain-sgd, tiled-sgd (demo streamer), plain-adamw, wrap")
     a = p.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cpus")
     if a.what in ("loss", "all"):
@@ -317,7 +356,7 @@ def main() -> None:
         bench_throughput(512, 2048, 2048, [4, 16, 64, 256], [(4, 4), (16, 16)], reps=5)
     if a.what in ("train", "all"):
         f = a.train_features
-        bench_train(f, f, 32, a.steps, a.budget_mib * MiB)
+        bench_train(f, f, 32, a.steps, a.budget_mib * MiB, a.train_variants.split(","))
 
 
 if __name__ == "__main__":

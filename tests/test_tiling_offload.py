@@ -16,7 +16,7 @@ from tightfit import Placement, Tier
 from tightfit.errors import UsageError
 from tightfit.offload.engine import engine_of
 from tightfit.optim import AdamW
-from tightfit.tiling import TiledLinear, tile_linears, tile_paths
+from tightfit.tiling import TiledLinear, tile_linears, tile_paths, tile_units
 
 BUDGET = 64 * 1024  # bytes; the big Linear below holds 2 * 4 * (64*256 + 256) = 132 KiB of params + grads
 
@@ -73,5 +73,24 @@ def test_gpt_with_tiled_head_under_wrap(tmp_path):
 
     losses, model, _ = train(build, Placement.everywhere(Tier.HOST), steps=4)
     assert {"head.tiles.0", "head.tiles.3"} <= set(engine_of(model).memory_report()["units"])
+    assert max_rel_diff(losses, ref) <= 1e-5
+    engine_of(model).close()
+
+
+def test_tiles_inside_blocks_become_units_with_tile_units(tmp_path):
+    ref = train(tiny_gpt, steps=3)[0]
+    tiled_paths = {}
+
+    def build():
+        model = tiny_gpt()
+        tile_linears(model, tiles={"blocks.1.mlp.down": 3})
+        tiled_paths["units"] = tile_units(model)
+        return model
+
+    placement = Placement.everywhere(Tier.NVME, nvme_dir=str(tmp_path / "swap"))
+    losses, model, _ = train(build, placement, steps=3, wrap_kwargs={"units": lambda p, m: p in tiled_paths["units"]})
+    units = set(engine_of(model).memory_report()["units"])
+    assert {"blocks.0", "blocks.2", "blocks.1.mlp.down.tiles.0", "blocks.1.mlp.down.tiles.2"} <= units
+    assert "blocks.1" not in units
     assert max_rel_diff(losses, ref) <= 1e-5
     engine_of(model).close()

@@ -1,7 +1,7 @@
 """Memory-centric tiling: layers too large for one offload unit, cut into tiles that are computed one at a time.
 
 - `TiledLinear` (linear.py): an nn.Linear stored as a grid of `LinearTile`s, checkpoint-compatible with nn.Linear.
-- `tile_linears`, `plan_tiles`, `tile_paths` (transform.py): the in-place transform the planner applies to
+- `tile_linears`, `plan_tiles`, `tile_paths`, `tile_units` (transform.py): the in-place transform the planner applies to
   oversized Linears, and the arithmetic that turns a byte budget into a grid.
 - `tiled_cross_entropy`, `TiledLMHeadLoss` (loss.py): LM head + cross-entropy without the [tokens x vocab] logits.
 
@@ -10,7 +10,7 @@ See docs/TILING.md for the design and its costs.
 
 from tightfit.tiling.linear import LinearTile, TiledLinear, split_sizes
 from tightfit.tiling.loss import TiledLMHeadLoss, tiled_cross_entropy
-from tightfit.tiling.transform import grid_for_count, plan_tiles, tile_bytes, tile_linears, tile_paths
+from tightfit.tiling.transform import grid_for_count, plan_tiles, tile_bytes, tile_linears, tile_paths, tile_units
 
 __all__ = [
     "LinearTile",
@@ -22,5 +22,6 @@ __all__ = [
     "tile_bytes",
     "tile_linears",
     "tile_paths",
+    "tile_units",
     "tiled_cross_entropy",
 ]

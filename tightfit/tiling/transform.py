@@ -146,3 +146,30 @@ def tile_linears(
 def tile_paths(model: nn.Module) -> list[str]:
     """Module paths of every tile in `model`, in forward order: the units an offload engine should move one by one."""
     return [name for name, m in model.named_modules() if isinstance(m, LinearTile)]
+
+
+def tile_units(model: nn.Module) -> list[str]:
+    """Unit list for `tightfit.wrap(model, placement, units=tile_units(model))` that makes every tile its own unit.
+
+    The engine's default detector picks the children of a ModuleList of same-class children (the blocks) and never
+    looks inside a chosen unit, so tiles inside a block would move with their block. This list keeps the default
+    units that hold no tile, and names each tile of the others; the remaining parameters of a block that holds
+    tiles (its norms, its untiled Linears) fall to the root unit, which stays resident for the whole step.
+    Tiles outside any block (e.g. a tiled LM head) are found by the default detector already.
+    """
+    units: list[str] = []
+
+    def walk(module: nn.Module, prefix: str) -> None:
+        same_class_list = (isinstance(module, nn.ModuleList) and len(module) >= 2
+                           and len({type(m) for m in module}) == 1)
+        for name, child in module.named_children():
+            path = f"{prefix}.{name}" if prefix else name
+            if isinstance(child, LinearTile):
+                units.append(path)
+            elif same_class_list and not any(isinstance(m, LinearTile) for m in child.modules()):
+                units.append(path)
+            else:
+                walk(child, path)
+
+    walk(model, "")
+    return units
