@@ -1,0 +1,150 @@
+"""torchrun worker for tests/test_parallel_equivalence.py: many strategies in one process group.
+
+Every rank first trains the reference GPT alone on the whole global batch (the one-process reference), then, for
+each case named on the command line, builds the same model from the same seed, parallelises it, trains the same 5
+steps on its share of the same batches, and checks losses (relative difference <= 1e-5) and final weights.
+Rank 0 prints one line `CASE <name> OK max_loss_rel=... max_weight_diff=...` per case; a mismatch raises.
+
+Case syntax: strategy[:key=value,...] with keys tp, pp, sched, mb, offload, model (gpt|hf-gpt2|hf-llama).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tightfit.models.gpt import GPT, GPTConfig
+from tightfit.parallel.mesh import build_mesh, init_distributed
+from tightfit.parallel.parallelize import make_optimizer, parallelize
+from tightfit.parallel.plan import parse_strategy
+
+STEPS, B, T, VOCAB = 5, 8, 16, 64
+LR, WD, CLIP = 3e-3, 0.1, 1.0
+EPS = 1e-6
+# Why eps 1e-6 (not 1e-8): Adam's update g/(|g|+eps) turns an element whose gradient is ~1e-9 (pure float rounding
+# noise, e.g. a GELU in its flat tail) into a full +-lr step, so two correct runs that add the same numbers in a
+# different order (sharded matmuls) would differ by ~lr on such elements. eps 1e-6 damps exactly those elements.
+# Likewise the model has no biases: the key projection's bias has an exactly-zero gradient (softmax ignores it).
+
+
+def build_model(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "gpt":
+        return GPT(GPTConfig(vocab_size=VOCAB, block_size=T, n_layer=4, n_head=4, n_embd=32, bias=False))
+    if kind == "hf-gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = GPT2Config(vocab_size=VOCAB, n_positions=T, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+                         embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False)
+        return GPT2LMHeadModel(cfg)
+    if kind == "hf-llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=T,
+                          tie_word_embeddings=False)
+        return LlamaForCausalLM(cfg)
+    raise ValueError(kind)
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    data = torch.randint(0, VOCAB, (B, T + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+def logits_of(out):
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def reference(kind: str):
+    model = build_model(kind)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=LR, betas=(0.9, 0.95), eps=EPS)
+    losses = []
+    for s in range(STEPS):
+        x, y = batch(s)
+        logits = logits_of(model(x))
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def run_case(spec: str, env, refs) -> str:
+    strategy, _, opts = spec.partition(":")
+    if "=" in strategy:  # "model=hf-llama" alone is not a strategy
+        raise ValueError(f"case {spec!r}: write strategy:key=value")
+    kv = dict(o.split("=") for o in opts.split(",") if o)
+    kind = kv.get("model", "gpt")
+    plan = parse_strategy(strategy, env.world_size, tp=int(kv.get("tp", 0)), pp=int(kv.get("pp", 0)),
+                          pp_schedule=kv.get("sched", "1f1b"), pp_microbatches=int(kv.get("mb", 2)),
+                          cpu_offload=kv.get("offload") == "1")
+    if kind not in refs:
+        refs[kind] = reference(kind)
+    ref_losses, ref_params = refs[kind]
+    mesh = build_mesh(plan.dims, env.device)
+    pm = parallelize(build_model(kind), plan, mesh, env.device)
+    opt = make_optimizer(pm, lr=LR, weight_decay=WD, eps=EPS)
+    dp_rank, b = mesh["dp"].get_local_rank(), B // plan.dims.dp
+    losses = []
+    t0 = time.perf_counter()
+    for s in range(STEPS):
+        x, y = batch(s)
+        local = pm.forward_backward(x[dp_rank * b:(dp_rank + 1) * b], y[dp_rank * b:(dp_rank + 1) * b])
+        pm.clip_grad_norm_(CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(pm.global_loss(local))
+    elapsed = time.perf_counter() - t0
+    loss_rel = max(abs(a - r) / abs(r) for a, r in zip(losses, ref_losses))
+    assert loss_rel <= 1e-5, f"{spec}: losses {losses} vs reference {ref_losses} (rel {loss_rel:.2e})"
+    full = pm.full_state_dict()
+    assert full, f"{spec}: rank holds no parameters"
+    wdiff = 0.0
+    for name, t in full.items():
+        ref = ref_params[name]
+        assert t.shape == ref.shape, f"{spec}: {name} shape {tuple(t.shape)} vs {tuple(ref.shape)}"
+        wdiff = max(wdiff, (t - ref).abs().max().item())
+        assert torch.allclose(t, ref, rtol=1e-5, atol=1e-5), f"{spec}: weight {name} differs by {wdiff:.2e}"
+    # Every reference parameter must live on some rank.
+    names = [None] * env.world_size
+    dist.all_gather_object(names, sorted(full))
+    missing = set(ref_params) - set().union(*map(set, names))
+    assert not missing, f"{spec}: parameters on no rank: {sorted(missing)[:5]}"
+    return f"CASE {spec} OK plan={plan.name} mesh=({plan.dims}) max_loss_rel={loss_rel:.1e} " \
+           f"max_weight_diff={wdiff:.1e} time={elapsed:.1f}s"
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    env = init_distributed(timeout_s=60)
+    refs: dict = {}
+    failures = 0
+    for spec in sys.argv[1:]:
+        try:
+            line = run_case(spec, env, refs)
+        except Exception as e:  # report and go on: one launch checks many cases
+            import traceback
+            traceback.print_exc()
+            line = f"CASE {spec} FAIL {type(e).__name__}: {str(e)[:400]}"
+            failures += 1
+            print(f"[rank {env.rank}] {line}", flush=True)  # before the barrier: other ranks may be stuck
+        dist.barrier()
+        if env.rank == 0 and "FAIL" not in line:
+            print(f"[rank {env.rank}] {line}", flush=True)
+    dist.destroy_process_group()
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()

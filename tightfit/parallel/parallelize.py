@@ -1,0 +1,180 @@
+"""`parallelize(model, plan, mesh)`: apply the parallelisms in their one documented order.
+
+The order (torchtitan's), and why:
+1. **PP split** — `build_stage_module`: keep only this pipeline rank's blocks. First, so every later step touches
+   only the parameters this rank owns.
+2. **TP** — `apply_tp`: replace the stage's Linear weights by DTensor shards over the `tp` mesh. Before DP, because
+   FSDP2 must see the TP shards to make 2-D (dp, tp) shards, and DDP must see them to localise them.
+3. **DP** — `apply_ddp` (ddp, zero1) or `apply_zero` (zero2, zero3) over the `dp` mesh.
+4. **PP schedule** — `apply_pp`: the PipelineStage wraps the DP-wrapped stage, so it can skip gradient sync on all
+   but the last micro-batch.
+5. **Optimizer** — AdamW, wrapped in ZeroRedundancyOptimizer over the dp group for zero1.
+
+The result, `ParallelModel`, is what a training loop drives: `forward_backward(x, y)` runs one step's compute on
+this rank's share of the batch, `clip_grad_norm_` and `global_loss` do the two reductions a loop needs, and
+`full_state_dict` gathers weights for comparison or saving.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from tightfit.errors import UsageError
+from tightfit.parallel.data_parallel import apply_ddp, apply_zero, build_optimizer
+from tightfit.parallel.pipeline import apply_pp, build_stage_module, lm_loss
+from tightfit.parallel.plan import ParallelPlan
+from tightfit.parallel.tensor_parallel import apply_tp
+
+
+def _logits(out) -> torch.Tensor:
+    """Logits from a plain model (tensor) or a Hugging Face one (output object)."""
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def _clean(name: str) -> str:
+    """Parameter name as in the unwrapped model (DDP adds `module.`)."""
+    return name[len("module."):] if name.startswith("module.") else name
+
+
+@dataclass
+class ParallelModel:
+    """This rank's part of a parallelised model, with the collectives a training loop needs."""
+
+    module: nn.Module
+    """The local module: the (DP-wrapped, TP-sharded) model or pipeline stage."""
+    plan: ParallelPlan
+    mesh: DeviceMesh
+    schedule: object | None = None
+    """The pipeline schedule when pp > 1."""
+    hf: bool = False
+    """A Hugging Face model (called with input_ids=..., use_cache=False; returns an output object)."""
+
+    @property
+    def pp_rank(self) -> int:
+        return self.mesh["pp"].get_local_rank()
+
+    @property
+    def has_loss(self) -> bool:
+        """Whether this rank computes the loss (the last pipeline stage does)."""
+        return self.pp_rank == self.plan.dims.pp - 1
+
+    def parameters(self):
+        return self.module.parameters()
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Forward of the local module (pp == 1 only): logits [b, T, vocab]."""
+        out = self.module(input_ids=x, use_cache=False) if self.hf else self.module(x)
+        return _logits(out)
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """Forward and backward on this dp rank's batch x, y [b, T]. Returns the mean loss (NaN off the last stage).
+
+        Gradients end up averaged over the dp ranks and the micro-batches: those of one step on the global batch.
+        `scale` multiplies the loss before backward (1/accumulation steps when the caller accumulates; pp == 1).
+        """
+        if self.schedule is None:
+            loss = lm_loss(self.logits(x), y)
+            (loss * scale).backward() if scale != 1.0 else loss.backward()
+            return loss.detach()
+        if x.shape[0] % self.plan.pp_microbatches:
+            raise UsageError(f"--pp-microbatches {self.plan.pp_microbatches}: must divide the per-rank batch "
+                             f"({x.shape[0]} sequences)")
+        first, last = self.pp_rank == 0, self.has_loss
+        losses: list[torch.Tensor] = []
+        if first and last:  # pragma: no cover - pp > 1 means distinct stages
+            raise AssertionError
+        if first:
+            self.schedule.step(x)
+        elif last:
+            self.schedule.step(target=y, losses=losses)
+        else:
+            self.schedule.step()
+        if not last:
+            return torch.tensor(float("nan"))
+        return torch.stack([l.detach() for l in losses]).mean()
+
+    def global_loss(self, local_loss: torch.Tensor) -> float:
+        """Mean loss over the global batch, the same on every rank (one scalar all-reduce)."""
+        t = torch.zeros(2, dtype=torch.float64, device=self._comm_device())
+        if self.has_loss:
+            t[0], t[1] = float(local_loss), 1.0
+        dist.all_reduce(t)
+        return float(t[0] / t[1])
+
+    def _comm_device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if self.mesh.device_type == "cuda" \
+            else torch.device("cpu")
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip the global gradient norm (over every shard on every rank). Returns the norm before clipping.
+
+        Squares are summed per kind of shard: DTensor gradients (FSDP/TP/replicate) reduce over their own mesh
+        with `full_tensor()`; plain (replicated) ones count once; pipeline stages then add their sums.
+        """
+        grads = [(n, p.grad) for n, p in self.module.named_parameters() if p.grad is not None]
+        by_spec: dict = {}
+        plain = torch.zeros((), dtype=torch.float32, device=self._comm_device())
+        for name, g in grads:
+            if isinstance(g, DTensor):
+                by_spec.setdefault((g.device_mesh, tuple(g.placements)), []).append(g)
+            else:
+                plain += g.detach().float().pow(2).sum()
+        total_sq = plain
+        for gs in by_spec.values():
+            n = torch.nn.utils.get_total_norm(gs, 2.0)
+            total_sq = total_sq + n.full_tensor().float().pow(2)
+        if self.plan.dims.pp > 1:
+            dist.all_reduce(total_sq, group=self.mesh["pp"].get_group())
+        total = float(total_sq.sqrt())
+        coef = max_norm / (total + 1e-6)
+        if max_norm > 0 and coef < 1.0:
+            # Same coefficient as torch.nn.utils.clip_grad_norm_; applied per kind of tensor because one foreach
+            # call cannot mix DTensors of different meshes with plain tensors.
+            for gs in [*by_spec.values(), [g for n, g in grads if not isinstance(g, DTensor)]]:
+                if gs:
+                    torch._foreach_mul_(gs, coef)
+        return total
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters, un-sharded (every rank of a pp stage gets the stage's weights). Collective."""
+        out = {}
+        for name, p in self.module.named_parameters():
+            t = p.detach()
+            if isinstance(t, DTensor):
+                t = t.full_tensor()
+            out[_clean(name)] = t.cpu()
+        return out
+
+
+def parallelize(model: nn.Module, plan: ParallelPlan, mesh: DeviceMesh, device: torch.device) -> ParallelModel:
+    """Apply PP split, TP, DP and the PP schedule to `model` (built identically on every rank), in that order."""
+    dims = plan.dims
+    module = model.to(device)
+    if dims.pp > 1:
+        module = build_stage_module(model, mesh["pp"].get_local_rank(), dims.pp)
+    if dims.tp > 1:
+        apply_tp(module, mesh["tp"])
+    if dims.dp > 1 or plan.dp_mode == "zero3" and plan.cpu_offload:
+        if plan.dp_mode in ("ddp", "zero1"):
+            module = apply_ddp(module, mesh["dp"], pipelined=dims.pp > 1)
+        else:
+            module = apply_zero(module, mesh["dp"], int(plan.dp_mode[-1]), plan.cpu_offload, dims.pp > 1)
+    schedule = None
+    if dims.pp > 1:
+        schedule = apply_pp(module, mesh["pp"], device, plan.pp_schedule, plan.pp_microbatches)
+    return ParallelModel(module, plan, mesh, schedule, hf=hasattr(getattr(model, "config", None), "model_type"))
+
+
+def make_optimizer(pm: ParallelModel, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.95), eps: float = 1e-8):
+    """AdamW with decay on matrices only (biases, norms exempt); ZeRO-1 shards its states over dp."""
+    decay = [p for p in pm.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in pm.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    zero1 = pm.mesh["dp"].get_group() if pm.plan.dp_mode == "zero1" and pm.plan.dims.dp > 1 else None
+    return build_optimizer(groups, zero1_group=zero1, lr=lr, betas=betas, eps=eps)

@@ -1,0 +1,221 @@
+"""`tightfit train` on several processes: `launch` hands over to torchrun, `run_distributed` is each rank's loop.
+
+Launch: `tightfit train --nproc-per-node N [--nnodes M --node-rank R --master-addr A --master-port P]` re-executes
+the same command line under `python -m torch.distributed.run`. Inside, WORLD_SIZE > 1 makes the CLI call
+`run_distributed`; a run started by torchrun or a scheduler that sets RANK/WORLD_SIZE/... takes the same path.
+
+Each rank:
+- builds the model from the same seed (identical weights everywhere, so no broadcast is needed) and parallelises
+  it (parallelize.py);
+- draws its own batches: the data generator is seeded with its *dp* rank (tightfit.train.data.data_generator),
+  which gives disjoint reproducible shards of the sample stream as DistributedSampler would; tp and pp peers of a
+  dp rank share its stream because they must see the same batch;
+- only global rank 0 prints and writes the checkpoint (weights gathered: DTensor shards with `full_tensor`,
+  pipeline stages with one `gather_object` over the pp group).
+
+A rank that dies: under torchrun the agent sees the exit and terminates the other workers within its monitor
+interval (`--monitor-interval 1`, `--max-restarts 0`). Without torchrun, gloo raises in the survivors as soon as
+the dead peer's socket closes, and a hung peer is bounded by the process-group timeout (`--dist-timeout`, 120 s);
+`run_distributed` turns either into one line naming this rank and the cause, and exits with status 1.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tightfit.errors import UsageError
+from tightfit.parallel.mesh import DEFAULT_TIMEOUT_S, build_mesh, init_distributed, shutdown
+from tightfit.parallel.parallelize import make_optimizer, parallelize
+from tightfit.parallel.plan import ParallelPlan, plan_from_config
+
+MONITOR_INTERVAL_S = 1
+"""How often torchrun's agent checks its workers: the bound on how long survivors of a dead rank keep running."""
+
+
+class RankLostError(RuntimeError):
+    """A collective failed because another rank died, hung past the timeout, or the network broke."""
+
+
+def launch(cfg, argv: list[str]) -> int:
+    """Re-run `tightfit <argv>` under torch.distributed's launcher with cfg's node/process layout."""
+    p = cfg.parallel
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={p.nproc_per_node}",
+           f"--nnodes={p.nnodes}", f"--node-rank={p.node_rank}", f"--master-addr={p.master_addr}",
+           f"--master-port={p.master_port}", "--max-restarts=0", f"--monitor-interval={MONITOR_INTERVAL_S}",
+           "-m", "tightfit.cli", *argv]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default too; stated so CPU ranks do not oversubscribe
+    try:
+        return subprocess.run(cmd, env=env).returncode
+    except KeyboardInterrupt:  # torchrun forwards the signal to the workers
+        return 130
+
+
+def resolve_plan(cfg, world_size: int, model: torch.nn.Module, log) -> ParallelPlan:
+    """The plan for this run: `--strategy` as given, or `auto` decided by choose_strategy for this world."""
+    from dataclasses import replace
+
+    if cfg.parallel.strategy != "auto":
+        return plan_from_config(cfg.parallel, world_size)
+    from tightfit.parallel.auto import choose_strategy
+    from tightfit.parallel.costs import Hardware, ModelProfile
+    from tightfit.utils.sizes import parse_size
+
+    if cfg.memory.gpu_mem:
+        mem = parse_size(cfg.memory.gpu_mem, "--gpu-mem")
+    elif torch.cuda.is_available():
+        mem = torch.cuda.get_device_properties(0).total_memory
+    else:  # CPU ranks share the host's memory
+        import psutil
+
+        mem = psutil.virtual_memory().available // max(1, cfg.parallel.nproc_per_node)
+    link = cfg.parallel.interconnect
+    if link == "auto":
+        link = "pcie" if cfg.parallel.nnodes == 1 else "ethernet"
+    hw = Hardware(gpus_per_node=world_size // cfg.parallel.nnodes, nnodes=cfg.parallel.nnodes, gpu_mem=mem,
+                  interconnect=link)
+    prof = ModelProfile.from_model(model, cfg.train.seq_len, cfg.train.micro_batch, cfg.train.precision != "fp32")
+    choice = choose_strategy(hw, prof, log=log)
+    if choice.plan is None:  # pragma: no cover - world_size > 1 always yields a plan
+        raise UsageError("--strategy auto chose a single-GPU strategy for a distributed run")
+    return replace(choice.plan, pp_schedule=cfg.parallel.pp_schedule, pp_microbatches=cfg.parallel.pp_microbatches)
+
+
+def run_distributed(cfg, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
+    """One rank of a distributed `tightfit train`. Returns a summary dict (the same on every rank)."""
+    env = init_distributed(timeout_s=timeout_s, device=cfg.train.device)
+    try:
+        return _train(cfg, env)
+    except (RuntimeError, dist.DistError) as e:
+        if isinstance(e, UsageError) or not _is_comm_failure(e):
+            raise
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        print(f"tightfit: error: rank {env.rank}: lost contact with another rank ({first}); stopping",
+              file=sys.stderr, flush=True)
+        os._exit(1)  # the process group is broken: destroying it could block on the dead peer
+    finally:
+        shutdown()
+
+
+def _is_comm_failure(e: BaseException) -> bool:
+    text = f"{type(e).__name__} {e}".lower()
+    return isinstance(e, dist.DistError) or any(
+        k in text for k in ("gloo", "nccl", "connection", "timed out", "timeout", "peer", "socket", "broken pipe"))
+
+
+def _train(cfg, env) -> dict:
+    from tightfit.models.build import build_model
+    from tightfit.models.tokenizer import get_tokenizer
+    from tightfit.train import checkpoint as ckpt
+    from tightfit.train.data import data_generator
+    from tightfit.train.loop import load_dataset, lr_at, resolve_precision
+
+    t, o = cfg.train, cfg.optim
+    if t.threads:
+        torch.set_num_threads(t.threads)
+    say = print if env.rank == 0 else (lambda *a, **k: None)
+    out_dir = Path(t.out_dir)
+    ckpt_path = out_dir / ckpt.CHECKPOINT_NAME
+    if not t.resume and ckpt_path.exists():
+        raise UsageError(f"--out-dir: {out_dir} already holds a checkpoint; pass --resume to continue it, "
+                         "or choose another --out-dir")
+    tokenizer = get_tokenizer(cfg.model.tokenizer) if cfg.model.tokenizer else None
+    dataset = load_dataset(cfg, tokenizer)
+    torch.manual_seed(t.seed)  # same seed on every rank: identical initial weights
+    model = build_model(cfg.model, vocab_size=dataset.vocab_size, block_size=t.seq_len)
+    start_step = 0
+    resume = ckpt.load_checkpoint(ckpt_path) if t.resume and ckpt_path.exists() else None
+    if t.resume and resume is None:
+        raise UsageError(f"--resume: no checkpoint in {out_dir}; drop --resume to start fresh")
+    if resume is not None:
+        # Weights are restored before sharding, so every strategy resumes the same way; optimizer moments of a
+        # distributed run are not in the checkpoint and restart from zero (see docs/PARALLEL.md).
+        ckpt.check_compatible(resume, [(n, tuple(p.shape)) for n, p in model.named_parameters()])
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(resume.get(f"model.{n}"))
+        start_step = resume.step
+
+    plan = resolve_plan(cfg, env.world_size, model, say)
+    mesh = build_mesh(plan.dims, env.device)
+    pm = parallelize(model, plan, mesh, env.device)
+    opt = make_optimizer(pm, lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2))
+    dtype = resolve_precision(cfg, env.device)
+    autocast = (lambda: torch.autocast(env.device.type, dtype=dtype)) if dtype != torch.float32 else nullcontext
+    dp_rank = mesh["dp"].get_local_rank()
+    gen = data_generator(t.seed, rank=dp_rank)
+    if resume is not None:
+        # The data position of dp rank 0 is what a one-process run saved; other ranks skip ahead deterministically.
+        ckpt.restore_rng(resume.rng_states(), gen) if dp_rank == 0 else None
+    per_rank = t.micro_batch * t.grad_accum  # sequences per dp rank per step
+    global_batch = per_rank * plan.dims.dp
+    n_params = sum(p.numel() for p in model.parameters())
+    say(f"tightfit: {env.world_size} ranks, mesh {plan.dims}, strategy {plan.name}"
+        f"{f' ({plan.pp_schedule}, {plan.pp_microbatches} micro-batches)' if plan.dims.pp > 1 else ''}; "
+        f"{n_params:,} parameters, {global_batch} sequences x {t.seq_len} tokens per step", flush=True)
+
+    step, loss, t0 = start_step, float("nan"), time.perf_counter()
+    while step < t.steps:
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        if plan.dims.pp > 1:  # the schedule splits the rank's batch into --pp-microbatches
+            x, y = dataset.sample(per_rank, gen)
+            with autocast():
+                local = pm.forward_backward(x.to(env.device), y.to(env.device))
+        else:
+            parts = []
+            for _ in range(t.grad_accum):
+                x, y = dataset.sample(t.micro_batch, gen)
+                with autocast():
+                    parts.append(pm.forward_backward(x.to(env.device), y.to(env.device), 1.0 / t.grad_accum))
+            local = torch.stack(parts).mean()
+        norm = pm.clip_grad_norm_(o.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        loss = pm.global_loss(local)
+        if not math.isfinite(loss):
+            raise UsageError(f"--lr: the loss became {loss} at step {step}; lower --lr or raise --warmup-steps")
+        if step % t.log_interval == 0 or step == t.steps:
+            say(f"step {step}/{t.steps} loss {loss:.4f} grad-norm {norm:.3f} "
+                f"({(time.perf_counter() - t0) / (step - start_step):.2f} s/step)", flush=True)
+        if t.save_interval and step % t.save_interval == 0 and step < t.steps:
+            _save(pm, env, ckpt_path, step, cfg, gen)
+    path = _save(pm, env, ckpt_path, step, cfg, gen)
+    seconds = time.perf_counter() - t0
+    say(f"done: {step - start_step} steps in {seconds:.1f}s, train loss {loss:.4f}; checkpoint {path}", flush=True)
+    return {"steps": step - start_step, "final_step": step, "train_loss": loss, "seconds": seconds,
+            "strategy": plan.name, "mesh": plan.dims.shape()}
+
+
+def _save(pm, env, path: Path, step: int, cfg, gen) -> Path | None:
+    """Gather full weights on rank 0 and write the single-process checkpoint format (resumable by any strategy)."""
+    from tightfit.train import checkpoint as ckpt
+
+    local = pm.full_state_dict()  # collective over dp/tp: every rank of this stage holds the stage's weights
+    if pm.plan.dims.pp > 1:
+        mesh = pm.mesh
+        first_of_stage = mesh["dp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0
+        if first_of_stage:  # one gather over the pp group of dp=0, tp=0, whose pp-rank-0 member is global rank 0
+            parts = [None] * pm.plan.dims.pp if env.rank == 0 else None
+            dist.gather_object(local, parts, group_dst=0, group=mesh["pp"].get_group())
+            if env.rank == 0:
+                local = {k: v for part in parts for k, v in part.items()}
+    out = None
+    if env.rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shapes = [(n, tuple(t.shape)) for n, t in local.items()]
+        out = ckpt.save_checkpoint(path, ((f"model.{n}", t) for n, t in sorted(local.items())), step=step,
+                                   config=cfg.to_dict(), signature=ckpt.model_signature(shapes),
+                                   rng=ckpt.capture_rng(gen))
+    dist.barrier()
+    return out

@@ -1,0 +1,103 @@
+"""`tightfit plan` for several GPUs: `what_if(cfg)` answers without the hardware.
+
+Given `--nproc-per-node`, `--nnodes`, `--gpu-mem`, `--interconnect` and the model settings, it profiles the model
+on the meta device (no memory, no download), runs `choose_strategy` (or takes `--strategy` as given), and reports
+the mesh shape, memory per GPU by kind and communication per step by dimension (costs.py has the formulas).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tightfit.errors import UsageError
+from tightfit.parallel.auto import StrategyChoice, choose_strategy
+from tightfit.parallel.costs import Hardware, ModelProfile, comm_per_step, memory_per_gpu
+from tightfit.parallel.plan import parse_strategy
+from tightfit.utils.sizes import format_size, parse_size
+
+DEFAULT_GPU_MEM = "80GiB"
+"""Assumed per-GPU memory when --gpu-mem is not given (an H100/A100-80GB)."""
+
+
+@dataclass
+class WhatIfReport:
+    hardware: Hardware
+    profile: ModelProfile
+    choice: StrategyChoice
+    memory: dict[str, int] | None
+    comm: dict[str, int] | None
+
+    def to_dict(self) -> dict:
+        c = self.choice
+        return {"hardware": vars(self.hardware), "model": self.profile.to_dict(), "strategy": c.strategy,
+                "mesh": {"pp": c.dims.pp, "dp": c.dims.dp, "tp": c.dims.tp}, "rule": c.rule, "reason": c.reason,
+                "dp_mode": c.plan.dp_mode if c.plan else None,
+                "cpu_offload": bool(c.plan and c.plan.cpu_offload),
+                "memory_per_gpu": self.memory, "comm_per_step_per_gpu": self.comm, "notes": c.notes}
+
+    def __str__(self) -> str:
+        hw, c, p = self.hardware, self.choice, self.profile
+        lines = [f"hardware: {hw.nnodes} node(s) x {hw.gpus_per_node} GPU(s), {format_size(hw.gpu_mem)} each, "
+                 f"{hw.interconnect}",
+                 f"model: {p.n_params / 1e6:.1f}M parameters, {p.n_layers} blocks, largest layer "
+                 f"{p.largest_layer_params / 1e6:.1f}M, micro-batch {p.micro_batch} x {p.seq_len} tokens",
+                 f"strategy: {c.strategy}" + (f" (dp={c.plan.dp_mode}{', cpu offload' if c.plan.cpu_offload else ''})"
+                                              if c.plan and c.dims.dp > 1 else ""),
+                 f"mesh: {c.dims}",
+                 f"why: {c.reason}"]
+        if self.memory:
+            m = self.memory
+            lines.append(f"memory per GPU: {format_size(m['total'])} = " + ", ".join(
+                f"{k} {format_size(v)}" for k, v in m.items() if k != "total" and v))
+        if self.comm:
+            cm = self.comm
+            lines.append(f"communication per step per GPU: {format_size(cm['total'])}" + (" (" + ", ".join(
+                f"{k} {format_size(v)}" for k, v in cm.items() if k != "total" and v) + ")" if cm["total"] else ""))
+        lines += [f"note: {n}" for n in c.notes]
+        return "\n".join(lines)
+
+
+def _meta_model(cfg) -> torch.nn.Module:
+    """The configured model on the meta device (shapes only), built as the single-process trainer builds it."""
+    from tightfit.train.loop import build_meta_model
+
+    return build_meta_model(cfg)
+
+
+def hardware_from_config(cfg) -> Hardware:
+    p = cfg.parallel
+    mem = parse_size(cfg.memory.gpu_mem or DEFAULT_GPU_MEM, "--gpu-mem")
+    link = p.interconnect
+    if link == "auto":  # the conservative guess: PCIe inside a node, Ethernet between nodes
+        link = "pcie" if p.nnodes == 1 else "ethernet"
+    return Hardware(gpus_per_node=p.nproc_per_node, nnodes=p.nnodes, gpu_mem=mem, interconnect=link)
+
+
+def what_if(cfg, model: torch.nn.Module | None = None, log=None) -> WhatIfReport:
+    """Plan for the hardware described by `cfg` (see module docstring). `model` overrides the configured one."""
+    hw = hardware_from_config(cfg)
+    precision = cfg.train.precision
+    mixed = precision in ("bf16", "fp16") or precision == "auto"  # auto means bf16 on GPUs
+    prof = ModelProfile.from_model(model if model is not None else _meta_model(cfg), cfg.train.seq_len,
+                                   cfg.train.micro_batch, mixed)
+    if cfg.parallel.strategy == "auto":
+        choice = choose_strategy(hw, prof, log=log)
+    else:
+        plan = parse_strategy(cfg.parallel.strategy, hw.world_size, cfg.parallel.tp, cfg.parallel.pp,
+                              cfg.parallel.pp_schedule, cfg.parallel.pp_microbatches)
+        choice = StrategyChoice(cfg.parallel.strategy, plan.dims, "given by --strategy",
+                                f"given by --strategy {cfg.parallel.strategy}", plan)
+    memory = comm = None
+    if choice.plan is not None:
+        plan = choice.plan
+        if plan.pp_schedule != cfg.parallel.pp_schedule or plan.pp_microbatches != cfg.parallel.pp_microbatches:
+            from dataclasses import replace
+
+            plan = replace(plan, pp_schedule=cfg.parallel.pp_schedule, pp_microbatches=cfg.parallel.pp_microbatches)
+        memory, comm = memory_per_gpu(plan, prof), comm_per_step(plan, prof)
+        if memory["total"] > hw.gpu_mem:
+            choice.notes.append(f"the plan needs {format_size(memory['total'])} per GPU, more than "
+                                f"{format_size(hw.gpu_mem)}: combine with offload or raise the degrees")
+    return WhatIfReport(hw, prof, choice, memory, comm)
