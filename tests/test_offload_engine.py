@@ -1,0 +1,138 @@
+"""Offload engine behaviour: unit discovery, tier states, the device budget, the schedule, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import tightfit
+from offload_helpers import batch, hf_gpt2, loss_of, tiny_gpt, train
+from tightfit import Placement, Tier, UnitPlacement
+from tightfit.errors import UsageError
+from tightfit.offload.engine import engine_of
+from tightfit.offload.flat_unit import Where
+from tightfit.offload.placement import State
+from tightfit.offload.units import ALIGN, find_units
+from tightfit.optim import AdamW
+
+
+# ---- units ------------------------------------------------------------------------------------------------------
+
+def test_default_units_are_repeated_blocks_plus_root():
+    specs = find_units(tiny_gpt())
+    assert [s.name for s in specs] == ["root", "blocks.0", "blocks.1", "blocks.2"]
+    root = specs[0]
+    assert {s.name for s in root.slots} == {"tok_emb.weight", "pos_emb.weight", "ln_f.weight", "ln_f.bias",
+                                            "head.weight"}
+    for spec in specs:
+        assert all(s.offset % ALIGN == 0 for s in spec.slots)
+        ends = sorted((s.offset, s.offset + s.numel) for s in spec.slots)
+        assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:])), "no overlap"
+        assert spec.numel >= ends[-1][1]
+
+
+def test_tied_weights_go_to_root_and_explicit_policies():
+    model = hf_gpt2()  # lm_head.weight is tok embedding (tied)
+    specs = {s.name: s for s in find_units(model)}
+    assert set(specs) == {"root", "transformer.h.0", "transformer.h.1"}
+    assert any(s.name == "transformer.wte.weight" for s in specs["root"].slots)
+    specs = {s.name for s in find_units(tiny_gpt(), ["blocks.*", "head"])}
+    assert specs == {"root", "blocks.0", "blocks.1", "blocks.2", "head"}
+    specs = {s.name for s in find_units(tiny_gpt(), lambda path, m: isinstance(m, nn.LayerNorm))}
+    assert "blocks.0.ln_1" in specs and "ln_f" in specs
+    model = tiny_gpt()
+    model.head.weight = model.tok_emb.weight  # tie across two explicit units -> root
+    specs = {s.name: s for s in find_units(model, ["tok_emb", "head", "blocks.*"])}
+    assert "head" not in specs and "tok_emb" not in specs
+    assert any(s.name == "tok_emb.weight" for s in specs["root"].slots)
+
+
+def test_frozen_params_sit_after_the_trainable_prefix():
+    model = tiny_gpt()
+    model.blocks[0].attn.q_proj.weight.requires_grad_(False)
+    spec = next(s for s in find_units(model) if s.name == "blocks.0")
+    frozen = [s for s in spec.slots if not s.trainable]
+    assert [s.name for s in frozen] == ["blocks.0.attn.q_proj.weight"]
+    assert frozen[0].offset >= spec.train_numel
+    assert all(s.offset + s.numel <= spec.train_numel for s in spec.slots if s.trainable)
+
+
+# ---- states and reports ---------------------------------------------------------------------------------------
+
+def test_states_rest_on_their_tiers_between_steps(tmp_path):
+    placement = Placement(default=UnitPlacement(Tier.NVME, Tier.HOST, Tier.HOST, Tier.NVME),
+                          units={"root": UnitPlacement.all_on(Tier.DEVICE)}, nvme_dir=str(tmp_path))
+    _, model, opt = train(tiny_gpt, placement, steps=2)
+    engine = engine_of(model)
+    block = engine.units["blocks.1"]
+    assert block.where == {State.PARAMS: Where.ON_DISK, State.MASTER: Where.IN_HOST, State.GRADS: Where.EMPTY,
+                           State.OPTIM: Where.ON_DISK}
+    assert block.flat.untyped_storage().nbytes() == 0, "released: no device bytes"
+    assert engine.units["root"].resident
+    # After a backward (before the step) the gradients rest in host memory.
+    x, y = batch(0)
+    loss_of(model, x, y).backward()
+    engine.wait_grads()
+    assert block.where[State.GRADS] == Where.IN_HOST and all(block.has_grad)
+    assert all(p.grad is None for p in model.parameters())
+    report = engine.memory_report()
+    assert report["units"]["blocks.1"]["states"]["optim"] == {"tier": "nvme", "where": "on disk",
+                                                              "bytes": 8 * block.spec.train_numel}
+    assert report["nvme"]["bytes"] > 0 and report["host"]["tier"] > 0
+    opt.step()
+    timings = engine.timings()
+    for key in ("forward_s", "backward_s", "optimizer_s", "optimizer_wall_s"):
+        assert timings[key] > 0
+    assert timings["nvme"]["bytes_read"] > 0 and timings["nvme"]["bytes_written"] > 0
+
+
+def test_schedule_records_forward_and_backward_order():
+    _, model, _ = train(tiny_gpt, Placement.everywhere(Tier.HOST), steps=2)
+    order = engine_of(model).schedule.order
+    assert [u for u in order["forward"]] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert [u for u in order["backward"]] == ["blocks.2", "blocks.1", "blocks.0"]
+
+
+def test_device_budget_is_respected_on_cpu():
+    probe = train(tiny_gpt, Placement.everywhere(Tier.HOST), steps=1)[1]
+    units = engine_of(probe).units
+    root, block = units["root"].compute_bytes, units["blocks.0"].compute_bytes
+    budget = root + 2 * block  # the root, the running block and one prefetch
+    ref = train(tiny_gpt, steps=3)[0]
+    losses, model, _ = train(tiny_gpt, Placement.everywhere(Tier.HOST, device_budget=budget, prefetch_depth=4),
+                             steps=3)
+    assert losses == ref
+    engine = engine_of(model)
+    assert engine.device_peak <= budget and engine.device_bytes == 0
+    with pytest.raises(UsageError, match="device budget .* too small"):
+        tightfit.wrap(tiny_gpt(), Placement.everywhere(Tier.HOST, device_budget=root + block - 1))
+
+
+def test_eval_without_grad_releases_everything(tmp_path):
+    model = tightfit.wrap(tiny_gpt(), Placement.everywhere(Tier.NVME, nvme_dir=str(tmp_path)))
+    with torch.no_grad():
+        logits = model(batch(0)[0])
+    assert logits.shape == (2, 16, 64)
+    engine = engine_of(model)
+    assert engine.device_bytes == 0 and all(not u.on_device for u in engine.units.values())
+
+
+# ---- bad input --------------------------------------------------------------------------------------------------
+
+def test_bad_input_raises_usage_errors(tmp_path):
+    with pytest.raises(UsageError, match="expected a tightfit.Placement"):
+        tightfit.wrap(tiny_gpt(), "nvme")
+    with pytest.raises(UsageError, match="unit 'blocks.9'"):
+        tightfit.wrap(tiny_gpt(), Placement(units={"blocks.9": UnitPlacement()}))
+    with pytest.raises(UsageError, match="nvme_dir"):
+        tightfit.wrap(tiny_gpt(), Placement.everywhere(Tier.NVME))
+    with pytest.raises(UsageError, match="no module matches"):
+        tightfit.wrap(tiny_gpt(), Placement(), units=["layers.*"])
+    with pytest.raises(UsageError, match="not part of a wrapped model"):
+        AdamW(tiny_gpt().parameters())
+    with pytest.raises(UsageError, match="not wrapped"):
+        engine_of(tiny_gpt())
+    model = tightfit.wrap(tiny_gpt(), Placement())
+    with pytest.raises(UsageError, match="already wrapped"):
+        tightfit.wrap(model, Placement())
