@@ -40,3 +40,26 @@ def test_resume_is_bit_identical(tiny_args, tmp_path):
     for k in w_straight:
         assert torch.equal(w_straight[k], w_split[k]), k
     assert any(not torch.equal(ckpt5[k], w_split[k]) for k in ckpt5 if k.startswith("model."))
+
+
+def _with_out_dir(args, out_dir):
+    i = args.index("--out-dir")
+    return args[: i + 1] + [str(out_dir)] + args[i + 2:]
+
+
+def test_offloaded_runs_match_plain_and_resume_across_placements(tiny_args, tmp_path):
+    """10 plain steps == 5 on NVMe + resume 5 on NVMe == 5 plain + resume 5 on NVMe (fp32, CPU)."""
+    swap = ["--nvme", str(tmp_path / "swap")]
+    assert main(["train", *_with_out_dir(tiny_args, tmp_path / "plain"), "--steps", "10", "--offload", "none"]) == 0
+    nvme = _with_out_dir(tiny_args, tmp_path / "nvme")
+    assert main(["train", *nvme, "--steps", "10", "--stop-at", "5", "--offload", "nvme", *swap]) == 0
+    assert main(["train", *nvme, "--steps", "10", "--resume", "--offload", "nvme", *swap]) == 0
+    mixed = _with_out_dir(tiny_args, tmp_path / "mixed")
+    assert main(["train", *mixed, "--steps", "10", "--stop-at", "5", "--offload", "none"]) == 0
+    assert main(["train", *mixed, "--steps", "10", "--resume", "--offload", "nvme", *swap]) == 0
+    ref = _weights(tmp_path / "plain")
+    for run in ("nvme", "mixed"):
+        got = _weights(tmp_path / run)
+        assert got.keys() == ref.keys()
+        for k in ref:
+            torch.testing.assert_close(got[k], ref[k], rtol=1e-6, atol=0, msg=f"{run}: {k}")

@@ -19,4 +19,8 @@ def __getattr__(name: str):
         from tightfit.offload.wrap import wrap
 
         return wrap
+    if name == "optim":
+        import importlib
+
+        return importlib.import_module("tightfit.optim")
     raise AttributeError(f"module 'tightfit' has no attribute {name!r}")

@@ -14,7 +14,6 @@ import torch
 import torch.nn as nn
 
 from tightfit.config import Config
-from tightfit.utils.sizes import format_size
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -110,9 +109,93 @@ class PlainMemory:
         return None
 
 
-def setup_memory(model: nn.Module, cfg: Config, device: torch.device, dtype: torch.dtype) -> PlainMemory:
-    """Pick how the run holds its model: plain PyTorch, or the offload engine with a planned placement."""
-    return PlainMemory(model, cfg, device, dtype)
+class OffloadMemory:
+    """The offload engine holding the states where the plan put them (tightfit.wrap + tightfit.optim.AdamW)."""
+
+    def __init__(self, model: nn.Module, cfg: Config, device: torch.device, dtype: torch.dtype, plan) -> None:
+        import tightfit
+        from tightfit.offload import LossScaler, engine_of
+
+        self.plan = plan
+        self.device = device
+        placement = plan.placement
+        if placement.tiled_linears:
+            from tightfit.tiling import tile_linears
+
+            tile_linears(model, tiles=placement.tiled_linears)
+        # Names and shapes as the model declares them; once wrapped, released parameters are empty views.
+        self._shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+        self.model = tightfit.wrap(model, placement, compute_dtype=dtype, device=device)
+        self.engine = engine_of(self.model)
+        o = cfg.optim
+        self.optimizer = tightfit.optim.AdamW(param_groups(self.model, o.weight_decay), lr=o.lr,
+                                              betas=(o.beta1, o.beta2))
+        self.scaler = LossScaler() if dtype == torch.float16 else None
+        self._peak_rss = _rss()
+
+    def describe(self) -> str:
+        return self.plan.summary()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def clip_and_step(self, max_norm: float) -> float | None:
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        norm = self.optimizer.clip_grad_norm_(max_norm) if max_norm > 0 else None
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def named_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        return list(self._shapes)
+
+    def export_state(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from tightfit.offload.state_io import export_state
+
+        return export_state(self.model, self.optimizer)
+
+    def import_state(self, get: Callable[[str], torch.Tensor]) -> None:
+        from tightfit.offload.state_io import import_state
+
+        import_state(self.model, self.optimizer, get)
+
+    def memory_in_use(self) -> dict[str, int]:
+        r = self.engine.memory_report()
+        rss = _rss()
+        self._peak_rss = max(self._peak_rss, rss)
+        return {"device": r["device"]["in_use"], "host": r["host"]["tier"] + r["host"]["staging"],
+                "nvme": r["nvme"]["bytes"], "rss": rss}
+
+    def peak_memory(self) -> dict[str, int]:
+        r = self.engine.memory_report()
+        self.memory_in_use()
+        peaks = {"device": r["device"]["peak"], "host": r["host"]["tier"] + r["host"]["staging_peak"],
+                 "nvme": r["nvme"]["bytes"], "rss": self._peak_rss}
+        if self.device.type == "cuda":
+            peaks["cuda_allocated"] = torch.cuda.max_memory_allocated(self.device)
+        return peaks
+
+    def compare_with_plan(self, step_seconds: float) -> str | None:
+        p = self.peak_memory()
+        measured = {"device_engine_peak": p["device"], "host_peak": p["host"], "nvme_peak": p["nvme"],
+                    "rss_peak": p["rss"], "step_s": step_seconds}
+        if "cuda_allocated" in p:
+            measured["device_peak"] = p["cuda_allocated"]
+        return self.plan.compare(measured)
 
 
-__all__ = ["PlainMemory", "param_groups", "setup_memory", "format_size"]
+def setup_memory(model: nn.Module, cfg: Config, device: torch.device, dtype: torch.dtype) -> MemorySetup:
+    """Pick how the run holds its model: plain PyTorch (--offload none), or the offload engine with the plan."""
+    if cfg.memory.offload == "none":
+        return PlainMemory(model, cfg, device, dtype)
+    from tightfit.planner import make_plan
+
+    return OffloadMemory(model, cfg, device, dtype, make_plan(model, cfg))
+
+
+__all__ = ["MemorySetup", "OffloadMemory", "PlainMemory", "param_groups", "setup_memory"]
