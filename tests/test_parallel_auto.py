@@ -1,0 +1,136 @@
+"""Unit tests of the scale-out planning pieces that need no process group: every branch of `choose_strategy`,
+strategy parsing and its errors, stage balancing, the cost formulas and the `tightfit plan` what-if report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tightfit.config import Config
+from tightfit.errors import UsageError
+from tightfit.parallel import auto
+from tightfit.parallel.auto import choose_strategy
+from tightfit.parallel.costs import Hardware, ModelProfile, comm_per_step, memory_per_gpu
+from tightfit.parallel.mesh import ParallelDims
+from tightfit.parallel.pipeline import balance
+from tightfit.parallel.plan import ParallelPlan, parse_strategy
+from tightfit.parallel.whatif import what_if
+
+GiB = 2**30
+
+
+def profile(params_b: float, largest_layer_m: float = 100, layers: int = 32, heads: int = 32) -> ModelProfile:
+    """A synthetic model: `params_b` billion parameters, micro-batch 1 x 1024 tokens, bf16."""
+    return ModelProfile(n_params=int(params_b * 1e9), largest_layer_params=int(largest_layer_m * 1e6),
+                        largest_block_params=int(params_b * 1e9 / layers), n_layers=layers, n_heads=heads,
+                        hidden=4096, vocab=32000, seq_len=1024, micro_batch=1)
+
+
+def hw(gpus=1, nodes=1, mem_gib=80, link="pcie") -> Hardware:
+    return Hardware(gpus_per_node=gpus, nnodes=nodes, gpu_mem=mem_gib * GiB, interconnect=link)
+
+
+SMALL = profile(0.5)  # 8 GB of states: fits in 80 GiB
+BIG = profile(13)  # 208 GB of states: does not fit one GPU
+HUGE_LAYER = profile(13, largest_layer_m=30_000)  # one 30B-parameter layer: 120 GB with its gradient
+
+
+@pytest.mark.parametrize("hardware, prof, rule, strategy", [
+    (hw(1), SMALL, auto.RULE_SINGLE_FITS, "single"),
+    (hw(1), BIG, auto.RULE_SINGLE_OFFLOAD, "offload"),
+    (hw(1), HUGE_LAYER, auto.RULE_SINGLE_TILING, "offload+tiling"),
+    (hw(8), SMALL, auto.RULE_NODE_FITS, "ddp"),
+    (hw(8, link="pcie"), BIG, auto.RULE_NODE_PP, None),
+    (hw(8, link="nvlink"), HUGE_LAYER, auto.RULE_NODE_ZERO, "zero3"),
+    (hw(8, link="nvswitch"), BIG, auto.RULE_NODE_TP, None),
+    (hw(8, 2, link="infiniband"), BIG, auto.RULE_MULTI_FAST_ZERO, None),
+    (hw(8, 2, mem_gib=16, link="infiniband"), profile(70, layers=80, heads=64), auto.RULE_MULTI_FAST_3D, None),
+    (hw(8, 4, link="ethernet"), profile(70, layers=80, heads=64), auto.RULE_MULTI_SLOW_SHORT, None),
+    (hw(8, 2, link="ethernet"), SMALL, auto.RULE_MULTI_SLOW_FITS, "ddp"),
+])
+def test_every_rule(hardware, prof, rule, strategy, capsys):
+    choice = choose_strategy(hardware, prof)
+    assert choice.rule == rule
+    if strategy:
+        assert choice.strategy == strategy
+    assert rule in capsys.readouterr().out  # the deciding rule is printed
+    if choice.plan is not None:
+        assert choice.dims.world_size == hardware.world_size
+        # The chosen string round-trips through the --strategy parser to the same mesh.
+        again = parse_strategy(choice.strategy, hardware.world_size, tp=choice.dims.tp if choice.dims.tp > 1 else 0,
+                               pp=choice.dims.pp if choice.dims.pp > 1 else 0)
+        assert again.dims == choice.dims
+
+
+def test_rule_details():
+    pp = choose_strategy(hw(8, link="pcie"), BIG, log=None)
+    assert pp.dims.pp > 1 and pp.dims.tp == 1
+    tp = choose_strategy(hw(8, link="nvlink"), BIG, log=None)
+    assert tp.dims.tp > 1 and tp.dims.pp == 1 and 32 % tp.dims.tp == 0
+    z = choose_strategy(hw(8, 2, link="infiniband"), BIG, log=None)
+    assert z.strategy in ("zero1", "zero2", "zero3") and z.dims.dp == 16
+    slow = choose_strategy(hw(8, 4, link="ethernet"), profile(70, layers=80, heads=64), log=None)
+    assert slow.plan.dp_mode == "zero1" and slow.dims.tp == 8 and slow.dims.pp > 1 and slow.dims.dp > 1
+    assert slow.strategy == "zero1_pp_tp"
+    # ZeRO-3 whose shards still do not fit: states go to host memory (FSDP2 CPUOffloadPolicy).
+    off = choose_strategy(hw(2, mem_gib=40, link="nvlink"), profile(30, largest_layer_m=30_000), log=None)
+    assert off.plan.cpu_offload and off.notes
+
+
+def test_parse_strategy():
+    assert parse_strategy("ddp", 4).dims == ParallelDims(dp=4)
+    assert parse_strategy("tp", 4).dims == ParallelDims(tp=4)
+    assert parse_strategy("pp", 2).dims == ParallelDims(pp=2)
+    assert parse_strategy("dp_tp", 4).dims == ParallelDims(dp=2, tp=2)
+    assert parse_strategy("pp_tp", 8, tp=4).dims == ParallelDims(pp=2, tp=4)
+    p = parse_strategy("zero1_pp_tp", 16, tp=4, pp=2)
+    assert p.dims == ParallelDims(pp=2, dp=2, tp=4) and p.dp_mode == "zero1" and p.name == "zero1_pp_tp"
+    for bad, kw in [("dp_foo", {}), ("zero1_zero2", {}), ("ddp", {"tp": 2}), ("tp", {"tp": 3}),
+                    ("pp_tp", {"tp": 2, "pp": 1}), ("dp_tp", {"tp": 4})]:
+        with pytest.raises(UsageError):
+            parse_strategy(bad, 4, **kw)
+    with pytest.raises(UsageError, match="--pp-schedule"):
+        ParallelPlan(pp_schedule="zigzag")
+    with pytest.raises(UsageError, match="zero3"):
+        ParallelPlan(dp_mode="zero2", cpu_offload=True)
+
+
+def test_balance_minimises_the_slowest_stage():
+    assert balance([1, 1, 1, 1], 2) == [[0, 1], [2, 3]]
+    assert balance([1, 1, 1, 5], 2) == [[0, 1, 2], [3]]  # a heavy last unit (the LM head) gets its own stage
+    runs = balance([3, 1, 1, 1, 1, 3], 3)
+    assert [i for r in runs for i in r] == list(range(6)) and max(sum([3, 1, 1, 1, 1, 3][i] for i in r)
+                                                                for r in runs) == 4
+    with pytest.raises(UsageError, match="--pp"):
+        balance([1, 1], 3)
+
+
+def test_memory_shrinks_with_each_zero_stage_and_comm_matches_zero_paper():
+    prof = profile(1)
+    mem = {m: memory_per_gpu(ParallelPlan(ParallelDims(dp=8), m), prof)["total"] for m in
+           ("ddp", "zero1", "zero2", "zero3")}
+    assert mem["ddp"] > mem["zero1"] > mem["zero2"] > mem["zero3"]
+    psi = prof.n_params * 2  # bf16 bytes
+    comm = {m: comm_per_step(ParallelPlan(ParallelDims(dp=8), m), prof)["dp"] for m in ("ddp", "zero2", "zero3")}
+    assert comm["ddp"] == pytest.approx(2 * 7 / 8 * psi, rel=1e-6)
+    assert comm["zero2"] == pytest.approx(comm["ddp"], rel=1e-6)  # ZeRO-2: same volume as DDP
+    assert comm["zero3"] == pytest.approx(1.5 * comm["ddp"], rel=1e-6)  # ZeRO-3: 3 psi vs 2 psi
+
+
+def test_what_if_report():
+    cfg = Config()
+    cfg.parallel.nproc_per_node, cfg.parallel.nnodes, cfg.parallel.interconnect = 8, 2, "nvlink"
+    cfg.memory.gpu_mem = "80GiB"
+    report = what_if(cfg)
+    text = str(report)
+    for word in ("strategy:", "mesh:", "memory per GPU", "communication per step", "why:"):
+        assert word in text
+    d = json.loads(json.dumps(report.to_dict()))
+    assert d["mesh"]["pp"] * d["mesh"]["dp"] * d["mesh"]["tp"] == 16
+    cfg.parallel.strategy, cfg.parallel.tp = "dp_tp", 8
+    d = what_if(cfg).to_dict()
+    assert d["mesh"] == {"pp": 1, "dp": 2, "tp": 8} and d["comm_per_step_per_gpu"]["tp"] > 0
+    cfg.memory.gpu_mem = "lots"
+    with pytest.raises(UsageError, match="--gpu-mem"):
+        what_if(cfg)

@@ -1,0 +1,93 @@
+"""A rank that dies makes the others stop, with a clear error, in bounded time — with and without torchrun.
+
+The dead rank is killed from outside with SIGKILL once training is under way (no hooks in the library):
+- ranks started directly (RANK/WORLD_SIZE set, as a scheduler would): the survivor's next collective fails when
+  the peer's socket closes; `run_distributed` prints `lost contact with another rank` and exits 1;
+- ranks started by `tightfit train --nproc-per-node 2` (torchrun): the agent notices the dead worker within its
+  monitor interval, stops the other, and `tightfit` exits non-zero.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+
+from parallel_launch import ROOT, free_port, rank_env
+
+BOUND_S = 60.0
+"""Survivors must be gone this long after the kill (the process-group timeout is 120 s; gloo is much faster)."""
+
+
+def _train_args(tiny_args) -> list[str]:
+    return [sys.executable, "-m", "tightfit.cli", "train", *tiny_args, "--steps", "100000", "--log-interval", "1",
+            "--strategy", "ddp"]
+
+
+def _wait_for(proc_out_path, text: str, timeout: float) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if text in proc_out_path.read_text(errors="replace"):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{text!r} not seen in {timeout}s:\n{proc_out_path.read_text()[-2000:]}")
+
+
+def test_killed_rank_without_torchrun(tiny_args, tmp_path):
+    port = free_port()
+    procs, logs = [], []
+    for rank in range(2):
+        log = tmp_path / f"rank{rank}.log"
+        env = rank_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port))
+        with open(log, "w") as f:
+            procs.append(subprocess.Popen(_train_args(tiny_args), env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT))
+        logs.append(log)
+    try:
+        _wait_for(logs[0], "step 3/", timeout=120)
+        procs[1].send_signal(signal.SIGKILL)
+        t0 = time.time()
+        rc = procs[0].wait(timeout=BOUND_S)
+        elapsed = time.time() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    out = logs[0].read_text()
+    assert rc == 1, out[-2000:]
+    assert "tightfit: error: rank 0: lost contact with another rank" in out, out[-2000:]
+    assert elapsed < BOUND_S
+    print(f"survivor stopped {elapsed:.1f}s after the kill")
+
+
+def test_killed_rank_under_torchrun(tiny_args, tmp_path):
+    log = tmp_path / "launch.log"
+    cmd = _train_args(tiny_args) + ["--nproc-per-node", "2", "--master-port", str(free_port())]
+    with open(log, "w") as f:
+        launcher = subprocess.Popen(cmd, env=rank_env(), cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        _wait_for(log, "step 3/", timeout=120)
+        workers = [c for c in psutil.Process(launcher.pid).children(recursive=True)
+                   if "tightfit.cli" in " ".join(c.cmdline()) and c.pid != launcher.pid
+                   and "torch.distributed.run" not in " ".join(c.cmdline())]
+        assert len(workers) == 2, [c.cmdline() for c in workers]
+        os.kill(workers[-1].pid, signal.SIGKILL)
+        t0 = time.time()
+        rc = launcher.wait(timeout=BOUND_S)
+        elapsed = time.time() - t0
+    finally:
+        if launcher.poll() is None:
+            for c in psutil.Process(launcher.pid).children(recursive=True):
+                c.kill()
+            launcher.kill()
+    out = log.read_text()
+    assert rc != 0, out[-2000:]
+    assert "ChildFailedError" in out or "lost contact" in out, out[-2000:]
+    for w in workers:
+        assert not w.is_running() or w.status() == psutil.STATUS_ZOMBIE
+    assert elapsed < BOUND_S
+    print(f"launcher stopped {elapsed:.1f}s after the kill")
