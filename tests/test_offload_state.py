@@ -64,3 +64,19 @@ def test_export_before_any_step_has_no_optimizer_keys():
     keys = [k for k, _ in export_state(model, opt)]
     assert keys and all(k.startswith("model.") for k in keys)
     assert set(keys) == {f"model.{n}" for n, _ in tiny_gpt().named_parameters()}
+
+
+def test_meta_model_gets_its_values_from_import_state(tmp_path):
+    """A model built on the meta device is wrapped without ever holding its parameters, then imported."""
+    import tightfit
+    from offload_helpers import batch, loss_of
+
+    _, plain, _ = train(tiny_gpt, steps=0)
+    saved = _state(plain, None)
+    with torch.device("meta"):
+        model = tiny_gpt()
+    tightfit.wrap(model, Placement.everywhere(Tier.NVME, nvme_dir=str(tmp_path)))
+    import_state(model, None, saved.__getitem__)
+    x, y = batch(0)
+    assert loss_of(model, x, y).item() == loss_of(plain, x, y).item()
+    assert all(not p.is_meta for p in model.parameters())

@@ -56,6 +56,24 @@ def engine_of_param(p: torch.Tensor) -> "OffloadEngine | None":
     return _PARAM_ENGINE.get(p)
 
 
+def _replace_meta_params(model: nn.Module) -> bool:
+    """Swap parameters on the meta device for storage-less CPU parameters of the same shape (ties kept).
+
+    Why: a model too large for host memory is built under `torch.device("meta")`, wrapped, and then given its
+    values unit by unit with `state_io.import_state`; `param.data` cannot be re-pointed from meta to real memory,
+    so those parameters are replaced (before units are found, so the engine only ever sees the new ones).
+    """
+    new: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for key, p in module._parameters.items():
+            if p is not None and p.is_meta:
+                if id(p) not in new:
+                    empty = torch.empty(0, dtype=p.dtype).set_(torch.UntypedStorage(0), 0, p.shape)
+                    new[id(p)] = nn.Parameter(empty, requires_grad=p.requires_grad)
+                module._parameters[key] = new[id(p)]
+    return bool(new)
+
+
 class OffloadEngine:
     """Streams one model's unit states across device, host and NVMe. Built by `tightfit.wrap`."""
 
@@ -69,6 +87,7 @@ class OffloadEngine:
         self.placement = placement
         self.compute_dtype = compute_dtype
         self.device = device
+        self.meta_init = _replace_meta_params(model)
         specs = find_units(model, units)
         names = {s.name for s in specs}
         for name in [*placement.units, *placement.checkpoint_units]:
@@ -113,7 +132,7 @@ class OffloadEngine:
             self._initialise(unit)
         for module in model.modules():
             for key, buf in module._buffers.items():
-                if buf is not None and buf.device != device:
+                if buf is not None and not buf.is_meta and buf.device != device:
                     module._buffers[key] = buf.to(device)
         # Trainable parameter -> (unit, index in unit.trainable), and the model's parameter order (for norms).
         self._slot_of = {id(s.param): (u, i) for u in self.units.values() for i, s in enumerate(u.trainable)}
@@ -154,7 +173,7 @@ class OffloadEngine:
         """Allocate the unit's entries in their stores, write the model's current values, bind the params."""
         for tier, entries in unit.entries().items():
             self.stores[tier].allocate(unit.name, entries)
-        if not any(s.param.is_meta for s in unit.spec.slots):  # meta-initialised models get values by import_state
+        if not self.meta_init:  # a model built on the meta device gets its values from import_state
             master = aligned_empty(unit.spec.numel, torch.float32)
             master.zero_()  # padding between parameters stays zero forever
             for slot in unit.spec.slots:

@@ -71,7 +71,8 @@ class MemoryStore(TierStore):
 
     def allocate(self, unit, entries):
         for entry, (numel, dtype) in entries.items():
-            t = torch.empty(numel, dtype=dtype, device=self.device, pin_memory=self.pin)
+            # Zeroed so a model built on the meta device reads zeros, not garbage, before import_state.
+            t = torch.zeros(numel, dtype=dtype, device=self.device, pin_memory=self.pin)
             self._tensors[(unit, entry)] = t
             self.bytes += t.numel() * t.element_size()
 
