@@ -165,9 +165,19 @@ class OffloadEngine:
                     f"device budget {format_size(p.device_budget)} is too small: device-tier states take "
                     f"{format_size(fixed)}, the root unit {format_size(root_bytes)}{what}; raise --gpu-mem, move "
                     "states off the device tier, or split the model into smaller units")
-        if p.host_budget is not None and self._host_tier_bytes() > p.host_budget:
-            raise UsageError(f"host budget {format_size(p.host_budget)} is smaller than the host-tier states "
-                             f"({format_size(self._host_tier_bytes())}); raise --cpu-mem or place states on nvme")
+        if p.host_budget is not None:
+            # One unit's optimizer working set (16 B/param + compute copy) must fit next to the host tier.
+            def staged(u: OffloadUnit) -> bool:  # does its optimizer step go through pool buffers?
+                tiers = {u.placement.master, u.placement.grads, u.placement.optim}
+                return Tier.NVME in tiers or (self.device.type == "cuda" and Tier.DEVICE in tiers and len(tiers) > 1)
+
+            work = max((4 * u.spec.numel + 12 * u.spec.train_numel + u.compute_bytes
+                        for u in self.units.values() if staged(u)), default=0)
+            if self._host_tier_bytes() + work > p.host_budget:
+                raise UsageError(
+                    f"host budget {format_size(p.host_budget)} is too small: host-tier states take "
+                    f"{format_size(self._host_tier_bytes())} and one unit's optimizer step needs {format_size(work)} "
+                    "of staging; raise --cpu-mem, place states on nvme, or use smaller units")
 
     def _initialise(self, unit: OffloadUnit) -> None:
         """Allocate the unit's entries in their stores, write the model's current values, bind the params."""

@@ -147,10 +147,10 @@ def step_units(engine, work: list[Work], grad_scales: list[torch.Tensor]) -> Non
         io_wait += time.perf_counter() - t0
         if k + 1 < len(work):
             nxt = work[k + 1][0]
-            cap = engine.pool.capacity
+            room = engine.pool.room()
             # Read ahead only when the pool has room for it; otherwise load after this step frees its buffers
             # (waiting here for buffers this unit holds would never end).
-            if cap is None or cap - engine.pool.bytes >= _working_bytes(nxt):
+            if room is None or room >= _working_bytes(nxt):
                 loaded = _prepare(engine, nxt)
         t0 = time.perf_counter()
         _step(unit, current, groups, grad_scales)

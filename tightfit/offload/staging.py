@@ -63,6 +63,14 @@ class BufferPool:
             self.peak = max(self.peak, self.bytes)
         return aligned_empty(numel, dtype, pin=self.pin)
 
+    def room(self) -> int | None:
+        """Bytes a `take` could get now without waiting (idle buffers count: they can be dropped); None: no cap."""
+        if self.capacity is None:
+            return None
+        with self._cond:
+            idle = sum(len(lst) * self._size(*k) for k, lst in self._free.items())
+            return self.capacity - self.bytes + idle
+
     def give(self, buf: torch.Tensor) -> None:
         with self._cond:
             self._free.setdefault((buf.numel(), buf.dtype), []).append(buf)
