@@ -127,8 +127,11 @@ def test_autocast_bf16_cpu():
 
 def test_split_and_grid_helpers():
     assert split_sizes(10, 3) == [4, 3, 3] and sum(split_sizes(53, 5)) == 53
-    assert grid_for_count(6, in_f=100, out_f=100) == (1, 6)  # output splits first
-    assert grid_for_count(12, in_f=100, out_f=4) == (3, 4)
+    assert grid_for_count(6, in_f=1000, out_f=1000) == (1, 6)  # output splits first
+    assert grid_for_count(6, in_f=100, out_f=100) == (2, 3)  # 17-row tiles would be thin: squarer grid
+    assert grid_for_count(16, in_f=2048, out_f=2048) == (1, 16)  # 128-row tiles: still output-only
+    assert grid_for_count(64, in_f=2048, out_f=2048) == (8, 8)  # 32-row tiles would be thin: square grid
+    assert grid_for_count(12, in_f=100, out_f=4) == (12, 1)  # 4 rows at most: tiles [4, 9], not [1, 34]
     with pytest.raises(UsageError):
         grid_for_count(7, in_f=3, out_f=4)  # prime above out_f and in_f
     # Whole layer fits -> no tiles; otherwise every tile fits and the count replays the same grid.

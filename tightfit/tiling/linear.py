@@ -22,8 +22,9 @@ Forward, for x [..., in] split into slices x_i [..., in_i] (views, no copy):
     y   = cat_o y_o                     # [..., out]
 
 Numerics: output splits do not change any dot product. Input splits change the summation order of each dot product
-(one fp32 rounding per extra split), about 1e-7 relative in fp32; under autocast the partial sums are added in the
-autocast dtype (bf16: one bf16 rounding per input split), so prefer output splits, which `plan_tiles` does.
+(one fp32 rounding per extra split), about 1e-7 relative in fp32. Under autocast each partial product is rounded to
+bf16/fp16 by its matmul, then the partials are added in fp32 and rounded once more; still a little worse than one
+matmul, so `plan_tiles` prefers output splits.
 
 Checkpoints: `state_dict()` gathers the tiles into a plain Linear's `weight` [out, in] and `bias` [out], and
 `load_state_dict()` accepts those keys (or the native `tiles.*` keys), so a model saves and loads the same files
@@ -145,10 +146,16 @@ class TiledLinear(nn.Module):
         ys = []
         for o in range(self.out_splits):
             y = self.tile(o, 0)(xs[0])  # [..., out_o], carries the bias
-            for i in range(1, self.in_splits):
-                # Out of place on purpose: an engine's full backward hooks on a tile wrap its output in a view that
-                # may not be modified in place. Costs one transient [..., out_o] buffer.
-                y = y + self.tile(o, i)(xs[i])
+            if self.in_splits > 1:
+                # Partial sums of bf16/fp16 outputs (autocast) are added in fp32 and rounded once at the end.
+                out_dtype = y.dtype
+                if out_dtype in (torch.float16, torch.bfloat16):
+                    y = y.float()
+                for i in range(1, self.in_splits):
+                    # Out of place on purpose: an engine's full backward hooks on a tile wrap its output in a view
+                    # that may not be modified in place. Costs one transient [..., out_o] buffer.
+                    y = y + self.tile(o, i)(xs[i])  # promotes a bf16 partial to y's fp32
+                y = y.to(out_dtype)
             ys.append(y)
         # The row outputs are freed after the cat: cat's backward only slices the incoming gradient.
         return ys[0] if self.out_splits == 1 else torch.cat(ys, dim=-1)  # [..., out]
