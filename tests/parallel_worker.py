@@ -5,7 +5,8 @@ each case named on the command line, builds the same model from the same seed, p
 steps on its share of the same batches, and checks losses (relative difference <= 1e-5) and final weights.
 Rank 0 prints one line `CASE <name> OK max_loss_rel=... max_weight_diff=...` per case; a mismatch raises.
 
-Case syntax: strategy[:key=value,...] with keys tp, pp, sched, mb, offload, model (gpt|hf-gpt2|hf-llama).
+Case syntax: strategy[:key=value,...] with keys tp, pp, sched, mb, offload, model (gpt|hf-gpt2|hf-llama), and
+resume=1 (save the full state after 3 steps, rebuild everything from it, continue: must match too).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tightfit.models.gpt import GPT, GPTConfig
 from tightfit.parallel.mesh import build_mesh, init_distributed
 from tightfit.parallel.parallelize import make_optimizer, parallelize
 from tightfit.parallel.plan import parse_strategy
+from tightfit.parallel.state import gather_full_state, load_moments
 
 STEPS, B, T, VOCAB = 5, 8, 16, 64
 LR, WD, CLIP = 3e-3, 0.1, 1.0
@@ -80,6 +82,27 @@ def reference(kind: str):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+RESUME_AT = 3
+
+
+def resume(pm, opt, kind, plan, mesh, env):
+    """Checkpoint round trip mid-run: gather the full state (rank 0), give it to every rank, build a fresh model
+    from it, parallelise it again and restore the AdamW moments; training must continue exactly."""
+    full = [gather_full_state(pm, opt)]
+    dist.broadcast_object_list(full, src=0)
+    full = full[0]
+    assert any(k.startswith("optim.") for k in full), "no optimizer moments gathered"
+    model = build_model(kind)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(full[f"model.{n}"])
+    pm2 = parallelize(model, plan, mesh, env.device)
+    opt2 = make_optimizer(pm2, lr=LR, weight_decay=WD, eps=EPS)
+    loaded = load_moments(pm2, opt2, full.__getitem__)
+    assert loaded > 0 or plan.dp_mode == "zero1", "no moments restored"
+    return pm2, opt2
+
+
 def run_case(spec: str, env, refs) -> str:
     strategy, _, opts = spec.partition(":")
     if "=" in strategy:  # "model=hf-llama" alone is not a strategy
@@ -99,6 +122,8 @@ def run_case(spec: str, env, refs) -> str:
     losses = []
     t0 = time.perf_counter()
     for s in range(STEPS):
+        if s == RESUME_AT and kv.get("resume") == "1":
+            pm, opt = resume(pm, opt, kind, plan, mesh, env)
         x, y = batch(s)
         local = pm.forward_backward(x[dp_rank * b:(dp_rank + 1) * b], y[dp_rank * b:(dp_rank + 1) * b])
         pm.clip_grad_norm_(CLIP)

@@ -1,4 +1,6 @@
-"""Acceptance: every strategy trains 5 steps to the same losses (rel <= 1e-5) and weights as one process.
+"""Acceptance: every strategy trains 5 steps to the same losses (rel <= 1e-5) and weights as one process; resume
+from a full-state checkpoint continues exactly; `tightfit train --nproc-per-node 2` runs and its checkpoint is
+resumed by the one-process trainer.
 
 One torchrun launch per world size checks many strategies in one process group (tests/parallel_worker.py), so
 the process start-up and imports are paid once. CPU, gloo, one thread per rank.
@@ -7,18 +9,23 @@ the process start-up and imports are paid once. CPU, gloo, one thread per rank.
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 
 import pytest
 
-from parallel_launch import check_cases, torchrun_worker
+from parallel_launch import ROOT, check_cases, free_port, rank_env, torchrun_worker
 
 HAS_HF = importlib.util.find_spec("transformers") is not None
 
-TWO = ["ddp", "zero1", "zero2", "zero3", "zero3:offload=1", "tp", "pp:sched=gpipe", "pp:sched=1f1b"]
-TWO_HF = ["tp:model=hf-gpt2", "tp:model=hf-llama"]
+# `:resume=1` cases also save the full state after 3 steps, rebuild everything from it and continue (state.py).
+TWO = ["ddp", "zero1", "zero2", "zero3", "zero3:offload=1", "tp", "pp:sched=gpipe", "pp:sched=1f1b",
+       "zero1:resume=1", "zero3:resume=1", "tp:resume=1", "pp:resume=1"]
+TWO_HF = ["tp:model=hf-gpt2", "tp:model=hf-llama", "tp:model=hf-gpt2,resume=1"]
 FOUR = ["dp_tp", "zero2_tp", "zero1_tp", "pp_tp", "dp_pp:sched=gpipe", "dp_pp:sched=1f1b", "zero1_pp",
-        "zero3_pp", "ddp", "zero3", "pp:pp=4,mb=4,sched=1f1b", "tp:tp=4"]
-EIGHT = ["dp_pp_tp", "zero1_pp_tp", "zero3_pp_tp"]
+        "zero3_pp", "ddp", "zero3", "pp:pp=4,mb=4,sched=1f1b", "tp:tp=4",
+        "zero1_tp:resume=1", "zero1_pp:resume=1", "dp_pp:resume=1", "pp_tp:resume=1"]
+EIGHT = ["dp_pp_tp", "zero1_pp_tp", "zero3_pp_tp", "dp_pp_tp:resume=1", "zero1_pp_tp:resume=1"]
 
 
 def test_two_processes():
@@ -37,3 +44,20 @@ def test_eight_processes_3d():
     """dp x pp x tp needs 2 x 2 x 2 ranks: 8 processes on a 2-core machine, hence slow."""
     for line in check_cases(torchrun_worker(8, EIGHT, timeout=900), EIGHT):
         print(line)
+
+
+def test_cli_launch_then_single_process_resume(tiny_args, tmp_path):
+    """The CLI path: `launch` re-executes under torchrun, rank 0 prints and saves; the one-process trainer resumes
+    the pipeline run's checkpoint (weights and AdamW moments in the single-process format)."""
+    base = [sys.executable, "-m", "tightfit.cli", "train", *tiny_args]
+    dist_run = subprocess.run(base + ["--steps", "3", "--nproc-per-node", "2", "--master-port", str(free_port()),
+                                      "--strategy", "pp", "--pp-microbatches", "2", "--log-interval", "1"],
+                              env=rank_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert dist_run.returncode == 0, dist_run.stderr[-3000:]
+    out = dist_run.stdout
+    assert out.count("step 3/3") == 1  # only rank 0 prints
+    assert "strategy pp" in out and "checkpoint" in out
+    single = subprocess.run(base + ["--steps", "5", "--resume"], env=rank_env(), cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert single.returncode == 0, single.stderr[-3000:]
+    assert "resumed from" in single.stdout and "step 5/5" in single.stdout

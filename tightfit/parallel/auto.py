@@ -54,6 +54,12 @@ class StrategyChoice:
     notes: list[str] = field(default_factory=list)
 
 
+def _pp_plan(pp: int, dp: int, tp: int, dp_mode: str) -> ParallelPlan:
+    """A plan with pipeline stages gets 2·pp micro-batches: 1F1B needs ≥ pp, and the bubble (p−1)/(m+p−1) is then
+    about a third of the step (the run may raise --pp-microbatches further)."""
+    return ParallelPlan(ParallelDims(pp=pp, dp=dp, tp=tp), dp_mode, pp_microbatches=max(4, 2 * pp))
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -111,7 +117,7 @@ def _choose(hw: Hardware, prof: ModelProfile) -> StrategyChoice:
             return done("ddp", ParallelPlan(ParallelDims(dp=G), "ddp"), RULE_NODE_FITS)
         if hw.interconnect not in ("nvlink", "nvswitch"):
             pps = [p for p in _divisors(G) if 1 < p <= max(prof.n_layers, 2)]
-            plan, ok = _smallest((ParallelPlan(ParallelDims(pp=p, dp=G // p), "ddp") for p in pps), prof, hw)
+            plan, ok = _smallest((_pp_plan(p, G // p, 1, "ddp") for p in pps), prof, hw)
             return done("pp" if plan.dims.dp == 1 else "dp_pp", plan, RULE_NODE_PP,
                         notes=() if ok else ["still short with every stage count: add offload"])
         if not layer_fits:
@@ -145,4 +151,4 @@ def _three_d(hw: Hardware, prof: ModelProfile, dp_mode: str) -> tuple[ParallelPl
     tp = max(_tp_degrees(prof, hw.gpus_per_node))
     rest = hw.world_size // tp
     pps = [p for p in _divisors(rest) if 1 < p <= max(prof.n_layers, 2)] or [1]
-    return _smallest((ParallelPlan(ParallelDims(pp=p, dp=rest // p, tp=tp), dp_mode) for p in pps), prof, hw)
+    return _smallest((_pp_plan(p, rest // p, tp, dp_mode) for p in pps), prof, hw)

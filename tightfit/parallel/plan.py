@@ -45,6 +45,9 @@ class ParallelPlan:
             raise UsageError("--pp-microbatches: must be a positive integer")
         if self.cpu_offload and self.dp_mode != "zero3":
             raise UsageError("CPU offload of sharded states needs --strategy zero3")
+        if self.pp_schedule == "1f1b" and 1 < self.dims.pp > self.pp_microbatches:
+            raise UsageError(f"--pp-microbatches {self.pp_microbatches}: 1F1B needs at least one micro-batch per "
+                             f"stage ({self.dims.pp}); raise it or use --pp-schedule gpipe")
 
     @property
     def name(self) -> str:

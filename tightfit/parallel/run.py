@@ -10,8 +10,8 @@ Each rank:
 - draws its own batches: the data generator is seeded with its *dp* rank (tightfit.train.data.data_generator),
   which gives disjoint reproducible shards of the sample stream as DistributedSampler would; tp and pp peers of a
   dp rank share its stream because they must see the same batch;
-- only global rank 0 prints and writes the checkpoint (weights gathered: DTensor shards with `full_tensor`,
-  pipeline stages with one `gather_object` over the pp group).
+- only global rank 0 prints and writes the checkpoint, in the single-process format (weights and AdamW moments
+  gathered whole by state.py), so any strategy — or the one-process trainer — resumes any other.
 
 A rank that dies: under torchrun the agent sees the exit and terminates the other workers within its monitor
 interval (`--monitor-interval 1`, `--max-restarts 0`). Without torchrun, gloo raises in the survivors as soon as
@@ -87,7 +87,8 @@ def resolve_plan(cfg, world_size: int, model: torch.nn.Module, log) -> ParallelP
     choice = choose_strategy(hw, prof, log=log)
     if choice.plan is None:  # pragma: no cover - world_size > 1 always yields a plan
         raise UsageError("--strategy auto chose a single-GPU strategy for a distributed run")
-    return replace(choice.plan, pp_schedule=cfg.parallel.pp_schedule, pp_microbatches=cfg.parallel.pp_microbatches)
+    return replace(choice.plan, pp_schedule=cfg.parallel.pp_schedule,
+                   pp_microbatches=max(cfg.parallel.pp_microbatches, choice.plan.pp_microbatches))
 
 
 def run_distributed(cfg, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
@@ -137,8 +138,8 @@ def _train(cfg, env) -> dict:
     if t.resume and resume is None:
         raise UsageError(f"--resume: no checkpoint in {out_dir}; drop --resume to start fresh")
     if resume is not None:
-        # Weights are restored before sharding, so every strategy resumes the same way; optimizer moments of a
-        # distributed run are not in the checkpoint and restart from zero (see docs/PARALLEL.md).
+        # Weights are restored before sharding and moments after (load_moments), so every strategy resumes the
+        # same way from the same full-tensor checkpoint.
         ckpt.check_compatible(resume, [(n, tuple(p.shape)) for n, p in model.named_parameters()])
         with torch.no_grad():
             for n, p in model.named_parameters():
@@ -149,6 +150,11 @@ def _train(cfg, env) -> dict:
     mesh = build_mesh(plan.dims, env.device)
     pm = parallelize(model, plan, mesh, env.device)
     opt = make_optimizer(pm, lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2))
+    if resume is not None:
+        from tightfit.parallel.state import load_moments
+
+        n = load_moments(pm, opt, resume.get)  # sliced locally from the full tensors, placed like the parameters
+        say(f"resumed from {ckpt_path} at step {start_step}" + ("" if n else " (no optimizer moments in it)"))
     dtype = resolve_precision(cfg, env.device)
     autocast = (lambda: torch.autocast(env.device.type, dtype=dtype)) if dtype != torch.float32 else nullcontext
     dp_rank = mesh["dp"].get_local_rank()
@@ -189,33 +195,25 @@ def _train(cfg, env) -> dict:
             say(f"step {step}/{t.steps} loss {loss:.4f} grad-norm {norm:.3f} "
                 f"({(time.perf_counter() - t0) / (step - start_step):.2f} s/step)", flush=True)
         if t.save_interval and step % t.save_interval == 0 and step < t.steps:
-            _save(pm, env, ckpt_path, step, cfg, gen)
-    path = _save(pm, env, ckpt_path, step, cfg, gen)
+            _save(pm, opt, env, ckpt_path, step, cfg, gen)
+    path = _save(pm, opt, env, ckpt_path, step, cfg, gen)
     seconds = time.perf_counter() - t0
     say(f"done: {step - start_step} steps in {seconds:.1f}s, train loss {loss:.4f}; checkpoint {path}", flush=True)
     return {"steps": step - start_step, "final_step": step, "train_loss": loss, "seconds": seconds,
             "strategy": plan.name, "mesh": plan.dims.shape()}
 
 
-def _save(pm, env, path: Path, step: int, cfg, gen) -> Path | None:
-    """Gather full weights on rank 0 and write the single-process checkpoint format (resumable by any strategy)."""
+def _save(pm, opt, env, path: Path, step: int, cfg, gen) -> Path | None:
+    """Gather weights and AdamW moments on rank 0 and write the single-process checkpoint format, so any strategy,
+    world size, or the one-process trainer can resume it (state.py)."""
+    from tightfit.parallel.state import gather_full_state
     from tightfit.train import checkpoint as ckpt
 
-    local = pm.full_state_dict()  # collective over dp/tp: every rank of this stage holds the stage's weights
-    if pm.plan.dims.pp > 1:
-        mesh = pm.mesh
-        first_of_stage = mesh["dp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0
-        if first_of_stage:  # one gather over the pp group of dp=0, tp=0, whose pp-rank-0 member is global rank 0
-            parts = [None] * pm.plan.dims.pp if env.rank == 0 else None
-            dist.gather_object(local, parts, group_dst=0, group=mesh["pp"].get_group())
-            if env.rank == 0:
-                local = {k: v for part in parts for k, v in part.items()}
+    full = gather_full_state(pm, opt)  # collective; None off rank 0
     out = None
     if env.rank == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        shapes = [(n, tuple(t.shape)) for n, t in local.items()]
-        out = ckpt.save_checkpoint(path, ((f"model.{n}", t) for n, t in sorted(local.items())), step=step,
-                                   config=cfg.to_dict(), signature=ckpt.model_signature(shapes),
-                                   rng=ckpt.capture_rng(gen))
+        shapes = [(k[len("model."):], tuple(t.shape)) for k, t in full.items() if k.startswith("model.")]
+        out = ckpt.save_checkpoint(path, sorted(full.items()), step=step, config=cfg.to_dict(),
+                                   signature=ckpt.model_signature(shapes), rng=ckpt.capture_rng(gen))
     dist.barrier()
     return out

@@ -92,10 +92,11 @@ def what_if(cfg, model: torch.nn.Module | None = None, log=None) -> WhatIfReport
     memory = comm = None
     if choice.plan is not None:
         plan = choice.plan
-        if plan.pp_schedule != cfg.parallel.pp_schedule or plan.pp_microbatches != cfg.parallel.pp_microbatches:
+        if cfg.parallel.strategy == "auto":  # auto's micro-batch count is a floor (1F1B needs one per stage)
             from dataclasses import replace
 
-            plan = replace(plan, pp_schedule=cfg.parallel.pp_schedule, pp_microbatches=cfg.parallel.pp_microbatches)
+            plan = replace(plan, pp_schedule=cfg.parallel.pp_schedule,
+                           pp_microbatches=max(cfg.parallel.pp_microbatches, plan.pp_microbatches))
         memory, comm = memory_per_gpu(plan, prof), comm_per_step(plan, prof)
         if memory["total"] > hw.gpu_mem:
             choice.notes.append(f"the plan needs {format_size(memory['total'])} per GPU, more than "
