@@ -124,15 +124,18 @@ def memory(profile: ModelProfile, placement: Placement, hw: HardwareProfile,
     # `prefetch_depth` prefetched ones.
     dev["window"] = (placement.prefetch_depth + 1) * max(blocks, default=0) + sum(root)
     off = [u for u in profile.units if u.trainable and placement.of(u.name).grads != Tier.DEVICE]
-    # autograd's param.grad of the unit being shipped (compute dtype), freed once copied out
-    dev["grads in flight"] = max((u.trainable * c for u in off), default=0)
+    # autograd's param.grad of the unit whose backward just ran (compute dtype): freed once copied out or added
+    # into the device-tier gradient
+    dev["grads in flight"] = max((u.trainable * c for u in profile.units), default=0)
     dev["activations"] = act_bytes(profile, set(placement.checkpoint_units))
     host = parts["host"]
     pool = 0
-    if off:  # fp32 pack buffers of gradients leaving the device, reused per size (root's differs)
-        pool += 2 * max(u.trainable * 4 for u in off if u.name != ROOT_UNIT) if any(
-            u.name != ROOT_UNIT for u in off) else 0
-        pool += sum(u.trainable * 4 for u in off if u.name == ROOT_UNIT)
+    # fp32 pack buffers of gradients leaving the device, reused per size (the root's differs). On a CPU-only
+    # machine host-tier gradients are added in place (same memory), so only NVMe-bound gradients are packed.
+    packed = [u for u in off if hw.cuda or placement.of(u.name).grads == Tier.NVME]
+    if any(u.name != ROOT_UNIT for u in packed):
+        pool += 2 * max(u.trainable * 4 for u in packed if u.name != ROOT_UNIT)
+    pool += sum(u.trainable * 4 for u in packed if u.name == ROOT_UNIT)
     opt_sets = []
     for u in profile.units:
         up = placement.of(u.name)
@@ -153,9 +156,23 @@ def memory(profile: ModelProfile, placement: Placement, hw: HardwareProfile,
         pool += (placement.prefetch_depth + 1) * max(blocks + root)  # pinned staging for disk -> GPU fetches
     if placement.host_budget is not None:  # the engine's pool blocks instead of growing past the budget
         pool = min(pool, max(0, placement.host_budget - parts["host"]["states"]))
+    # ... but one unit's optimizer working set must fit (the engine refuses a budget without it).
+    pool = max(pool, staged_working_set(profile, placement, hw, shape))
     host["buffers"] = pool
     peak = {t: sum(v.values()) for t, v in parts.items()}
     return peak, parts
+
+
+def staged_working_set(profile: ModelProfile, placement: Placement, hw: HardwareProfile, shape: TrainShape) -> int:
+    """Host bytes of the largest optimizer step that goes through pool buffers (fp32 master, grads and moments plus
+    the compute copy), as the engine reserves it: units with a state on NVMe, or on CUDA split across tiers."""
+    out = 0
+    for u in profile.units:
+        up = placement.of(u.name)
+        tiers = {up.master, up.grads, up.optim}
+        if Tier.NVME in tiers or (hw.cuda and Tier.DEVICE in tiers and len(tiers) > 1):
+            out = max(out, 4 * u.numel + 12 * u.trainable + u.numel * shape.compute_bytes)
+    return out
 
 
 def engine_device_bytes(breakdown: dict[str, dict[str, int]]) -> int:

@@ -87,6 +87,23 @@ class HardwareProfile:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def __str__(self) -> str:
+        """What `tightfit probe` prints."""
+        g = 1e9
+        mm = ", ".join(f"{k}: {v / 1e12:.2f}" for k, v in sorted(self.matmul_flops.items()))
+        lines = [f"machine {self.key} ({'CUDA ' + self.device_name if self.cuda else 'CPU only'}, "
+                 f"{self.threads} threads)",
+                 f"  memory: GPU {self.gpu_free / GiB:.1f}/{self.gpu_total / GiB:.1f} GiB free, RAM "
+                 f"{self.host_available / GiB:.1f}/{self.host_total / GiB:.1f} GiB available, swap folder "
+                 f"{self.nvme_free / GiB:.1f} GiB free",
+                 f"  matmul TFLOP/s by size: {mm}",
+                 f"  memory bandwidth {self.mem_bw / g:.1f} GB/s, per-op overhead {self.op_overhead_s * 1e6:.1f} us",
+                 f"  host->device {self.h2d_bw / g:.1f} GB/s, device->host {self.d2h_bw / g:.1f} GB/s",
+                 f"  disk read {self.nvme_read_bw / g:.2f} GB/s, write {self.nvme_write_bw / g:.2f} GB/s (O_DIRECT)",
+                 f"  AdamW: CPU {self.cpu_adam_rate / 1e6:.0f} M params/s, device {self.device_adam_rate / 1e6:.0f} M/s",
+                 f"  runtime RSS {self.runtime_rss / 2**20:.0f} MiB; cached in {cache_path()}"]
+        return "\n".join(lines)
+
     @classmethod
     def from_dict(cls, d: dict) -> "HardwareProfile":
         d = dict(d)

@@ -28,18 +28,22 @@ _MATMUL_SIZES = (128, 256, 512, 1024, 2048)
 
 
 def _timeit(fn, min_s: float = 0.15, max_reps: int = 200) -> float:
-    """Seconds per call: one warm-up, then repeat until `min_s` has passed."""
+    """Median seconds per call over at least `min_s` (after one warm-up call).
+
+    The median, not the minimum: the planner predicts what a step will take on this machine as it is, and a
+    shared machine's typical slowdown is part of that; single stalls are not.
+    """
     fn()
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
-    reps, t0 = 0, time.perf_counter()
-    while True:
+    times: list[float] = []
+    t_start = time.perf_counter()
+    while len(times) < max_reps and (time.perf_counter() - t_start < min_s or len(times) < 3):
+        t0 = time.perf_counter()
         fn()
-        reps += 1
-        if reps >= max_reps or time.perf_counter() - t0 >= min_s:
-            break
-    sync()
-    return (time.perf_counter() - t0) / reps
+        sync()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
 
 
 def measure_matmul(device: str, dtype: torch.dtype) -> dict[int, float]:
@@ -101,11 +105,15 @@ def measure_copies(nbytes: int = 256 << 20) -> tuple[float, float]:
 
 def measure_runtime_rss() -> int:
     """RSS of a fresh Python that imported torch and tightfit and ran a tiny training step."""
-    code = ("import psutil, torch, tightfit\n"
+    # What every training process pays before its model: torch, tightfit (planner and engine imported), the
+    # engine's threads and one tiny wrapped step with the CPU optimizer.
+    code = ("import psutil, torch, tightfit, tightfit.planner\n"
             "from tightfit.models.gpt import GPT, GPTConfig\n"
-            "m = GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2, block_size=16))\n"
+            "from tightfit.optim import AdamW\n"
+            "m = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))\n"
+            "tightfit.wrap(m, tightfit.Placement.everywhere('host'), device='cpu')\n"
+            "opt = AdamW(m.parameters())\n"
             "x = torch.zeros(2, 16, dtype=torch.long)\n"
-            "opt = torch.optim.AdamW(m.parameters(), fused=True)\n"
             "m(x, x).backward(); opt.step()\n"
             "print(psutil.Process().memory_info().rss)\n")
     try:
@@ -148,6 +156,23 @@ def run_probe(folder: str | None = None, save: bool = True) -> HardwareProfile:
     if save:
         save_cached(hw)
     return hw
+
+
+def refresh_speeds(hw: HardwareProfile) -> HardwareProfile:
+    """`hw` with the compute-side speeds (matmul, memory, per-op overhead, AdamW, copies) measured again now.
+
+    For a shared machine whose load changes from minute to minute: ~3 s, the disk and runtime figures are kept.
+    """
+    from dataclasses import replace
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    h2d, d2h = measure_copies()
+    cpu_adam = measure_adam("cpu")
+    return replace(hw, matmul_flops=measure_matmul(device, torch.bfloat16 if cuda else torch.float32),
+                   mem_bw=measure_mem_bw(device), op_overhead_s=measure_op_overhead(device), cpu_adam_rate=cpu_adam,
+                   device_adam_rate=measure_adam("cuda") if cuda else cpu_adam, h2d_bw=h2d, d2h_bw=d2h,
+                   measured_at=time.time())
 
 
 def load_or_probe(folder: str | None = None) -> HardwareProfile:

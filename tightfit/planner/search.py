@@ -215,6 +215,10 @@ def search(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainS
     if bad:
         raise Infeasible(_suggest(bad[0], profile, hw, b, shape, p, pred))
     reasons += _explain(profile, p, pred, shape)
+    if tiled:
+        # The engine's default unit policy does not descend into a block, so tiles inside a block are not units
+        # it knows by name: name only real units in the placement (tiles follow the default placement).
+        p = replace(p, units={k: v for k, v in p.units.items() if ".tiles." not in k})
     return SearchResult(p, pred, profile, reasons)
 
 
@@ -334,8 +338,8 @@ def _suggest(bad: tuple[str, int, int], profile: ModelProfile, hw: HardwareProfi
     if tier == "host":
         total_ram = need
         msg = f"needs {format_size(total_ram)} host memory, {format_size(have)} available"
-        spill = _nvme_need(profile, hw, b, shape)
         if not b.nvme_dir:
+            spill = _nvme_need(profile, hw, b, shape)
             return msg + f": add --nvme PATH with {format_size(spill)} free" + (
                 f", or raise --cpu-mem to {format_size(total_ram)}" if b.source.get("host") == "--cpu-mem" else "")
         return msg + f" even with the NVMe tier: raise --cpu-mem or free RAM ({format_size(total_ram - have)} more)"
