@@ -6,7 +6,9 @@
 
 The driver re-launches itself under torchrun (one launch per part); rank 0 writes JSON, the driver prints tables.
 
-Bubble: a p-stage reference GPT (2 blocks per stage, balanced by cost), GPipe and 1F1B, m micro-batches of a fixed
+Bubble (default `--compute sleep`): p stages whose forward and backward take a fixed time (sleeps: on a shared
+2-core VM real compute is stretched by other jobs, sleeps are not), driven by tightfit's `apply_pp` with torch's
+schedules; idle = 1 − m·(t_f + t_b) / step time. `--compute gpt`: a p-stage reference GPT (2 blocks per stage, balanced by cost), GPipe and 1F1B, m micro-batches of a fixed
 size. Busy time per stage = time inside the stage's own compute (PipelineStage.forward_one_chunk and
 backward_one_chunk, timed in place); idle fraction = 1 − busy / step time, against (p − 1)/(m + p − 1).
 
@@ -100,6 +102,70 @@ def bubble_worker(out: Path, mbs: int, ms: list[int], steps: int) -> None:
                          "theory": (p - 1) / (m + p - 1)})
     if env.rank == 0:
         out.write_text(json.dumps({"p": p, "mbs": mbs, "seq": T, "rows": rows}, indent=1))
+    dist.destroy_process_group()
+
+
+class _Sleep(torch.autograd.Function):
+    """Identity whose forward sleeps t_f and backward t_b: compute of a fixed duration that CPU contention from
+    other jobs cannot stretch, so the measured idle time is the schedule's bubble (plus real send/recv cost)."""
+
+    @staticmethod
+    def forward(ctx, x, t_f: float, t_b: float):
+        ctx.t_b = t_b
+        time.sleep(t_f)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(ctx.t_b)
+        return g, None, None
+
+
+class SleepStage(torch.nn.Module):
+    def __init__(self, width: int, t_f: float, t_b: float) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(width))
+        self.t_f, self.t_b = t_f, t_b
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [mb, T, C] -> [mb, T, C]
+        return _Sleep.apply(x * self.w, self.t_f, self.t_b)
+
+
+def sleep_bubble_worker(out: Path, ms: list[int], steps: int, t_f: float, t_b: float) -> None:
+    """The bubble of torch's GPipe/1F1B with fixed-duration stages (p = world size), through tightfit's apply_pp."""
+    import torch.distributed as dist
+
+    from tightfit.parallel import ParallelDims, apply_pp, build_mesh, init_distributed
+
+    env = init_distributed()
+    p = env.world_size
+    mesh = build_mesh(ParallelDims(pp=p), env.device)
+    rows = []
+    for sched in ("gpipe", "1f1b"):
+        for m in ms:
+            if sched == "1f1b" and m < p:
+                continue
+            stage_mod = SleepStage(64, t_f, t_b)
+            schedule = apply_pp(stage_mod, mesh["pp"], env.device, sched, m, loss_fn=lambda o, y: o.float().mean())
+            x = torch.randn(m * 2, 16, 64)
+            times = []
+            for s in range(steps + 1):
+                dist.barrier()
+                t0 = time.perf_counter()
+                if env.rank == 0:
+                    schedule.step(x)
+                elif env.rank == p - 1:
+                    schedule.step(target=x, losses=[])
+                else:
+                    schedule.step()
+                dist.barrier()
+                times.append(time.perf_counter() - t0)
+            step_t = sorted(times[1:])[len(times[1:]) // 2]
+            busy = m * (t_f + t_b)
+            rows.append({"schedule": sched, "m": m, "step_s": step_t, "busy_s": busy,
+                         "idle": 1 - busy / step_t, "theory": (p - 1) / (m + p - 1)})
+    if env.rank == 0:
+        out.write_text(json.dumps({"p": p, "t_f": t_f, "t_b": t_b, "rows": rows}, indent=1))
     dist.destroy_process_group()
 
 
@@ -200,7 +266,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--part", choices=("bubble", "comm", "all"), default="all")
     ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--worker", choices=("bubble", "comm"))
+    ap.add_argument("--worker", choices=("bubble", "sleep", "comm"))
+    ap.add_argument("--compute", choices=("sleep", "gpt"), default="sleep",
+                    help="bubble stages: fixed-duration sleeps (robust on a shared machine) or a real GPT")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--mbs", type=int, default=4, help="sequences per micro-batch (bubble)")
     ap.add_argument("--ms", default="1,2,4,8,16", help="micro-batch counts (bubble)")
@@ -211,7 +279,18 @@ def main() -> None:
         return bubble_worker(a.out, a.mbs, [int(m) for m in a.ms.split(",")], a.steps)
     if a.worker == "comm":
         return comm_worker(a.out, a.steps)
-    if a.part in ("bubble", "all"):
+    if a.worker == "sleep":
+        return sleep_bubble_worker(a.out, [int(m) for m in a.ms.split(",")], a.steps, 0.02, 0.04)
+    if a.part in ("bubble", "all") and a.compute == "sleep":
+        r = _launch("sleep", a.ranks, ["--ms", a.ms, "--steps", str(a.steps)])
+        print(f"\nPP bubble: p={r['p']} stages of fixed compute (forward {r['t_f'] * 1e3:.0f} ms + backward "
+              f"{r['t_b'] * 1e3:.0f} ms per micro-batch)\n")
+        print("| schedule | m | step (s) | busy m·(t_f+t_b) (s) | measured idle | (p−1)/(m+p−1) |")
+        print("|---|---|---|---|---|---|")
+        for row in r["rows"]:
+            print(f"| {row['schedule']} | {row['m']} | {row['step_s']:.3f} | {row['busy_s']:.3f} | "
+                  f"{row['idle']:.3f} | {row['theory']:.3f} |")
+    if a.part in ("bubble", "all") and a.compute == "gpt":
         r = _launch("bubble", a.ranks, ["--mbs", str(a.mbs), "--ms", a.ms, "--steps", str(a.steps)])
         print(f"\nPP bubble: p={r['p']} stages, micro-batch {r['mbs']} x {r['seq']} tokens\n")
         print("| schedule | m | step (s) | stage-0 busy (s) | idle per stage | idle mean | (p−1)/(m+p−1) |")
