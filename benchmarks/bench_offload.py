@@ -13,7 +13,8 @@ after a warm-up step of a tiny wrapped model (libraries, thread pools, autograd 
 Afterwards the NVMe tier's bandwidth during the training steps (bytes per busy second, from NvmeStore.stats) is
 put next to raw sequential O_DIRECT of the same volume in the same folder (tightfit/offload/disk_bench.py).
 
-overlap: the same model trained with every state on the device tier (compute only, no I/O), then on NVMe; the
+overlap: the same model trained with every state on the device tier (compute only, no I/O), then on NVMe (first
+with the optimizer after backward, then with `step_during_backward`, the overlapped step); the
 I/O-only time replays the NVMe step's exact traffic (params read in forward and backward, gradients written,
 master/gradients/moments read and master/moments written by the optimizer) through the engine's own store with
 no compute, all requests of a phase in flight at once.
@@ -30,6 +31,7 @@ import shutil
 import sys
 import threading
 import time
+import zlib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -48,11 +50,15 @@ MiB = 1 << 20
 
 
 def _fixed_mmap_threshold() -> None:
-    """glibc raises its mmap threshold after large frees and then keeps freed unit buffers in the heap; pin it so
-    a freed buffer goes back to the OS (what a long-running trainer wants too)."""
+    """Make glibc give freed memory back: it raises its mmap threshold after large frees and keeps freed unit
+    buffers in its heaps (one per thread that allocates). Pin the threshold at 256 KiB, trim heaps above 1 MiB of free
+    top, and use two heaps at most (what a long-running trainer wants too; the same as MALLOC_* env variables)."""
     try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD = 1 MiB
-    except OSError:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 256 << 10)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 1 << 20)  # M_TRIM_THRESHOLD
+        libc.mallopt(-8, 2)  # M_ARENA_MAX
+    except (OSError, AttributeError):
         pass
 
 
@@ -83,7 +89,7 @@ def _init_value(name: str, shape: torch.Size) -> torch.Tensor:
         return torch.ones(shape)
     if name.endswith("bias"):
         return torch.zeros(shape)
-    g = torch.Generator().manual_seed(hash(name) & 0xFFFFFFFF)
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))  # stable across processes, unlike hash()
     return torch.randn(shape, generator=g) * 0.02
 
 
@@ -100,16 +106,22 @@ def _build(cfg: GPTConfig, placement: Placement) -> tuple[torch.nn.Module, AdamW
     shapes = dict((n, p.shape) for n, p in model.named_parameters())
     tightfit.wrap(model, placement, device="cpu")
     import_state(model, None, lambda key: _init_value(key[len("model."):], shapes[key[len("model."):]]))
+    try:  # the init's temporaries fragment glibc's heap; give the free pages back before training
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
     assert len(names) == len(shapes)
     return model, AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
 
 
-def _train(model, opt, cfg, batch: int, steps: int) -> list[float]:
+def _train(model, opt, cfg, batch: int, steps: int, early: bool = False) -> list[float]:
     times = []
     for step in range(steps):
         t0 = time.perf_counter()
         x, y = _batch(cfg, batch, step)
         loss = model(x, y)
+        if early:
+            opt.step_during_backward()  # no clipping here: each unit steps as soon as its gradients land
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -229,16 +241,20 @@ def overlap(args) -> dict:
     placement = Placement.everywhere(Tier.NVME, nvme_dir=str(folder), prefetch_depth=args.prefetch,
                                      checkpoint_units=ckpt)
     model, opt = _build(cfg, placement)
-    print("every state on NVMe:")
-    nvme = _train(model, opt, cfg, args.batch, args.steps)[1:]
     engine = engine_of(model)
+    print("every state on NVMe, optimizer after backward:")
+    nvme_after = _train(model, opt, cfg, args.batch, args.steps)[1:]
+    print("every state on NVMe, optimizer during backward (step_during_backward):")
+    engine.reset_timings()
+    nvme = _train(model, opt, cfg, args.batch, args.steps, early=True)[1:]
     timings = engine.timings()
     io = [_replay_io(engine, placement) for _ in range(2)]
     engine.close()
     shutil.rmtree(folder, ignore_errors=True)
     c, n, i = min(compute), min(nvme), min(io)
-    return {"compute_step_s": compute, "nvme_step_s": nvme, "io_only_s": io,
-            "ratio_best": n / max(c, i), "engine_timings": {k: v for k, v in timings.items() if k != "nvme"}}
+    return {"compute_step_s": compute, "nvme_step_after_backward_s": nvme_after, "nvme_step_s": nvme,
+            "io_only_s": io, "ratio_best": n / max(c, i), "ratio_after_backward": min(nvme_after) / max(c, i),
+            "engine_timings": {k: v for k, v in timings.items() if k != "nvme"}}
 
 
 def main() -> None:
@@ -251,9 +267,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--prefetch", type=int, default=2)
-    ap.add_argument("--device-mib", type=int, default=32, help="memory: device budget (the CPU here), MiB")
+    ap.add_argument("--device-mib", type=int, default=40, help="memory: device budget (the CPU here), MiB")
     ap.add_argument("--host-mib", type=int, default=96, help="memory: host budget (staging, optimizer), MiB")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (0: torch's default). 1 by default: on a loaded 2-core VM, OpenMP regions with 2 "
+                         "threads stall on every barrier when a thread is descheduled (10x slower steps, seen here)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

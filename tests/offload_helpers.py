@@ -45,10 +45,11 @@ def loss_of(model, x, y) -> torch.Tensor:
 
 
 def train(build, placement=None, *, steps=10, accum=1, clip=None, fused=True, lr=1e-2, freeze=(),
-          compute_dtype=torch.float32, wrap_kwargs=None, scaler=None, seed=0):
+          compute_dtype=torch.float32, wrap_kwargs=None, scaler=None, seed=0, early=False):
     """Train `build()` for `steps` optimizer steps; plain PyTorch + torch.optim.AdamW when placement is None.
 
     Returns (losses, model, optimizer). `freeze`: parameter-name prefixes set to requires_grad=False.
+    `early`: step units during the last micro-batch's backward (`AdamW.step_during_backward`).
     """
     torch.manual_seed(seed)
     model = build()
@@ -66,6 +67,8 @@ def train(build, placement=None, *, steps=10, accum=1, clip=None, fused=True, lr
         for micro in range(accum):
             x, y = batch(step * accum + micro)
             loss = loss_of(model, x, y) / accum
+            if early and micro == accum - 1:
+                opt.step_during_backward()
             (scaler.scale(loss) if scaler else loss).backward()
             total += loss.item()
         if scaler is not None:

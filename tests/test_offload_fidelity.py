@@ -12,6 +12,7 @@ import torch
 
 from offload_helpers import hf_gpt2, hf_llama, max_rel_diff, tiny_gpt, train
 from tightfit import Placement, Tier, UnitPlacement
+from tightfit.errors import UsageError
 from tightfit.offload import LossScaler
 from tightfit.offload.engine import engine_of
 
@@ -79,6 +80,19 @@ def test_clip_grad_norm_returns_torch_norm(tmp_path):
     loss_of(wrapped, x, y).backward()
     expected = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.1)
     assert opt.clip_grad_norm_(0.1) == float(expected)
+
+
+@pytest.mark.parametrize("where", ["device", "nvme", "mixed"])
+def test_step_during_backward_equals_plain_step(where, tmp_path):
+    """Stepping each unit as soon as its gradients land (overlapping backward) changes no bit."""
+    losses, model, opt = train(tiny_gpt, placements(tmp_path)[where], accum=2, early=True)
+    assert losses == reference("gpt", accum=2)
+    with pytest.raises(UsageError, match="step_during_backward"):
+        from offload_helpers import batch, loss_of
+
+        opt.step_during_backward()
+        loss_of(model, *batch(0)).backward()
+        opt.clip_grad_norm_(1.0)
 
 
 def test_activation_checkpointing_refetches_params(tmp_path):

@@ -26,7 +26,7 @@ import torch
 
 from tightfit.errors import UsageError
 from tightfit.offload.engine import OffloadEngine, engine_of_param
-from tightfit.offload.optim_step import step_units
+from tightfit.offload.optim_step import step_one, step_units
 
 
 class AdamW(torch.optim.Optimizer):
@@ -56,15 +56,15 @@ class AdamW(torch.optim.Optimizer):
         # Multipliers applied to the gradients inside the next step (loss-scale inverse, clip coefficient).
         self._grad_scales: list[torch.Tensor] = []
 
-    def _work(self):
+    def _work(self, only=None):
         """Per unit (in the engine's order), per parameter group, the trainable slots with a gradient."""
         by_unit: dict[str, list[tuple[dict, list[int]]]] = {}
         for group in self.param_groups:
             per_unit: dict[str, list[int]] = {}
             for p in group["params"]:
                 where = self.engine.locate(p)
-                if where is None:
-                    continue  # frozen
+                if where is None or (only is not None and where[0] is not only):
+                    continue  # frozen, or not the unit asked for
                 unit, i = where
                 if unit.has_grad[i]:
                     per_unit.setdefault(unit.name, []).append(i)
@@ -78,9 +78,30 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.engine.wait_early_steps()  # units stepped during backward (step_during_backward)
         step_units(self.engine, self._work(), self._grad_scales)
         self._grad_scales = []
         return loss
+
+    def step_during_backward(self) -> None:
+        """Step each unit during the coming backward, as soon as its gradients are complete.
+
+        Call it right before the backward of the *last* micro-batch of a step, and only for a step that neither
+        clips nor unscales gradients (both need every gradient first). Each unit's optimizer step then runs on the
+        engine's step thread, overlapping the backward of the units before it; `step()` waits for those and steps
+        what is left (the root unit, whose gradients complete last). The result is identical to a plain step.
+        """
+        if self._grad_scales:
+            raise UsageError("step_during_backward: gradients are being unscaled or clipped this step; clipping "
+                             "needs all gradients before any unit is stepped, so call opt.step() after backward")
+        hyper = self._grad_scales
+
+        def early(unit) -> None:  # main thread, when the unit's backward is done
+            work = self._work(only=unit)
+            if work:
+                self.engine.submit_early_step(unit, lambda: step_one(self.engine, unit, work[0][1], hyper))
+
+        self.engine.early_step = early
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated gradients (they live in the engine's grads tier; `param.grad` is always None)."""
@@ -104,6 +125,9 @@ class AdamW(torch.optim.Optimizer):
         """Clip the global gradient norm like `torch.nn.utils.clip_grad_norm_`; returns the norm before clipping."""
         if norm_type != 2.0:
             raise UsageError("tightfit.optim.AdamW.clip_grad_norm_: only norm_type=2.0 is supported")
+        if self.engine.early_step is not None or self.engine._early_steps:
+            raise UsageError("clip_grad_norm_: this step was started during backward (step_during_backward); "
+                             "clipping needs every gradient first, so do not combine the two")
         norms = self.grad_norms()
         if not norms:
             return 0.0

@@ -119,6 +119,12 @@ class OffloadEngine:
         # another, overlapping the backward of the units after. One thread keeps micro-batches of a unit in order.
         # Shut down by `close`.
         self.grad_worker = ThreadPoolExecutor(1, thread_name_prefix="tightfit-grads")
+        # Step thread: runs the optimizer step of a unit during backward (`AdamW.step_during_backward`), as soon
+        # as the unit's last gradients have landed, overlapping the backward of the units before it. Its futures
+        # are collected in `_early_steps` and awaited by the next `opt.step()`. Shut down by `close`.
+        self.step_worker = ThreadPoolExecutor(1, thread_name_prefix="tightfit-step")
+        self.early_step = None  # set by the optimizer for one backward: callable(unit) -> None
+        self._early_steps: list[Future] = []
         self.schedule = Schedule(placement.prefetch_depth)
         self.phase = Phase.IDLE
         self._in_backward = False
@@ -154,13 +160,19 @@ class OffloadEngine:
         if p.device_budget is not None:
             fixed = sum(n * torch.empty((), dtype=d).element_size()
                         for u in self.units.values() for n, d in u.entries().get(Tier.DEVICE, {}).values())
+            # While a unit computes its backward: its params (unless resident) and the grads autograd makes.
+            def need_of(u: OffloadUnit) -> int:
+                return (0 if u.resident else u.compute_bytes) + u.grad_bytes
+
             root = self.units[ROOT_UNIT]
-            root_bytes = 0 if root.resident else root.compute_bytes
-            streamed = [u for u in self.units.values() if not u.resident and not u.spec.is_root]
-            big = max(streamed, key=lambda u: u.compute_bytes, default=None)
-            need = fixed + root_bytes + (big.compute_bytes if big else 0)
+            root_bytes = need_of(root)
+            big = max((u for u in self.units.values() if not u.spec.is_root), key=need_of, default=None)
+            # Two units overlap in backward: a unit's backward starts when the gradient of its output is ready,
+            # which can be before the last parameter gradients of the unit after it have been accumulated.
+            need = fixed + root_bytes + (2 * need_of(big) if big else 0)
             if need > p.device_budget:
-                what = f"; unit {big.name!r} needs {format_size(big.compute_bytes)} while it computes" if big else ""
+                what = (f"; unit {big.name!r} needs {format_size(need_of(big))} while it computes, and two units "
+                        "overlap in backward") if big else ""
                 raise UsageError(
                     f"device budget {format_size(p.device_budget)} is too small: device-tier states take "
                     f"{format_size(fixed)}, the root unit {format_size(root_bytes)}{what}; raise --gpu-mem, move "
@@ -287,6 +299,7 @@ class OffloadEngine:
         if self._in_backward:
             return
         self._in_backward = True
+        self._charge_grads(self.units[ROOT_UNIT])  # the root's grads (the head's) come first and stay longest
         self._t_bwd = time.perf_counter()
         self.phase = Phase.BACKWARD
         self.schedule.begin(Phase.BACKWARD)
@@ -295,8 +308,19 @@ class OffloadEngine:
     def on_unit_backward_start(self, unit: OffloadUnit) -> None:
         self._enter_backward()
         nxt = self.schedule.visit(Phase.BACKWARD, unit.name)
+        self._charge_grads(unit)
         self.materialise(unit)
         self.prefetch(nxt)
+
+    def _charge_grads(self, unit: OffloadUnit) -> None:
+        """Count the `param.grad`s autograd is about to produce for the unit (freed when they are shipped)."""
+        if not unit.grads_charged:
+            unit.grads_charged = unit.grad_bytes
+            self._charge(unit.grad_bytes)
+
+    def _uncharge_grads(self, unit: OffloadUnit) -> None:
+        self.device_bytes -= unit.grads_charged
+        unit.grads_charged = 0
 
     def on_grad(self, unit: OffloadUnit, index: int) -> None:
         self._enter_backward()
@@ -313,14 +337,36 @@ class OffloadEngine:
 
     def _finish_backward(self, unit: OffloadUnit) -> None:
         self.ship_grads(unit)
+        self._uncharge_grads(unit)
         self.release(unit)
         unit.reset_backward()
+        if self.early_step is not None and any(unit.has_grad):
+            self.early_step(unit)
+
+    def submit_early_step(self, unit: OffloadUnit, run) -> None:
+        """Run `run()` (one unit's optimizer step) on the step thread once the unit's gradients have landed."""
+        pending = unit.grad_pending
+
+        def after_grads() -> None:
+            if pending is not None:
+                pending.result()
+            run()
+
+        self._early_steps.append(self.step_worker.submit(after_grads))
+
+    def wait_early_steps(self) -> None:
+        steps, self._early_steps = self._early_steps, []
+        for f in steps:
+            f.result()
 
     def _end_of_backward(self) -> None:
         for unit in self.units.values():
             if unit.awaiting_backward or unit.got:
                 self._finish_backward(unit)
+        for unit in self.units.values():
+            self._uncharge_grads(unit)
         self.release_all()  # prefetches the step did not use
+        self.early_step = None  # step_during_backward covers one backward
         self.schedule.end(Phase.BACKWARD)
         self.phase = Phase.IDLE
         self._in_backward = False
@@ -463,8 +509,10 @@ class OffloadEngine:
     def close(self) -> None:
         """Remove the hooks and free the engine's buffers (the model is unusable afterwards)."""
         self.wait_grads()
+        self.wait_early_steps()
         remove_hooks(self, self._handles)
         self.grad_worker.shutdown(wait=True)
+        self.step_worker.shutdown(wait=True)
         self.mover.close()
         for store in self.stores.values():
             store.close()

@@ -73,6 +73,7 @@ class OffloadUnit:
         self.got: set[int] = set()
         self.open_calls = 0  # forward calls whose input-gradient hook has not fired yet in backward
         self.awaiting_backward = False
+        self.grads_charged = 0  # device bytes counted for this backward's param.grads (see engine._charge_grads)
         # Across micro-batches until the optimizer step (or zero_grad): which slots hold an accumulated gradient.
         self.has_grad = [False] * len(self.trainable)
         # Per trainable slot, the 2-norm of its accumulated gradient (written by the grad worker; for clipping and
@@ -100,6 +101,11 @@ class OffloadUnit:
     @property
     def compute_bytes(self) -> int:
         return self.spec.numel * torch.empty((), dtype=self.compute_dtype).element_size()
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes of the `param.grad`s autograd produces for this unit in one backward (compute dtype)."""
+        return self.spec.train_numel * torch.empty((), dtype=self.compute_dtype).element_size()
 
     # ---- the flat compute buffer -----------------------------------------------------------------------------
 

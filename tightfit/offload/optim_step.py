@@ -130,6 +130,30 @@ def _write_back(engine, work: _Loaded) -> list[Future]:
     return futures
 
 
+def step_one(engine, unit: OffloadUnit, groups: list[tuple[dict, list[int]]],
+             grad_scales: list[torch.Tensor]) -> None:
+    """Step one unit start to finish (load, step, write back, wait); its gradients are consumed.
+
+    Used for the step that overlaps backward: called on the engine's step thread as soon as the unit's gradients
+    of the last micro-batch have landed, while the main thread runs the backward of the units before it."""
+    t0 = time.perf_counter()
+    work = _prepare(engine, unit)
+    for f in work.loads:
+        f.result()
+    t1 = time.perf_counter()
+    _step(unit, work, groups, grad_scales)
+    t2 = time.perf_counter()
+    for f in _write_back(engine, work):
+        f.result()
+    unit.where[State.OPTIM] = AT_REST[unit.placement.optim]
+    unit.where[State.GRADS] = Where.EMPTY
+    unit.has_grad = [False] * len(unit.trainable)
+    unit.grad_norms = [None] * len(unit.trainable)
+    t3 = time.perf_counter()
+    engine._timers["optimizer_s"] = engine._timers.get("optimizer_s", 0.0) + t2 - t1
+    engine._timers["optimizer_io_wait_s"] = engine._timers.get("optimizer_io_wait_s", 0.0) + (t1 - t0) + (t3 - t2)
+
+
 def step_units(engine, work: list[Work], grad_scales: list[torch.Tensor]) -> None:
     """One optimizer step over `work`, in order, with loads of the next unit overlapping this unit's step."""
     t_wall = time.perf_counter()
@@ -155,7 +179,10 @@ def step_units(engine, work: list[Work], grad_scales: list[torch.Tensor]) -> Non
         t0 = time.perf_counter()
         _step(unit, current, groups, grad_scales)
         compute += time.perf_counter() - t0
-        writes.extend(_write_back(engine, current))
+        # Keep only writes still running: a finished future holds its source tensor as its result, which would
+        # keep a buffer the pool may already have dropped alive until the end of the step.
+        writes = [f for f in writes if not f.done()] + _write_back(engine, current)
+        del current
         unit.where[State.OPTIM] = AT_REST[unit.placement.optim]
         if loaded is None and k + 1 < len(work):
             loaded = _prepare(engine, work[k + 1][0])
