@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from tightfit.errors import UsageError
-from tightfit.models.hf_load import HFCheckpoint, UnitStreamer, _set, build_meta_model, model_slots
+from tightfit.models.hf_load import HFCheckpoint, UnitStreamer, build_meta_model
 from tightfit.offload.placement import Placement
 
 
@@ -59,22 +59,6 @@ def fill_wrapped(model: nn.Module, ckpt: HFCheckpoint, *, strict: bool = True, u
             streamer.release(current[0])
 
 
-def _placeholders(model: nn.Module) -> None:
-    """Replace meta parameters by uninitialised CPU parameters that cost no memory, ties kept.
-
-    [Note: meta placeholders] The engine (flat_unit.bind, as of its first version) cannot bind a parameter that is
-    on the meta device (`param.data = view` refuses a meta -> CPU change), so `wrap` needs CPU parameters. These
-    come from `torch.empty`: large allocations are fresh anonymous pages that are never written, and reading them
-    (the engine copies them into each unit's master buffer once, at wrap) maps the kernel's shared zero page,
-    which does not count towards RSS; `bind` then drops them. The cost is one extra write of each unit's master
-    weights to its tier, which `fill_wrapped` overwrites with the real values. Drop this once `wrap` takes meta
-    parameters directly.
-    """
-    for slot in model_slots(model):
-        if slot.is_param and slot.dtype.is_floating_point:
-            _set(model, slot, torch.empty(slot.shape, dtype=torch.float32))
-
-
 def load_hf_wrapped(path: str | Path, placement: Placement, *, compute_dtype: torch.dtype = torch.float32,
                     device: torch.device | str | None = None, units=None, strict: bool = True,
                     freeze: Sequence[str] = ()) -> nn.Module:
@@ -100,7 +84,6 @@ def load_hf_wrapped(path: str | Path, placement: Placement, *, compute_dtype: to
                              "model.named_parameters()")
         for p in hits:
             p.requires_grad_(False)
-    _placeholders(model)
     tightfit.wrap(model, placement, compute_dtype=compute_dtype, device=device, units=units)
     fill_wrapped(model, ckpt, strict=strict and ckpt.has_weights, units=units)
     return model.train()
