@@ -47,9 +47,9 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = _f(3e-3, "peak learning rate")
-    min_lr: float = _f(3e-4, "learning rate at the end of the cosine decay")
-    warmup_steps: int = _f(30, "linear warm-up steps")
+    lr: float = _f(4e-3, "peak learning rate")
+    min_lr: float = _f(4e-4, "learning rate at the end of the cosine decay")
+    warmup_steps: int = _f(100, "linear warm-up steps")
     weight_decay: float = _f(0.1, "AdamW decoupled weight decay (matrices only; biases, norms exempt)")
     beta1: float = _f(0.9, "AdamW beta1")
     beta2: float = _f(0.95, "AdamW beta2")
@@ -58,13 +58,13 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = _f(600, "optimizer steps to train")
+    steps: int = _f(1500, "optimizer steps to train")
     micro_batch: int = _f(16, "sequences per micro-batch")
     seq_len: int = _f(128, "tokens per sequence")
     grad_accum: int = _f(1, "micro-batches accumulated per optimizer step")
-    eval_interval: int = _f(100, "evaluate every N steps (and at the end)")
+    eval_interval: int = _f(250, "evaluate every N steps (and at the end)")
     eval_batches: int = _f(8, "held-out batches per evaluation (fixed, the same every time)")
-    log_interval: int = _f(10, "print progress every N steps")
+    log_interval: int = _f(50, "print progress every N steps")
     save_interval: int = _f(0, "write a checkpoint every N steps (0: only at the end)")
     out_dir: str = _f("runs/default", "folder for checkpoints and metrics.jsonl")
     resume: bool = _f(False, "continue from the checkpoint in --out-dir")

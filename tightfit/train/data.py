@@ -4,9 +4,11 @@ Why this shape:
 - The embedded default needs no download: the Python standard library's own source files are on every machine
   that runs tightfit (located with `sysconfig`), read in sorted order so every run sees the same corpus.
 - Tokens are bytes (vocab 256) unless a local Hugging Face tokenizer is given.
-- The split is positional: the last `val_fraction` of the token stream is held out. Validation uses a fixed list
-  of batches (drawn once from a generator seeded independently of training), so every evaluation sees the same
-  tokens and runs are comparable.
+- The split is by interleaved blocks: the stream is cut into equal blocks and every k-th block (k = 1/val_fraction)
+  is held out. A split at the end of the stream would hold out only the last few files (for the stdlib: the
+  xml, xmlrpc and zoneinfo packages) and measure how well those are predicted; interleaved blocks sample the whole
+  corpus and are just as fixed. Validation uses a fixed list of batches (drawn once from a generator seeded
+  independently of training), so every evaluation sees the same tokens and runs are comparable.
 - Training batches are drawn at random offsets from a `torch.Generator`; its state *is* the data position, saved
   in checkpoints, so a resumed run draws exactly the batches the uninterrupted run would have drawn.
 - In a distributed run each data-parallel rank draws from its own generator stream (seed + rank): the same thing
@@ -80,14 +82,20 @@ class TokenDataset:
     def from_tokens(cls, tokens: np.ndarray, seq_len: int, val_fraction: float, vocab_size: int,
                     source: str = "--data") -> "TokenDataset":
         n = len(tokens)
-        n_val = int(n * val_fraction)
-        if n_val < seq_len + 1 or n - n_val < seq_len + 1:
+        every = max(2, round(1 / val_fraction))  # every `every`-th block is held out
+        # Blocks of at most 64 Ki tokens, at least 4 sequences long, and at least ~10 held-out blocks when the
+        # corpus allows it.
+        block = min(1 << 16, max(4 * (seq_len + 1), n // (10 * every)))
+        n_blocks = n // block
+        if n_blocks < every:
             raise UsageError(
                 f"{source}: corpus has {n} tokens, too few for --seq-len {seq_len} with --val-fraction "
                 f"{val_fraction}; give more text or a shorter --seq-len"
             )
-        t = torch.from_numpy(tokens.astype(np.int64))
-        return cls(train=t[: n - n_val], val=t[n - n_val:], seq_len=seq_len, vocab_size=vocab_size)
+        t = torch.from_numpy(tokens[: n_blocks * block].astype(np.int64)).view(n_blocks, block)
+        held_out = torch.arange(n_blocks) % every == every - 1
+        return cls(train=t[~held_out].reshape(-1), val=t[held_out].reshape(-1), seq_len=seq_len,
+                   vocab_size=vocab_size)
 
     def _batch(self, split: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         idx = starts[:, None] + torch.arange(self.seq_len + 1)[None, :]  # [B, T+1]
