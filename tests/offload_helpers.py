@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import tightfit
@@ -91,3 +92,12 @@ def train(build, placement=None, *, steps=10, accum=1, clip=None, fused=True, lr
 def max_rel_diff(a, b) -> float:
     a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
     return float(((a - b).abs() / b.abs().clamp_min(1e-12)).max())
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Tiny models run fastest on one intra-op thread, and a loaded shared machine stalls OpenMP barriers."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

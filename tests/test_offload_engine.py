@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 import tightfit
+from offload_helpers import one_torch_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 from offload_helpers import batch, hf_gpt2, loss_of, tiny_gpt, train
 from tightfit import Placement, Tier, UnitPlacement
 from tightfit.errors import UsageError

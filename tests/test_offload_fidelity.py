@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from offload_helpers import one_torch_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 from offload_helpers import hf_gpt2, hf_llama, max_rel_diff, tiny_gpt, train
 from tightfit import Placement, Tier, UnitPlacement
 from tightfit.errors import UsageError

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from offload_helpers import one_torch_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 from offload_helpers import hf_gpt2, tiny_gpt, train
 from tightfit import Placement, Tier, UnitPlacement
 from tightfit.offload.state_io import export_state, import_state
