@@ -23,6 +23,7 @@ exactly what `torch.optim.AdamW(fused=True)` runs on the same tensors, so result
 from __future__ import annotations
 
 import time
+from collections import deque
 from concurrent.futures import Future
 
 import torch
@@ -155,27 +156,38 @@ def step_one(engine, unit: OffloadUnit, groups: list[tuple[dict, list[int]]],
 
 
 def step_units(engine, work: list[Work], grad_scales: list[torch.Tensor]) -> None:
-    """One optimizer step over `work`, in order, with loads of the next unit overlapping this unit's step."""
+    """One optimizer step over `work`, in order; loads of the next units overlap this unit's step.
+
+    Read-ahead: up to `placement.prefetch_depth` units are loading while one is stepped, as far as the buffer pool
+    has room (deeper read-ahead keeps more disk requests in flight, which is what a disk needs for bandwidth)."""
     t_wall = time.perf_counter()
     engine.wait_grads()
     engine.release_all()  # a materialised copy would go stale
     io_wait = compute = 0.0
     writes: list[Future] = []
     work = [w for w in work if w[1]]
-    loaded = _prepare(engine, work[0][0]) if work else None
-    for k, (unit, groups) in enumerate(work):
-        current, loaded = loaded, None
+    depth = max(1, engine.placement.prefetch_depth)
+    ahead: deque[_Loaded] = deque()  # prepared units, loads in flight, in `work` order
+    nxt = 0  # index in `work` of the next unit to prepare
+
+    def read_ahead() -> None:
+        nonlocal nxt
+        while nxt < len(work) and len(ahead) < depth:
+            room = engine.pool.room()
+            # Only when the pool has room: waiting here for buffers that units ahead hold would never end.
+            if ahead and room is not None and room < _working_bytes(work[nxt][0]):
+                return
+            ahead.append(_prepare(engine, work[nxt][0]))
+            nxt += 1
+
+    for unit, groups in work:
+        read_ahead()
+        current = ahead.popleft()
         t0 = time.perf_counter()
         for f in current.loads:
             f.result()
         io_wait += time.perf_counter() - t0
-        if k + 1 < len(work):
-            nxt = work[k + 1][0]
-            room = engine.pool.room()
-            # Read ahead only when the pool has room for it; otherwise load after this step frees its buffers
-            # (waiting here for buffers this unit holds would never end).
-            if room is None or room >= _working_bytes(nxt):
-                loaded = _prepare(engine, nxt)
+        read_ahead()
         t0 = time.perf_counter()
         _step(unit, current, groups, grad_scales)
         compute += time.perf_counter() - t0
@@ -184,8 +196,6 @@ def step_units(engine, work: list[Work], grad_scales: list[torch.Tensor]) -> Non
         writes = [f for f in writes if not f.done()] + _write_back(engine, current)
         del current
         unit.where[State.OPTIM] = AT_REST[unit.placement.optim]
-        if loaded is None and k + 1 < len(work):
-            loaded = _prepare(engine, work[k + 1][0])
     t0 = time.perf_counter()
     for f in writes:
         f.result()
