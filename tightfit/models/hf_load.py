@@ -4,8 +4,9 @@ Why: the models people bring are often larger than host memory. `from_pretrained
 on the host; here the model is built on the meta device (shapes only, no bytes), the checkpoint's headers are
 checked against it before any data is read, and then the weights arrive one unit at a time (a transformer block,
 then the leftovers), each tensor read straight from disk into the tensor that keeps it (hf_safetensors.py). After
-each unit, `on_unit` may move it away (e.g. into the offload engine's host or NVMe tier) before the next arrives,
-so host memory holds one unit plus what the caller keeps.
+each unit, `on_unit` may move it away before the next arrives, so host memory holds one unit plus what the caller
+keeps; hf_wrap.py uses the same `UnitStreamer` to feed the offload engine's tiers, so the model never exists in
+host memory at all.
 
 The folder layout is the one `save_pretrained` writes: `config.json`, and either `model.safetensors` or shards
 `model-0000x-of-0000y.safetensors` listed in `model.safetensors.index.json`. Pickle checkpoints (`*.bin`, `*.pt`)
@@ -306,7 +307,7 @@ def stream_into(model: nn.Module, ckpt: HFCheckpoint, *, dtype: torch.dtype = to
 
 
 def load_hf_model(path: str | Path, *, dtype: torch.dtype = torch.float32, strict: bool = True,
-                  units: list[str] | None = None,
+                  units=None,
                   on_unit: Callable[[str, list[str]], None] | None = None) -> nn.Module:
     """A transformers causal-LM model loaded from a local folder, streamed one unit at a time.
 
