@@ -174,6 +174,7 @@ def memory(args) -> dict:
     after = disk.stats()
     peak = max(sampler.stop(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     rep = engine.memory_report()
+    timings = {k: round(v, 3) for k, v in engine.timings().items() if k != "nvme"}
     d = {k: after[k] - before[k] for k in ("bytes_read", "bytes_written", "read_busy_s", "write_busy_s")}
     train_read = d["bytes_read"] / d["read_busy_s"]
     train_write = d["bytes_written"] / d["write_busy_s"]
@@ -190,6 +191,7 @@ def memory(args) -> dict:
         "step_s": times[1:] or times, "train_read_GBps": train_read / 1e9, "train_write_GBps": train_write / 1e9,
         "raw_read_GBps": raw.read_Bps / 1e9, "raw_write_GBps": raw.write_Bps / 1e9, "raw_method": raw.method,
         "io_volume_per_step": volume, "read_vs_raw": train_read / raw.read_Bps, "write_vs_raw": train_write / raw.write_Bps,
+        "engine_timings": timings,
     }
     shutil.rmtree(folder, ignore_errors=True)
     return out

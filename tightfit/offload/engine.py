@@ -347,17 +347,18 @@ class OffloadEngine:
         """Run `run()` (one unit's optimizer step) on the step thread once the unit's gradients have landed."""
         pending = unit.grad_pending
 
-        def after_grads() -> None:
+        def after_grads() -> list[Future]:
             if pending is not None:
                 pending.result()
-            run()
+            return run()  # the unit's write-backs, still in flight
 
         self._early_steps.append(self.step_worker.submit(after_grads))
 
     def wait_early_steps(self) -> None:
         steps, self._early_steps = self._early_steps, []
         for f in steps:
-            f.result()
+            for write in f.result():
+                write.result()
 
     def _end_of_backward(self) -> None:
         for unit in self.units.values():
@@ -401,11 +402,14 @@ class OffloadEngine:
         packed = self.mover.pack_grads([((slot.offset, slot.shape), g) for _, slot, g in pairs],
                                        unit.spec.train_numel)
         unit.where[State.GRADS] = Where.IN_FLIGHT
+        # When the unit is about to be stepped during this backward, its final gradients stay in the packed
+        # buffer for the step thread instead of making a round trip to disk.
+        hold = self.early_step is not None
         unit.grad_pending = self.grad_worker.submit(self._accumulate_off_device, unit, packed,
-                                                    unit.grad_pending, new, had)
+                                                    unit.grad_pending, new, had, hold)
 
     def _accumulate_off_device(self, unit: OffloadUnit, packed: Future, previous: Future | None,
-                               new: set[int], had: list[bool]) -> None:
+                               new: set[int], had: list[bool], hold: bool = False) -> None:
         """Grad worker: add a packed host copy of new gradients into the unit's host or disk gradient entry."""
         t0 = time.perf_counter()
         if previous is not None:
@@ -430,6 +434,14 @@ class OffloadEngine:
                         slot.view(buf).copy_(slot.view(old))
                 self.pool.give(old)
             self._record_norms(unit, buf)
+            room = self.pool.room()
+            # Hold only while the pool keeps room for a step's working set, else held buffers could starve the
+            # step thread that is the only one to free them.
+            if hold and (room is None or room >= 4 * unit.spec.numel + 12 * unit.spec.train_numel):
+                unit.held_grads = buf
+                unit.where[State.GRADS] = Where.IN_HOST
+                self._time("grad_accumulate_s", t0)
+                return
             store.save(unit.name, GRADS, buf).result()
         self.pool.give(buf)
         unit.where[State.GRADS] = AT_REST[unit.placement.grads]
@@ -452,6 +464,9 @@ class OffloadEngine:
     def zero_grad(self) -> None:
         self.wait_grads()
         for unit in self.units.values():
+            if unit.held_grads is not None:
+                self.pool.give(unit.held_grads)
+                unit.held_grads = None
             unit.has_grad = [False] * len(unit.trainable)
             unit.grad_norms = [None] * len(unit.trainable)
             unit.where[State.GRADS] = Where.EMPTY

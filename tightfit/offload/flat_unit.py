@@ -80,6 +80,8 @@ class OffloadUnit:
         # loss-scaler overflow checks) and the pending accumulation of this unit (serialises micro-batches).
         self.grad_norms: list[torch.Tensor | None] = [None] * len(self.trainable)
         self.grad_pending: Future | None = None
+        # Final gradients kept in a pool buffer for a step during backward instead of written to disk (engine).
+        self.held_grads: torch.Tensor | None = None
         # Per trainable slot, Adam's step count (a float32 scalar, as torch.optim.AdamW keeps it). Host memory.
         self.steps: list[torch.Tensor | None] = [None] * len(self.trainable)
 

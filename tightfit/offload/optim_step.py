@@ -65,6 +65,10 @@ def _prepare(engine, unit: OffloadUnit) -> _Loaded:
                                 (State.GRADS, GRADS, unit.spec.train_numel),
                                 (State.OPTIM, EXP_AVG, unit.spec.train_numel),
                                 (State.OPTIM, EXP_AVG_SQ, unit.spec.train_numel)):
+        if state == State.GRADS and unit.held_grads is not None:  # kept in memory for a step during backward
+            work.tensors[entry] = work.borrowed[entry] = unit.held_grads
+            unit.held_grads = None
+            continue
         store = unit.store[state]
         t = store.tensor(unit.name, entry)
         if t is not None and t.device == where:
@@ -132,8 +136,8 @@ def _write_back(engine, work: _Loaded) -> list[Future]:
 
 
 def step_one(engine, unit: OffloadUnit, groups: list[tuple[dict, list[int]]],
-             grad_scales: list[torch.Tensor]) -> None:
-    """Step one unit start to finish (load, step, write back, wait); its gradients are consumed.
+             grad_scales: list[torch.Tensor]) -> list[Future]:
+    """Step one unit (load, step, start the write-back); its gradients are consumed. Returns the pending writes.
 
     Used for the step that overlaps backward: called on the engine's step thread as soon as the unit's gradients
     of the last micro-batch have landed, while the main thread runs the backward of the units before it."""
@@ -144,15 +148,14 @@ def step_one(engine, unit: OffloadUnit, groups: list[tuple[dict, list[int]]],
     t1 = time.perf_counter()
     _step(unit, work, groups, grad_scales)
     t2 = time.perf_counter()
-    for f in _write_back(engine, work):
-        f.result()
+    writes = _write_back(engine, work)
     unit.where[State.OPTIM] = AT_REST[unit.placement.optim]
     unit.where[State.GRADS] = Where.EMPTY
     unit.has_grad = [False] * len(unit.trainable)
     unit.grad_norms = [None] * len(unit.trainable)
-    t3 = time.perf_counter()
     engine._timers["optimizer_s"] = engine._timers.get("optimizer_s", 0.0) + t2 - t1
-    engine._timers["optimizer_io_wait_s"] = engine._timers.get("optimizer_io_wait_s", 0.0) + (t1 - t0) + (t3 - t2)
+    engine._timers["optimizer_io_wait_s"] = engine._timers.get("optimizer_io_wait_s", 0.0) + (t1 - t0)
+    return writes
 
 
 def step_units(engine, work: list[Work], grad_scales: list[torch.Tensor]) -> None:
