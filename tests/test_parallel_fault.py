@@ -48,7 +48,7 @@ def test_killed_rank_without_torchrun(tiny_args, tmp_path):
             procs.append(subprocess.Popen(_train_args(tiny_args), env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT))
         logs.append(log)
     try:
-        _wait_for(logs[0], "step 3/", timeout=120)
+        _wait_for(logs[0], "3/100000 | loss", timeout=180)
         procs[1].send_signal(signal.SIGKILL)
         t0 = time.time()
         rc = procs[0].wait(timeout=BOUND_S)
@@ -70,7 +70,7 @@ def test_killed_rank_under_torchrun(tiny_args, tmp_path):
     with open(log, "w") as f:
         launcher = subprocess.Popen(cmd, env=rank_env(), cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
     try:
-        _wait_for(log, "step 3/", timeout=120)
+        _wait_for(log, "3/100000 | loss", timeout=180)
         workers = [c for c in psutil.Process(launcher.pid).children(recursive=True)
                    if "tightfit.cli" in " ".join(c.cmdline()) and c.pid != launcher.pid
                    and "torch.distributed.run" not in " ".join(c.cmdline())]

@@ -99,13 +99,35 @@ class ParallelModel:
             return torch.tensor(float("nan"))
         return torch.stack([l.detach() for l in losses]).mean()
 
-    def global_loss(self, local_loss: torch.Tensor) -> float:
-        """Mean loss over the global batch, the same on every rank (one scalar all-reduce)."""
+    @torch.no_grad()
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward only on x, y [b, T]: the mean loss on the last stage (NaN elsewhere). Dropout off meanwhile."""
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            if self.schedule is None:
+                return lm_loss(self.logits(x), y)
+            losses: list[torch.Tensor] = []
+            if self.pp_rank == 0:
+                self.schedule.eval(x)
+            elif self.has_loss:
+                self.schedule.eval(target=y, losses=losses)
+            else:
+                self.schedule.eval()
+            return torch.stack(losses).mean() if self.has_loss else torch.tensor(float("nan"))
+        finally:
+            self.module.train(was_training)
+
+    def global_loss(self, local_loss: torch.Tensor | float, weight: float = 1.0) -> float:
+        """Weighted mean of the loss-holding ranks' `local_loss`, the same on every rank (one all-reduce).
+
+        tp peers hold equal losses and equal weights, so counting each of them leaves the mean unchanged.
+        """
         t = torch.zeros(2, dtype=torch.float64, device=self._comm_device())
-        if self.has_loss:
-            t[0], t[1] = float(local_loss), 1.0
+        if self.has_loss and weight:
+            t[0], t[1] = float(local_loss) * weight, weight
         dist.all_reduce(t)
-        return float(t[0] / t[1])
+        return float(t[0] / t[1]) if t[1] else float("nan")
 
     def _comm_device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if self.mesh.device_type == "cuda" \

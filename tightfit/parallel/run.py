@@ -119,6 +119,7 @@ def _train(cfg, env) -> dict:
     from tightfit.train import checkpoint as ckpt
     from tightfit.train.data import data_generator
     from tightfit.train.loop import load_dataset, lr_at, resolve_precision
+    from tightfit.train.progress import Progress
 
     t, o = cfg.train, cfg.optim
     if t.threads:
@@ -169,7 +170,20 @@ def _train(cfg, env) -> dict:
         f"{f' ({plan.pp_schedule}, {plan.pp_microbatches} micro-batches)' if plan.dims.pp > 1 else ''}; "
         f"{n_params:,} parameters, {global_batch} sequences x {t.seq_len} tokens per step", flush=True)
 
-    step, loss, t0 = start_step, float("nan"), time.perf_counter()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Rank 0 reports with the single-process trainer's Progress (same lines, same metrics.jsonl records).
+    progress = Progress(t.steps, start_step, global_batch * t.seq_len, out_dir / "metrics.jsonl",
+                        lambda: _memory(env.device), enabled=env.rank == 0)
+    # Validation: the trainer's fixed held-out batches, dealt round-robin to the dp ranks (pipeline runs draw
+    # them at the per-rank batch size, which the schedule can split into micro-batches).
+    val = dataset.val_batches(t.eval_batches, per_rank if plan.dims.pp > 1 else t.micro_batch, seed=t.seed + 1)
+    mine = val[dp_rank::plan.dims.dp]
+
+    def evaluate() -> float:
+        total = sum(float(pm.eval_loss(x.to(env.device), y.to(env.device))) for x, y in mine)
+        return pm.global_loss(total / max(1, len(mine)), weight=len(mine))
+
+    step, loss, val_loss, t0 = start_step, float("nan"), float("nan"), time.perf_counter()
     while step < t.steps:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
@@ -192,15 +206,46 @@ def _train(cfg, env) -> dict:
         if not math.isfinite(loss):
             raise UsageError(f"--lr: the loss became {loss} at step {step}; lower --lr or raise --warmup-steps")
         if step % t.log_interval == 0 or step == t.steps:
-            say(f"step {step}/{t.steps} loss {loss:.4f} grad-norm {norm:.3f} "
-                f"({(time.perf_counter() - t0) / (step - start_step):.2f} s/step)", flush=True)
+            progress.step(step, loss, opt.param_groups[0]["lr"], norm)
+        if step % t.eval_interval == 0 or step == t.steps:
+            val_loss = evaluate()  # collective: every rank evaluates
+            progress.eval(step, val_loss)
         if t.save_interval and step % t.save_interval == 0 and step < t.steps:
             _save(pm, opt, env, ckpt_path, step, cfg, gen)
+        stop = ""
+        if t.stop_at and t.stop_at <= step < t.steps:
+            stop = f"--stop-at {t.stop_at} reached"
+        elif t.max_time and _any_rank(time.perf_counter() - t0 > t.max_time):  # clocks differ: decide together
+            stop = f"--max-time {t.max_time:g}s reached at step {step}"
+        if stop:
+            say(f"{stop}; continue with --resume", flush=True)
+            break
     path = _save(pm, opt, env, ckpt_path, step, cfg, gen)
     seconds = time.perf_counter() - t0
-    say(f"done: {step - start_step} steps in {seconds:.1f}s, train loss {loss:.4f}; checkpoint {path}", flush=True)
-    return {"steps": step - start_step, "final_step": step, "train_loss": loss, "seconds": seconds,
-            "strategy": plan.name, "mesh": plan.dims.shape()}
+    summary = {"steps": step - start_step, "final_step": step, "train_loss": loss, "val_loss": val_loss,
+               "seconds": seconds, "strategy": plan.name, "mesh": list(plan.dims.shape())}
+    progress.log({"kind": "summary", **summary})
+    say(f"done: {step - start_step} steps in {seconds:.1f}s, train loss {loss:.4f}, val loss {val_loss:.4f} "
+        f"nats/token; checkpoint {path}", flush=True)
+    return summary
+
+
+def _memory(device: torch.device) -> dict[str, int]:
+    """Rank 0's memory for the progress line: allocated device memory on CUDA, the process's RSS on CPU."""
+    if device.type == "cuda":
+        return {"device": torch.cuda.memory_allocated(device)}
+    import psutil
+
+    return {"rss": psutil.Process().memory_info().rss}
+
+
+def _any_rank(flag: bool) -> bool:
+    """True on every rank if it is true on any (one tiny all-reduce): a decision all ranks must take together."""
+    t = torch.tensor([1.0 if flag else 0.0])
+    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def _save(pm, opt, env, path: Path, step: int, cfg, gen) -> Path | None:
