@@ -5,8 +5,9 @@ each case named on the command line, builds the same model from the same seed, p
 steps on its share of the same batches, and checks losses (relative difference <= 1e-5) and final weights.
 Rank 0 prints one line `CASE <name> OK max_loss_rel=... max_weight_diff=...` per case; a mismatch raises.
 
-Case syntax: strategy[:key=value,...] with keys tp, pp, sched, mb, offload, model (gpt|hf-gpt2|hf-llama), and
-resume=1 (save the full state after 3 steps, rebuild everything from it, continue: must match too).
+Case syntax: strategy[:key=value,...] with keys tp, pp, sched, mb, offload, model (gpt|hf-gpt2|hf-llama),
+accum=N (gradient accumulation over N calls, pp == 1), and resume=1 (save the full state after 3 steps, rebuild
+everything from it and continue: must match too).
 """
 
 from __future__ import annotations
@@ -125,7 +126,11 @@ def run_case(spec: str, env, refs) -> str:
         if s == RESUME_AT and kv.get("resume") == "1":
             pm, opt = resume(pm, opt, kind, plan, mesh, env)
         x, y = batch(s)
-        local = pm.forward_backward(x[dp_rank * b:(dp_rank + 1) * b], y[dp_rank * b:(dp_rank + 1) * b])
+        x, y = x[dp_rank * b:(dp_rank + 1) * b], y[dp_rank * b:(dp_rank + 1) * b]
+        accum = int(kv.get("accum", 1))  # gradient accumulation over `accum` calls, dp sync on the last only
+        parts = [pm.forward_backward(xa, ya, 1.0 / accum, sync=i == accum - 1)
+                 for i, (xa, ya) in enumerate(zip(x.chunk(accum), y.chunk(accum)))]
+        local = torch.stack(parts).mean()
         pm.clip_grad_norm_(CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)

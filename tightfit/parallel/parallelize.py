@@ -72,23 +72,25 @@ class ParallelModel:
         out = self.module(input_ids=x, use_cache=False) if self.hf else self.module(x)
         return _logits(out)
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, scale: float = 1.0,
+                         sync: bool = True) -> torch.Tensor:
         """Forward and backward on this dp rank's batch x, y [b, T]. Returns the mean loss (NaN off the last stage).
 
         Gradients end up averaged over the dp ranks and the micro-batches: those of one step on the global batch.
-        `scale` multiplies the loss before backward (1/accumulation steps when the caller accumulates; pp == 1).
+        Accumulating over several calls (pp == 1): `scale` = 1/calls, and `sync=False` on all but the last, which
+        skips the dp gradient reduction until then (DDP `no_sync`, FSDP2 `set_requires_gradient_sync`), so a step
+        costs one reduction whatever the accumulation.
         """
         if self.schedule is None:
-            loss = lm_loss(self.logits(x), y)
-            (loss * scale).backward() if scale != 1.0 else loss.backward()
+            with self._grad_sync(sync):
+                loss = lm_loss(self.logits(x), y)
+                (loss * scale if scale != 1.0 else loss).backward()
             return loss.detach()
         if x.shape[0] % self.plan.pp_microbatches:
             raise UsageError(f"--pp-microbatches {self.plan.pp_microbatches}: must divide the per-rank batch "
                              f"({x.shape[0]} sequences)")
         first, last = self.pp_rank == 0, self.has_loss
         losses: list[torch.Tensor] = []
-        if first and last:  # pragma: no cover - pp > 1 means distinct stages
-            raise AssertionError
         if first:
             self.schedule.step(x)
         elif last:
@@ -98,6 +100,19 @@ class ParallelModel:
         if not last:
             return torch.tensor(float("nan"))
         return torch.stack([l.detach() for l in losses]).mean()
+
+    def _grad_sync(self, sync: bool):
+        """Context in which backward does (sync) or does not (accumulate locally) reduce gradients over dp."""
+        from contextlib import nullcontext
+
+        from torch.distributed.fsdp import FSDPModule
+        from torch.nn.parallel import DistributedDataParallel
+
+        if isinstance(self.module, DistributedDataParallel):
+            return nullcontext() if sync else self.module.no_sync()
+        if isinstance(self.module, FSDPModule):  # fully_shard and replicate: a flag, set for this backward
+            self.module.set_requires_gradient_sync(sync)
+        return nullcontext()
 
     @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -193,10 +193,11 @@ def _train(cfg, env) -> dict:
                 local = pm.forward_backward(x.to(env.device), y.to(env.device))
         else:
             parts = []
-            for _ in range(t.grad_accum):
+            for i in range(t.grad_accum):  # gradients reduced over dp once, in the last micro-batch's backward
                 x, y = dataset.sample(t.micro_batch, gen)
                 with autocast():
-                    parts.append(pm.forward_backward(x.to(env.device), y.to(env.device), 1.0 / t.grad_accum))
+                    parts.append(pm.forward_backward(x.to(env.device), y.to(env.device), 1.0 / t.grad_accum,
+                                                     sync=i == t.grad_accum - 1))
             local = torch.stack(parts).mean()
         norm = pm.clip_grad_norm_(o.grad_clip)
         opt.step()
