@@ -94,3 +94,23 @@ def test_build_hf_model_bad_inputs(tmp_path):
         build_model(ModelConfig(model=f"hf:{folder}"), 256, 128)
     with pytest.raises(UsageError, match="no config.json"):
         build_model(ModelConfig(model=f"hf:{tmp_path}"), 256, 32)
+
+
+def test_build_hf_meta_then_wrap_and_import(tmp_path):
+    """The larger-than-RAM path for the trainer: meta model, wrap, values through import_state's `get`."""
+    import tightfit
+    from tightfit.models.hf_load import HFCheckpoint, load_hf_model
+    from tightfit.models.hf_wrap import checkpoint_values
+    from tightfit.offload.state_io import import_state
+
+    folder = _llama_folder(tmp_path, True)
+    model = build_model(ModelConfig(model=f"hf:{folder}"), vocab_size=256, block_size=32, device="meta")
+    assert all(p.is_meta for p in model.parameters())
+    tightfit.wrap(model, tightfit.Placement.everywhere("host"))
+    with checkpoint_values(HFCheckpoint.open(folder)) as get:
+        import_state(model, None, get)
+        with pytest.raises(KeyError):
+            get("optim.lm_head.weight.exp_avg")
+    x = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, load_hf_model(folder)(x).logits, rtol=1e-5, atol=1e-6)

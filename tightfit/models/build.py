@@ -35,6 +35,9 @@ def build_model(model_cfg: ModelConfig, vocab_size: int, block_size: int, device
 
     vocab_size: the tokenizer's; a Hugging Face model's embedding must have at least that many rows.
     block_size: the longest sequence trained on (--seq-len); must fit the model's position range.
+    device="meta" (Hugging Face models): parameters on the meta device, for a model larger than host memory:
+        wrap it, then give it its values with `import_state(get)` where `get` comes from
+        `hf_wrap.checkpoint_values(HFCheckpoint.open(path))` (one unit in memory at a time).
     """
     path = hf_path(model_cfg.model)
     if path is None:
@@ -54,6 +57,10 @@ def build_model(model_cfg: ModelConfig, vocab_size: int, block_size: int, device
     if max_pos is not None and block_size > max_pos:
         raise UsageError(f"--seq-len: {block_size} exceeds the {max_pos} positions of {path}/config.json "
                          "(max_position_embeddings); use a shorter --seq-len")
+    if torch.device(device).type == "meta":
+        from tightfit.models.hf_wrap import meta_model
+
+        return meta_model(ckpt).train()
     model = build_meta_model(ckpt.config)
     stream_into(model, ckpt, dtype=dtype, strict=ckpt.has_weights)
     return model.to(device).train()

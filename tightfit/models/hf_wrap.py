@@ -20,7 +20,8 @@ placement keeps on the host tier.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -31,19 +32,38 @@ from tightfit.models.hf_load import HFCheckpoint, UnitStreamer, build_meta_model
 from tightfit.offload.placement import Placement
 
 
-def fill_wrapped(model: nn.Module, ckpt: HFCheckpoint, *, strict: bool = True, units=None) -> None:
-    """Give a wrapped, meta-initialised `model` the checkpoint's values, one unit at a time."""
-    from tightfit.offload.state_io import import_state
+def meta_model(ckpt: HFCheckpoint, *, strict: bool = True, units=None) -> nn.Module:
+    """The checkpoint's model on the meta device, ready for `tightfit.wrap`: parameters on meta, buffers real.
 
+    Persistent buffers are not the engine's to fill (it only moves them to the device), so they are read here;
+    non-persistent ones (rotary tables) were computed by `build_meta_model`.
+    """
+    model = build_meta_model(ckpt.config)
+    with UnitStreamer(model, ckpt, strict=strict and ckpt.has_weights, units=units) as streamer:
+        for unit in streamer.groups:
+            streamer.load(unit, buffers_only=True)
+    return model
+
+
+@contextmanager
+def checkpoint_values(ckpt: HFCheckpoint, *, strict: bool = True,
+                      units=None) -> Iterator[Callable[[str], torch.Tensor]]:
+    """A `get(key)` for `state_io.import_state` (and the trainer's `import_state`) serving "model.<name>" keys
+    from the checkpoint, one unit in memory at a time; other keys raise KeyError ("no optimizer state yet").
+
+    Values are fp32 CPU tensors owned by the shadow model; the caller copies them before asking for the next
+    unit (import_state does). Asking in unit order reads each tensor once; any order works, at the cost of
+    re-reading.
+    """
     shadow = build_meta_model(ckpt.config)
     current: list[str | None] = [None]  # the shadow unit holding values right now (at most one)
-
-    with UnitStreamer(shadow, ckpt, dtype=torch.float32, strict=strict, units=units) as streamer:
+    with UnitStreamer(shadow, ckpt, dtype=torch.float32, strict=strict and ckpt.has_weights,
+                      units=units) as streamer:
         def get(key: str) -> torch.Tensor:
             name = key.removeprefix("model.")
-            unit = streamer.unit_of.get(name)
+            unit = streamer.unit_of.get(name) if key.startswith("model.") else None
             if unit is None:
-                raise KeyError(key)  # optimizer keys: import_state reads their absence as "fresh state"
+                raise KeyError(key)
             if unit != current[0]:
                 if current[0] is not None:
                     streamer.release(current[0])
@@ -54,9 +74,19 @@ def fill_wrapped(model: nn.Module, ckpt: HFCheckpoint, *, strict: bool = True, u
             except AttributeError:
                 return shadow.get_buffer(name)
 
+        try:
+            yield get
+        finally:
+            if current[0] is not None:
+                streamer.release(current[0])
+
+
+def fill_wrapped(model: nn.Module, ckpt: HFCheckpoint, *, strict: bool = True, units=None) -> None:
+    """Give a wrapped, meta-initialised `model` the checkpoint's values, one unit at a time."""
+    from tightfit.offload.state_io import import_state
+
+    with checkpoint_values(ckpt, strict=strict, units=units) as get:
         import_state(model, None, get)
-        if current[0] is not None:
-            streamer.release(current[0])
 
 
 def load_hf_wrapped(path: str | Path, placement: Placement, *, compute_dtype: torch.dtype = torch.float32,
@@ -72,11 +102,7 @@ def load_hf_wrapped(path: str | Path, placement: Placement, *, compute_dtype: to
     import tightfit
 
     ckpt = HFCheckpoint.open(path)
-    model = build_meta_model(ckpt.config)
-    # Persistent buffers are not the engine's (it only moves them to the device): give them values first.
-    with UnitStreamer(model, ckpt, strict=strict and ckpt.has_weights, units=units) as streamer:
-        for unit in streamer.groups:
-            streamer.load(unit, buffers_only=True)
+    model = meta_model(ckpt, strict=strict, units=units)
     for pattern in freeze:
         hits = [p for n, p in model.named_parameters() if fnmatch.fnmatchcase(n, pattern)]
         if not hits:
@@ -85,5 +111,5 @@ def load_hf_wrapped(path: str | Path, placement: Placement, *, compute_dtype: to
         for p in hits:
             p.requires_grad_(False)
     tightfit.wrap(model, placement, compute_dtype=compute_dtype, device=device, units=units)
-    fill_wrapped(model, ckpt, strict=strict and ckpt.has_weights, units=units)
+    fill_wrapped(model, ckpt, strict=strict, units=units)
     return model.train()
