@@ -204,3 +204,29 @@ def test_wrapped_load_train_save_reload(tmp_path, name, shard_in):
         assert_close_logits(ours, back(x).logits)
         torch.testing.assert_close(ours, plain.eval()(x).logits, rtol=1e-4, atol=1e-5)
     assert back.config.tie_word_embeddings == ref.config.tie_word_embeddings
+
+
+def test_wrapped_frozen_parameters_have_no_grad_or_optimizer_state(tmp_path):
+    import tightfit
+    import tightfit.optim
+    from tightfit.models.hf_wrap import load_hf_wrapped
+    from tightfit.offload.engine import engine_of
+
+    ref, folder = hf_folder(tmp_path, "llama-untied", None)
+    placement = tightfit.Placement.everywhere("nvme", nvme_dir=str(tmp_path / "swap"))
+    model = load_hf_wrapped(folder, placement, freeze=["model.embed_tokens.*", "lm_head.*"])
+    root = engine_of(model).memory_report()["units"]["root"]
+    frozen = 2 * VOCAB * 32
+    assert root["numel"] - root["trainable_numel"] >= frozen  # neither gradient nor moments cover them
+    assert root["states"]["optim"]["bytes"] == 8 * root["trainable_numel"]
+    opt = tightfit.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for step in range(2):
+        x, y = batch(step)
+        model_loss(model, x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    save_hf_model(model, tmp_path / "out")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert torch.equal(back.lm_head.weight, ref.lm_head.weight)  # frozen: bit-identical after training
+    assert torch.equal(back.model.embed_tokens.weight, ref.model.embed_tokens.weight)
+    assert not torch.equal(back.model.layers[0].mlp.up_proj.weight, ref.model.layers[0].mlp.up_proj.weight)
