@@ -141,11 +141,16 @@ class TiledLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise UsageError(f"TiledLinear: input has {x.shape[-1]} features, expected {self.in_features}")
-        # x_i [..., in_i]: views of x, no copy (`narrow` of the last dim).
-        xs = [x.narrow(-1, off, size) for off, size in zip(self.in_offsets, self.in_sizes)]
+        # x_i [..., in_i]: a view of x (no copy), made afresh for every tile call. [Note: one input per tile] An
+        # offload engine releases a unit once the gradient of the unit's *inputs* is complete; a tensor shared by
+        # several tiles only completes after all of them ran backward, which would keep the whole layer resident.
+        # With its own view, a tile's input gradient completes right after that tile's backward.
+        def x_(i: int) -> torch.Tensor:
+            return x.narrow(-1, self.in_offsets[i], self.in_sizes[i])
+
         ys = []
         for o in range(self.out_splits):
-            y = self.tile(o, 0)(xs[0])  # [..., out_o], carries the bias
+            y = self.tile(o, 0)(x_(0))  # [..., out_o], carries the bias
             if self.in_splits > 1:
                 # Partial sums of bf16/fp16 outputs (autocast) are added in fp32 and rounded once at the end.
                 out_dtype = y.dtype
@@ -154,7 +159,7 @@ class TiledLinear(nn.Module):
                 for i in range(1, self.in_splits):
                     # Out of place on purpose: an engine's full backward hooks on a tile wrap its output in a view
                     # that may not be modified in place. Costs one transient [..., out_o] buffer.
-                    y = y + self.tile(o, i)(xs[i])  # promotes a bf16 partial to y's fp32
+                    y = y + self.tile(o, i)(x_(i))  # promotes a bf16 partial to y's fp32
                 y = y.to(out_dtype)
             ys.append(y)
         # The row outputs are freed after the cat: cat's backward only slices the incoming gradient.
