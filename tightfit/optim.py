@@ -115,9 +115,12 @@ class AdamW(torch.optim.Optimizer):
     def grad_norms(self) -> list[torch.Tensor]:
         """Per-parameter 2-norms of the accumulated gradients (with pending multipliers), in model order."""
         self.engine.wait_grads()
-        norms = [n for n in self.engine.grad_norms_in_model_order()]
+        norms = self.engine.grad_norms_in_model_order()
+        # Units whose grads stay on a GPU have their norms there, the others on the CPU: gather them on the first
+        # one's device, as torch.nn.utils.clip_grad_norm_ does.
+        norms = [n.to(norms[0].device) for n in norms]
         if norms and self._grad_scales:
-            factor = torch.stack(self._grad_scales).prod()
+            factor = torch.stack([f.to(norms[0].device) for f in self._grad_scales]).prod()
             norms = [n * factor for n in norms]
         return norms
 

@@ -111,11 +111,11 @@ class CpuMover:
     def wait(self, fut: Future) -> None:
         fut.result()
 
-    def pack_grads(self, grads: list[tuple[torch.Tensor, torch.Tensor]], numel: int) -> Future:
-        """Copy (flat-view, grad) pairs' grads into one pooled fp32 host buffer; the future gives the buffer.
+    def pack_grads(self, grads: list[tuple[tuple[int, torch.Size], torch.Tensor]], numel: int) -> Future:
+        """Copy gradients into one pooled fp32 host buffer of `numel` elements; the future gives the buffer.
 
-        `grads` pairs a slot's view of a length-`numel` flat with its gradient; the buffer gets each gradient at
-        the view's offset (regions of slots without a gradient are left unwritten)."""
+        `grads` pairs a slot's (offset, shape) in the unit's flat layout with its gradient; the buffer gets each
+        gradient at that offset (regions of slots without a gradient are left unwritten)."""
         buf = self.pool.take(numel, torch.float32)
         for view, g in grads:
             _region(buf, view).copy_(g)
