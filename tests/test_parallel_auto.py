@@ -14,7 +14,7 @@ from tightfit.parallel.auto import choose_strategy
 from tightfit.parallel.costs import Hardware, ModelProfile, comm_per_step, memory_per_gpu
 from tightfit.parallel.mesh import ParallelDims
 from tightfit.parallel.pipeline import balance
-from tightfit.parallel.plan import ParallelPlan, parse_strategy
+from tightfit.parallel.plan import ParallelPlan, parse_strategy, plan_from_config
 from tightfit.parallel.whatif import what_if
 
 GiB = 2**30
@@ -94,6 +94,21 @@ def test_parse_strategy():
         ParallelPlan(pp_schedule="zigzag")
     with pytest.raises(UsageError, match="zero3"):
         ParallelPlan(dp_mode="zero2", cpu_offload=True)
+
+
+def test_plan_from_config_offload():
+    cfg = Config()
+    cfg.parallel.strategy = "zero3"
+    assert plan_from_config(cfg.parallel, 4, "host").cpu_offload
+    assert not plan_from_config(cfg.parallel, 4, "auto").cpu_offload
+    cfg.parallel.strategy = "ddp"
+    with pytest.raises(UsageError, match="--offload host"):
+        plan_from_config(cfg.parallel, 4, "host")
+    with pytest.raises(UsageError, match="--offload nvme"):
+        plan_from_config(cfg.parallel, 4, "nvme")
+    cfg.parallel.strategy = "auto"
+    with pytest.raises(UsageError, match="auto"):
+        plan_from_config(cfg.parallel, 4)
 
 
 def test_balance_minimises_the_slowest_stage():

@@ -116,8 +116,23 @@ def parse_strategy(strategy: str, world_size: int, tp: int = 0, pp: int = 0, pp_
                         pp_microbatches)
 
 
-def plan_from_config(pcfg, world_size: int) -> ParallelPlan:
-    """The plan for a `tightfit.config.ParallelConfig` section (strategy 'auto' must be resolved before)."""
+def plan_from_config(pcfg, world_size: int, offload: str = "auto") -> ParallelPlan:
+    """The plan for a `tightfit.config.ParallelConfig` section (strategy 'auto' must be resolved before).
+
+    `offload` is `--offload`: `host` asks ZeRO-3 to keep its shards in host memory (FSDP2 CPUOffloadPolicy); the
+    other tiers have no distributed counterpart yet.
+    """
     if pcfg.strategy == "auto":
         raise UsageError("--strategy auto: resolve it with tightfit.parallel.auto.choose_strategy first")
-    return parse_strategy(pcfg.strategy, world_size, pcfg.tp, pcfg.pp, pcfg.pp_schedule, pcfg.pp_microbatches)
+    plan = parse_strategy(pcfg.strategy, world_size, pcfg.tp, pcfg.pp, pcfg.pp_schedule, pcfg.pp_microbatches)
+    if offload == "host":
+        if plan.dp_mode != "zero3":
+            raise UsageError(f"--offload host with several processes: only --strategy zero3 can keep sharded "
+                             f"states in host memory (got --strategy {pcfg.strategy})")
+        from dataclasses import replace
+
+        plan = replace(plan, cpu_offload=True)
+    elif offload == "nvme":
+        raise UsageError("--offload nvme: not available with several processes; use --offload host with "
+                         "--strategy zero3, or one process")
+    return plan

@@ -65,7 +65,7 @@ def resolve_plan(cfg, world_size: int, model: torch.nn.Module, log) -> ParallelP
     from dataclasses import replace
 
     if cfg.parallel.strategy != "auto":
-        return plan_from_config(cfg.parallel, world_size)
+        return plan_from_config(cfg.parallel, world_size, cfg.memory.offload)
     from tightfit.parallel.auto import choose_strategy
     from tightfit.parallel.costs import Hardware, ModelProfile
     from tightfit.utils.sizes import parse_size
