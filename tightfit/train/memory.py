@@ -46,7 +46,47 @@ def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-class PlainMemory:
+class _Stepping:
+    """The step both setups share: (scaled) backward, unscale, clip, step, zero. Subclasses say how to clip.
+
+    `scaler` is torch's GradScaler (plain) or tightfit's LossScaler (offload): the same four calls, fp16 only.
+    """
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler = None
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        raise NotImplementedError
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def clip_and_step(self, max_norm: float) -> float | None:
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        norm = self.clip_grad_norm(max_norm) if max_norm > 0 else None
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def export_state(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Checkpoint tensors, with the same keys whichever setup wrote them."""
+        from tightfit.offload.state_io import export_state
+
+        return export_state(self.model, self.optimizer)
+
+    def import_state(self, get: Callable[[str], torch.Tensor]) -> None:
+        from tightfit.offload.state_io import import_state
+
+        import_state(self.model, self.optimizer, get)
+
+
+class PlainMemory(_Stepping):
     """Everything on one device, torch's fused AdamW: the reference every other placement is checked against."""
 
     def __init__(self, model: nn.Module, cfg: Config, device: torch.device, dtype: torch.dtype) -> None:
@@ -62,35 +102,11 @@ class PlainMemory:
     def describe(self) -> str:
         return f"memory: plain PyTorch, every state on {self.device} (--offload none)"
 
-    def backward(self, loss: torch.Tensor) -> None:
-        (self.scaler.scale(loss) if self.scaler else loss).backward()
-
-    def clip_and_step(self, max_norm: float) -> float | None:
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)
-        norm = None
-        if max_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
-        if self.scaler:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return norm
+    def clip_grad_norm(self, max_norm: float) -> float:
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
 
     def named_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         return [(n, tuple(p.shape)) for n, p in self.model.named_parameters()]
-
-    def export_state(self) -> Iterator[tuple[str, torch.Tensor]]:
-        from tightfit.offload.state_io import export_state
-
-        return export_state(self.model, self.optimizer)
-
-    def import_state(self, get: Callable[[str], torch.Tensor]) -> None:
-        from tightfit.offload.state_io import import_state
-
-        import_state(self.model, self.optimizer, get)
 
     def memory_in_use(self) -> dict[str, int]:
         rss = _rss()
@@ -109,7 +125,7 @@ class PlainMemory:
         return None
 
 
-class OffloadMemory:
+class OffloadMemory(_Stepping):
     """The offload engine holding the states where the plan put them (tightfit.wrap + tightfit.optim.AdamW)."""
 
     def __init__(self, model: nn.Module, cfg: Config, device: torch.device, dtype: torch.dtype, plan) -> None:
@@ -136,33 +152,11 @@ class OffloadMemory:
     def describe(self) -> str:
         return self.plan.summary()
 
-    def backward(self, loss: torch.Tensor) -> None:
-        (self.scaler.scale(loss) if self.scaler else loss).backward()
-
-    def clip_and_step(self, max_norm: float) -> float | None:
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)
-        norm = self.optimizer.clip_grad_norm_(max_norm) if max_norm > 0 else None
-        if self.scaler:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return norm
+    def clip_grad_norm(self, max_norm: float) -> float:
+        return self.optimizer.clip_grad_norm_(max_norm)
 
     def named_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         return list(self._shapes)
-
-    def export_state(self) -> Iterator[tuple[str, torch.Tensor]]:
-        from tightfit.offload.state_io import export_state
-
-        return export_state(self.model, self.optimizer)
-
-    def import_state(self, get: Callable[[str], torch.Tensor]) -> None:
-        from tightfit.offload.state_io import import_state
-
-        import_state(self.model, self.optimizer, get)
 
     def memory_in_use(self) -> dict[str, int]:
         r = self.engine.memory_report()
