@@ -38,7 +38,8 @@ def tile_bytes(in_f: int, out_f: int, in_splits: int, out_splits: int, dtype_byt
 MIN_TILE_ROWS = 128
 """Output-only grids are used while each tile keeps at least this many rows (or all of a smaller layer's rows).
 Thinner tiles make thin matmuls (`g_o @ W_oi` has only `rows` as its inner dimension) whose arithmetic intensity
-collapses; measured on CPU, 256 tiles of a 2048x2048 layer ran 4.5x faster as a 16x16 grid than as 256 rows."""
+collapses. Measured on CPU (benchmarks/RESULTS.md): 256 tiles of a 2048x2048 layer took 2.2-2.5x less CPU time as a
+16x16 grid than as 256 rows of 8."""
 
 
 def grid_for_count(n_tiles: int, in_f: int, out_f: int) -> tuple[int, int]:
