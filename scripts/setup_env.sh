@@ -17,6 +17,8 @@ if [ ! -x "$venv/bin/python" ]; then
     "$python" -m venv "$venv"
 fi
 pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+# Some pip configurations print one warning per unreachable mirror folder; keep real errors, drop that noise.
+quiet() { "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; return "${PIPESTATUS[0]}"; }
 
 have_torch() { "$venv/bin/python" -c "import torch" >/dev/null 2>&1; }
 
@@ -27,7 +29,7 @@ if ! have_torch; then
     elif "${pip[@]}" install --no-index --no-deps "torch>=2.4" >/dev/null 2>&1; then
         version=$("$venv/bin/python" -c "import importlib.metadata as m; print(m.version('torch'))")
         echo "setup: using the locally offered torch wheel $version"
-        "${pip[@]}" install "torch==$version"
+        quiet "${pip[@]}" install "torch==$version"
     else
         echo "setup: installing torch from the package registry"
         "${pip[@]}" install "torch>=2.4"
@@ -35,5 +37,5 @@ if ! have_torch; then
 fi
 
 echo "setup: installing tightfit (editable) with the dev extra"
-"${pip[@]}" install -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
+quiet "${pip[@]}" install -e ".[dev]"
 "$venv/bin/python" -c "import tightfit, torch; print('setup: tightfit ready, torch', torch.__version__)"
