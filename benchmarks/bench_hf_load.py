@@ -161,6 +161,7 @@ def tightfit_run(folder: str, steps: int, budget: int, nvme: str, seq: int) -> d
         _log(f"step {step}: loss {losses[-1]:.4f}, {step_seconds[-1]:.1f} s, peak RSS {sampler.peak / GiB:.2f} GiB")
     peak = max(sampler.stop(), _peak_rss())
     rep = engine_of(model).memory_report()
+    engine_of(model).close()  # deletes the swap files (~5x the fp32 weights: master, grads, moments)
     return {"phase": "tightfit", "load_seconds": load_seconds, "load_peak_rss": load_peak, "peak_rss": peak,
             "overhead_rss": overhead, "budget": budget, "device_peak": rep["device"]["peak"],
             "staging_peak": rep["host"]["staging_peak"], "losses": losses, "step_seconds": step_seconds}
