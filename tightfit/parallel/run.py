@@ -160,10 +160,23 @@ def _train(cfg, env) -> dict:
     autocast = (lambda: torch.autocast(env.device.type, dtype=dtype)) if dtype != torch.float32 else nullcontext
     dp_rank = mesh["dp"].get_local_rank()
     gen = data_generator(t.seed, rank=dp_rank)
-    if resume is not None:
-        # The data position of dp rank 0 is what a one-process run saved; other ranks skip ahead deterministically.
-        ckpt.restore_rng(resume.rng_states(), gen) if dp_rank == 0 else None
     per_rank = t.micro_batch * t.grad_accum  # sequences per dp rank per step
+
+    def draw_step() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This dp rank's batches for one step: one per-rank batch for a pipeline (the schedule splits it),
+        else --grad-accum micro-batches."""
+        if plan.dims.pp > 1:
+            return [dataset.sample(per_rank, gen)]
+        return [dataset.sample(t.micro_batch, gen) for _ in range(t.grad_accum)]
+
+    if resume is not None:
+        # The checkpoint holds rank 0's data position (what a one-process run saves too). Other dp ranks replay
+        # their own stream up to the resumed step: exact when the layout and batch flags are unchanged.
+        if dp_rank == 0:
+            ckpt.restore_rng(resume.rng_states(), gen)
+        else:
+            for _ in range(start_step):
+                draw_step()
     global_batch = per_rank * plan.dims.dp
     n_params = sum(p.numel() for p in model.parameters())
     say(f"tightfit: {env.world_size} ranks, mesh {plan.dims}, strategy {plan.name}"
@@ -187,18 +200,13 @@ def _train(cfg, env) -> dict:
     while step < t.steps:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
-        if plan.dims.pp > 1:  # the schedule splits the rank's batch into --pp-microbatches
-            x, y = dataset.sample(per_rank, gen)
+        batches = draw_step()
+        parts = []
+        for i, (x, y) in enumerate(batches):  # gradients reduced over dp once, in the last backward
             with autocast():
-                local = pm.forward_backward(x.to(env.device), y.to(env.device))
-        else:
-            parts = []
-            for i in range(t.grad_accum):  # gradients reduced over dp once, in the last micro-batch's backward
-                x, y = dataset.sample(t.micro_batch, gen)
-                with autocast():
-                    parts.append(pm.forward_backward(x.to(env.device), y.to(env.device), 1.0 / t.grad_accum,
-                                                     sync=i == t.grad_accum - 1))
-            local = torch.stack(parts).mean()
+                parts.append(pm.forward_backward(x.to(env.device), y.to(env.device), 1.0 / len(batches),
+                                                 sync=i == len(batches) - 1))
+        local = torch.stack(parts).mean()
         norm = pm.clip_grad_norm_(o.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -220,6 +228,9 @@ def _train(cfg, env) -> dict:
             stop = f"--max-time {t.max_time:g}s reached at step {step}"
         if stop:
             say(f"{stop}; continue with --resume", flush=True)
+            if step % t.eval_interval:
+                val_loss = evaluate()
+                progress.eval(step, val_loss)
             break
     path = _save(pm, opt, env, ckpt_path, step, cfg, gen)
     seconds = time.perf_counter() - t0
