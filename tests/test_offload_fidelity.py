@@ -139,3 +139,43 @@ def test_fp16_loss_scaling_skips_overflow_steps(tmp_path):
     losses, *_ = train(tiny_gpt, Placement.everywhere(Tier.HOST), compute_dtype=torch.float16, scaler=scaler)
     assert scaler.skipped_steps == 0
     assert max_rel_diff(losses, reference("gpt")) <= 1e-2
+
+
+class _SharedBlocks(torch.nn.Module):
+    """The tiny GPT with block 1 run twice per forward (weight sharing inside one step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.g = tiny_gpt()
+
+    def forward(self, x, y):
+        g = self.g
+        h = g.tok_emb(x) + g.pos_emb(torch.arange(x.shape[1]))
+        for i in (0, 1, 1, 2):
+            h = g.blocks[i](h)
+        return torch.nn.functional.cross_entropy(g.head(g.ln_f(h)).flatten(0, 1), y.reshape(-1))
+
+
+def test_unit_used_twice_and_two_forwards_per_backward(tmp_path):
+    import tightfit
+    from offload_helpers import batch
+    from tightfit.optim import AdamW
+
+    def run(placement):
+        torch.manual_seed(0)
+        model = _SharedBlocks()
+        if placement is None:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        else:
+            tightfit.wrap(model, placement)
+            opt = AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for step in range(4):
+            loss = model(*batch(2 * step)) + model(*batch(2 * step + 1))  # two forwards, one backward
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    assert run(placements(tmp_path)["nvme"]) == run(None)
