@@ -8,9 +8,10 @@ The driver re-launches itself under torchrun (one launch per part); rank 0 write
 
 Bubble (default `--compute sleep`): p stages whose forward and backward take a fixed time (sleeps: on a shared
 2-core VM real compute is stretched by other jobs, sleeps are not), driven by tightfit's `apply_pp` with torch's
-schedules; idle = 1 − m·(t_f + t_b) / step time. `--compute gpt`: a p-stage reference GPT (2 blocks per stage, balanced by cost), GPipe and 1F1B, m micro-batches of a fixed
-size. Busy time per stage = time inside the stage's own compute (PipelineStage.forward_one_chunk and
-backward_one_chunk, timed in place); idle fraction = 1 − busy / step time, against (p − 1)/(m + p − 1).
+schedules; idle = 1 − m·(t_f + t_b) / step time. `--compute gpt`: a p-stage reference GPT (2 blocks per stage,
+balanced by cost), m micro-batches of a fixed size; busy = time inside the stage's own compute
+(PipelineStage.forward_one_chunk / backward_one_chunk, timed in place); idle = 1 − busy / step time. Both against
+(p − 1)/(m + p − 1).
 
 Communication: bytes handed to collectives in one training step, counted where PyTorch issues them — a DDP comm
 hook for the gradient buckets (ddp, zero1), and wrappers around the `torch.distributed` functions that FSDP2

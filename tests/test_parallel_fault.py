@@ -45,7 +45,8 @@ def test_killed_rank_without_torchrun(tiny_args, tmp_path):
         env = rank_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                        MASTER_PORT=str(port))
         with open(log, "w") as f:
-            procs.append(subprocess.Popen(_train_args(tiny_args), env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT))
+            procs.append(subprocess.Popen(_train_args(tiny_args), env=env, cwd=ROOT, stdout=f,
+                                          stderr=subprocess.STDOUT))
         logs.append(log)
     try:
         _wait_for(logs[0], "3/100000 | loss", timeout=180)

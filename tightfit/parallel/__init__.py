@@ -14,9 +14,10 @@ from tightfit.parallel.mesh import ParallelDims, build_mesh, init_distributed
 from tightfit.parallel.parallelize import ParallelModel, make_optimizer, parallelize
 from tightfit.parallel.pipeline import apply_pp, balance, build_stage_module
 from tightfit.parallel.plan import ParallelPlan, parse_strategy
+from tightfit.parallel.state import gather_full_state, load_moments
 from tightfit.parallel.tensor_parallel import apply_tp
 
 __all__ = ["Hardware", "ModelProfile", "ParallelDims", "ParallelModel", "ParallelPlan", "StrategyChoice",
            "apply_ddp", "apply_pp", "apply_tp", "apply_zero", "balance", "build_mesh", "build_optimizer",
-           "build_stage_module", "choose_strategy", "comm_per_step", "init_distributed", "make_optimizer",
-           "memory_per_gpu", "parallelize", "parse_strategy"]
+           "build_stage_module", "choose_strategy", "comm_per_step", "gather_full_state", "init_distributed",
+           "load_moments", "make_optimizer", "memory_per_gpu", "parallelize", "parse_strategy"]

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-from tightfit.errors import UsageError
 from tightfit.parallel.auto import StrategyChoice, choose_strategy
 from tightfit.parallel.costs import Hardware, ModelProfile, comm_per_step, memory_per_gpu
 from tightfit.parallel.plan import parse_strategy
