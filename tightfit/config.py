@@ -68,6 +68,7 @@ class TrainConfig:
     save_interval: int = _f(0, "write a checkpoint every N steps (0: only at the end)")
     out_dir: str = _f("runs/default", "folder for checkpoints and metrics.jsonl")
     resume: bool = _f(False, "continue from the checkpoint in --out-dir")
+    export_hf: str | None = _f(None, "at the end, also save the model to this folder in the Hugging Face layout")
     max_time: float = _f(0.0, "stop after this many seconds of training (0: no limit)")
     stop_at: int = _f(0, "stop with a checkpoint after this step, keeping the schedule of --steps (0: run to --steps)")
     seed: int = _f(1337, "random seed (model init, data order)")

@@ -82,9 +82,9 @@ def build_meta_model(cfg: Config) -> torch.nn.Module:
         with torch.device("meta"):
             return GPT(GPTConfig(vocab_size=_vocab_size(cfg), block_size=cfg.train.seq_len, n_layer=m.n_layer,
                                  n_head=m.n_head, n_embd=m.n_embd))
-    from tightfit.models.hf_load import HFCheckpoint, build_meta_model
+    from tightfit.models.build import build_model
 
-    return build_meta_model(HFCheckpoint.open(path).config)
+    return build_model(cfg.model, vocab_size=_vocab_size(cfg), block_size=cfg.train.seq_len, device="meta")
 
 
 def _vocab_size(cfg: Config) -> int:
@@ -105,9 +105,16 @@ def evaluate(model, batches, loss_fn, device, autocast) -> float:
     return total / len(batches)
 
 
+def export_hf(model: torch.nn.Module, mem: MemorySetup, folder: str) -> None:
+    """Write the trained model as a Hugging Face folder, streamed from wherever its weights live."""
+    from tightfit.models.hf_save import save_hf_model
+
+    save_hf_model(model, folder, tensors=mem.export_state(), strip_prefix="model.")
+
+
 def train(cfg: Config, *, quiet: bool = False) -> Summary:
     """Run `tightfit train` with a validated config. Raises UsageError on bad input."""
-    from tightfit.models.build import build_model, model_loss
+    from tightfit.models.build import build_model, hf_path, model_loss
     from tightfit.models.tokenizer import get_tokenizer
 
     t, o = cfg.train, cfg.optim
@@ -125,8 +132,16 @@ def train(cfg: Config, *, quiet: bool = False) -> Summary:
     # Byte-level text takes the fast path (raw bytes are the token ids); a named tokenizer encodes the text.
     tokenizer = get_tokenizer(cfg.model.tokenizer) if cfg.model.tokenizer else None
     dataset = load_dataset(cfg, tokenizer)
-    model = build_model(cfg.model, vocab_size=dataset.vocab_size, block_size=t.seq_len)
+    # A Hugging Face model that will be offloaded is built on the meta device and its weights stream straight into
+    # the planned tiers after wrapping (one unit in host memory at a time): it may be larger than RAM.
+    hf_folder = hf_path(cfg.model.model)
+    stream_weights = hf_folder is not None and cfg.memory.offload != "none"
+    model = build_model(cfg.model, vocab_size=dataset.vocab_size, block_size=t.seq_len,
+                        device="meta" if stream_weights else "cpu")
 
+    if t.export_hf and hf_folder is None:
+        raise UsageError("--export-hf: only Hugging Face models (--model hf:PATH) can be exported in that layout; "
+                         "the reference GPT's weights are in the checkpoint")
     resume_from = ckpt.load_checkpoint(ckpt_path) if t.resume else None
     if t.resume and resume_from is None:
         raise UsageError(f"--resume: no checkpoint in {out_dir}; drop --resume to start fresh")
@@ -145,6 +160,12 @@ def train(cfg: Config, *, quiet: bool = False) -> Summary:
         ckpt.restore_rng(resume_from.rng_states(), gen)
         start_step = resume_from.step
         say(f"resumed from {ckpt_path} at step {start_step}")
+    elif stream_weights:
+        from tightfit.models.hf_load import HFCheckpoint
+        from tightfit.models.hf_wrap import checkpoint_values
+
+        with checkpoint_values(HFCheckpoint.open(hf_folder)) as get:
+            mem.import_state(get)
     if start_step >= t.steps:
         raise UsageError(f"--steps: the checkpoint is already at step {start_step}; ask for more than that")
 
@@ -201,6 +222,9 @@ def train(cfg: Config, *, quiet: bool = False) -> Summary:
 
     seconds = time.perf_counter() - t_start
     path = save(step)
+    if t.export_hf:
+        export_hf(model, mem, t.export_hf)
+        say(f"exported the model in the Hugging Face layout to {t.export_hf}")
     summary = Summary(steps_done=step - start_step, final_step=step, train_loss=loss_val, val_loss=val_loss,
                       seconds=seconds, tokens_per_s=(step - start_step) * tokens_per_step / max(seconds, 1e-9),
                       checkpoint=path, peak_memory=mem.peak_memory())

@@ -135,13 +135,15 @@ class OffloadMemory(_Stepping):
         self.plan = plan
         self.device = device
         placement = plan.placement
+        units = None  # the engine's default: each repeated block is a unit
         if placement.tiled_linears:
-            from tightfit.tiling import tile_linears
+            from tightfit.tiling import tile_linears, tile_units
 
             tile_linears(model, tiles=placement.tiled_linears)
+            units = tile_units(model)  # each tile its own unit, fetched and released one at a time
         # Names and shapes as the model declares them; once wrapped, released parameters are empty views.
         self._shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-        self.model = tightfit.wrap(model, placement, compute_dtype=dtype, device=device)
+        self.model = tightfit.wrap(model, placement, compute_dtype=dtype, device=device, units=units)
         self.engine = engine_of(self.model)
         o = cfg.optim
         self.optimizer = tightfit.optim.AdamW(param_groups(self.model, o.weight_decay), lr=o.lr,

@@ -1,0 +1,51 @@
+"""`tightfit train --model hf:PATH`: plain and streamed-into-NVMe runs agree; --export-hf loads in transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tightfit.cli import main
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture
+def llama_folder(tmp_path):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=64,
+                                   tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+    folder = tmp_path / "llama"
+    transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
+    return folder
+
+
+def _run(tiny_args, out_dir, *extra):
+    i = tiny_args.index("--out-dir")
+    args = tiny_args[: i + 1] + [str(out_dir)] + tiny_args[i + 2:]
+    assert main(["train", *args, "--steps", "4", *extra]) == 0
+    return {k: v for k, v in load_file(out_dir / "checkpoint.safetensors").items() if k.startswith("model.")}
+
+
+def test_hf_model_plain_and_streamed_to_nvme_agree_and_export(tiny_args, tmp_path, llama_folder):
+    model = ["--model", f"hf:{llama_folder}"]
+    plain = _run(tiny_args, tmp_path / "plain", *model, "--offload", "none")
+    export = tmp_path / "export"
+    nvme = _run(tiny_args, tmp_path / "nvme", *model, "--offload", "nvme", "--nvme", str(tmp_path / "swap"),
+                "--export-hf", str(export))
+    assert plain.keys() == nvme.keys() and len(plain) > 0
+    for k in plain:
+        torch.testing.assert_close(nvme[k], plain[k], rtol=1e-6, atol=0, msg=k)
+    # The export is an ordinary Hugging Face folder holding the trained weights.
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(export)
+    for name, p in loaded.named_parameters():
+        assert torch.equal(p.detach(), nvme[f"model.{name}"]), name
+    original = transformers.AutoModelForCausalLM.from_pretrained(llama_folder)
+    assert not torch.equal(original.model.layers[0].mlp.up_proj.weight, loaded.model.layers[0].mlp.up_proj.weight)
+
+
+def test_export_hf_refuses_the_reference_gpt(tiny_args, capsys, tmp_path):
+    assert main(["train", *tiny_args, "--steps", "2", "--export-hf", str(tmp_path / "x")]) == 2
+    assert "--export-hf" in capsys.readouterr().err
