@@ -237,7 +237,8 @@ def comm_worker(out: Path, steps: int) -> None:
                     # blocks are re-gathered in backward; the root (embeddings, head) stays gathered
                     "zero3": {"all_gather": psi + blocks * 4, "reduce_scatter": psi}}[mode]
         prof = ModelProfile(n_params=n_params, largest_layer_params=0, largest_block_params=0, n_layers=4,
-                            n_heads=4, hidden=128, vocab=256, seq_len=32, micro_batch=4, mixed_precision=False)
+                            n_heads=4, hidden=128, vocab=256, seq_len=32, micro_batch=4, mixed_precision=False,
+                            blocks_params=blocks)
         wire = comm_per_step(plan, prof)["dp"]
         measured = dict(counter.bytes)
         counter.bytes.clear()

@@ -66,6 +66,9 @@ class ModelProfile:
     seq_len: int = 1024
     micro_batch: int = 1
     mixed_precision: bool = True
+    blocks_params: int = 0
+    """Parameters in the repeated blocks (0: unknown, taken as all). ZeRO-3 re-gathers these in backward; the
+    rest (embeddings, head) stays gathered from forward to backward."""
 
     @property
     def weight_bytes(self) -> int:
@@ -120,7 +123,8 @@ class ModelProfile:
                                             default=0),
                    largest_block_params=max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0),
                    n_layers=len(blocks), n_heads=heads, hidden=hidden, vocab=vocab, seq_len=seq_len,
-                   micro_batch=micro_batch, mixed_precision=mixed_precision)
+                   micro_batch=micro_batch, mixed_precision=mixed_precision,
+                   blocks_params=sum(p.numel() for b in blocks for p in b.parameters()))
 
 
 def memory_per_gpu(plan: ParallelPlan, prof: ModelProfile) -> dict[str, int]:
@@ -155,7 +159,8 @@ def comm_per_step(plan: ParallelPlan, prof: ModelProfile, global_batch: int | No
 
     - dp, ddp: gradient all-reduce, 2Ψ·(n−1)/n. zero1 (torch ZeroRedundancyOptimizer): the same all-reduce plus
       the broadcast of updated parameters, 3Ψ (the ZeRO paper's 2Ψ assumes a reduce-scatter instead). zero2:
-      all-gather + reduce-scatter, 2Ψ. zero3: all-gather in forward and backward + reduce-scatter, 3Ψ.
+      all-gather + reduce-scatter, 2Ψ. zero3: all-gather in forward and (blocks only) in backward +
+      reduce-scatter, ≤ 3Ψ.
     - tp: 4 all-reduces of the [b, s, h] activations per layer per micro-batch (2 forward, 2 backward).
     - pp: each micro-batch's activation forward and its gradient backward across each stage boundary.
     """
@@ -166,8 +171,11 @@ def comm_per_step(plan: ParallelPlan, prof: ModelProfile, global_batch: int | No
     if n > 1:
         frac = (n - 1) / n
         g, w = psi * prof.grad_bytes, psi * prof.weight_bytes
+        # ZeRO-3 gathers every weight in forward and the blocks' again in backward (tightfit keeps the root group
+        # gathered between the two: it is needed again at once).
+        w_again = (prof.blocks_params or prof.n_params) / (d.pp * d.tp) * prof.weight_bytes
         dp_bytes = {"ddp": 2 * frac * g, "zero1": 2 * frac * g + frac * w, "zero2": frac * (g + w),
-                    "zero3": frac * (2 * w + g)}[plan.dp_mode]
+                    "zero3": frac * (w + w_again + g)}[plan.dp_mode]
     mb = prof.micro_batch
     micro = plan.pp_microbatches if d.pp > 1 else 1
     act = mb * prof.seq_len * prof.hidden * prof.weight_bytes  # one [b, s, h] activation
