@@ -97,12 +97,14 @@ class DiskStore(TierStore):
 
     tier = Tier.NVME
 
-    def __init__(self, folder: str, budget_bytes: int | None = None, threads: int = 8) -> None:
+    def __init__(self, folder: str, budget_bytes: int | None = None, threads: int = 8,
+                 chunk_bytes: int = 1 << 20) -> None:
         try:
             from tightfit.offload.nvme import NvmeStore
         except ImportError as e:  # pragma: no cover - only while the NVMe engine is missing
             raise UsageError(f"the NVMe tier is not available in this build ({e}); place no state on nvme") from None
-        self.nvme = NvmeStore(folder, budget_bytes=budget_bytes, threads=threads)
+        # 1 MiB chunks: a unit's entry is a few MB, so smaller chunks are what keeps `threads` requests in flight.
+        self.nvme = NvmeStore(folder, budget_bytes=budget_bytes, threads=threads, chunk_bytes=chunk_bytes)
         self.bytes = 0  # host bytes: none; disk usage is reported by `nvme.stats()`
         self.disk_bytes = 0
         self._files: dict[str, str] = {}
