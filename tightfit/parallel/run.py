@@ -130,6 +130,9 @@ def _train(cfg, env) -> dict:
     if not t.resume and ckpt_path.exists():
         raise UsageError(f"--out-dir: {out_dir} already holds a checkpoint; pass --resume to continue it, "
                          "or choose another --out-dir")
+    if t.export_hf and not cfg.model.model.startswith("hf:"):
+        raise UsageError("--export-hf: only Hugging Face models (--model hf:PATH) can be exported in that layout; "
+                         "the reference GPT's weights are in the checkpoint")
     tokenizer = get_tokenizer(cfg.model.tokenizer) if cfg.model.tokenizer else None
     dataset = load_dataset(cfg, tokenizer)
     torch.manual_seed(t.seed)  # same seed on every rank: identical initial weights
@@ -232,8 +235,17 @@ def _train(cfg, env) -> dict:
                 val_loss = evaluate()
                 progress.eval(step, val_loss)
             break
-    path = _save(pm, opt, env, ckpt_path, step, cfg, gen)
+    path, full = _save(pm, opt, env, ckpt_path, step, cfg, gen)
     seconds = time.perf_counter() - t0
+    if t.export_hf and env.rank == 0:
+        from tightfit.models.hf_save import save_hf_model
+        from tightfit.train.loop import build_meta_model
+
+        # A meta-device twin plans the files (shapes, dtypes, tied names); the gathered tensors are the values.
+        save_hf_model(build_meta_model(cfg), t.export_hf, tensors=full.items(), strip_prefix="model.")
+        say(f"exported the model in the Hugging Face layout to {t.export_hf}")
+    if t.export_hf:
+        dist.barrier()
     summary = {"steps": step - start_step, "final_step": step, "train_loss": loss, "val_loss": val_loss,
                "seconds": seconds, "strategy": plan.name, "mesh": list(plan.dims.shape())}
     progress.log({"kind": "summary", **summary})
@@ -260,9 +272,9 @@ def _any_rank(flag: bool) -> bool:
     return bool(t.item())
 
 
-def _save(pm, opt, env, path: Path, step: int, cfg, gen) -> Path | None:
+def _save(pm, opt, env, path: Path, step: int, cfg, gen) -> tuple[Path | None, dict | None]:
     """Gather weights and AdamW moments on rank 0 and write the single-process checkpoint format, so any strategy,
-    world size, or the one-process trainer can resume it (state.py)."""
+    world size, or the one-process trainer can resume it (state.py). Returns (path, full state) on rank 0."""
     from tightfit.parallel.state import gather_full_state
     from tightfit.train import checkpoint as ckpt
 
@@ -273,4 +285,4 @@ def _save(pm, opt, env, path: Path, step: int, cfg, gen) -> Path | None:
         out = ckpt.save_checkpoint(path, sorted(full.items()), step=step, config=cfg.to_dict(),
                                    signature=ckpt.model_signature(shapes), rng=ckpt.capture_rng(gen))
     dist.barrier()
-    return out
+    return out, full
