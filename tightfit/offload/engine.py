@@ -33,6 +33,7 @@ from tightfit.errors import UsageError
 from tightfit.offload.aligned import aligned_empty
 from tightfit.offload.flat_unit import AT_REST, GRADS, MASTER, PARAMS, OffloadUnit, Where
 from tightfit.offload.hooks import queue_end_of_backward, register_hooks, remove_hooks
+from tightfit.offload.optim_step import discard_preload, preload
 from tightfit.offload.placement import ROOT_UNIT, Placement, State, Tier
 from tightfit.offload.schedule import Phase, Schedule
 from tightfit.offload.staging import BufferPool, CpuMover, CudaMover
@@ -311,6 +312,8 @@ class OffloadEngine:
         self._charge_grads(unit)
         self.materialise(unit)
         self.prefetch(nxt)
+        if self.early_step is not None:
+            preload(self, unit)  # its optimizer state loads under its own backward
 
     def _charge_grads(self, unit: OffloadUnit) -> None:
         """Count the `param.grad`s autograd is about to produce for the unit (freed when they are shipped)."""
@@ -463,7 +466,9 @@ class OffloadEngine:
 
     def zero_grad(self) -> None:
         self.wait_grads()
+        self.wait_early_steps()
         for unit in self.units.values():
+            discard_preload(self, unit)
             if unit.held_grads is not None:
                 self.pool.give(unit.held_grads)
                 unit.held_grads = None

@@ -82,6 +82,9 @@ class OffloadUnit:
         self.grad_pending: Future | None = None
         # Final gradients kept in a pool buffer for a step during backward instead of written to disk (engine).
         self.held_grads: torch.Tensor | None = None
+        # Master and moments loading for a step during backward, started at the unit's backward start
+        # (optim_step.preload); consumed by the step thread, or returned by `discard_preload`.
+        self.preloaded = None
         # Per trainable slot, Adam's step count (a float32 scalar, as torch.optim.AdamW keeps it). Host memory.
         self.steps: list[torch.Tensor | None] = [None] * len(self.trainable)
 

@@ -56,15 +56,18 @@ def _working_bytes(unit: OffloadUnit) -> int:
     return 4 * unit.spec.numel + 12 * unit.spec.train_numel + unit.compute_bytes
 
 
-def _prepare(engine, unit: OffloadUnit) -> _Loaded:
-    """Find or start loading the unit's master, gradients and moments where the step runs."""
+def _prepare(engine, unit: OffloadUnit, grads: bool = True, into: _Loaded | None = None) -> _Loaded:
+    """Find or start loading the unit's master, gradients (unless `grads` is False) and moments where the step
+    runs; entries already in `into` (a preload) are kept."""
     where = _step_device(engine, unit)
-    work = _Loaded(unit)
+    work = into or _Loaded(unit)
     fresh_moments = unit.where[State.OPTIM] == Where.EMPTY
     for state, entry, numel in ((State.MASTER, unit.master_entry, unit.spec.numel),
                                 (State.GRADS, GRADS, unit.spec.train_numel),
                                 (State.OPTIM, EXP_AVG, unit.spec.train_numel),
                                 (State.OPTIM, EXP_AVG_SQ, unit.spec.train_numel)):
+        if entry in work.tensors or (state == State.GRADS and not grads):
+            continue
         if state == State.GRADS and unit.held_grads is not None:  # kept in memory for a step during backward
             work.tensors[entry] = work.borrowed[entry] = unit.held_grads
             unit.held_grads = None
@@ -142,7 +145,8 @@ def step_one(engine, unit: OffloadUnit, groups: list[tuple[dict, list[int]]],
     Used for the step that overlaps backward: called on the engine's step thread as soon as the unit's gradients
     of the last micro-batch have landed, while the main thread runs the backward of the units before it."""
     t0 = time.perf_counter()
-    work = _prepare(engine, unit)
+    work = _prepare(engine, unit, into=unit.preloaded)
+    unit.preloaded = None
     for f in work.loads:
         f.result()
     t1 = time.perf_counter()
@@ -156,6 +160,30 @@ def step_one(engine, unit: OffloadUnit, groups: list[tuple[dict, list[int]]],
     engine._timers["optimizer_s"] = engine._timers.get("optimizer_s", 0.0) + t2 - t1
     engine._timers["optimizer_io_wait_s"] = engine._timers.get("optimizer_io_wait_s", 0.0) + (t1 - t0)
     return writes
+
+
+def preload(engine, unit: OffloadUnit) -> None:
+    """Start loading the master and moments of a unit whose backward starts now, for its step during backward.
+
+    Main thread, at the unit's backward start: the loads then run under the unit's own backward compute, and the
+    step thread finds them done when the gradients land. Skipped when the pool has no room right now (the step
+    thread loads them itself then): the backward must never wait for a buffer here."""
+    if not unit.trainable or unit.preloaded is not None:
+        return
+    room = engine.pool.room()
+    if room is not None and room < _working_bytes(unit):
+        return
+    unit.preloaded = _prepare(engine, unit, grads=False)
+
+
+def discard_preload(engine, unit: OffloadUnit) -> None:
+    """Return the buffers of a preload that no step used (e.g. its parameters are in no optimizer)."""
+    work, unit.preloaded = unit.preloaded, None
+    if work is not None:
+        for f in work.loads:
+            f.result()
+        for buf in work.borrowed.values():
+            engine.pool.give(buf)
 
 
 def step_units(engine, work: list[Work], grad_scales: list[torch.Tensor]) -> None:
@@ -183,6 +211,8 @@ def step_units(engine, work: list[Work], grad_scales: list[torch.Tensor]) -> Non
             ahead.append(_prepare(engine, work[nxt][0]))
             nxt += 1
 
+    for unit, _ in work:
+        discard_preload(engine, unit)  # loaded for a step during backward that did not happen
     for unit, groups in work:
         read_ahead()
         current = ahead.popleft()
