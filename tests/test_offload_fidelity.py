@@ -179,3 +179,35 @@ def test_unit_used_twice_and_two_forwards_per_backward(tmp_path):
         return losses
 
     assert run(placements(tmp_path)["nvme"]) == run(None)
+
+
+def test_optimizer_over_a_subset_with_step_during_backward(tmp_path):
+    """Units whose parameters are in no optimizer: their held gradients and preloads are dropped, not stepped."""
+    import tightfit
+    from offload_helpers import batch, loss_of
+    from tightfit.offload.engine import engine_of
+    from tightfit.optim import AdamW
+
+    def run(placement):
+        torch.manual_seed(0)
+        model = tiny_gpt()
+        if placement is not None:
+            tightfit.wrap(model, placement)
+        blocks = [p for n, p in model.named_parameters() if n.startswith("blocks.")]
+        opt = (torch.optim.AdamW(blocks, lr=1e-2, fused=True) if placement is None else AdamW(blocks, lr=1e-2))
+        losses = []
+        for step in range(4):
+            loss = loss_of(model, *batch(step))
+            if placement is not None:
+                opt.step_during_backward()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses, model
+
+    losses, model = run(placements(tmp_path)["nvme"])
+    assert losses == run(None)[0]
+    engine = engine_of(model)
+    assert engine.units["root"].held_grads is None and engine.units["root"].preloaded is None
+    assert engine.units["root"].steps == [None] * len(engine.units["root"].trainable)
