@@ -95,8 +95,8 @@ class ParallelConfig:
     node_rank: int = _f(0, "this node's rank")
     master_addr: str = _f("127.0.0.1", "address of the rank-0 node")
     master_port: int = _f(29500, "port of the rank-0 node")
-    strategy: str = _f("auto", "scale-out strategy",
-                       ("auto", "ddp", "zero1", "zero2", "zero3", "tp", "pp", "dp_tp", "dp_pp", "pp_tp", "dp_pp_tp"))
+    strategy: str = _f("auto", "scale-out strategy: auto, or tokens dp|ddp|zero1|zero2|zero3, pp, tp joined by '_' "
+                                "(e.g. ddp, zero3, tp, pp, dp_tp, dp_pp, pp_tp, dp_pp_tp, zero1_pp_tp)")
     interconnect: str = _f("auto", "interconnect for what-if planning",
                            ("auto", "nvlink", "pcie", "infiniband", "ethernet"))
     tp: int = _f(0, "tensor-parallel degree (0: chosen by the strategy)")
@@ -248,6 +248,12 @@ def validate(cfg: Config) -> None:
         raise UsageError(f"--val-fraction: must be in (0, 0.5), got {cfg.data.val_fraction}")
     if cfg.model.n_embd % cfg.model.n_head:
         raise UsageError(f"--n-head: must divide --n-embd ({cfg.model.n_embd}), got {cfg.model.n_head}")
+    world = cfg.parallel.nproc_per_node * cfg.parallel.nnodes
+    if cfg.parallel.strategy != "auto" and world > 1:
+        from tightfit.parallel.plan import parse_strategy
+
+        p = cfg.parallel
+        parse_strategy(p.strategy, world, p.tp, p.pp, p.pp_schedule, p.pp_microbatches)
     # Sizes are parsed here so a bad one fails before any work starts.
     from tightfit.utils.sizes import parse_size
 

@@ -51,9 +51,10 @@ class Checkpoint:
     _handle: object
 
     def get(self, name: str) -> torch.Tensor:
+        """The tensor `name`; KeyError when absent (state_io decides whether that is an error, e.g. a checkpoint
+        saved without optimizer moments resumes with fresh ones)."""
         if name not in self.shapes:
-            raise UsageError(f"--resume: {self.path} has no tensor {name!r}; it was written by a different model "
-                             "or optimizer — use another --out-dir")
+            raise KeyError(name)
         return self._handle.get_tensor(name)
 
     def rng_states(self) -> dict[str, torch.Tensor]:
