@@ -265,9 +265,44 @@ def overlap(args) -> dict:
             "engine_timings": {k: v for k, v in timings.items() if k != "nvme"}}
 
 
+def gpt2(args) -> dict:
+    """tightfit's side of the peer comparison (acceptance 5): HF GPT-2-small (124M, random init), batch 2x128, every
+    state on NVMe, fp32 on the CPU. The DeepSpeed ZeRO-3 side is not run by this script."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    _fixed_mmap_threshold()
+    _warm_up()
+    overhead = psutil.Process().memory_info().rss
+    folder = Path(args.folder) / "gpt2"
+    shutil.rmtree(folder, ignore_errors=True)
+    sampler = RssSampler()
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(use_cache=False, bos_token_id=0, eos_token_id=0))
+    tightfit.wrap(model, Placement.everywhere(Tier.NVME, nvme_dir=str(folder), prefetch_depth=args.prefetch),
+                  device="cpu")
+    opt = AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    times = []
+    for step in range(args.steps):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randint(0, 50257, (2, 128), generator=g)
+        t0 = time.perf_counter()
+        loss = model(input_ids=x, labels=x).loss
+        opt.step_during_backward()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - t0)
+        print(f"  step {step}: loss {loss.item():.4f}  {times[-1]:.2f} s", flush=True)
+    peak = sampler.stop()
+    engine_of(model).close()
+    shutil.rmtree(folder, ignore_errors=True)
+    return {"params": sum(p.numel() for p in model.parameters()), "step_s": times[1:], "peak_rss": peak,
+            "torch_overhead_rss": overhead}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["memory", "overlap"])
+    ap.add_argument("what", choices=["memory", "overlap", "gpt2"])
     ap.add_argument("--folder", default="/tmp/tf_bench", help="swap folder on the disk to use")
     ap.add_argument("--layers", type=int, default=64)
     ap.add_argument("--embd", type=int, default=384)
@@ -285,7 +320,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.time()
-    out = memory(args) if args.what == "memory" else overlap(args)
+    out = {"memory": memory, "overlap": overlap, "gpt2": gpt2}[args.what](args)
     out["wall_s"] = time.time() - t0
     print(json.dumps(out, indent=2))
 
