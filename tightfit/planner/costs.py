@@ -9,8 +9,9 @@ time is written once, here; docs/PLANNER.md explains the model in prose.
   grads n*4 (fp32, accumulated across micro-batches); optim n*8 (Adam exp_avg + exp_avg_sq, fp32).
 
 [Note: device peak] resident states on the device tier + the live window of streamed parameters
-((prefetch_depth + 1) units) + two gradient buffers in flight to a slower tier + activations (with checkpointing:
-unit inputs, plus one unit's recomputed activations) + the transient working set of backward.
+((prefetch_depth + 2) blocks + the root unit) + autograd gradients not yet shipped (the root's and two blocks') +
+activations (with checkpointing: unit inputs, plus one unit's recomputed activations) + the transient working set
+of backward. All but the activations are what the engine itself counts against `device_budget`.
 
 [Note: host peak] resident host states + staging: on CUDA, `staging_buffers` pinned buffers of the largest
 streamed unit; for NVMe-resident states, read/write buffers for the unit being updated and the one prefetched.
@@ -120,13 +121,17 @@ def memory(profile: ModelProfile, placement: Placement, hw: HardwareProfile,
     blocks = [u.numel * c for u in streamed if u.checkpointable or u.name != ROOT_UNIT]
     root = [u.numel * c for u in streamed if u.name == ROOT_UNIT]
     dev = parts["device"]
-    # The engine keeps the root unit materialised from forward start to its gradients, and the running block plus
-    # `prefetch_depth` prefetched ones.
-    dev["window"] = (placement.prefetch_depth + 1) * max(blocks, default=0) + sum(root)
+    # The engine keeps the root unit materialised from forward start to its gradients; in backward the running
+    # block, `prefetch_depth` prefetched ones and the previous block (released when its gradients are shipped,
+    # after its input-gradient hook, i.e. once the running block has started).
+    dev["window"] = (placement.prefetch_depth + 2) * max(blocks, default=0) + sum(root)
     off = [u for u in profile.units if u.trainable and placement.of(u.name).grads != Tier.DEVICE]
-    # autograd's param.grad of the unit whose backward just ran (compute dtype): freed once copied out or added
-    # into the device-tier gradient
-    dev["grads in flight"] = max((u.trainable * c for u in profile.units), default=0)
+    # autograd's param.grads (compute dtype), counted by the engine from a unit's backward start until shipped:
+    # the root's (charged when backward starts, shipped last), the running block's and the previous block's
+    # (its gradients are shipped once its input-gradient hook has fired, after the next block has started).
+    root_g = sum(u.trainable * c for u in profile.units if u.name == ROOT_UNIT)
+    dev["grads in flight"] = root_g + 2 * max((u.trainable * c for u in profile.units if u.name != ROOT_UNIT),
+                                              default=0)
     dev["activations"] = act_bytes(profile, set(placement.checkpoint_units))
     host = parts["host"]
     pool = 0
@@ -149,9 +154,10 @@ def memory(profile: ModelProfile, placement: Placement, hw: HardwareProfile,
             if up.params == Tier.NVME and state_bytes(u, State.MASTER, placement, shape):
                 ws += u.numel * c  # cast buffer for the refreshed compute copy
             opt_sets.append((u.name, ws))
-    if opt_sets:  # unit k stepped, k+1 read ahead, k-1 still being written back
+    if opt_sets:  # the unit being stepped + `prefetch_depth` read ahead (write-backs reuse their buffers)
         block_ws = [w for n, w in opt_sets if n != ROOT_UNIT]
-        pool += 3 * max(block_ws, default=0) + sum(w for n, w in opt_sets if n == ROOT_UNIT)
+        pool += (placement.prefetch_depth + 1) * max(block_ws, default=0) + sum(
+            w for n, w in opt_sets if n == ROOT_UNIT)
     if hw.cuda and any(placement.of(u.name).params == Tier.NVME for u in streamed):
         pool += (placement.prefetch_depth + 1) * max(blocks + root)  # pinned staging for disk -> GPU fetches
     if placement.host_budget is not None:  # the engine's pool blocks instead of growing past the budget
@@ -176,9 +182,10 @@ def staged_working_set(profile: ModelProfile, placement: Placement, hw: Hardware
 
 
 def engine_device_bytes(breakdown: dict[str, dict[str, int]]) -> int:
-    """What the engine itself counts against the device budget: device-tier states + materialised units."""
+    """What the engine itself counts against the device budget: device-tier states + materialised units +
+    autograd gradients not yet shipped (everything but activations)."""
     d = breakdown.get("device", {})
-    return d.get("states", 0) + d.get("window", 0)
+    return d.get("states", 0) + d.get("window", 0) + d.get("grads in flight", 0)
 
 
 def work_time(w: Work, hw: HardwareProfile) -> float:

@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from tightfit.errors import UsageError
-from tightfit.offload.placement import Placement, State, Tier, UnitPlacement
+from tightfit.offload.placement import ROOT_UNIT, Placement, State, Tier, UnitPlacement
 from tightfit.planner.costs import Prediction, TrainShape, act_bytes, memory, predict, units_per_window
 from tightfit.planner.hardware import GiB, HardwareProfile
 from tightfit.planner.model_profile import ModelProfile, UnitProfile, Work
@@ -223,10 +223,14 @@ def search(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainS
 
 
 def _min_streaming(profile: ModelProfile, shape: TrainShape) -> int:
-    """Device bytes of the smallest streaming schedule: the running unit + one prefetched + grads leaving."""
-    unit = max(u.numel for u in profile.units) * shape.compute_bytes
-    grads = max(u.trainable for u in profile.units) * shape.compute_bytes
-    return 2 * unit + 2 * grads
+    """Device bytes of the smallest streaming schedule (prefetch depth 1, see costs.memory): the root, three blocks'
+    parameters (previous, running, prefetched) and unshipped gradients of the root and two blocks."""
+    c = shape.compute_bytes
+    root = sum(u.numel for u in profile.units if u.name == ROOT_UNIT)
+    root_g = sum(u.trainable for u in profile.units if u.name == ROOT_UNIT)
+    block = max((u.numel for u in profile.units if u.name != ROOT_UNIT), default=0)
+    block_g = max((u.trainable for u in profile.units if u.name != ROOT_UNIT), default=0)
+    return (root + root_g + 3 * block + 2 * block_g) * c
 
 
 def _promote(p, items, profile, hw, b, shape) -> Placement:
@@ -269,12 +273,13 @@ def _tile(profile: ModelProfile, shape: TrainShape, room: int, reasons: list[str
         return profile, {}
     from tightfit.tiling import plan_tiles
 
-    # Two tiles resident (running + prefetched), each with its gradient: what plan_tiles' byte limit covers.
-    max_tile = max(1, room // 2)
+    # Three tiles resident (previous, running, prefetched), two with their gradients; plan_tiles' byte limit
+    # covers one tile's parameters + gradient.
+    max_tile = max(1, room // 3)
     units: list[UnitProfile] = []
     tiled: dict[str, int] = {}
     for u in profile.units:
-        if 2 * u.numel * shape.compute_bytes <= max_tile or not u.linears:
+        if 2 * u.numel * shape.compute_bytes <= max_tile or not u.linears or u.name == ROOT_UNIT:
             units.append(u)
             continue
         rest_numel, tiles = u.numel, []
