@@ -201,12 +201,14 @@ def step_units(engine, work: list[Work], grad_scales: list[torch.Tensor]) -> Non
     ahead: deque[_Loaded] = deque()  # prepared units, loads in flight, in `work` order
     nxt = 0  # index in `work` of the next unit to prepare
 
-    def read_ahead() -> None:
+    def read_ahead(may_wait: bool) -> None:
+        """Prepare units ahead. Waiting for pool buffers is allowed only when this thread holds none (`may_wait`
+        and nothing prepared): the buffers still lent then belong to write-backs in flight, which return them as
+        they finish. While a unit is held (prepared, or being stepped) a wait could never end."""
         nonlocal nxt
         while nxt < len(work) and len(ahead) < depth:
             room = engine.pool.room()
-            # Only when the pool has room: waiting here for buffers that units ahead hold would never end.
-            if ahead and room is not None and room < _working_bytes(work[nxt][0]):
+            if (ahead or not may_wait) and room is not None and room < _working_bytes(work[nxt][0]):
                 return
             ahead.append(_prepare(engine, work[nxt][0]))
             nxt += 1
@@ -214,13 +216,13 @@ def step_units(engine, work: list[Work], grad_scales: list[torch.Tensor]) -> Non
     for unit, _ in work:
         discard_preload(engine, unit)  # loaded for a step during backward that did not happen
     for unit, groups in work:
-        read_ahead()
+        read_ahead(may_wait=True)
         current = ahead.popleft()
         t0 = time.perf_counter()
         for f in current.loads:
             f.result()
         io_wait += time.perf_counter() - t0
-        read_ahead()
+        read_ahead(may_wait=False)  # overlaps the step of `current`, which holds its buffers until written back
         t0 = time.perf_counter()
         _step(unit, current, groups, grad_scales)
         compute += time.perf_counter() - t0
