@@ -19,6 +19,7 @@ inside the unit's backward, after the unit-backward-start event has re-materiali
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -27,6 +28,30 @@ from torch.utils.checkpoint import checkpoint
 
 def _grad_tensors(tree) -> list[torch.Tensor]:
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def on_grads_of_all(tensors: list[torch.Tensor], fn) -> None:
+    """Call `fn()` once every tensor in `tensors` has received its gradient in backward.
+
+    Why not `torch.autograd.graph.register_multi_grad_hook(mode="all")`: its closure keeps the tensors' autograd
+    nodes alive from a hook stored on those same nodes — a reference cycle through C++ that Python's garbage
+    collector cannot see, so every step leaked part of its graph (measured: ~1.3 MB of RSS per step on the
+    reference GPT, tests/test_offload_leak.py). This hook holds no node. It expects every tensor to be reached by
+    backward (a unit's inputs on the path to the loss are); a unit whose count is never reached is finished by
+    the end-of-backward callback instead, as before.
+    """
+    remaining = [len(tensors)]
+    lock = threading.Lock()  # backward may run hooks on several threads (one per device)
+
+    def hook(_grad: torch.Tensor) -> None:
+        with lock:
+            remaining[0] -= 1
+            done = remaining[0] == 0
+        if done:
+            fn()
+
+    for t in tensors:
+        t.register_hook(hook)
 
 
 def _checkpointed(forward):
@@ -63,8 +88,7 @@ def register_hooks(engine) -> list:
                 inputs = _grad_tensors((args, kwargs))
                 if inputs:
                     unit.open_calls += 1
-                    torch.autograd.graph.register_multi_grad_hook(
-                        inputs, lambda grads, unit=unit: engine.on_unit_inputs_grad(unit), mode="all")
+                    on_grads_of_all(inputs, lambda unit=unit: engine.on_unit_inputs_grad(unit))
 
         def post(module, args, kwargs, output, unit=unit):
             outputs = _grad_tensors(output)
