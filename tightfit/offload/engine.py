@@ -129,14 +129,22 @@ class OffloadEngine:
         self.schedule = Schedule(placement.prefetch_depth)
         self.phase = Phase.IDLE
         self._in_backward = False
-        self.device_bytes = self.stores[Tier.DEVICE].bytes
-        self.device_peak = self.device_bytes
+        # Transient device bytes: materialised (fetched) units and gradients not yet shipped. The device-tier
+        # states themselves are counted by the device store; `device_in_use` is the sum of both.
+        self.device_bytes = 0
+        self.device_peak = 0
         self._active: set[str] = set()  # units materialised because they compute now (not mere prefetches)
         self._timers: dict[str, float] = {}
         self._t_step = None
 
         for unit in self.units.values():
             self._initialise(unit)
+        self.device_peak = max(self.device_peak, self.device_in_use)
+        budget = placement.device_budget
+        if budget is not None and self.stores[Tier.DEVICE].bytes > budget:
+            raise UsageError(f"device budget {format_size(budget)} is smaller than the states placed on the device "
+                             f"tier ({format_size(self.stores[Tier.DEVICE].bytes)}); raise --gpu-mem or place "
+                             "more states on host/nvme")
         for module in model.modules():
             for key, buf in module._buffers.items():
                 if buf is not None and not buf.is_meta and buf.device != device:
@@ -220,13 +228,18 @@ class OffloadEngine:
 
     # ---- device memory ---------------------------------------------------------------------------------------
 
+    @property
+    def device_in_use(self) -> int:
+        """Bytes on the device: device-tier states (resident) + materialised units and pending gradients."""
+        return self.stores[Tier.DEVICE].bytes + self.device_bytes
+
     def _fits(self, nbytes: int) -> bool:
         budget = self.placement.device_budget
-        return budget is None or self.device_bytes + nbytes <= budget
+        return budget is None or self.device_in_use + nbytes <= budget
 
     def _charge(self, nbytes: int) -> None:
         self.device_bytes += nbytes
-        self.device_peak = max(self.device_peak, self.device_bytes)
+        self.device_peak = max(self.device_peak, self.device_in_use)
 
     def materialise(self, unit: OffloadUnit) -> None:
         self._active.add(unit.name)
@@ -242,7 +255,7 @@ class OffloadEngine:
                     raise UsageError(
                         f"device budget {format_size(self.placement.device_budget)} exceeded materialising unit "
                         f"{unit.name!r} ({format_size(unit.compute_bytes)}; "
-                        f"{format_size(self.device_bytes)} in use); raise --gpu-mem or lower prefetch_depth")
+                        f"{format_size(self.device_in_use)} in use); raise --gpu-mem or lower prefetch_depth")
             self._charge(unit.compute_bytes)
             unit.start_fetch(self.mover)
         unit.finish_fetch(self.mover)
@@ -511,7 +524,7 @@ class OffloadEngine:
         """Bytes per tier (in use and peak) and, per unit, bytes and placement of each state."""
         disk = self.stores.get(Tier.NVME)
         return {
-            "device": {"in_use": self.device_bytes, "peak": self.device_peak, "budget": self.placement.device_budget},
+            "device": {"in_use": self.device_in_use, "peak": self.device_peak, "budget": self.placement.device_budget},
             "host": {"tier": self.stores[Tier.HOST].bytes, "staging": self.pool.bytes, "staging_peak": self.pool.peak,
                      "budget": self.placement.host_budget},
             "nvme": {"bytes": disk.disk_bytes if disk else 0, "budget": self.placement.nvme_budget},
