@@ -106,6 +106,20 @@ class Placement:
     def with_units(self, **overrides: UnitPlacement) -> "Placement":
         return replace(self, units={**self.units, **overrides})
 
+    def for_units(self, names: list[str]) -> "Placement":
+        """This placement re-expressed for a finer set of units (e.g. after tiling made each tile a unit).
+
+        Each unit inherits the tiers of the planned unit that contains it ("blocks.0.mlp.up.tiles.3" takes those
+        of "blocks.0"); a planned unit that is no longer a unit drops out, and so does its activation
+        checkpointing (recomputation works per unit).
+        """
+        def owner(name: str) -> str | None:
+            found = [u for u in self.units if name == u or name.startswith(u + ".")]
+            return max(found, key=len) if found else None
+
+        units = {n: self.units[o] for n in names if (o := owner(n)) is not None}
+        return replace(self, units=units, checkpoint_units=[u for u in self.checkpoint_units if u in names])
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["default"] = self.default.to_dict()

@@ -164,23 +164,35 @@ def tile_units(model: nn.Module) -> list[str]:
 
     The engine's default detector picks the children of a ModuleList of same-class children (the blocks) and never
     looks inside a chosen unit, so tiles inside a block would move with their block. This list keeps the default
-    units that hold no tile, and names each tile of the others; the remaining parameters of a block that holds
-    tiles (its norms, its untiled Linears) fall to the root unit, which stays resident for the whole step.
-    Tiles outside any block (e.g. a tiled LM head) are found by the default detector already.
+    units that hold no tile; inside a block (or any module) that holds tiles, each tile is a unit and so is each
+    leaf module holding parameters (the untiled Linears, the norms) — the memory budget that forced tiling is
+    too small for coarser pieces, and the rest of the block still streams instead of falling to the
+    always-resident root unit. Only parameters held directly by a module
+    that holds tiles fall to the root. Tiles outside any block (a tiled LM head) are found the same way.
     """
     units: list[str] = []
 
-    def walk(module: nn.Module, prefix: str) -> None:
+    def has_tile(m: nn.Module) -> bool:
+        return any(isinstance(x, LinearTile) for x in m.modules())
+
+    def has_params(m: nn.Module) -> bool:
+        return next(m.parameters(), None) is not None
+
+    def walk(module: nn.Module, prefix: str, inside_tiled: bool) -> None:
         same_class_list = (isinstance(module, nn.ModuleList) and len(module) >= 2
                            and len({type(m) for m in module}) == 1)
         for name, child in module.named_children():
             path = f"{prefix}.{name}" if prefix else name
             if isinstance(child, LinearTile):
                 units.append(path)
-            elif same_class_list and not any(isinstance(m, LinearTile) for m in child.modules()):
+            elif has_tile(child):
+                walk(child, path, inside_tiled=True)
+            elif same_class_list and has_params(child):
                 units.append(path)
+            elif inside_tiled and has_params(child) and not any(has_params(c) for c in child.children()):
+                units.append(path)  # a leaf (Linear, norm) of a tiled block: streams on its own
             else:
-                walk(child, path)
+                walk(child, path, inside_tiled)
 
-    walk(model, "")
+    walk(model, "", inside_tiled=False)
     return units

@@ -141,6 +141,7 @@ class OffloadMemory(_Stepping):
 
             tile_linears(model, tiles=placement.tiled_linears)
             units = tile_units(model)  # each tile its own unit, fetched and released one at a time
+            placement = placement.for_units(units)
         # Names and shapes as the model declares them; once wrapped, released parameters are empty views.
         self._shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
         self.model = tightfit.wrap(model, placement, compute_dtype=dtype, device=device, units=units)
