@@ -25,16 +25,8 @@ from pathlib import Path
 import torch
 
 from tightfit.errors import UsageError
+from tightfit.utils.safetensors_format import CODE_TO_DTYPE, DTYPE_TO_CODE, MAX_HEADER
 
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-"""safetensors dtype code -> torch dtype (the codes the format defines that torch can hold)."""
-CODES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
-
-_MAX_HEADER = 100 * 1024 * 1024  # the reference implementation's limit; a larger "header" means a corrupt file
 
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for is little-endian
     raise ImportError("tightfit's safetensors streaming assumes a little-endian machine")
@@ -67,7 +59,7 @@ def read_header(file: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
             if len(raw) != 8:
                 raise ValueError("file shorter than the 8-byte header length")
             (n,) = struct.unpack("<Q", raw)
-            if n > _MAX_HEADER:
+            if n > MAX_HEADER:
                 raise ValueError(f"header length {n} is implausible")
             header = json.loads(f.read(n))
         size = file.stat().st_size
@@ -78,7 +70,7 @@ def read_header(file: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
     entries = {}
     for name, info in header.items():
         try:
-            dtype = DTYPES[info["dtype"]]
+            dtype = CODE_TO_DTYPE[info["dtype"]]
             shape = tuple(int(s) for s in info["shape"])
             begin, end = (base + int(o) for o in info["data_offsets"])
         except (KeyError, TypeError, ValueError):
@@ -159,9 +151,9 @@ class ShardWriter:
         self._offsets: dict[str, tuple[int, TensorSpec]] = {}
         pos = 0
         for s in specs:
-            if s.dtype not in CODES:
+            if s.dtype not in DTYPE_TO_CODE:
                 raise UsageError(f"{file}: tensor {s.name!r} has dtype {s.dtype}, which safetensors cannot store")
-            header[s.name] = {"dtype": CODES[s.dtype], "shape": list(s.shape), "data_offsets": [pos, pos + s.nbytes]}
+            header[s.name] = {"dtype": DTYPE_TO_CODE[s.dtype], "shape": list(s.shape), "data_offsets": [pos, pos + s.nbytes]}
             self._offsets[s.name] = (pos, s)
             pos += s.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()

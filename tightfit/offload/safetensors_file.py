@@ -26,20 +26,11 @@ from pathlib import Path
 import torch
 
 from tightfit.errors import UsageError
+from tightfit.utils.safetensors_format import CODE_TO_DTYPE, DTYPE_TO_CODE, MAX_HEADER
 
 PAD_PREFIX = "__tightfit_pad__."
 """Name prefix of the padding tensors that keep every real tensor 4096-aligned."""
 
-DTYPE_TO_ST: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.complex64: "C64",
-    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
-}
-"""torch dtype -> safetensors dtype string (the spec's names)."""
-ST_TO_DTYPE: dict[str, torch.dtype] = {v: k for k, v in DTYPE_TO_ST.items()}
-
-_MAX_HEADER = 100 * 1024 * 1024  # readers refuse larger headers
 
 
 @dataclass(frozen=True)
@@ -77,7 +68,7 @@ def plan_layout(
     for i, (name, (shape, dtype)) in enumerate(items):
         if is_padding(name) or name == "__metadata__":
             raise ValueError(f"tensor name {name!r} is reserved by the safetensors layout")
-        if dtype not in DTYPE_TO_ST:
+        if dtype not in DTYPE_TO_CODE:
             raise ValueError(f"tensor {name!r}: dtype {dtype} has no safetensors name")
         shape = tuple(int(s) for s in shape)
         n = nbytes_of(shape, dtype)
@@ -88,7 +79,7 @@ def plan_layout(
             rel.append((f"{PAD_PREFIX}{i}", torch.uint8, (gap,), pos, gap))
             pos += gap
     for name, dtype, shape, start, n in rel:
-        header[name] = {"dtype": DTYPE_TO_ST[dtype], "shape": list(shape), "data_offsets": [start, start + n]}
+        header[name] = {"dtype": DTYPE_TO_CODE[dtype], "shape": list(shape), "data_offsets": [start, start + n]}
     body = json.dumps(header, separators=(",", ":")).encode()
     data_start = 8 + len(body)
     data_start += (-data_start) % align
@@ -107,7 +98,7 @@ def read_layout(path: str | Path) -> tuple[dict[str, Entry], int]:
         with open(path, "rb") as f:
             raw = f.read(8)
             n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
-            if not 0 < n <= min(_MAX_HEADER, size - 8):
+            if not 0 < n <= min(MAX_HEADER, size - 8):
                 raise ValueError("bad header length")
             header = json.loads(f.read(n))
         data_start = 8 + n
@@ -116,7 +107,7 @@ def read_layout(path: str | Path) -> tuple[dict[str, Entry], int]:
         for name, info in header.items():
             if name == "__metadata__":
                 continue
-            dtype = ST_TO_DTYPE[info["dtype"]]
+            dtype = CODE_TO_DTYPE[info["dtype"]]
             shape = tuple(int(s) for s in info["shape"])
             start, stop = (int(x) for x in info["data_offsets"])
             if stop - start != nbytes_of(shape, dtype):

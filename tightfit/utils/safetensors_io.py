@@ -23,12 +23,7 @@ import torch
 from safetensors import safe_open
 
 from tightfit.errors import UsageError
-
-_DTYPES = {
-    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
+from tightfit.utils.safetensors_format import DTYPE_TO_CODE
 
 
 def fsync_dir(path: Path) -> None:
@@ -66,7 +61,7 @@ class StreamingWriter:
         except OSError as e:
             self.abort()
             raise UsageError(f"{self.flag}: cannot write {self.path} ({e.strerror}); free space and retry") from None
-        self._header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape),
+        self._header[name] = {"dtype": DTYPE_TO_CODE[t.dtype], "shape": list(t.shape),
                               "data_offsets": [self._offset, self._offset + nbytes]}
         self._offset += nbytes
 
