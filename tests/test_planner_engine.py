@@ -34,11 +34,9 @@ def test_plan_runs_within_budgets(setting, tmp_path):
     if setting != "memory":
         # blocks are ~50k params: 0.8 MiB of 16-byte state each (7 MiB in all); the host must hold one optimizer
         # working set (1 MiB)
-        # (not less for NVMe-heavy: at ~2 working sets the engine's optimizer read-ahead can block on its own pool)
         cfg.memory.gpu_mem, cfg.memory.cpu_mem, cfg.memory.nvme = "4MiB", "5MiB", f"{tmp_path}:1GiB"
     if setting == "nvme-heavy":
-        # Every state on NVMe with a roomy host pool: at 2-3 working sets of host budget the engine's optimizer
-        # read-ahead (optim_step.read_ahead) can block forever on its own pool, an engine issue reported upstream.
+        # Every state on NVMe with a roomy host pool (tests/test_offload_tight_host.py covers a tight one).
         cfg.memory.offload, cfg.memory.cpu_mem = "nvme", None
     plan = make_plan(meta, cfg, CPU)
     if setting == "nvme-heavy":
