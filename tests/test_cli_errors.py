@@ -85,3 +85,9 @@ def test_fresh_run_refuses_to_overwrite_a_checkpoint(tiny_args, trained_run, cap
     assert main(["train", *tiny_args, "--steps", "6"]) == 2
     assert "--resume" in _error_line(capsys)
     assert _digest(trained_run) == before
+
+
+def test_resume_without_a_checkpoint(tiny_args, capsys):
+    assert main(["train", *tiny_args, "--steps", "3", "--resume"]) == 2
+    err = _error_line(capsys)
+    assert "--resume" in err and "does not exist" in err

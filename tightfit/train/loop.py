@@ -142,9 +142,8 @@ def train(cfg: Config, *, quiet: bool = False) -> Summary:
     if t.export_hf and hf_folder is None:
         raise UsageError("--export-hf: only Hugging Face models (--model hf:PATH) can be exported in that layout; "
                          "the reference GPT's weights are in the checkpoint")
+    # load_checkpoint refuses a missing, truncated or foreign file with a one-line --resume error.
     resume_from = ckpt.load_checkpoint(ckpt_path) if t.resume else None
-    if t.resume and resume_from is None:
-        raise UsageError(f"--resume: no checkpoint in {out_dir}; drop --resume to start fresh")
     if resume_from is not None:
         ckpt.check_compatible(resume_from, [(n, tuple(p.shape)) for n, p in model.named_parameters()])
 
