@@ -9,9 +9,9 @@ time is written once, here; docs/PLANNER.md explains the model in prose.
   grads n*4 (fp32, accumulated across micro-batches); optim n*8 (Adam exp_avg + exp_avg_sq, fp32).
 
 [Note: device peak] resident states on the device tier + the live window of streamed parameters
-((prefetch_depth + 2) blocks + the root unit) + autograd gradients not yet shipped (the root's and two blocks') +
-activations (with checkpointing: unit inputs, plus one unit's recomputed activations) + the transient working set
-of backward. All but the activations are what the engine itself counts against `device_budget`.
+(prefetch_depth + 2 blocks, or all streamed blocks when fewer are, + the root unit) + autograd gradients not yet
+shipped (the root's and two blocks') + activations (with checkpointing: unit inputs, plus one unit's recomputed
+activations) + the transient working set of backward. All but the activations are what the engine itself counts against `device_budget`.
 
 [Note: host peak] resident host states + staging: on CUDA, `staging_buffers` pinned buffers of the largest
 streamed unit; for NVMe-resident states, read/write buffers for the unit being updated and the one prefetched.
@@ -123,8 +123,9 @@ def memory(profile: ModelProfile, placement: Placement, hw: HardwareProfile,
     dev = parts["device"]
     # The engine keeps the root unit materialised from forward start to its gradients; in backward the running
     # block, `prefetch_depth` prefetched ones and the previous block (released when its gradients are shipped,
-    # after its input-gradient hook, i.e. once the running block has started).
-    dev["window"] = (placement.prefetch_depth + 2) * max(blocks, default=0) + sum(root)
+    # after its input-gradient hook, i.e. once the running block has started). Only streamed blocks take a slot:
+    # when fewer than `prefetch_depth + 2` are streamed (the rest resident), the window holds just those.
+    dev["window"] = min(placement.prefetch_depth + 2, len(blocks)) * max(blocks, default=0) + sum(root)
     off = [u for u in profile.units if u.trainable and placement.of(u.name).grads != Tier.DEVICE]
     # autograd's param.grads (compute dtype), counted by the engine from a unit's backward start until shipped:
     # the root's (charged when backward starts, shipped last), the running block's and the previous block's
