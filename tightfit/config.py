@@ -265,6 +265,21 @@ def validate(cfg: Config) -> None:
         parse_nvme(cfg.memory.nvme)
 
 
+def compute_device_type(cfg: Config, cuda_available: bool) -> str:
+    """'cuda' or 'cpu': --device, with auto meaning CUDA when there is one. The one statement of the rule."""
+    if cfg.train.device == "auto":
+        return "cuda" if cuda_available else "cpu"
+    return cfg.train.device
+
+
+def precision_name(cfg: Config, device_type: str) -> str:
+    """'fp32', 'bf16' or 'fp16': --precision, with auto meaning bf16 on CUDA and fp32 on CPU."""
+    p = cfg.train.precision
+    if p == "auto":
+        return "bf16" if device_type == "cuda" else "fp32"
+    return p
+
+
 def parse_nvme(spec: str) -> tuple[str, int | None]:
     """'PATH[:SIZE]' -> (path, bytes or None)."""
     from tightfit.utils.sizes import parse_size

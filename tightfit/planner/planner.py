@@ -18,24 +18,13 @@ from tightfit.planner.plan import Plan
 from tightfit.planner.search import budgets_from, fixed, search
 
 
-def resolve_device(cfg) -> bool:
-    """True when the run computes on CUDA (--device cuda, or auto with a GPU present)."""
-    return cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
-
-
-def resolve_precision(cfg, cuda: bool) -> str:
-    """--precision, with auto meaning bf16 on CUDA and fp32 on CPU."""
-    p = cfg.train.precision
-    return ("bf16" if cuda else "fp32") if p == "auto" else p
-
-
 def make_plan(model: nn.Module, cfg, hardware: HardwareProfile | None = None) -> Plan:
     """Plan where every state of `model` (which may live on the meta device) goes, and predict the result.
 
     `hardware`: a profile to plan for (tests, what-ifs); None reads this machine's cached profile (probing it
     once if there is none) with capacities re-read now. Raises UsageError when no placement fits.
     """
-    from tightfit.config import parse_nvme
+    from tightfit.config import compute_device_type, parse_nvme, precision_name
 
     nvme_dir = parse_nvme(cfg.memory.nvme)[0] if cfg.memory.nvme else None
     if hardware is None:
@@ -44,8 +33,8 @@ def make_plan(model: nn.Module, cfg, hardware: HardwareProfile | None = None) ->
         hardware = load_or_probe(nvme_dir)
     elif nvme_dir and hardware.nvme_free == 0 and hardware.measured_at:
         hardware = current(hardware, nvme_dir)
-    cuda = hardware.cuda and resolve_device(cfg)
-    dtype = resolve_precision(cfg, cuda)
+    cuda = hardware.cuda and compute_device_type(cfg, torch.cuda.is_available()) == "cuda"
+    dtype = precision_name(cfg, "cuda" if cuda else "cpu")
     budgets = budgets_from(cfg.memory, hardware)
     profile = profile_model(model, cfg.train.micro_batch, cfg.train.seq_len, dtype, cuda)
     shape = TrainShape(compute_bytes=DTYPE_BYTES[dtype], grad_accum=cfg.train.grad_accum,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from tightfit.config import Config
+from tightfit.config import Config, compute_device_type, precision_name
 from tightfit.errors import UsageError
 from tightfit.train import checkpoint as ckpt
 from tightfit.train.data import TokenDataset, data_generator, load_tokens
@@ -25,21 +25,16 @@ from tightfit.utils.sizes import format_size
 
 
 def resolve_device(cfg: Config) -> torch.device:
-    want = cfg.train.device
-    if want == "cuda" and not torch.cuda.is_available():
+    if cfg.train.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device: cuda was asked for but torch sees no CUDA device; use --device cpu")
-    if want == "auto":
-        want = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(want)
+    return torch.device(compute_device_type(cfg, torch.cuda.is_available()))
 
 
 def resolve_precision(cfg: Config, device: torch.device) -> torch.dtype:
-    p = cfg.train.precision
-    if p == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if p == "fp16" and device.type != "cuda":
+    name = precision_name(cfg, device.type)
+    if name == "fp16" and device.type != "cuda":
         raise UsageError("--precision: fp16 needs a CUDA device; use bf16 or fp32 on CPU")
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[p]
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
 def lr_at(step: int, cfg: Config) -> float:
