@@ -84,7 +84,8 @@ def _round_up(n: int, k: int = ALIGN) -> int:
     return (n + k - 1) // k * k
 
 
-def _default_policy(path: str, module: nn.Module, parent: nn.Module | None) -> bool:
+def is_repeated_block(path: str, module: nn.Module, parent: nn.Module | None) -> bool:
+    """The default unit rule: a child of a ModuleList (2+ entries) whose children all share one class."""
     if not isinstance(parent, nn.ModuleList) or len(parent) < 2:
         return False
     return len({type(m) for m in parent}) == 1
@@ -104,7 +105,7 @@ def _choose_modules(model: nn.Module, policy: UnitPolicy) -> dict[str, nn.Module
     elif callable(policy):
         match = lambda path, module, parent: bool(policy(path, module))  # noqa: E731
     else:
-        match = _default_policy
+        match = is_repeated_block
     chosen: dict[str, nn.Module] = {}
 
     def walk(module: nn.Module, prefix: str) -> None:

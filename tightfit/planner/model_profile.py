@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from tightfit.offload.placement import ROOT_UNIT
+from tightfit.offload.units import find_units
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -144,30 +145,12 @@ class ModelProfile:
 def unit_layout(model: nn.Module) -> tuple[dict[str, nn.Module], dict[str, int], dict[str, int]]:
     """(unit name -> module for non-root units, unit -> numel, unit -> trainable numel), in execution order.
 
-    Uses the engine's detector (`tightfit.offload.units.find_units`) so the planner's units are the engine's units,
-    padding of its flat buffers included; the fallback implements the same default rule for a tree without it.
+    The engine's own detector (`tightfit.offload.units.find_units`), so the planner's units are the engine's units,
+    padding of its flat buffers included.
     """
-    try:
-        from tightfit.offload.units import find_units
-    except ImportError:  # pragma: no cover - the engine is part of the package; kept for partial installs
-        find_units = None
-    if find_units is not None:
-        specs = find_units(model)
-        mods = {s.name: s.module for s in specs if s.name != ROOT_UNIT}
-        return mods, {s.name: s.numel for s in specs}, {s.name: s.train_numel for s in specs}
-    mods: dict[str, nn.Module] = {}
-    for path, mod in model.named_modules():
-        if not isinstance(mod, nn.ModuleList) or len(mod) < 2 or any(path.startswith(u + ".") for u in mods):
-            continue
-        if len({type(c) for c in mod}) == 1:
-            mods.update({f"{path}.{i}" if path else str(i): child for i, child in enumerate(mod)})
-    numel = {ROOT_UNIT: 0, **dict.fromkeys(mods, 0)}
-    trainable = dict(numel)
-    for pname, p in model.named_parameters():
-        u = _unit_of_param(pname, list(mods))
-        numel[u] += p.numel()
-        trainable[u] += p.numel() if p.requires_grad else 0
-    return mods, numel, trainable
+    specs = find_units(model)
+    mods = {s.name: s.module for s in specs if s.name != ROOT_UNIT}
+    return mods, {s.name: s.numel for s in specs}, {s.name: s.train_numel for s in specs}
 
 
 def _unit_of_param(name: str, unit_names: list[str]) -> str:

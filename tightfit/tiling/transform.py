@@ -25,6 +25,7 @@ from collections.abc import Mapping
 import torch.nn as nn
 
 from tightfit.errors import UsageError
+from tightfit.offload.units import is_repeated_block
 from tightfit.tiling.linear import LinearTile, TiledLinear
 from tightfit.utils.sizes import parse_size
 
@@ -179,15 +180,13 @@ def tile_units(model: nn.Module) -> list[str]:
         return next(m.parameters(), None) is not None
 
     def walk(module: nn.Module, prefix: str, inside_tiled: bool) -> None:
-        same_class_list = (isinstance(module, nn.ModuleList) and len(module) >= 2
-                           and len({type(m) for m in module}) == 1)
         for name, child in module.named_children():
             path = f"{prefix}.{name}" if prefix else name
             if isinstance(child, LinearTile):
                 units.append(path)
             elif has_tile(child):
                 walk(child, path, inside_tiled=True)
-            elif same_class_list and has_params(child):
+            elif is_repeated_block(path, child, module) and has_params(child):
                 units.append(path)
             elif inside_tiled and has_params(child) and not any(has_params(c) for c in child.children()):
                 units.append(path)  # a leaf (Linear, norm) of a tiled block: streams on its own
