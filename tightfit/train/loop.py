@@ -183,16 +183,16 @@ def train(cfg: Config, *, quiet: bool = False) -> Summary:
         lr = lr_at(step, cfg)
         for group in opt.param_groups:
             group["lr"] = lr
-        loss_sum = 0.0
+        loss_sum = torch.zeros((), device=device)  # summed on the device: one host sync per step, not per micro-batch
         for _ in range(t.grad_accum):
             x, y = dataset.sample(t.micro_batch, gen)
             with autocast():
                 loss = model_loss(model, x.to(device), y.to(device)) / t.grad_accum
             mem.backward(loss)
-            loss_sum += loss.item()
+            loss_sum += loss.detach()
         grad_norm = mem.clip_and_step(o.grad_clip)
         step += 1
-        loss_val = loss_sum
+        loss_val = loss_sum.item()
         if not math.isfinite(loss_val):
             raise UsageError(f"--lr: the loss became {loss_val} at step {step}; lower --lr or raise --warmup-steps")
         if step % t.log_interval == 0 or step == t.steps:
