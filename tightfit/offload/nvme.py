@@ -9,7 +9,8 @@ Why this shape:
   the moment it appears (it is built under a temporary name and renamed), and a full disk is met at `create`,
   where it is a clean `UsageError`, rather than halfway through a training step.
 - *positional I/O from a thread pool*: `os.pwrite` / `os.preadv` release the GIL, so `threads` requests are in
-  flight at once while Python keeps scheduling compute. A tensor is cut into `chunk_bytes` pieces so one large
+  flight at once while Python keeps scheduling compute. The threads serve requests by priority class
+  (io_queue.py): parameter fetches before optimizer loads before write-backs. A tensor is cut into `chunk_bytes` pieces so one large
   tensor alone keeps the disk's queue full. The bytes go straight between the caller's tensor memory and the
   file: no intermediate copy in Python.
 - *O_DIRECT where alignment allows*: when the tensor's buffer address and its file offset agree modulo 4096 (the
@@ -24,12 +25,13 @@ keeps its valid header and size, and every tensor not being written at that mome
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import shutil
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +40,7 @@ import torch
 
 from tightfit.errors import UsageError
 from tightfit.offload.aligned import DIRECT_ALIGN
+from tightfit.offload.io_queue import LOAD, WRITE, IoQueue
 from tightfit.offload.safetensors_file import Entry, is_padding, plan_layout, read_layout
 from tightfit.utils.sizes import format_size
 
@@ -107,7 +110,7 @@ class NvmeStore:
         self._lock = threading.Lock()
         # The I/O threads: each runs one chunk (one pwrite/preadv) at a time, overlapping compute on the caller's
         # threads and each other. Live until close(), which drains them.
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tightfit-nvme")
+        self._pool = IoQueue(threads, "tightfit-nvme")
         self._pending: set[Future] = set()
         self._closed = False
         # Bandwidth accounting per direction: bytes moved, and busy time = wall time with >= 1 chunk in flight.
@@ -115,6 +118,13 @@ class NvmeStore:
         self._busy = {"read": 0.0, "write": 0.0}
         self._inflight = {"read": 0, "write": 0}
         self._since = {"read": 0.0, "write": 0.0}
+        # Either direction: busy time (>= 1 chunk of any kind in flight) and the integral of the number of chunks in
+        # flight over it, whose ratio is the mean queue depth the disk saw while busy.
+        self._inflight_any = 0
+        self._since_any = 0.0
+        self._busy_any = 0.0
+        self._depth_s = 0.0
+        self._depth_mark = 0.0
         self._direct_bytes = 0
         self._fallbacks = 0
 
@@ -177,16 +187,17 @@ class NvmeStore:
 
     # ---- transfers ---------------------------------------------------------------------------------------------
 
-    def write(self, file: str, name: str, src: torch.Tensor) -> Future:
+    def write(self, file: str, name: str, src: torch.Tensor, priority: int = WRITE) -> Future:
         """Copy `src` (contiguous CPU, the entry's dtype and size) into the file. The Future's result is `src`.
 
         `src` must not be modified until the Future is done; it is kept alive by the request until then.
+        priority: the request's class in the I/O queue (io_queue.py).
         """
-        return self._submit("write", file, name, src)
+        return self._submit("write", file, name, src, priority)
 
-    def read(self, file: str, name: str, dst: torch.Tensor) -> Future:
+    def read(self, file: str, name: str, dst: torch.Tensor, priority: int = LOAD) -> Future:
         """Copy the stored tensor into `dst` (contiguous CPU, same dtype and size). The Future's result is `dst`."""
-        return self._submit("read", file, name, dst)
+        return self._submit("read", file, name, dst, priority)
 
     def wait(self, file: str | None = None) -> None:
         """Block until every request in flight (on `file`, or anywhere) is done. Errors stay on their Futures."""
@@ -210,16 +221,22 @@ class NvmeStore:
         """Bytes moved and busy seconds per direction, with the bandwidth they give (bytes / busy second).
 
         Busy time is wall time during which at least one chunk of that direction was executing, so concurrent
-        chunks are not double-counted and idle gaps between requests are not counted.
+        chunks are not double-counted and idle gaps between requests are not counted. `busy_s` is the same for
+        either direction (the disk was busy), and `depth_s` the integral of chunks in flight over time:
+        `depth_s / busy_s` is the mean queue depth the disk saw while busy.
         """
         now = time.perf_counter()
         with self._lock:
             busy = {k: self._busy[k] + (now - self._since[k] if self._inflight[k] else 0.0) for k in self._busy}
+            busy_any = self._busy_any + (now - self._since_any if self._inflight_any else 0.0)
+            depth_s = self._depth_s + self._inflight_any * (now - self._depth_mark)
             out = {
                 "bytes_read": self._bytes["read"],
                 "bytes_written": self._bytes["write"],
                 "read_busy_s": busy["read"],
                 "write_busy_s": busy["write"],
+                "busy_s": busy_any,
+                "depth_s": depth_s,
                 "direct_bytes": self._direct_bytes,
                 "buffered_bytes": self._bytes["read"] + self._bytes["write"] - self._direct_bytes,
                 "direct_fallbacks": self._fallbacks,
@@ -233,7 +250,7 @@ class NvmeStore:
         if self._closed:
             return
         self.wait()
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown()
         for file in list(self._files):
             self._drop(file, unlink=not self.keep and self._files[file].owned)
         self._closed = True
@@ -330,7 +347,7 @@ class NvmeStore:
             raise KeyError(f"tier file {file!r} has no tensor {name!r}")
         return e
 
-    def _submit(self, kind: str, file: str, name: str, t: torch.Tensor) -> Future:
+    def _submit(self, kind: str, file: str, name: str, t: torch.Tensor, priority: int) -> Future:
         f = self._file(file)
         e = self._entry(f, file, name)
         if t.device.type != "cpu" or not t.is_contiguous():
@@ -344,19 +361,20 @@ class NvmeStore:
         if e.nbytes == 0:
             req.set_result(t)
             return req
-        # A writable view of the tensor's own bytes (no copy). The chunks' closures hold it, which keeps the
-        # tensor's storage alive until the last chunk is done.
-        buf = memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+        # A writable view of the tensor's own bytes (no copy), made with ctypes rather than numpy: a storage once
+        # shared with numpy can never be resized again, and the engine resizes parameter storages (flat_unit.py).
+        # The view does not own the memory: `t` is held by `part_done` below until the last chunk is done.
+        buf = memoryview((ctypes.c_ubyte * e.nbytes).from_address(t.data_ptr())).cast("B")
         parts = self._plan(f, e, t.data_ptr())
         remaining = [len(parts)]
         errors: list[BaseException] = []
         req_lock = threading.Lock()
 
-        def part_done(cf: Future) -> None:
+        def part_done(error: BaseException | None) -> None:
             with req_lock:
                 remaining[0] -= 1
-                if cf.exception() is not None:
-                    errors.append(cf.exception())
+                if error is not None:
+                    errors.append(error)
                 last = remaining[0] == 0
             if last:  # report only once every chunk has stopped touching the caller's buffer
                 with self._lock:
@@ -373,8 +391,8 @@ class NvmeStore:
             self._pending.add(req)
             f.pending.add(req)
         for start, n, direct in parts:
-            cf = self._pool.submit(self._io, kind, f, name, e.offset + start, buf[start : start + n], direct)
-            cf.add_done_callback(part_done)
+            self._pool.submit(priority, self._io, (kind, f, name, e.offset + start, buf[start : start + n], direct),
+                              part_done)
         return req
 
     def _plan(self, f: _File, e: Entry, addr: int) -> list[tuple[int, int, bool]]:
@@ -397,9 +415,11 @@ class NvmeStore:
     def _io(self, kind: str, f: _File, name: str, off: int, buf: memoryview, direct: bool) -> None:
         """Run one transfer on an I/O thread (the GIL is released inside pwrite/preadv)."""
         with self._lock:
+            now = time.perf_counter()
             if self._inflight[kind] == 0:
-                self._since[kind] = time.perf_counter()
+                self._since[kind] = now
             self._inflight[kind] += 1
+            self._count_depth(now, +1)
         done, moved_direct = 0, 0
         try:
             if direct and f.direct and f.dfd is not None:
@@ -423,11 +443,25 @@ class NvmeStore:
             raise OSError(e.errno, f"{kind} of tensor {name!r} at byte {off + done} failed", str(f.path)) from e
         finally:
             with self._lock:
+                now = time.perf_counter()
                 self._inflight[kind] -= 1
                 if self._inflight[kind] == 0:
-                    self._busy[kind] += time.perf_counter() - self._since[kind]
+                    self._busy[kind] += now - self._since[kind]
+                self._count_depth(now, -1)
                 self._bytes[kind] += done
                 self._direct_bytes += moved_direct
+
+    def _count_depth(self, now: float, delta: int) -> None:
+        """Account the chunks in flight (either direction) up to `now`, then change their count by `delta`.
+
+        Called under _lock."""
+        self._depth_s += self._inflight_any * (now - self._depth_mark)
+        self._depth_mark = now
+        if self._inflight_any == 0:
+            self._since_any = now
+        self._inflight_any += delta
+        if self._inflight_any == 0:
+            self._busy_any += now - self._since_any
 
 
 def _transfer_once(kind: str, fd: int, buf: memoryview, off: int) -> int:

@@ -16,11 +16,14 @@ Entries are named by (unit, entry), entry one of "params", "master", "grads", "e
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 
 import torch
 
 from tightfit.errors import UsageError
+from tightfit.offload.io_queue import FETCH, LOAD, WRITE
 from tightfit.offload.placement import Tier
 
 
@@ -48,7 +51,9 @@ class TierStore:
         """The stored tensor itself (1-D), or None when the tier is not addressable memory."""
         return None
 
-    def load(self, unit: str, entry: str, dst: torch.Tensor) -> Future:
+    def load(self, unit: str, entry: str, dst: torch.Tensor, urgent: bool = False) -> Future:
+        """Copy the stored entry into `dst`. urgent: compute is about to wait for it (a parameter fetch); a tier
+        with a request queue serves it before other requests."""
         raise NotImplementedError
 
     def save(self, unit: str, entry: str, src: torch.Tensor) -> Future:
@@ -79,7 +84,7 @@ class MemoryStore(TierStore):
     def tensor(self, unit, entry):
         return self._tensors[(unit, entry)]
 
-    def load(self, unit, entry, dst):
+    def load(self, unit, entry, dst, urgent=False):
         dst.copy_(self._tensors[(unit, entry)])
         return done_future()
 
@@ -93,7 +98,14 @@ class MemoryStore(TierStore):
 
 
 class DiskStore(TierStore):
-    """One safetensors file per unit in the swap folder, read and written by the NVMe engine."""
+    """One safetensors file per unit in the swap folder, read and written by the NVMe engine.
+
+    [Note: entry order] Requests on one entry take effect in the order they were issued: a load issued while a save
+    of the same entry is in flight waits for it (and reads the new bytes), a save waits for the loads and the save
+    before it. Loads of an entry run concurrently with each other, and requests on different entries never wait
+    for each other. This is what lets the engine issue write-backs and move on: the next use of the entry is
+    ordered after them by the store, not by the caller waiting.
+    """
 
     tier = Tier.NVME
 
@@ -108,6 +120,10 @@ class DiskStore(TierStore):
         self.bytes = 0  # host bytes: none; disk usage is reported by `nvme.stats()`
         self.disk_bytes = 0
         self._files: dict[str, str] = {}
+        # (unit, entry) -> (loads not finished, the last save if not finished). Guarded by _lock.
+        self._lock = threading.Lock()
+        self._inflight: dict[tuple[str, str], tuple[list[Future], Future | None]] = {}
+        self._waiting: set[Future] = set()  # requests held back by the entry order, not yet given to the disk
 
     def allocate(self, unit, entries):
         file = unit  # the store adds ".safetensors"; unit names are module paths, plain file names
@@ -115,15 +131,76 @@ class DiskStore(TierStore):
         self.nvme.create(file, {entry: ((numel,), dtype) for entry, (numel, dtype) in entries.items()})
         self.disk_bytes += sum(_nbytes(n, d) for n, d in entries.values())
 
-    def load(self, unit, entry, dst):
-        return self.nvme.read(self._files[unit], entry, dst)
+    def load(self, unit, entry, dst, urgent=False):
+        return self._ordered("read", unit, entry, dst, FETCH if urgent else LOAD)
 
     def save(self, unit, entry, src):
-        return self.nvme.write(self._files[unit], entry, src)
+        return self._ordered("write", unit, entry, src, WRITE)
+
+    def wait(self) -> None:
+        """Block until every load and save issued so far is done (errors stay on their futures)."""
+        while True:
+            with self._lock:
+                pending = list(self._waiting)
+            if not pending:
+                break
+            wait_futures(pending)
+        self.nvme.wait()
+
+    def _ordered(self, kind: str, unit: str, entry: str, t: torch.Tensor, priority: int) -> Future:
+        """Issue the request now, or once the requests on the same entry it must follow are done."""
+        key = (unit, entry)
+        file = self._files[unit]
+        with self._lock:
+            loads, save = self._inflight.get(key, ([], None))
+            loads = [f for f in loads if not f.done()]
+            save = save if save is not None and not save.done() else None
+            before = ([save] if save is not None else []) + (loads if kind == "write" else [])
+            if not before:
+                fut = self._issue(kind, file, entry, t, priority)
+            else:
+                fut = Future()
+                self._waiting.add(fut)
+                fut.set_running_or_notify_cancel()
+            if kind == "read":
+                self._inflight[key] = (loads + [fut], save)
+            else:
+                self._inflight[key] = ([], fut)
+        if before:
+            remaining = [len(before)]
+
+            def one_done(_: Future) -> None:
+                with self._lock:
+                    remaining[0] -= 1
+                    if remaining[0]:
+                        return
+                try:
+                    self._issue(kind, file, entry, t, priority).add_done_callback(lambda f: _forward(f, fut))
+                except BaseException as e:  # e.g. the store was closed meanwhile
+                    fut.set_exception(e)
+                with self._lock:
+                    self._waiting.discard(fut)
+
+            for f in before:
+                f.add_done_callback(one_done)
+        return fut
+
+    def _issue(self, kind: str, file: str, entry: str, t: torch.Tensor, priority: int) -> Future:
+        return (self.nvme.read(file, entry, t, priority) if kind == "read"
+                else self.nvme.write(file, entry, t, priority))
 
     def stats(self) -> dict:
         return self.nvme.stats()
 
     def close(self):
+        self.wait()
         self.nvme.flush()
         self.nvme.close()
+
+
+def _forward(src: Future, dst: Future) -> None:
+    """Complete `dst` with `src`'s outcome."""
+    if src.exception() is not None:
+        dst.set_exception(src.exception())
+    else:
+        dst.set_result(src.result())
