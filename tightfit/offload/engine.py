@@ -126,6 +126,10 @@ class OffloadEngine:
         self.step_worker = ThreadPoolExecutor(1, thread_name_prefix="tightfit-step")
         self.early_step = None  # set by the optimizer for one backward: callable(unit) -> None
         self._early_steps: list[Future] = []
+        # Optimizer write-backs still in flight (master, moments, compute params going back to their tier). Nothing
+        # waits for them on the hot path: the stores order every later load of an entry after its save ([Note:
+        # entry order] in tiers.py). `check_writes` raises a failed one at the next step; `wait_writes` drains.
+        self._writes: list[Future] = []
         self.schedule = Schedule(placement.prefetch_depth)
         self.phase = Phase.IDLE
         self._in_backward = False
@@ -219,6 +223,31 @@ class OffloadEngine:
             unit.store[State.PARAMS].save(unit.name, PARAMS, master.to(self.compute_dtype)).result()
         if unit.on_device and not unit.resident:
             self.release(unit)  # the device copy is stale
+        self.drop_kept_master(unit)  # so is a fetch's staging copy
+
+    def drop_kept_master(self, unit: OffloadUnit) -> None:
+        if unit.kept_master is not None:
+            self.pool.give(unit.kept_master)
+            unit.kept_master = None
+
+    def keeps_master(self, unit: OffloadUnit) -> bool:
+        """Should a params fetch of `unit` starting now keep its staging buffer for the unit's optimizer step?
+
+        Yes in backward when the unit will be stepped during it, the params are its fp32 master ([Note: master
+        from the fetch] in flat_unit.py) and the step would otherwise read them from disk again; and only while
+        the pool has room for two working sets, so kept buffers cannot starve the step thread that frees them."""
+        if (self.phase != Phase.BACKWARD or self.early_step is None or not unit.trainable
+                or unit.master_entry != PARAMS or unit.kept_master is not None
+                or unit.store[State.MASTER].tensor(unit.name, PARAMS) is not None):
+            return False
+        room = self.pool.room()
+        return room is None or room >= 2 * (4 * unit.spec.numel + 12 * unit.spec.train_numel)
+
+    def steps_in_flat(self, unit: OffloadUnit) -> bool:
+        """Does the root unit's optimizer step run in place on its materialised params (CPU, fp32 master)?"""
+        return (unit.spec.is_root and self.early_step is not None and bool(unit.trainable) and not unit.resident
+                and unit.master_entry == PARAMS and unit.flat.device.type == "cpu"
+                and unit.where[State.PARAMS] == Where.ON_DEVICE)
 
     def read_master(self, unit: OffloadUnit) -> torch.Tensor:
         """The unit's fp32 master values as a new host tensor."""
@@ -257,7 +286,7 @@ class OffloadEngine:
                         f"{unit.name!r} ({format_size(unit.compute_bytes)}; "
                         f"{format_size(self.device_in_use)} in use); raise --gpu-mem or lower prefetch_depth")
             self._charge(unit.compute_bytes)
-            unit.start_fetch(self.mover)
+            unit.start_fetch(self.mover, keep_master=self.keeps_master(unit))
         unit.finish_fetch(self.mover)
         self._time("params_wait_s", t0)
 
@@ -267,7 +296,7 @@ class OffloadEngine:
             if unit.resident or unit.on_device or not self._fits(unit.compute_bytes):
                 continue
             self._charge(unit.compute_bytes)
-            unit.start_fetch(self.mover)
+            unit.start_fetch(self.mover, keep_master=self.keeps_master(unit))
 
     def release(self, unit: OffloadUnit) -> None:
         self._active.discard(unit.name)
@@ -276,9 +305,11 @@ class OffloadEngine:
         unit.free(self.mover)
         self.device_bytes -= unit.compute_bytes
 
-    def release_all(self) -> None:
+    def release_all(self, keep_stepping: bool = False) -> None:
+        """Release every materialised unit; keep_stepping: except the root while its step runs in place."""
         for unit in self.units.values():
-            self.release(unit)
+            if not (keep_stepping and unit.master_in_flat):
+                self.release(unit)
 
     # ---- events from the hooks -------------------------------------------------------------------------------
 
@@ -307,13 +338,23 @@ class OffloadEngine:
             unit.awaiting_backward = True
 
     def on_unit_forward_end(self, unit: OffloadUnit) -> None:
+        if (self.phase == Phase.FORWARD and torch.is_grad_enabled()
+                and unit.name in self.schedule.first(Phase.BACKWARD)):
+            # Among the first units of the coming backward: stay materialised instead of being read again right
+            # away (what DeepSpeed calls the reuse distance). It is no longer computing, so a fetch that needs
+            # the room can still evict it (`materialise`).
+            self._active.discard(unit.name)
+            return
         self.release(unit)
 
     def _enter_backward(self) -> None:
         if self._in_backward:
             return
         self._in_backward = True
-        self._charge_grads(self.units[ROOT_UNIT])  # the root's grads (the head's) come first and stay longest
+        root = self.units[ROOT_UNIT]
+        self._charge_grads(root)  # the root's grads (the head's) come first and stay longest
+        if self.early_step is not None:
+            preload(self, root)  # its moments load under the whole backward
         self._t_bwd = time.perf_counter()
         self.phase = Phase.BACKWARD
         self.schedule.begin(Phase.BACKWARD)
@@ -354,7 +395,10 @@ class OffloadEngine:
     def _finish_backward(self, unit: OffloadUnit) -> None:
         self.ship_grads(unit)
         self._uncharge_grads(unit)
-        self.release(unit)
+        if self.steps_in_flat(unit) and any(unit.has_grad):
+            unit.master_in_flat = True  # stays materialised: stepped in place, then used by the next forward
+        else:
+            self.release(unit)
         unit.reset_backward()
         if self.early_step is not None and any(unit.has_grad):
             self.early_step(unit)
@@ -371,10 +415,27 @@ class OffloadEngine:
         self._early_steps.append(self.step_worker.submit(after_grads))
 
     def wait_early_steps(self) -> None:
+        """Wait for the units stepped during backward; their write-backs join `_writes` (not waited for)."""
         steps, self._early_steps = self._early_steps, []
         for f in steps:
-            for write in f.result():
-                write.result()
+            self.add_writes(f.result())
+
+    def add_writes(self, writes: list[Future]) -> None:
+        self.check_writes()
+        self._writes += writes
+
+    def check_writes(self) -> None:
+        """Forget finished write-backs; raise the error of a failed one (its entry on the tier is stale)."""
+        failed = next((w for w in self._writes if w.done() and w.exception() is not None), None)
+        self._writes = [w for w in self._writes if not w.done()]
+        if failed is not None:
+            raise failed.exception()
+
+    def wait_writes(self) -> None:
+        """Block until every optimizer write-back has reached its tier; raise the first failure."""
+        for w in self._writes:
+            w.result()
+        self._writes = []
 
     def _end_of_backward(self) -> None:
         for unit in self.units.values():
@@ -382,7 +443,7 @@ class OffloadEngine:
                 self._finish_backward(unit)
         for unit in self.units.values():
             self._uncharge_grads(unit)
-        self.release_all()  # prefetches the step did not use
+        self.release_all(keep_stepping=True)  # prefetches the step did not use
         self.early_step = None  # step_during_backward covers one backward
         self.schedule.end(Phase.BACKWARD)
         self.phase = Phase.IDLE
@@ -482,6 +543,7 @@ class OffloadEngine:
         self.wait_early_steps()
         for unit in self.units.values():
             discard_preload(self, unit)
+            self.drop_kept_master(unit)
             if unit.held_grads is not None:
                 self.pool.give(unit.held_grads)
                 unit.held_grads = None
@@ -543,6 +605,7 @@ class OffloadEngine:
         """Remove the hooks and free the engine's buffers (the model is unusable afterwards)."""
         self.wait_grads()
         self.wait_early_steps()
+        self.wait_writes()
         remove_hooks(self, self._handles)
         self.grad_worker.shutdown(wait=True)
         self.step_worker.shutdown(wait=True)

@@ -69,6 +69,15 @@ class OffloadUnit:
         self.flat: torch.Tensor | None = None
         self.flat_io: torch.Tensor | None = None
         self.fetch: Future | None = None  # the in-flight params fetch, if any
+        # [Note: master from the fetch] With fp32 compute the params *are* the master values. A backward fetch from
+        # disk reads them into a staging buffer anyway; when the unit is about to be stepped, that buffer is kept
+        # (`kept_master`, a pool buffer) and becomes the step's master buffer instead of reading the same bytes
+        # from disk a second time. The root unit stays materialised between steps instead (`master_in_flat`): its
+        # step runs in place on `flat` itself, which the next forward uses as is, and `flat_write` is that step's
+        # write-back of `flat` (the storage must outlive it).
+        self.kept_master: torch.Tensor | None = None
+        self.master_in_flat = False
+        self.flat_write: Future | None = None
         # Gradient bookkeeping (main thread). `got` : trainable slot indices whose grad arrived in this backward.
         self.got: set[int] = set()
         self.open_calls = 0  # forward calls whose input-gradient hook has not fired yet in backward
@@ -126,22 +135,31 @@ class OffloadUnit:
         if not self.resident:
             self.flat.untyped_storage().resize_(0)
 
-    def start_fetch(self, mover) -> None:
-        """Allocate the flat buffer and start copying the params in (state IN_FLIGHT)."""
+    def start_fetch(self, mover, keep_master: bool = False) -> None:
+        """Allocate the flat buffer and start copying the params in (state IN_FLIGHT). keep_master: keep the
+        staging buffer the bytes pass through as `kept_master` (see the note in __init__)."""
         self.flat.untyped_storage().resize_(self.compute_bytes)
-        self.fetch = mover.fetch(self.store[State.PARAMS], self.name, PARAMS, self.flat_io)
+        self.fetch = mover.fetch(self.store[State.PARAMS], self.name, PARAMS, self.flat_io, keep_staging=keep_master)
         self.where[State.PARAMS] = Where.IN_FLIGHT
 
     def finish_fetch(self, mover) -> None:
-        mover.wait(self.fetch)
+        kept = mover.wait(self.fetch)
         self.fetch = None
         self.where[State.PARAMS] = Where.ON_DEVICE
+        if kept is not None:
+            self.kept_master = kept
 
     def free(self, mover) -> None:
         """Drop the device copy (params are never modified in place by compute, so nothing is written back)."""
         if self.fetch is not None:
-            self.fetch.result()  # a copy into the buffer must finish before its memory goes away
+            kept = self.fetch.result()  # a copy into the buffer must finish before its memory goes away
             self.fetch = None
+            if kept is not None:  # a prefetch evicted before use: nobody will step from it
+                mover.pool.give(kept)
+        if self.flat_write is not None:
+            self.flat_write.result()  # the write-back of a step in place reads this storage
+            self.flat_write = None
+        self.master_in_flat = False
         self.flat.untyped_storage().resize_(0)
         self.where[State.PARAMS] = AT_REST[self.placement.params]
 

@@ -43,6 +43,7 @@ class _Loaded:
         self.tensors: dict[str, torch.Tensor] = {}
         self.loads: list[Future] = []
         self.borrowed: dict[str, torch.Tensor] = {}  # entry -> pool buffer (written back and returned after step)
+        self.in_flat = False  # the master is the unit's materialised `flat` (root, [Note: master from the fetch])
 
 
 def _step_device(engine, unit: OffloadUnit) -> torch.device:
@@ -71,6 +72,16 @@ def _prepare(engine, unit: OffloadUnit, grads: bool = True, into: _Loaded | None
         if state == State.GRADS and unit.held_grads is not None:  # kept in memory for a step during backward
             work.tensors[entry] = work.borrowed[entry] = unit.held_grads
             unit.held_grads = None
+            continue
+        if state == State.MASTER and entry == PARAMS and (unit.master_in_flat or engine.steps_in_flat(unit)):
+            if unit.flat_write is not None:
+                unit.flat_write.result()  # the previous step's write-back still reads `flat`
+            work.tensors[entry] = unit.flat_io
+            work.in_flat = True
+            continue
+        if state == State.MASTER and unit.kept_master is not None:  # the backward fetch's staging copy
+            work.tensors[entry] = work.borrowed[entry] = unit.kept_master
+            unit.kept_master = None
             continue
         store = unit.store[state]
         t = store.tensor(unit.name, entry)
@@ -119,6 +130,9 @@ def _write_back(engine, work: _Loaded) -> list[Future]:
         buf = work.borrowed.get(entry)
         if buf is not None:
             writes.append((unit.store[state].save(unit.name, entry, buf), buf))
+    if work.in_flat:  # stepped in place on the materialised params: they go back to their tier from there
+        unit.flat_write = unit.store[State.MASTER].save(unit.name, PARAMS, unit.flat_io)
+        writes.append((unit.flat_write, None))
     if GRADS in work.borrowed:
         engine.pool.give(work.borrowed[GRADS])  # gradients are consumed by the step; nothing to write
     if unit.master_entry == MASTER:  # separate compute copy: refresh it from the new master values
@@ -184,6 +198,7 @@ def discard_preload(engine, unit: OffloadUnit) -> None:
             f.result()
         for buf in work.borrowed.values():
             engine.pool.give(buf)
+    engine.drop_kept_master(unit)
 
 
 def step_units(engine, work: list[Work], grad_scales: list[torch.Tensor]) -> None:
@@ -193,10 +208,11 @@ def step_units(engine, work: list[Work], grad_scales: list[torch.Tensor]) -> Non
     has room (deeper read-ahead keeps more disk requests in flight, which is what a disk needs for bandwidth)."""
     t_wall = time.perf_counter()
     engine.wait_grads()
-    engine.release_all()  # a materialised copy would go stale
+    work = [w for w in work if w[1]]
+    if work:
+        engine.release_all()  # a materialised copy would go stale
     io_wait = compute = 0.0
     writes: list[Future] = []
-    work = [w for w in work if w[1]]
     depth = max(1, engine.placement.prefetch_depth)
     ahead: deque[_Loaded] = deque()  # prepared units, loads in flight, in `work` order
     nxt = 0  # index in `work` of the next unit to prepare
@@ -231,10 +247,7 @@ def step_units(engine, work: list[Work], grad_scales: list[torch.Tensor]) -> Non
         writes = [f for f in writes if not f.done()] + _write_back(engine, current)
         del current
         unit.where[State.OPTIM] = AT_REST[unit.placement.optim]
-    t0 = time.perf_counter()
-    for f in writes:
-        f.result()
-    io_wait += time.perf_counter() - t0
+    engine.add_writes(writes)  # not waited for: later loads of these entries are ordered after them
     for unit, _ in work:
         unit.where[State.GRADS] = Where.EMPTY
     engine.zero_grad()

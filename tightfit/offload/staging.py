@@ -92,24 +92,33 @@ class CpuMover:
         # the compute of the unit before it. torch's copy releases the GIL. Shut down by `close`.
         self.copier = ThreadPoolExecutor(threads, thread_name_prefix="tightfit-copy")
 
-    def fetch(self, store: TierStore, unit: str, entry: str, dst: torch.Tensor) -> Future:
+    def fetch(self, store: TierStore, unit: str, entry: str, dst: torch.Tensor, keep_staging: bool = False) -> Future:
+        """Start filling `dst` from the store. keep_staging: when the bytes pass through a staging buffer (a disk
+        read), hand that buffer to the caller through `wait` instead of returning it to the pool."""
         src = store.tensor(unit, entry)
         if src is not None:
-            return self.copier.submit(dst.copy_, src)
-        # Disk: read into an aligned staging buffer (O_DIRECT; and the NVMe engine pins the buffer it reads into,
-        # which `dst`, whose storage is freed and re-allocated, must never be), then copy into place.
-        staging = self.pool.take(dst.numel(), dst.dtype)
-        read = store.load(unit, entry, staging)
+            def copy() -> None:
+                dst.copy_(src)
 
-        def then() -> None:
+            return self.copier.submit(copy)
+        # Disk: read into an aligned staging buffer (O_DIRECT needs 4096-byte aligned memory, which the allocator
+        # behind `dst` does not give), then copy into place.
+        staging = self.pool.take(dst.numel(), dst.dtype)
+        read = store.load(unit, entry, staging, urgent=True)
+
+        def then() -> torch.Tensor | None:
             read.result()
             dst.copy_(staging)
+            if keep_staging:
+                return staging
             self.pool.give(staging)
+            return None
 
         return self.copier.submit(then)
 
-    def wait(self, fut: Future) -> None:
-        fut.result()
+    def wait(self, fut: Future) -> torch.Tensor | None:
+        """Wait for a fetch; the staging buffer it kept (a pool buffer the caller now owns), or None."""
+        return fut.result()
 
     def pack_grads(self, grads: list[tuple[tuple[int, torch.Size], torch.Tensor]], numel: int) -> Future:
         """Copy gradients into one pooled fp32 host buffer of `numel` elements; the future gives the buffer.
@@ -148,7 +157,8 @@ class CudaMover:
         # a copy is done, without the main thread ever synchronising. Shut down by `close`.
         self.waiter = ThreadPoolExecutor(threads, thread_name_prefix="tightfit-cuda-wait")
 
-    def fetch(self, store: TierStore, unit: str, entry: str, dst: torch.Tensor) -> Future:
+    def fetch(self, store: TierStore, unit: str, entry: str, dst: torch.Tensor, keep_staging: bool = False) -> Future:
+        """As CpuMover.fetch; staging buffers are never kept here (`keep_staging` is ignored)."""
         # `dst` was (re)allocated on the compute stream; the copy must not start before that point of it.
         alloc = torch.cuda.Event()
         alloc.record(torch.cuda.current_stream(self.device))
@@ -161,7 +171,7 @@ class CudaMover:
                 ready.record(self.h2d)
             return done_future(ready)
         staging = self.pool.take(dst.numel(), dst.dtype)
-        read = store.load(unit, entry, staging)
+        read = store.load(unit, entry, staging, urgent=True)
 
         def then() -> torch.cuda.Event:
             read.result()
@@ -179,6 +189,7 @@ class CudaMover:
     def wait(self, fut: Future) -> None:
         # A host wait only for the disk read, never for the GPU: the compute stream waits on the copy's event.
         torch.cuda.current_stream(self.device).wait_event(fut.result())
+        return None
 
     def pack_grads(self, grads: list[tuple[tuple[int, torch.Size], torch.Tensor]], numel: int) -> Future:
         buf = self.pool.take(numel, torch.float32)

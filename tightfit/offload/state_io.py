@@ -107,6 +107,8 @@ def _read_moments(unit: OffloadUnit) -> dict[str, torch.Tensor]:
 
 def _export_wrapped(engine: OffloadEngine, with_optim: bool):
     engine.wait_grads()
+    engine.wait_early_steps()
+    engine.wait_writes()  # the stores would order the reads after them; this surfaces a failed write here
     for unit in engine.units.values():
         master = engine.read_master(unit)
         for slot in unit.spec.slots:
