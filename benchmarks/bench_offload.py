@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import json
 import os
 import resource
@@ -114,9 +115,12 @@ def _build(cfg: GPTConfig, placement: Placement) -> tuple[torch.nn.Module, AdamW
     return model, AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
 
 
-def _train(model, opt, cfg, batch: int, steps: int, early: bool = False) -> list[float]:
+def _train(model, opt, cfg, batch: int, steps: int, early: bool = False, after_first=None) -> list[float]:
+    """Train `steps` steps; times per step. after_first() runs after step 0 (the step that records the order)."""
     times = []
     for step in range(steps):
+        if step == 1 and after_first is not None:
+            after_first()
         t0 = time.perf_counter()
         x, y = _batch(cfg, batch, step)
         loss = model(x, y)
@@ -169,16 +173,18 @@ def memory(args) -> dict:
     model, opt = _build(cfg, placement)
     engine = engine_of(model)
     disk = engine.stores[Tier.NVME].nvme
-    before = disk.stats()
-    times = _train(model, opt, cfg, args.batch, args.steps, early=args.early)
+    before = {}
+    times = _train(model, opt, cfg, args.batch, args.steps, early=args.early,
+                   after_first=lambda: before.update(disk.stats()))
     after = disk.stats()
     peak = max(sampler.stop(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     rep = engine.memory_report()
     timings = {k: round(v, 3) for k, v in engine.timings().items() if k != "nvme"}
-    d = {k: after[k] - before[k] for k in ("bytes_read", "bytes_written", "read_busy_s", "write_busy_s")}
+    d = {k: after[k] - before[k]
+         for k in ("bytes_read", "bytes_written", "read_busy_s", "write_busy_s", "busy_s", "depth_s")}
     train_read = d["bytes_read"] / d["read_busy_s"]
     train_write = d["bytes_written"] / d["write_busy_s"]
-    volume = max(d["bytes_read"], d["bytes_written"]) // args.steps
+    volume = max(d["bytes_read"], d["bytes_written"]) // (args.steps - 1)
     engine.close()
     from tightfit.offload.disk_bench import measure_raw, staging_buffer
 
@@ -191,6 +197,11 @@ def memory(args) -> dict:
         "step_s": times[1:] or times, "train_read_GBps": train_read / 1e9, "train_write_GBps": train_write / 1e9,
         "raw_read_GBps": raw.read_Bps / 1e9, "raw_write_GBps": raw.write_Bps / 1e9, "raw_method": raw.method,
         "io_volume_per_step": volume, "read_vs_raw": train_read / raw.read_Bps, "write_vs_raw": train_write / raw.write_Bps,
+        # The disk's view: seconds the raw disk needs for the same reads and writes, over the seconds the tier kept it
+        # busy (either direction in flight). Per-direction busy times overlap when reads and writes run together.
+        "disk_time_efficiency": (d["bytes_read"] / raw.read_Bps + d["bytes_written"] / raw.write_Bps) / d["busy_s"],
+        "mean_queue_depth": d["depth_s"] / d["busy_s"], "busy_s": d["busy_s"],
+        "read_busy_s": d["read_busy_s"], "write_busy_s": d["write_busy_s"],
         "engine_timings": timings,
     }
     shutil.rmtree(folder, ignore_errors=True)
@@ -265,39 +276,64 @@ def overlap(args) -> dict:
             "engine_timings": {k: v for k, v in timings.items() if k != "nvme"}}
 
 
-def gpt2(args) -> dict:
-    """tightfit's side of the peer comparison (acceptance 5): HF GPT-2-small (124M, random init), batch 2x128, every
-    state on NVMe, fp32 on the CPU. The DeepSpeed ZeRO-3 side is not run by this script."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    _fixed_mmap_threshold()
-    _warm_up()
-    overhead = psutil.Process().memory_info().rss
-    folder = Path(args.folder) / "gpt2"
-    shutil.rmtree(folder, ignore_errors=True)
-    sampler = RssSampler()
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(use_cache=False, bos_token_id=0, eos_token_id=0))
-    tightfit.wrap(model, Placement.everywhere(Tier.NVME, nvme_dir=str(folder), prefetch_depth=args.prefetch),
-                  device="cpu")
-    opt = AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+def _gpt2_steps(model, opt, steps: int, early: bool, first: int = 0) -> list[float]:
     times = []
-    for step in range(args.steps):
+    for step in range(first, first + steps):
         g = torch.Generator().manual_seed(step)
         x = torch.randint(0, 50257, (2, 128), generator=g)
         t0 = time.perf_counter()
         loss = model(input_ids=x, labels=x).loss
-        opt.step_during_backward()
+        if early:
+            opt.step_during_backward()
         loss.backward()
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
         print(f"  step {step}: loss {loss.item():.4f}  {times[-1]:.2f} s", flush=True)
-    peak = sampler.stop()
-    engine_of(model).close()
+    return times
+
+
+def gpt2(args) -> dict:
+    """tightfit's side of the peer comparison (acceptance 5): HF GPT-2-small (124M, random init), batch 2x128, every
+    state on NVMe, fp32 on the CPU. The DeepSpeed ZeRO-3 side is not run by this script; plain PyTorch (the model
+    and `torch.optim.AdamW(fused=True)` in memory, no offload) runs first in the same process, as the compute floor."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    if args.malloc == "trim":
+        _fixed_mmap_threshold()
+    _warm_up()
+    overhead = psutil.Process().memory_info().rss
+    config = GPT2Config(use_cache=False, bos_token_id=0, eos_token_id=0)
+    print("plain PyTorch, in memory:")
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config)
+    plain = _gpt2_steps(model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True),
+                        args.steps, early=False)
+    del model
+    gc.collect()
+    folder = Path(args.folder) / "gpt2"
     shutil.rmtree(folder, ignore_errors=True)
-    return {"params": sum(p.numel() for p in model.parameters()), "step_s": times[1:], "peak_rss": peak,
-            "torch_overhead_rss": overhead}
+    sampler = RssSampler()
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config)
+    tightfit.wrap(model, Placement.everywhere(Tier.NVME, nvme_dir=str(folder), prefetch_depth=args.prefetch),
+                  device="cpu")
+    opt = AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    print("tightfit, every state on NVMe:")
+    engine = engine_of(model)
+    times = _gpt2_steps(model, opt, 1, early=True)
+    engine.reset_timings()
+    times += _gpt2_steps(model, opt, args.steps - 1, early=True, first=1)
+    peak = sampler.stop()
+    timings = engine.timings()
+    engine.close()
+    shutil.rmtree(folder, ignore_errors=True)
+    return {"params": sum(p.numel() for p in model.parameters()), "plain_step_s": plain[1:], "step_s": times[1:],
+            "peak_rss": peak, "torch_overhead_rss": overhead, "over_plain": min(times[1:]) / min(plain[1:]),
+            "engine_timings": {k: round(v, 3) for k, v in timings.items() if k != "nvme"},
+            "nvme": timings.get("nvme")}
 
 
 def main() -> None:
@@ -311,6 +347,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--early", action="store_true", help="memory: step units during backward (step_during_backward)")
     ap.add_argument("--prefetch", type=int, default=2)
+    ap.add_argument("--malloc", choices=["trim", "glibc"], default="trim",
+                    help="gpt2: 'trim' pins glibc's mmap threshold (freed buffers go back to the OS at once, lower RSS, "
+                         "a page fault per page on every re-allocation); 'glibc' keeps glibc's adaptive defaults. "
+                         "bench_offload_deepspeed.py takes the same flag: compare like with like")
     ap.add_argument("--device-mib", type=int, default=40, help="memory: device budget (the CPU here), MiB")
     ap.add_argument("--host-mib", type=int, default=96, help="memory: host budget (staging, optimizer), MiB")
     ap.add_argument("--threads", type=int, default=1,

@@ -40,9 +40,11 @@ def main() -> None:
     ap.add_argument("--folder", default="/tmp/tf_bench")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--malloc", choices=["trim", "glibc"], default="trim", help="as in bench_offload.py")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    _fixed_mmap_threshold()
+    if args.malloc == "trim":
+        _fixed_mmap_threshold()
     import deepspeed
     from transformers import GPT2Config, GPT2LMHeadModel
 
