@@ -224,11 +224,29 @@ class OffloadEngine:
         if unit.on_device and not unit.resident:
             self.release(unit)  # the device copy is stale
         self.drop_kept_master(unit)  # so is a fetch's staging copy
+        self.drop_fresh_params(unit)  # and a step's
 
     def drop_kept_master(self, unit: OffloadUnit) -> None:
         if unit.kept_master is not None:
             self.pool.give(unit.kept_master)
             unit.kept_master = None
+
+    def drop_fresh_params(self, unit: OffloadUnit) -> None:
+        if unit.fresh_params is not None:
+            buf, write = unit.fresh_params
+            unit.fresh_params = None
+            write.add_done_callback(lambda _f: self.pool.give(buf))
+
+    def keeps_fresh(self, unit: OffloadUnit) -> bool:
+        """Should the step of `unit` keep its updated params in memory for the next forward's fetch?
+
+        Yes for the first units of the next forward (they are stepped last, and read again right away), when the
+        device is the CPU, the params are the fp32 master, and the pool has room for two working sets."""
+        if (self.device.type != "cpu" or unit.master_entry != PARAMS or unit.resident
+                or unit.fresh_params is not None or unit.name not in self.schedule.first(Phase.FORWARD)):
+            return False
+        room = self.pool.room()
+        return room is None or room >= 2 * (4 * unit.spec.numel + 12 * unit.spec.train_numel)
 
     def keeps_master(self, unit: OffloadUnit) -> bool:
         """Should a params fetch of `unit` starting now keep its staging buffer for the unit's optimizer step?
@@ -607,6 +625,9 @@ class OffloadEngine:
         self.wait_early_steps()
         self.wait_writes()
         remove_hooks(self, self._handles)
+        for unit in self.units.values():
+            self.drop_kept_master(unit)
+            self.drop_fresh_params(unit)
         self.grad_worker.shutdown(wait=True)
         self.step_worker.shutdown(wait=True)
         self.mover.close()

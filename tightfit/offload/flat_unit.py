@@ -76,6 +76,9 @@ class OffloadUnit:
         # step runs in place on `flat` itself, which the next forward uses as is, and `flat_write` is that step's
         # write-back of `flat` (the storage must outlive it).
         self.kept_master: torch.Tensor | None = None
+        # The other direction: a unit among the first of the next forward keeps the buffer its step just updated
+        # (the new params, on their way to disk) as (buffer, its write-back); the forward fetch copies from it.
+        self.fresh_params: tuple[torch.Tensor, Future] | None = None
         self.master_in_flat = False
         self.flat_write: Future | None = None
         # Gradient bookkeeping (main thread). `got` : trainable slot indices whose grad arrived in this backward.
@@ -139,7 +142,13 @@ class OffloadUnit:
         """Allocate the flat buffer and start copying the params in (state IN_FLIGHT). keep_master: keep the
         staging buffer the bytes pass through as `kept_master` (see the note in __init__)."""
         self.flat.untyped_storage().resize_(self.compute_bytes)
-        self.fetch = mover.fetch(self.store[State.PARAMS], self.name, PARAMS, self.flat_io, keep_staging=keep_master)
+        if self.fresh_params is not None:  # updated by the step that just ran: no disk read
+            buf, write = self.fresh_params
+            self.fresh_params = None
+            self.fetch = mover.copy_in(buf, self.flat_io, after=write)
+        else:
+            self.fetch = mover.fetch(self.store[State.PARAMS], self.name, PARAMS, self.flat_io,
+                                     keep_staging=keep_master)
         self.where[State.PARAMS] = Where.IN_FLIGHT
 
     def finish_fetch(self, mover) -> None:

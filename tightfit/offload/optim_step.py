@@ -128,8 +128,13 @@ def _write_back(engine, work: _Loaded) -> list[Future]:
     writes: list[tuple[Future, torch.Tensor | None]] = []
     for state, entry in ((State.MASTER, unit.master_entry), (State.OPTIM, EXP_AVG), (State.OPTIM, EXP_AVG_SQ)):
         buf = work.borrowed.get(entry)
-        if buf is not None:
-            writes.append((unit.store[state].save(unit.name, entry, buf), buf))
+        if buf is None:
+            continue
+        fut = unit.store[state].save(unit.name, entry, buf)
+        if entry == PARAMS and engine.keeps_fresh(unit):
+            unit.fresh_params = (buf, fut)  # the next forward copies from it ([Note: master from the fetch])
+            buf = None
+        writes.append((fut, buf))
     if work.in_flat:  # stepped in place on the materialised params: they go back to their tier from there
         unit.flat_write = unit.store[State.MASTER].save(unit.name, PARAMS, unit.flat_io)
         writes.append((unit.flat_write, None))

@@ -120,6 +120,15 @@ class CpuMover:
         """Wait for a fetch; the staging buffer it kept (a pool buffer the caller now owns), or None."""
         return fut.result()
 
+    def copy_in(self, src: torch.Tensor, dst: torch.Tensor, after: Future) -> Future:
+        """Fill `dst` from `src`, a pool buffer that goes back to the pool once copied and `after` is done."""
+        def copy() -> None:
+            dst.copy_(src)
+            after.result()  # the write-back reading `src` too
+            self.pool.give(src)
+
+        return self.copier.submit(copy)
+
     def pack_grads(self, grads: list[tuple[tuple[int, torch.Size], torch.Tensor]], numel: int) -> Future:
         """Copy gradients into one pooled fp32 host buffer of `numel` elements; the future gives the buffer.
 
