@@ -75,7 +75,7 @@ def test_round_trip_is_bitwise(store, dtype, aligned):
 
     staged = {n: buf(t).copy_(t) for n, t in srcs.items()}
     futs = [store.write("u", n, t) for n, t in staged.items()]
-    assert all(f.result() is staged[n] for f, n in zip(futs, staged))
+    assert all(f.result() is None for f in futs)  # a done request holds no reference to its tensor
     outs = {n: buf(t).fill_(0) for n, t in srcs.items()}
     for f in [store.read("u", n, outs[n]) for n in outs]:
         f.result()

@@ -22,8 +22,10 @@ activations are the model's own; neither is counted, so leave headroom for them 
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 
 import torch
 import torch.nn as nn
@@ -129,7 +131,9 @@ class OffloadEngine:
         # Optimizer write-backs still in flight (master, moments, compute params going back to their tier). Nothing
         # waits for them on the hot path: the stores order every later load of an entry after its save ([Note:
         # entry order] in tiers.py). `check_writes` raises a failed one at the next step; `wait_writes` drains.
-        self._writes: list[Future] = []
+        self._writes: set[Future] = set()
+        self._write_errors: list[BaseException] = []
+        self._writes_lock = threading.Lock()
         self.schedule = Schedule(placement.prefetch_depth)
         self.phase = Phase.IDLE
         self._in_backward = False
@@ -425,35 +429,46 @@ class OffloadEngine:
         """Run `run()` (one unit's optimizer step) on the step thread once the unit's gradients have landed."""
         pending = unit.grad_pending
 
-        def after_grads() -> list[Future]:
+        def after_grads() -> None:
             if pending is not None:
                 pending.result()
-            return run()  # the unit's write-backs, still in flight
+            self.add_writes(run())  # the unit's write-backs, still in flight
 
         self._early_steps.append(self.step_worker.submit(after_grads))
 
     def wait_early_steps(self) -> None:
-        """Wait for the units stepped during backward; their write-backs join `_writes` (not waited for)."""
+        """Wait for the units stepped during backward (not for their write-backs)."""
         steps, self._early_steps = self._early_steps, []
         for f in steps:
-            self.add_writes(f.result())
+            f.result()
 
     def add_writes(self, writes: list[Future]) -> None:
-        self.check_writes()
-        self._writes += writes
+        """Track write-backs in flight (any thread). A finished one is forgotten at once: a done Future keeps its
+        callbacks, and those reference the buffer they returned to the pool."""
+        with self._writes_lock:
+            self._writes.update(writes)
+        for w in writes:
+            w.add_done_callback(self._write_done)
+
+    def _write_done(self, w: Future) -> None:
+        with self._writes_lock:
+            self._writes.discard(w)
+            if w.exception() is not None:
+                self._write_errors.append(w.exception())
 
     def check_writes(self) -> None:
-        """Forget finished write-backs; raise the error of a failed one (its entry on the tier is stale)."""
-        failed = next((w for w in self._writes if w.done() and w.exception() is not None), None)
-        self._writes = [w for w in self._writes if not w.done()]
-        if failed is not None:
-            raise failed.exception()
+        """Raise the error of a failed write-back (its entry on the tier is stale), once."""
+        with self._writes_lock:
+            errors, self._write_errors = self._write_errors, []
+        if errors:
+            raise errors[0]
 
     def wait_writes(self) -> None:
         """Block until every optimizer write-back has reached its tier; raise the first failure."""
-        for w in self._writes:
-            w.result()
-        self._writes = []
+        with self._writes_lock:
+            pending = list(self._writes)
+        wait_futures(pending)
+        self.check_writes()
 
     def _end_of_backward(self) -> None:
         for unit in self.units.values():

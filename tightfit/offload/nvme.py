@@ -188,15 +188,16 @@ class NvmeStore:
     # ---- transfers ---------------------------------------------------------------------------------------------
 
     def write(self, file: str, name: str, src: torch.Tensor, priority: int = WRITE) -> Future:
-        """Copy `src` (contiguous CPU, the entry's dtype and size) into the file. The Future's result is `src`.
+        """Copy `src` (contiguous CPU, the entry's dtype and size) into the file. The Future's result is None.
 
-        `src` must not be modified until the Future is done; it is kept alive by the request until then.
+        `src` must not be modified until the Future is done; it is kept alive by the request until then, and not a
+        moment longer (a done Future holding its tensor would keep memory alive that its owner already freed).
         priority: the request's class in the I/O queue (io_queue.py).
         """
         return self._submit("write", file, name, src, priority)
 
     def read(self, file: str, name: str, dst: torch.Tensor, priority: int = LOAD) -> Future:
-        """Copy the stored tensor into `dst` (contiguous CPU, same dtype and size). The Future's result is `dst`."""
+        """Copy the stored tensor into `dst` (contiguous CPU, same dtype and size). The Future's result is None."""
         return self._submit("read", file, name, dst, priority)
 
     def wait(self, file: str | None = None) -> None:
@@ -359,12 +360,13 @@ class NvmeStore:
         req: Future = Future()
         req.set_running_or_notify_cancel()
         if e.nbytes == 0:
-            req.set_result(t)
+            req.set_result(None)
             return req
         # A writable view of the tensor's own bytes (no copy), made with ctypes rather than numpy: a storage once
         # shared with numpy can never be resized again, and the engine resizes parameter storages (flat_unit.py).
-        # The view does not own the memory: `t` is held by `part_done` below until the last chunk is done.
+        # The view does not own the memory: `alive` holds `t` until the last chunk is done, then lets it go.
         buf = memoryview((ctypes.c_ubyte * e.nbytes).from_address(t.data_ptr())).cast("B")
+        alive = [t]
         parts = self._plan(f, e, t.data_ptr())
         remaining = [len(parts)]
         errors: list[BaseException] = []
@@ -377,6 +379,7 @@ class NvmeStore:
                     errors.append(error)
                 last = remaining[0] == 0
             if last:  # report only once every chunk has stopped touching the caller's buffer
+                alive.clear()
                 with self._lock:
                     self._pending.discard(req)
                     f.pending.discard(req)
@@ -385,7 +388,7 @@ class NvmeStore:
                 if errors:
                     req.set_exception(errors[0])
                 else:
-                    req.set_result(t)
+                    req.set_result(None)
 
         with self._lock:
             self._pending.add(req)

@@ -83,6 +83,14 @@ def _prepare(engine, unit: OffloadUnit, grads: bool = True, into: _Loaded | None
             work.tensors[entry] = work.borrowed[entry] = unit.kept_master
             unit.kept_master = None
             continue
+        if (state == State.MASTER and entry == PARAMS and not unit.resident and unit.flat.device.type == "cpu"
+                and unit.where[State.PARAMS] == Where.ON_DEVICE
+                and unit.store[state].tensor(unit.name, entry) is None):
+            # Materialised on the CPU (kept from forward for its backward): a memcpy, not a disk read.
+            buf = engine.pool.take(numel, torch.float32)
+            buf.copy_(unit.flat_io)
+            work.tensors[entry] = work.borrowed[entry] = buf
+            continue
         store = unit.store[state]
         t = store.tensor(unit.name, entry)
         if t is not None and t.device == where:
@@ -252,6 +260,7 @@ def step_units(engine, work: list[Work], grad_scales: list[torch.Tensor]) -> Non
         writes = [f for f in writes if not f.done()] + _write_back(engine, current)
         del current
         unit.where[State.OPTIM] = AT_REST[unit.placement.optim]
+    engine.check_writes()  # a write-back of the previous step failed: its entry is stale, stop here
     engine.add_writes(writes)  # not waited for: later loads of these entries are ordered after them
     for unit, _ in work:
         unit.where[State.GRADS] = Where.EMPTY

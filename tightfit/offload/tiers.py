@@ -166,6 +166,7 @@ class DiskStore(TierStore):
                 self._inflight[key] = (loads + [fut], save)
             else:
                 self._inflight[key] = ([], fut)
+        fut.add_done_callback(lambda f: self._forget(key, f))
         if before:
             remaining = [len(before)]
 
@@ -184,6 +185,17 @@ class DiskStore(TierStore):
             for f in before:
                 f.add_done_callback(one_done)
         return fut
+
+    def _forget(self, key: tuple[str, str], fut: Future) -> None:
+        """Drop a finished request from the entry's bookkeeping (nothing here may keep its tensor alive)."""
+        with self._lock:
+            loads, save = self._inflight.get(key, ([], None))
+            loads = [f for f in loads if f is not fut]
+            save = None if save is fut else save
+            if loads or save is not None:
+                self._inflight[key] = (loads, save)
+            else:
+                self._inflight.pop(key, None)
 
     def _issue(self, kind: str, file: str, entry: str, t: torch.Tensor, priority: int) -> Future:
         return (self.nvme.read(file, entry, t, priority) if kind == "read"
