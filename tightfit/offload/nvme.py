@@ -125,6 +125,8 @@ class NvmeStore:
         self._busy_any = 0.0
         self._depth_s = 0.0
         self._depth_mark = 0.0
+        self._share = {"read": 0.0, "write": 0.0}
+        self._changing = "read"
         self._direct_bytes = 0
         self._fallbacks = 0
 
@@ -224,13 +226,18 @@ class NvmeStore:
         Busy time is wall time during which at least one chunk of that direction was executing, so concurrent
         chunks are not double-counted and idle gaps between requests are not counted. `busy_s` is the same for
         either direction (the disk was busy), and `depth_s` the integral of chunks in flight over time:
-        `depth_s / busy_s` is the mean queue depth the disk saw while busy.
+        `depth_s / busy_s` is the mean queue depth the disk saw while busy. `read_share_s` and `write_share_s`
+        split `busy_s` between the directions in proportion to the chunks each had in flight (they add up to
+        `busy_s`): the fair time base for a per-direction bandwidth when reads and writes run at once.
         """
         now = time.perf_counter()
         with self._lock:
             busy = {k: self._busy[k] + (now - self._since[k] if self._inflight[k] else 0.0) for k in self._busy}
+            open_s = now - self._depth_mark if self._inflight_any else 0.0
             busy_any = self._busy_any + (now - self._since_any if self._inflight_any else 0.0)
-            depth_s = self._depth_s + self._inflight_any * (now - self._depth_mark)
+            depth_s = self._depth_s + self._inflight_any * open_s
+            share = {k: self._share[k] + (open_s * self._inflight[k] / self._inflight_any if open_s else 0.0)
+                     for k in self._share}
             out = {
                 "bytes_read": self._bytes["read"],
                 "bytes_written": self._bytes["write"],
@@ -238,6 +245,8 @@ class NvmeStore:
                 "write_busy_s": busy["write"],
                 "busy_s": busy_any,
                 "depth_s": depth_s,
+                "read_share_s": share["read"],
+                "write_share_s": share["write"],
                 "direct_bytes": self._direct_bytes,
                 "buffered_bytes": self._bytes["read"] + self._bytes["write"] - self._direct_bytes,
                 "direct_fallbacks": self._fallbacks,
@@ -422,6 +431,7 @@ class NvmeStore:
             if self._inflight[kind] == 0:
                 self._since[kind] = now
             self._inflight[kind] += 1
+            self._changing = kind
             self._count_depth(now, +1)
         done, moved_direct = 0, 0
         try:
@@ -450,6 +460,7 @@ class NvmeStore:
                 self._inflight[kind] -= 1
                 if self._inflight[kind] == 0:
                     self._busy[kind] += now - self._since[kind]
+                self._changing = kind
                 self._count_depth(now, -1)
                 self._bytes[kind] += done
                 self._direct_bytes += moved_direct
@@ -457,8 +468,16 @@ class NvmeStore:
     def _count_depth(self, now: float, delta: int) -> None:
         """Account the chunks in flight (either direction) up to `now`, then change their count by `delta`.
 
-        Called under _lock."""
-        self._depth_s += self._inflight_any * (now - self._depth_mark)
+        Called under _lock, after `_inflight[kind]` has already changed by `delta` (hence the correction)."""
+        dt = now - self._depth_mark
+        if self._inflight_any:
+            self._depth_s += self._inflight_any * dt
+            # Each direction's share of the busy time: the fraction of the chunks in flight that were its own
+            # over the interval just ended (the counts before this change).
+            before = {k: self._inflight[k] for k in self._inflight}
+            before[self._changing] -= delta
+            for k, n in before.items():
+                self._share[k] += dt * n / self._inflight_any
         self._depth_mark = now
         if self._inflight_any == 0:
             self._since_any = now
