@@ -188,9 +188,18 @@ def memory(args) -> dict:
     budget = device_budget + host_budget
     folder = Path(args.folder) / "memory"
     shutil.rmtree(folder, ignore_errors=True)
-    placement = Placement.everywhere(Tier.NVME, nvme_dir=str(folder), device_budget=device_budget,
+    checkpointed = [f"blocks.{i}" for i in range(cfg.n_layer)]
+    # The device budget holds the model's activations as well as the engine's buffers; the engine meters only its
+    # own. Split the budget as the planner does: its estimate of the activations (measured on the meta device:
+    # every block's checkpointed input, one block's recomputation, the loss's transients) comes off the top.
+    from tightfit.planner.costs import act_bytes
+    from tightfit.planner.model_profile import profile_model
+
+    with torch.device("meta"):
+        activations = act_bytes(profile_model(GPT(cfg), args.batch, args.seq), set(checkpointed))
+    placement = Placement.everywhere(Tier.NVME, nvme_dir=str(folder), device_budget=device_budget - activations,
                                      host_budget=host_budget, prefetch_depth=args.prefetch,
-                                     checkpoint_units=[f"blocks.{i}" for i in range(cfg.n_layer)])
+                                     checkpoint_units=checkpointed)
     volume = 28 * n_params  # one step's traffic each way, about (fwd + bwd params, moments, write-backs)
     raw_before = _raw_in_subprocess(folder / "raw", volume)
     sampler = RssSampler()
@@ -215,6 +224,7 @@ def memory(args) -> dict:
         "params": n_params, "adam_state_bytes": 16 * n_params, "budget_bytes": budget,
         "device_budget": device_budget, "host_budget": host_budget, "state_over_budget": 16 * n_params / budget,
         "torch_overhead_rss": overhead, "peak_rss": peak, "peak_over_budget_plus_overhead": peak / (budget + overhead),
+        "activations_estimate": activations, "engine_device_budget": device_budget - activations,
         "device_peak": rep["device"]["peak"], "staging_peak": rep["host"]["staging_peak"],
         "step_s": times[1:] or times,
         "bytes_read_per_step": d["bytes_read"] // (args.steps - 1),

@@ -299,9 +299,7 @@ class OffloadEngine:
         t0 = time.perf_counter()
         if unit.where[State.PARAMS] != Where.IN_FLIGHT:
             if not self._fits(unit.compute_bytes):
-                for other in self.units.values():  # evict prefetches that are not computing
-                    if other.on_device and not other.resident and other.name not in self._active:
-                        self.release(other)
+                self._evict_idle(unit)
                 if not self._fits(unit.compute_bytes):
                     raise UsageError(
                         f"device budget {format_size(self.placement.device_budget)} exceeded materialising unit "
@@ -311,6 +309,13 @@ class OffloadEngine:
             unit.start_fetch(self.mover, keep_master=self.keeps_master(unit))
         unit.finish_fetch(self.mover)
         self._time("params_wait_s", t0)
+
+    def _evict_idle(self, keep: OffloadUnit) -> None:
+        """Release materialised units that are not computing (prefetches, units kept for backward) except `keep`."""
+        for other in self.units.values():
+            if (other is not keep and other.on_device and not other.resident and other.name not in self._active
+                    and not other.master_in_flat):
+                self.release(other)
 
     def prefetch(self, names: list[str]) -> None:
         for name in names:
@@ -394,6 +399,8 @@ class OffloadEngine:
     def _charge_grads(self, unit: OffloadUnit) -> None:
         """Count the `param.grad`s autograd is about to produce for the unit (freed when they are shipped)."""
         if not unit.grads_charged:
+            if not self._fits(unit.grad_bytes):
+                self._evict_idle(unit)  # the budget's guarantee (_check_budgets) covers computing units only
             unit.grads_charged = unit.grad_bytes
             self._charge(unit.grad_bytes)
 
