@@ -245,39 +245,42 @@ def memory(args) -> dict:
     return out
 
 
-def _replay_io(engine, placement, early: bool) -> float:
-    """Time one step's NVMe traffic of `engine` with no compute: each phase's requests all in flight at once.
+class _Traffic:
+    """Records the NVMe tier's requests (kind, unit, entry, numel, dtype) while `recording` is set."""
 
-    early: the traffic of a step during backward, where the final gradients never go to disk."""
-    store = engine.stores[Tier.NVME]
-    units = list(engine.units.values())
-    bufs: dict[tuple[str, str], torch.Tensor] = {}
+    def __init__(self, engine) -> None:
+        self.store = engine.stores[Tier.NVME]
+        self.ops: list[tuple[str, str, str, int, torch.dtype]] = []
+        self.recording = False
+        load, save = self.store.load, self.store.save
 
-    def buf(unit, entry, numel, dtype=torch.float32):
-        key = (unit.name, entry)
-        if key not in bufs:
-            from tightfit.offload.aligned import aligned_empty
+        def rec_load(unit, entry, dst, urgent=False):
+            if self.recording:
+                self.ops.append(("r", unit, entry, dst.numel(), dst.dtype))
+            return load(unit, entry, dst, urgent)
 
-            bufs[key] = aligned_empty(numel, dtype)
-        return bufs[key]
+        def rec_save(unit, entry, src):
+            if self.recording:
+                self.ops.append(("w", unit, entry, src.numel(), src.dtype))
+            return save(unit, entry, src)
 
-    def run(ops):
-        futs = [store.load(u.name, e, buf(u, e, n)) if kind == "r" else store.save(u.name, e, buf(u, e, n))
-                for kind, u, e, n in ops]
+        self.store.load, self.store.save = rec_load, rec_save
+
+    def replay(self) -> float:
+        """Seconds to move exactly the recorded requests with no compute: all issued at once, in recorded order
+        (the store keeps one entry's requests in that order), into buffers allocated beforehand."""
+        from tightfit.offload.aligned import aligned_empty
+
+        bufs = {}
+        for _, unit, entry, numel, dtype in self.ops:
+            if (unit, entry) not in bufs:
+                bufs[(unit, entry)] = aligned_empty(numel, dtype)
+        t0 = time.perf_counter()
+        futs = [self.store.load(u, e, bufs[(u, e)]) if kind == "r" else self.store.save(u, e, bufs[(u, e)])
+                for kind, u, e, _, _ in self.ops]
         for f in futs:
             f.result()
-
-    t0 = time.perf_counter()
-    run([("r", u, "params", u.spec.numel) for u in units])  # forward
-    run([("r", u, "params", u.spec.numel) for u in units if not u.spec.is_root])  # backward re-fetch
-    if not early:
-        run([("w", u, "grads", u.spec.train_numel) for u in units])
-    loads = ("params", "exp_avg", "exp_avg_sq") if early else ("params", "grads", "exp_avg", "exp_avg_sq")
-    run([("r", u, e, u.spec.numel if e == "params" else u.spec.train_numel)
-         for u in units for e in loads])  # optimizer loads
-    run([("w", u, e, u.spec.numel if e == "params" else u.spec.train_numel)
-         for u in units for e in ("params", "exp_avg", "exp_avg_sq")])  # optimizer writes
-    return time.perf_counter() - t0
+        return time.perf_counter() - t0
 
 
 def overlap(args) -> dict:
@@ -296,14 +299,25 @@ def overlap(args) -> dict:
                                      checkpoint_units=ckpt)
     model, opt = _build(cfg, placement)
     engine = engine_of(model)
+    traffic = _Traffic(engine)
+    # The I/O-only time of each mode replays the exact requests of its last measured step.
     print("every state on NVMe, optimizer after backward:")
-    nvme_after = _train(model, opt, cfg, args.batch, args.steps)[1:]
+    nvme_after = _train(model, opt, cfg, args.batch, args.steps - 1)[1:]
+    traffic.recording = True
+    nvme_after += _train(model, opt, cfg, args.batch, 1)
+    traffic.recording = False
+    engine.wait_writes()
+    io_after = [traffic.replay() for _ in range(2)]
+    traffic.ops.clear()
     print("every state on NVMe, optimizer during backward (step_during_backward):")
     engine.reset_timings()
-    nvme = _train(model, opt, cfg, args.batch, args.steps, early=True)[1:]
+    nvme = _train(model, opt, cfg, args.batch, args.steps - 1, early=True)[1:]
+    traffic.recording = True
+    nvme += _train(model, opt, cfg, args.batch, 1, early=True)
+    traffic.recording = False
     timings = engine.timings()
-    io = [_replay_io(engine, placement, early=True) for _ in range(2)]
-    io_after = [_replay_io(engine, placement, early=False) for _ in range(2)]
+    engine.wait_writes()
+    io = [traffic.replay() for _ in range(2)]
     engine.close()
     shutil.rmtree(folder, ignore_errors=True)
     c, n, i = min(compute), min(nvme), min(io)
