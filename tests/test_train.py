@@ -86,3 +86,15 @@ def test_budget_too_small_for_a_layer_tiles_it_and_trains_the_same(corpus, tmp_p
     # Tiles sum partial products over input splits: the same math in another order, so 1e-6 rather than bitwise.
     for key in ("train_loss", "val_loss"):
         assert tiled[key] == pytest.approx(plain[key], rel=1e-6)
+
+
+def test_offloaded_run_without_clipping_steps_during_backward_and_matches_plain(tiny_args, tmp_path):
+    """--grad-clip 0 lets each unit step as its gradients land (AdamW.step_during_backward): same weights."""
+    swap = ["--nvme", str(tmp_path / "swap")]
+    common = ["--steps", "6", "--grad-clip", "0", "--grad-accum", "2"]
+    assert main(["train", *_with_out_dir(tiny_args, tmp_path / "plain"), *common, "--offload", "none"]) == 0
+    assert main(["train", *_with_out_dir(tiny_args, tmp_path / "nvme"), *common, "--offload", "nvme", *swap]) == 0
+    ref, got = _weights(tmp_path / "plain"), _weights(tmp_path / "nvme")
+    assert got.keys() == ref.keys()
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-6, atol=0, msg=k)

@@ -474,10 +474,9 @@ class NvmeStore:
             self._depth_s += self._inflight_any * dt
             # Each direction's share of the busy time: the fraction of the chunks in flight that were its own
             # over the interval just ended (the counts before this change).
-            before = {k: self._inflight[k] for k in self._inflight}
-            before[self._changing] -= delta
-            for k, n in before.items():
-                self._share[k] += dt * n / self._inflight_any
+            reads = self._inflight["read"] - (delta if self._changing == "read" else 0)
+            self._share["read"] += dt * reads / self._inflight_any
+            self._share["write"] += dt * (self._inflight_any - reads) / self._inflight_any
         self._depth_mark = now
         if self._inflight_any == 0:
             self._since_any = now

@@ -184,11 +184,11 @@ def train(cfg: Config, *, quiet: bool = False) -> Summary:
         for group in opt.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=device)  # summed on the device: one host sync per step, not per micro-batch
-        for _ in range(t.grad_accum):
+        for micro in range(t.grad_accum):
             x, y = dataset.sample(t.micro_batch, gen)
             with autocast():
                 loss = model_loss(model, x.to(device), y.to(device)) / t.grad_accum
-            mem.backward(loss)
+            mem.backward(loss, last=micro == t.grad_accum - 1)
             loss_sum += loss.detach()
         grad_norm = mem.clip_and_step(o.grad_clip)
         step += 1

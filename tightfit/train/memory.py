@@ -32,7 +32,7 @@ class MemorySetup(Protocol):
     optimizer: torch.optim.Optimizer
 
     def describe(self) -> str: ...
-    def backward(self, loss: torch.Tensor) -> None: ...
+    def backward(self, loss: torch.Tensor, last: bool = False) -> None: ...
     def clip_and_step(self, max_norm: float) -> float | None: ...
     def named_shapes(self) -> list[tuple[str, tuple[int, ...]]]: ...
     def export_state(self) -> Iterator[tuple[str, torch.Tensor]]: ...
@@ -59,7 +59,8 @@ class _Stepping:
     def clip_grad_norm(self, max_norm: float) -> float:
         raise NotImplementedError
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, last: bool = False) -> None:
+        """Backward of one micro-batch; `last`: the last before the optimizer step."""
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
     def clip_and_step(self, max_norm: float) -> float | None:
@@ -150,6 +151,7 @@ class OffloadMemory(_Stepping):
         self.optimizer = tightfit.optim.AdamW(param_groups(self.model, o.weight_decay), lr=o.lr,
                                               betas=(o.beta1, o.beta2))
         self.scaler = LossScaler() if dtype == torch.float16 else None
+        self._step_early = o.grad_clip <= 0 and self.scaler is None
         self._peak_rss = _rss()
 
     def describe(self) -> str:
@@ -157,6 +159,13 @@ class OffloadMemory(_Stepping):
 
     def clip_grad_norm(self, max_norm: float) -> float:
         return self.optimizer.clip_grad_norm_(max_norm)
+
+    def backward(self, loss: torch.Tensor, last: bool = False) -> None:
+        # Without clipping or loss scaling nothing needs every gradient before a unit steps: each unit's optimizer
+        # step then runs during the last backward, as its gradients land (docs/ENGINE.md, "Clipping and overlap").
+        if last and self._step_early:
+            self.optimizer.step_during_backward()
+        super().backward(loss, last)
 
     def named_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         return list(self._shapes)
