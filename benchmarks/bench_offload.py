@@ -29,6 +29,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import threading
@@ -116,12 +117,10 @@ def _build(cfg: GPTConfig, placement: Placement) -> tuple[torch.nn.Module, AdamW
     return model, AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
 
 
-def _train(model, opt, cfg, batch: int, steps: int, early: bool = False, after_first=None) -> list[float]:
-    """Train `steps` steps; times per step. after_first() runs after step 0 (the step that records the order)."""
+def _train(model, opt, cfg, batch: int, steps: int, early: bool = False, after_step=None) -> list[float]:
+    """Train `steps` steps; times per step. after_step(step) runs after each step, outside the timing."""
     times = []
     for step in range(steps):
-        if step == 1 and after_first is not None:
-            after_first()
         t0 = time.perf_counter()
         x, y = _batch(cfg, batch, step)
         loss = model(x, y)
@@ -132,6 +131,8 @@ def _train(model, opt, cfg, batch: int, steps: int, early: bool = False, after_f
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
         print(f"  step {step}: loss {loss.item():.4f}  {times[-1]:.2f} s", flush=True)
+        if after_step is not None:
+            after_step(step)
     return times
 
 
@@ -167,6 +168,17 @@ def _raw_in_subprocess(folder: Path, volume: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _raw_mixed_in_subprocess(folder: Path, read_bytes: int, write_bytes: int) -> float:
+    """`measure_raw_mixed` in a child process (256 MiB of staging memory that must not count here)."""
+    code = ("import sys; from tightfit.offload.disk_bench import measure_raw_mixed, staging_buffer; "
+            "print(measure_raw_mixed(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), "
+            "staging=staging_buffer(256 << 20)))")
+    folder.mkdir(parents=True, exist_ok=True)
+    out = subprocess.run([sys.executable, "-c", code, str(folder), str(read_bytes), str(write_bytes)], check=True,
+                         capture_output=True, text=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
 def memory(args) -> dict:
     """Acceptance 2 (memory) and 3 (NVMe bandwidth during training) in one run.
 
@@ -176,7 +188,8 @@ def memory(args) -> dict:
     transfers of one step's volume in the same folder, measured right before and right after training (the
     virtual disk of the benchmark machine drifts by tens of percent between minutes; the mean of the two is the
     reference, both are reported). `disk_time_efficiency`: seconds the raw disk needs for everything moved, over
-    the seconds the tier kept the disk busy."""
+    the seconds the tier kept the disk busy; `mixed_per_step`: per step, the raw disk's time for that step's
+    reads and writes issued together (measured right after the step), over the tier's busy time in the step."""
     _fixed_mmap_threshold()
     _warm_up()
     overhead = psutil.Process().memory_info().rss
@@ -206,16 +219,32 @@ def memory(args) -> dict:
     model, opt = _build(cfg, placement)
     engine = engine_of(model)
     disk = engine.stores[Tier.NVME].nvme
-    before = {}
-    times = _train(model, opt, cfg, args.batch, args.steps, early=args.early,
-                   after_first=lambda: before.update(disk.stats()))
-    after = disk.stats()
+    # Per step after the first: the tier's disk traffic and busy time, then (training paused) the raw disk's time
+    # for exactly those bytes read and written at once, measured right then by a child process. The virtual disk
+    # of the benchmark machine drifts by up to 2x within minutes: only an adjacent raw figure is a fair reference.
+    marks: list[dict] = []
+    mixed: list[dict] = []
+
+    def after_step(step: int) -> None:
+        engine.wait_writes()  # this step's write-backs belong to it (they would otherwise run into the next)
+        marks.append(disk.stats())
+        if step >= 1:
+            dr = marks[-1]["bytes_read"] - marks[-2]["bytes_read"]
+            dw = marks[-1]["bytes_written"] - marks[-2]["bytes_written"]
+            busy = marks[-1]["busy_s"] - marks[-2]["busy_s"]
+            raw_s = _raw_mixed_in_subprocess(folder / "raw", dr, dw)
+            mixed.append({"read": dr, "written": dw, "busy_s": busy, "raw_mixed_s": raw_s,
+                          "efficiency": raw_s / busy})
+
+    times = _train(model, opt, cfg, args.batch, args.steps, early=args.early, after_step=after_step)
+    before, after = marks[0], marks[-1]
     peak = max(sampler.stop(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     rep = engine.memory_report()
     timings = {k: round(v, 3) for k, v in engine.timings().items() if k != "nvme"}
     d = {k: after[k] - before[k] for k in ("bytes_read", "bytes_written", "read_busy_s", "write_busy_s", "busy_s",
                                            "depth_s", "read_share_s", "write_share_s")}
     engine.close()
+    per_step = args.steps - 1
     raw_after = _raw_in_subprocess(folder / "raw", volume)
     raw = {k: (raw_before[k] + raw_after[k]) / 2 for k in ("read", "write")}
     train_read = d["bytes_read"] / d["read_share_s"]
@@ -235,6 +264,9 @@ def memory(args) -> dict:
         "raw_after_GBps": {k: raw_after[k] / 1e9 for k in ("read", "write")},
         "read_vs_raw": train_read / raw["read"], "write_vs_raw": train_write / raw["write"],
         "disk_time_efficiency": (d["bytes_read"] / raw["read"] + d["bytes_written"] / raw["write"]) / d["busy_s"],
+        # Per step: the raw disk's time for the step's bytes read and written at once, measured right after it,
+        # over the disk time the tier took for them.
+        "mixed_per_step": mixed, "mixed_efficiency_median": statistics.median(m["efficiency"] for m in mixed),
         "mean_queue_depth": d["depth_s"] / d["busy_s"], "busy_s": d["busy_s"],
         # Per-direction busy time counting overlap twice (the old, pessimistic time base), for comparison.
         "read_vs_raw_own_busy": d["bytes_read"] / d["read_busy_s"] / raw["read"],
@@ -307,7 +339,7 @@ def overlap(args) -> dict:
     nvme_after += _train(model, opt, cfg, args.batch, 1)
     traffic.recording = False
     engine.wait_writes()
-    io_after = [traffic.replay() for _ in range(2)]
+    io_after = [traffic.replay() for _ in range(3)]
     traffic.ops.clear()
     print("every state on NVMe, optimizer during backward (step_during_backward):")
     engine.reset_timings()
@@ -317,13 +349,16 @@ def overlap(args) -> dict:
     traffic.recording = False
     timings = engine.timings()
     engine.wait_writes()
-    io = [traffic.replay() for _ in range(2)]
+    io = [traffic.replay() for _ in range(3)]
     engine.close()
     shutil.rmtree(folder, ignore_errors=True)
     c, n, i = min(compute), min(nvme), min(io)
+    med = statistics.median
     return {"compute_step_s": compute, "nvme_step_after_backward_s": nvme_after, "nvme_step_s": nvme,
             "io_only_s": io, "io_only_after_backward_s": io_after, "ratio_best": n / max(c, i),
+            "ratio_median": med(nvme) / max(med(compute), med(io)),
             "ratio_after_backward": min(nvme_after) / max(c, min(io_after)),
+            "ratio_after_backward_median": med(nvme_after) / max(med(compute), med(io_after)),
             "engine_timings": {k: v for k, v in timings.items() if k != "nvme"}}
 
 
