@@ -98,3 +98,4 @@ def test_offloaded_run_without_clipping_steps_during_backward_and_matches_plain(
     assert got.keys() == ref.keys()
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=1e-6, atol=0, msg=k)
+    assert not list((tmp_path / "swap").glob("*.safetensors")), "the run left its swap files behind"

@@ -7,6 +7,7 @@ PyTorch and offloaded models: what differs is which model/optimizer pair `setup_
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from contextlib import nullcontext
@@ -143,93 +144,99 @@ def train(cfg: Config, *, quiet: bool = False) -> Summary:
         ckpt.check_compatible(resume_from, [(n, tuple(p.shape)) for n, p in model.named_parameters()])
 
     mem: MemorySetup = setup_memory(model, cfg, device, dtype)
-    model, opt = mem.model, mem.optimizer
-    say = (lambda s: None) if quiet else (lambda s: print(s, flush=True))
-    say(mem.describe())
+    try:
+        model, opt = mem.model, mem.optimizer
+        say = (lambda s: None) if quiet else (lambda s: print(s, flush=True))
+        say(mem.describe())
 
-    gen = data_generator(t.seed)
-    start_step = 0
-    if resume_from is not None:
-        mem.import_state(resume_from.get)
-        ckpt.restore_rng(resume_from.rng_states(), gen)
-        start_step = resume_from.step
-        say(f"resumed from {ckpt_path} at step {start_step}")
-    elif stream_weights:
-        from tightfit.models.hf_load import HFCheckpoint
-        from tightfit.models.hf_wrap import checkpoint_values
+        gen = data_generator(t.seed)
+        start_step = 0
+        if resume_from is not None:
+            mem.import_state(resume_from.get)
+            ckpt.restore_rng(resume_from.rng_states(), gen)
+            start_step = resume_from.step
+            say(f"resumed from {ckpt_path} at step {start_step}")
+        elif stream_weights:
+            from tightfit.models.hf_load import HFCheckpoint
+            from tightfit.models.hf_wrap import checkpoint_values
 
-        with checkpoint_values(HFCheckpoint.open(hf_folder)) as get:
-            mem.import_state(get)
-    if start_step >= t.steps:
-        raise UsageError(f"--steps: the checkpoint is already at step {start_step}; ask for more than that")
+            with checkpoint_values(HFCheckpoint.open(hf_folder)) as get:
+                mem.import_state(get)
+        if start_step >= t.steps:
+            raise UsageError(f"--steps: the checkpoint is already at step {start_step}; ask for more than that")
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    val_batches = dataset.val_batches(t.eval_batches, t.micro_batch, seed=t.seed + 1)
-    tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum
-    progress = Progress(t.steps, start_step, tokens_per_step, out_dir / "metrics.jsonl", mem.memory_in_use,
-                        enabled=not quiet)
-    autocast = ((lambda: torch.autocast(device.type, dtype=dtype)) if dtype != torch.float32 else nullcontext)
-    say(f"training {sum(p.numel() for p in model.parameters()):,} parameters on {device} ({str(dtype)[6:]}), "
-        f"{len(dataset.train):,} train / {len(dataset.val):,} val tokens, {tokens_per_step:,} tokens per step")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        val_batches = dataset.val_batches(t.eval_batches, t.micro_batch, seed=t.seed + 1)
+        tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum
+        progress = Progress(t.steps, start_step, tokens_per_step, out_dir / "metrics.jsonl", mem.memory_in_use,
+                            enabled=not quiet)
+        autocast = ((lambda: torch.autocast(device.type, dtype=dtype)) if dtype != torch.float32 else nullcontext)
+        say(f"training {sum(p.numel() for p in model.parameters()):,} parameters on {device} ({str(dtype)[6:]}), "
+            f"{len(dataset.train):,} train / {len(dataset.val):,} val tokens, {tokens_per_step:,} tokens per step")
 
-    def save(step: int) -> Path:
-        return ckpt.save_checkpoint(ckpt_path, mem.export_state(), step=step, config=cfg.to_dict(),
-                                    signature=ckpt.model_signature(mem.named_shapes()),
-                                    rng=ckpt.capture_rng(gen))
+        def save(step: int) -> Path:
+            return ckpt.save_checkpoint(ckpt_path, mem.export_state(), step=step, config=cfg.to_dict(),
+                                        signature=ckpt.model_signature(mem.named_shapes()),
+                                        rng=ckpt.capture_rng(gen))
 
-    t_start = time.perf_counter()
-    step, loss_val, val_loss, grad_norm = start_step, float("nan"), float("nan"), None
-    while step < t.steps:
-        lr = lr_at(step, cfg)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        loss_sum = torch.zeros((), device=device)  # summed on the device: one host sync per step, not per micro-batch
-        for micro in range(t.grad_accum):
-            x, y = dataset.sample(t.micro_batch, gen)
-            with autocast():
-                loss = model_loss(model, x.to(device), y.to(device)) / t.grad_accum
-            mem.backward(loss, last=micro == t.grad_accum - 1)
-            loss_sum += loss.detach()
-        grad_norm = mem.clip_and_step(o.grad_clip)
-        step += 1
-        loss_val = loss_sum.item()
-        if not math.isfinite(loss_val):
-            raise UsageError(f"--lr: the loss became {loss_val} at step {step}; lower --lr or raise --warmup-steps")
-        if step % t.log_interval == 0 or step == t.steps:
-            progress.step(step, loss_val, lr, grad_norm)
-        if step % t.eval_interval == 0 or step == t.steps:
-            val_loss = evaluate(model, val_batches, model_loss, device, autocast)
-            progress.eval(step, val_loss)
-        if t.save_interval and step % t.save_interval == 0 and step < t.steps:
-            save(step)
-        stop = ""
-        if t.stop_at and step >= t.stop_at and step < t.steps:
-            stop = f"--stop-at {t.stop_at} reached"
-        elif t.max_time and time.perf_counter() - t_start > t.max_time:
-            stop = f"--max-time {t.max_time:g}s reached at step {step}"
-        if stop:
-            say(f"{stop}; continue with --resume")
-            if step % t.eval_interval:
+        t_start = time.perf_counter()
+        step, loss_val, val_loss, grad_norm = start_step, float("nan"), float("nan"), None
+        while step < t.steps:
+            lr = lr_at(step, cfg)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            loss_sum = torch.zeros((), device=device)  # summed on the device: one host sync per step, not per micro-batch
+            for micro in range(t.grad_accum):
+                x, y = dataset.sample(t.micro_batch, gen)
+                with autocast():
+                    loss = model_loss(model, x.to(device), y.to(device)) / t.grad_accum
+                mem.backward(loss, last=micro == t.grad_accum - 1)
+                loss_sum += loss.detach()
+            grad_norm = mem.clip_and_step(o.grad_clip)
+            step += 1
+            loss_val = loss_sum.item()
+            if not math.isfinite(loss_val):
+                raise UsageError(f"--lr: the loss became {loss_val} at step {step}; lower --lr or raise --warmup-steps")
+            if step % t.log_interval == 0 or step == t.steps:
+                progress.step(step, loss_val, lr, grad_norm)
+            if step % t.eval_interval == 0 or step == t.steps:
                 val_loss = evaluate(model, val_batches, model_loss, device, autocast)
                 progress.eval(step, val_loss)
-            break
+            if t.save_interval and step % t.save_interval == 0 and step < t.steps:
+                save(step)
+            stop = ""
+            if t.stop_at and step >= t.stop_at and step < t.steps:
+                stop = f"--stop-at {t.stop_at} reached"
+            elif t.max_time and time.perf_counter() - t_start > t.max_time:
+                stop = f"--max-time {t.max_time:g}s reached at step {step}"
+            if stop:
+                say(f"{stop}; continue with --resume")
+                if step % t.eval_interval:
+                    val_loss = evaluate(model, val_batches, model_loss, device, autocast)
+                    progress.eval(step, val_loss)
+                break
 
-    seconds = time.perf_counter() - t_start
-    path = save(step)
-    if t.export_hf:
-        export_hf(model, mem, t.export_hf)
-        say(f"exported the model in the Hugging Face layout to {t.export_hf}")
-    summary = Summary(steps_done=step - start_step, final_step=step, train_loss=loss_val, val_loss=val_loss,
-                      seconds=seconds, tokens_per_s=(step - start_step) * tokens_per_step / max(seconds, 1e-9),
-                      checkpoint=path, peak_memory=mem.peak_memory())
-    progress.log({"kind": "summary", "steps": summary.steps_done, "final_step": step, "train_loss": loss_val,
-                  "val_loss": val_loss, "seconds": seconds, "tokens_per_s": summary.tokens_per_s,
-                  "peak_memory": summary.peak_memory})
-    peaks = ", ".join(f"{k} {format_size(v)}" for k, v in summary.peak_memory.items())
-    say(f"done: {summary.steps_done} steps in {format_duration(seconds)} ({summary.tokens_per_s:,.0f} tok/s), "
-        f"train loss {loss_val:.4f}, val loss {val_loss:.4f} nats/token; peak memory {peaks}; "
-        f"checkpoint {path}")
-    comparison = mem.compare_with_plan(seconds / max(1, summary.steps_done))
-    if comparison:
-        say(comparison)
+        seconds = time.perf_counter() - t_start
+        path = save(step)
+        if t.export_hf:
+            export_hf(model, mem, t.export_hf)
+            say(f"exported the model in the Hugging Face layout to {t.export_hf}")
+        summary = Summary(steps_done=step - start_step, final_step=step, train_loss=loss_val, val_loss=val_loss,
+                          seconds=seconds, tokens_per_s=(step - start_step) * tokens_per_step / max(seconds, 1e-9),
+                          checkpoint=path, peak_memory=mem.peak_memory())
+        progress.log({"kind": "summary", "steps": summary.steps_done, "final_step": step, "train_loss": loss_val,
+                      "val_loss": val_loss, "seconds": seconds, "tokens_per_s": summary.tokens_per_s,
+                      "peak_memory": summary.peak_memory})
+        peaks = ", ".join(f"{k} {format_size(v)}" for k, v in summary.peak_memory.items())
+        say(f"done: {summary.steps_done} steps in {format_duration(seconds)} ({summary.tokens_per_s:,.0f} tok/s), "
+            f"train loss {loss_val:.4f}, val loss {val_loss:.4f} nats/token; peak memory {peaks}; "
+            f"checkpoint {path}")
+        comparison = mem.compare_with_plan(seconds / max(1, summary.steps_done))
+        if comparison:
+            say(comparison)
+    except BaseException:
+        with contextlib.suppress(Exception):  # the error in flight is the one to report
+            mem.close()
+        raise
+    mem.close()  # stops the engine's threads and removes its swap files (the checkpoint has the state)
     return summary

@@ -38,6 +38,7 @@ class MemorySetup(Protocol):
     def export_state(self) -> Iterator[tuple[str, torch.Tensor]]: ...
     def import_state(self, get: Callable[[str], torch.Tensor]) -> None: ...
     def memory_in_use(self) -> dict[str, int]: ...
+    def close(self) -> None: ...
     def peak_memory(self) -> dict[str, int]: ...
     def compare_with_plan(self, step_seconds: float) -> str | None: ...
 
@@ -58,6 +59,9 @@ class _Stepping:
 
     def clip_grad_norm(self, max_norm: float) -> float:
         raise NotImplementedError
+
+    def close(self) -> None:
+        """Let go of what the setup holds beyond the model itself (nothing, for plain PyTorch)."""
 
     def backward(self, loss: torch.Tensor, last: bool = False) -> None:
         """Backward of one micro-batch; `last`: the last before the optimizer step."""
@@ -159,6 +163,9 @@ class OffloadMemory(_Stepping):
 
     def clip_grad_norm(self, max_norm: float) -> float:
         return self.optimizer.clip_grad_norm_(max_norm)
+
+    def close(self) -> None:
+        self.engine.close()  # drains write-backs, stops the I/O threads, deletes the swap files
 
     def backward(self, loss: torch.Tensor, last: bool = False) -> None:
         # Without clipping or loss scaling nothing needs every gradient before a unit steps: each unit's optimizer
