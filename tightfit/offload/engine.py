@@ -7,11 +7,13 @@ attached to the model's parameters.
 
 Life of a unit's parameters in one step (see docs/ENGINE.md for the full picture):
   forward start    -> materialise (wait for the prefetch, or fetch now); prefetch the next `depth` units
-  forward end      -> release (storage freed; autograd's saved views stay valid, see flat_unit's note)
+  forward end      -> release (storage freed; autograd's saved views stay valid, see flat_unit's note), unless
+                      the unit is among the first `depth` of the coming backward (it stays, idle)
   backward start   -> materialise again; prefetch the next units in backward order
   grads complete   -> ship the gradients to the grads tier (accumulating), release
   end of backward  -> ship/release whatever the per-unit events did not (unused parameters, frozen units)
-The root unit is materialised from the model's forward start until its gradients are complete.
+The root unit is materialised from the model's forward start until its gradients are complete; when it is stepped
+during backward on a CPU device it stays materialised into the next step ([Note: master from the fetch]).
 
 [Note: device budget] Device bytes in use = the device-tier stores (fixed at wrap) + the flat buffers of the
 units materialised right now. A prefetch only starts when its unit fits; materialising a needed unit first
