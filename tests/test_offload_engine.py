@@ -206,3 +206,30 @@ def test_step_during_backward_reads_nothing_it_already_holds(tmp_path):
         expected.append(loss.item())
     assert losses == expected
     engine_of(model).close()
+
+
+def test_a_dropped_wrapped_model_is_freed_with_its_engine_threads_and_swap_files(tmp_path):
+    """Dropping every reference to a wrapped model (without engine.close()) frees it: the engine does not keep its
+    model alive, and the model's finalizer closes the engine (threads stopped, swap files deleted)."""
+    import gc
+    import threading
+    import weakref
+
+    def io_threads() -> set:
+        return {t for t in threading.enumerate() if t.name.startswith("tightfit-nvme")}
+
+    before = io_threads()  # other tests' engines may still be alive: only this engine's threads count
+    swap = tmp_path / "swap"
+    model = tightfit.wrap(tiny_gpt(), Placement.everywhere(Tier.NVME, nvme_dir=str(swap)))
+    assert io_threads() - before
+    opt = AdamW(model.parameters(), lr=1e-3)
+    loss_of(model, *batch(0)).backward()
+    opt.step()
+    opt.zero_grad()
+    assert list(swap.glob("*.safetensors"))
+    ref = weakref.ref(model)
+    del model, opt
+    gc.collect()
+    assert ref() is None, "the wrapped model is still alive"
+    assert not list(swap.glob("*.safetensors")), "its swap files were left behind"
+    assert not io_threads() - before, "its I/O threads are still running"

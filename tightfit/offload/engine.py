@@ -24,8 +24,10 @@ activations are the model's own; neither is counted, so leave headroom for them 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 
@@ -61,6 +63,12 @@ def engine_of_param(p: torch.Tensor) -> "OffloadEngine | None":
     return _PARAM_ENGINE.get(p)
 
 
+def _close_quietly(engine: "OffloadEngine") -> None:
+    """Finalizer of a model dropped without `close()`: nobody is left to report an error to."""
+    with contextlib.suppress(Exception):
+        engine.close()
+
+
 def _replace_meta_params(model: nn.Module) -> bool:
     """Swap parameters on the meta device for storage-less CPU parameters of the same shape (ties kept).
 
@@ -88,7 +96,8 @@ class OffloadEngine:
             raise UsageError("wrap: this model is already wrapped")
         if compute_dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise UsageError(f"wrap(compute_dtype=...): use torch.float32, bfloat16 or float16, not {compute_dtype}")
-        self.model = model
+        self._model = weakref.ref(model)  # weak: the model's hooks hold the engine, not the other way round
+        self._closed = False
         self.placement = placement
         self.compute_dtype = compute_dtype
         self.device = device
@@ -164,6 +173,9 @@ class OffloadEngine:
         self._param_order = [self._slot_of[id(p)] for p in model.parameters() if id(p) in self._slot_of]
         self._handles = register_hooks(self)
         _ENGINES[model] = self
+        # A model dropped without `close()` closes its engine when collected (or at interpreter exit): the
+        # threads stop and the swap files go.
+        self._finalizer = weakref.finalize(model, _close_quietly, self)
         for unit in self.units.values():
             for slot in unit.spec.slots:
                 _PARAM_ENGINE[slot.param] = self
@@ -643,8 +655,17 @@ class OffloadEngine:
                 "states": {s.value: {"tier": unit.placement.tier(s).value, "where": unit.where[s].value,
                                      "bytes": sizes[s]} for s in State}}
 
+    @property
+    def model(self) -> nn.Module | None:
+        """The wrapped model (None once it has been collected)."""
+        return self._model()
+
     def close(self) -> None:
-        """Remove the hooks and free the engine's buffers (the model is unusable afterwards)."""
+        """Remove the hooks and free the engine's buffers (the model is unusable afterwards). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer.detach()
         self.wait_grads()
         self.wait_early_steps()
         self.wait_writes()
@@ -658,4 +679,6 @@ class OffloadEngine:
         for store in self.stores.values():
             store.close()
         self.pool.clear()
-        _ENGINES.pop(self.model, None)
+        model = self.model
+        if model is not None:
+            _ENGINES.pop(model, None)

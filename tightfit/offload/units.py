@@ -63,8 +63,10 @@ class UnitSpec:
     """The parameters of one unit and their layout. Immutable after `find_units`."""
 
     name: str
-    module: nn.Module
-    """The module whose forward brackets the unit's use (the whole model for the root unit)."""
+    module: nn.Module | None
+    """The module whose forward brackets the unit's use; None for the root unit, whose forward is the model's own
+    (the model is not held here: an engine keeping it alive would keep a dropped model, its buffers and its swap
+    files forever)."""
     slots: list[Slot] = field(default_factory=list)
     numel: int = 0
     """Elements in the flat buffer (all parameters, with alignment padding)."""
@@ -140,7 +142,7 @@ def find_units(model: nn.Module, policy: UnitPolicy = None) -> list[UnitSpec]:
                 by_id[id(p)] = p
     unit_of = {pid: (next(iter(u)) if len(u) == 1 else ROOT_UNIT) for pid, u in users.items()}
 
-    specs = {ROOT_UNIT: UnitSpec(ROOT_UNIT, model)}
+    specs = {ROOT_UNIT: UnitSpec(ROOT_UNIT, None)}
     specs.update({path: UnitSpec(path, module) for path, module in chosen.items()})
     members: dict[str, list[tuple[str, nn.Parameter]]] = {name: [] for name in specs}
     for name, p in model.named_parameters():  # remove_duplicate=True: tied parameters appear once
