@@ -339,6 +339,18 @@ def test_raw_bandwidth_probe(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_raw_mixed_read_write_probe(tmp_path):
+    # Reads and writes at once, as a training step does: a positive time, and nothing left in the folder.
+    staging = disk_bench.staging_buffer(4 << 20)
+    try:
+        seconds = disk_bench.measure_raw_mixed(tmp_path, 6 << 20, 3 << 20, block_bytes=1 << 20, staging=staging)
+    except UsageError as e:  # a filesystem without O_DIRECT (tmpfs): said in one line, naming the folder
+        assert "O_DIRECT" in str(e) and str(tmp_path) in str(e)
+    else:
+        assert seconds > 0
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bandwidth_through_small_shared_staging(tmp_path):
     # A volume larger than the staging memory cycles through it (both measurements), and still moves every byte.
     staging = disk_bench.staging_buffer(6 << 20, max_bytes=2 << 20)

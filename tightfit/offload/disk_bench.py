@@ -20,6 +20,7 @@ then the only difference between the two figures is the store's code path.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 import shutil
@@ -29,6 +30,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -115,30 +117,20 @@ def measure_raw_mixed(
     paths = [folder / f".tightfit-mixbench-{os.getpid()}-{k}.tmp" for k in ("r", "w")]
     fds = []
     try:
-        for path, n in zip(paths, (rblocks, wblocks)):
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o600)
-            fds.append(fd)
-            os.posix_fallocate(fd, 0, n * block_bytes)
-        _run_blocks(fds[0], views, rblocks, block_bytes, queue_depth, write=True)  # the bytes to read back
+        try:
+            for path, n in zip(paths, (rblocks, wblocks)):
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o600)
+                fds.append(fd)
+                os.posix_fallocate(fd, 0, n * block_bytes)
+            _run_blocks(fds[0], views, rblocks, block_bytes, queue_depth, write=True)  # the bytes to read back
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            raise UsageError(f"--nvme: the filesystem of {folder} refuses O_DIRECT transfers; the mixed raw "
+                             "measurement needs them") from None
         half = max(1, queue_depth // 2)
-        results: list[BaseException] = []
-
-        def stream(fd: int, n: int, write: bool) -> None:
-            try:
-                _run_blocks(fd, views, n, block_bytes, half, write=write)
-            except BaseException as e:  # reported on the calling thread below
-                results.append(e)
-
-        threads = [threading.Thread(target=stream, args=(fds[0], rblocks, False)),
-                   threading.Thread(target=stream, args=(fds[1], wblocks, True))]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        elapsed = time.perf_counter() - t0
-        if results:
-            raise results[0]
+        elapsed = _timed_threads([functools.partial(_run_blocks, fds[0], views, rblocks, block_bytes, half, False),
+                                  functools.partial(_run_blocks, fds[1], views, wblocks, block_bytes, half, True)])
         return elapsed * (read_bytes + write_bytes) / ((rblocks + wblocks) * block_bytes)
     finally:
         for fd in fds:
@@ -285,29 +277,39 @@ def _run_blocks(
     """
     lock = threading.Lock()
     next_block = [0]
-    errors: list[BaseException] = []
 
     def worker() -> None:
+        while True:
+            with lock:
+                i = next_block[0]
+                next_block[0] += 1
+            if i >= nblocks:
+                return
+            off, done, view = i * block_bytes, 0, views[i % len(views)]
+            while done < block_bytes:
+                if write:
+                    n = os.pwrite(fd, view[done:], off + done)
+                else:
+                    n = os.preadv(fd, [view[done:]], off + done)
+                if n <= 0:
+                    raise OSError(errno.EIO, "short transfer in the disk benchmark")
+                done += n
+
+    return _timed_threads([worker] * queue_depth)
+
+
+def _timed_threads(fns: list[Callable[[], object]]) -> float:
+    """Run each callable on a thread of its own, all at once; seconds until the last is done. The first error
+    any of them raised is raised here."""
+    errors: list[BaseException] = []
+
+    def run(fn: Callable[[], object]) -> None:
         try:
-            while True:
-                with lock:
-                    i = next_block[0]
-                    next_block[0] += 1
-                if i >= nblocks:
-                    return
-                off, done, view = i * block_bytes, 0, views[i % len(views)]
-                while done < block_bytes:
-                    if write:
-                        n = os.pwrite(fd, view[done:], off + done)
-                    else:
-                        n = os.preadv(fd, [view[done:]], off + done)
-                    if n <= 0:
-                        raise OSError(errno.EIO, "short transfer in the disk benchmark")
-                    done += n
+            fn()
         except BaseException as e:  # reported on the calling thread below
             errors.append(e)
 
-    threads = [threading.Thread(target=worker, name="tightfit-diskbench") for _ in range(queue_depth)]
+    threads = [threading.Thread(target=run, args=(fn,), name="tightfit-diskbench") for fn in fns]
     t0 = time.perf_counter()
     for t in threads:
         t.start()

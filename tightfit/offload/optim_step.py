@@ -73,23 +73,7 @@ def _prepare(engine, unit: OffloadUnit, grads: bool = True, into: _Loaded | None
             work.tensors[entry] = work.borrowed[entry] = unit.held_grads
             unit.held_grads = None
             continue
-        if state == State.MASTER and entry == PARAMS and (unit.master_in_flat or engine.steps_in_flat(unit)):
-            if unit.flat_write is not None:
-                unit.flat_write.result()  # the previous step's write-back still reads `flat`
-            work.tensors[entry] = unit.flat_io
-            work.in_flat = True
-            continue
-        if state == State.MASTER and unit.kept_master is not None:  # the backward fetch's staging copy
-            work.tensors[entry] = work.borrowed[entry] = unit.kept_master
-            unit.kept_master = None
-            continue
-        if (state == State.MASTER and entry == PARAMS and not unit.resident and unit.flat.device.type == "cpu"
-                and unit.where[State.PARAMS] == Where.ON_DEVICE
-                and unit.store[state].tensor(unit.name, entry) is None):
-            # Materialised on the CPU (kept from forward for its backward): a memcpy, not a disk read.
-            buf = engine.pool.take(numel, torch.float32)
-            buf.copy_(unit.flat_io)
-            work.tensors[entry] = work.borrowed[entry] = buf
+        if state == State.MASTER and _master_from_memory(engine, unit, work):
             continue
         store = unit.store[state]
         t = store.tensor(unit.name, entry)
@@ -105,6 +89,32 @@ def _prepare(engine, unit: OffloadUnit, grads: bool = True, into: _Loaded | None
         else:
             work.loads.append(store.load(unit.name, entry, buf))
     return work
+
+
+def _master_from_memory(engine, unit: OffloadUnit, work: _Loaded) -> bool:
+    """Put the unit's fp32 master into `work` from a copy already in memory, if there is one ([Note: master from
+    the fetch], flat_unit.py); False: it must be read from its tier. The copies, best first:
+    the root's materialised params (stepped in place), the staging buffer of the unit's backward fetch, and the
+    flat buffer of a unit still materialised on the CPU (kept from forward for its backward: a memcpy)."""
+    if unit.master_entry != PARAMS and unit.kept_master is None:
+        return False
+    if unit.master_in_flat or engine.steps_in_flat(unit):
+        if unit.flat_write is not None:
+            unit.flat_write.result()  # the previous step's write-back still reads `flat`
+        work.tensors[PARAMS] = unit.flat_io
+        work.in_flat = True
+        return True
+    if unit.kept_master is not None:
+        work.tensors[unit.master_entry] = work.borrowed[unit.master_entry] = unit.kept_master
+        unit.kept_master = None
+        return True
+    if (not unit.resident and unit.flat.device.type == "cpu" and unit.where[State.PARAMS] == Where.ON_DEVICE
+            and unit.store[State.MASTER].tensor(unit.name, PARAMS) is None):
+        buf = engine.pool.take(unit.spec.numel, torch.float32)
+        buf.copy_(unit.flat_io)
+        work.tensors[PARAMS] = work.borrowed[PARAMS] = buf
+        return True
+    return False
 
 
 def _step(unit: OffloadUnit, work: _Loaded, groups: list[tuple[dict, list[int]]],
