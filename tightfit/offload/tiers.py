@@ -110,12 +110,15 @@ class DiskStore(TierStore):
     tier = Tier.NVME
 
     def __init__(self, folder: str, budget_bytes: int | None = None, threads: int = 8,
-                 chunk_bytes: int = 1 << 20) -> None:
+                 chunk_bytes: int = 512 << 10) -> None:
         try:
             from tightfit.offload.nvme import NvmeStore
         except ImportError as e:  # pragma: no cover - only while the NVMe engine is missing
             raise UsageError(f"the NVMe tier is not available in this build ({e}); place no state on nvme") from None
-        # 1 MiB chunks: a unit's entry is a few MB, so smaller chunks are what keeps `threads` requests in flight.
+        # 512 KiB chunks: a unit's entry is a few MB, and small chunks are what keeps `threads` requests in flight
+        # while compute runs. Measured on the 2-core VM (benchmarks/RESULTS.md): 8 threads x 512 KiB moved a
+        # training step's bytes at 0.86-0.96 of the raw disk's time, x 1 MiB at 0.68-0.76, x 4 MiB at 0.53-0.54,
+        # x 256 KiB at 0.55-0.70; more threads did worse.
         self.nvme = NvmeStore(folder, budget_bytes=budget_bytes, threads=threads, chunk_bytes=chunk_bytes)
         self.bytes = 0  # host bytes: none; disk usage is reported by `nvme.stats()`
         self.disk_bytes = 0
