@@ -212,7 +212,8 @@ def memory(args) -> dict:
         activations = act_bytes(profile_model(GPT(cfg), args.batch, args.seq), set(checkpointed))
     placement = Placement.everywhere(Tier.NVME, nvme_dir=str(folder), device_budget=device_budget - activations,
                                      host_budget=host_budget, prefetch_depth=args.prefetch,
-                                     checkpoint_units=checkpointed)
+                                     checkpoint_units=checkpointed, nvme_threads=args.io_threads,
+                                     nvme_chunk_bytes=args.chunk_kib << 10)
     volume = 28 * n_params  # one step's traffic each way, about (fwd + bwd params, moments, write-backs)
     raw_before = _raw_in_subprocess(folder / "raw", volume)
     sampler = RssSampler()
@@ -442,6 +443,8 @@ def main() -> None:
                          "lower RSS, a page fault per page on every re-allocation); 'glibc' keeps glibc's adaptive "
                          "defaults (the memory benchmark always trims). "
                          "bench_offload_deepspeed.py takes the same flag: compare like with like")
+    ap.add_argument("--io-threads", type=int, default=8, help="memory: NVMe tier I/O threads")
+    ap.add_argument("--chunk-kib", type=int, default=512, help="memory: NVMe tier transfer size, KiB")
     ap.add_argument("--device-mib", type=int, default=40, help="memory: device budget (the CPU here), MiB")
     ap.add_argument("--host-mib", type=int, default=96, help="memory: host budget (staging, optimizer), MiB")
     ap.add_argument("--threads", type=int, default=1,

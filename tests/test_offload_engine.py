@@ -233,3 +233,13 @@ def test_a_dropped_wrapped_model_is_freed_with_its_engine_threads_and_swap_files
     assert ref() is None, "the wrapped model is still alive"
     assert not list(swap.glob("*.safetensors")), "its swap files were left behind"
     assert not io_threads() - before, "its I/O threads are still running"
+
+
+def test_nvme_io_settings_come_from_the_placement(tmp_path):
+    placement = Placement.everywhere(Tier.NVME, nvme_dir=str(tmp_path / "swap"), nvme_threads=2,
+                                     nvme_chunk_bytes=8192)
+    losses, model, _ = train(tiny_gpt, placement, steps=3)
+    assert losses == train(tiny_gpt, steps=3)[0]
+    nvme = engine_of(model).stores[Tier.NVME].nvme
+    assert nvme.chunk_bytes == 8192 and len(nvme._pool._threads) == 2
+    engine_of(model).close()

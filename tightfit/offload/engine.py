@@ -120,7 +120,9 @@ class OffloadEngine:
             Tier.HOST: MemoryStore(Tier.HOST, torch.device("cpu"), pin=device.type == "cuda"),
         }
         if placement.uses(Tier.NVME):
-            self.stores[Tier.NVME] = DiskStore(placement.nvme_dir, placement.nvme_budget)
+            self.stores[Tier.NVME] = DiskStore(placement.nvme_dir, placement.nvme_budget,
+                                               threads=placement.nvme_threads,
+                                               chunk_bytes=placement.nvme_chunk_bytes)
         self.units: dict[str, OffloadUnit] = {
             s.name: OffloadUnit(s, placement.of(s.name), self.stores, compute_dtype, device) for s in specs}
         self._check_budgets()

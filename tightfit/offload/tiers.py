@@ -115,10 +115,10 @@ class DiskStore(TierStore):
             from tightfit.offload.nvme import NvmeStore
         except ImportError as e:  # pragma: no cover - only while the NVMe engine is missing
             raise UsageError(f"the NVMe tier is not available in this build ({e}); place no state on nvme") from None
-        # 512 KiB chunks: a unit's entry is a few MB, and small chunks are what keeps `threads` requests in flight
-        # while compute runs. Measured on the 2-core VM (benchmarks/RESULTS.md): 8 threads x 512 KiB moved a
-        # training step's bytes at 0.86-0.96 of the raw disk's time, x 1 MiB at 0.68-0.76, x 4 MiB at 0.53-0.54,
-        # x 256 KiB at 0.55-0.70; more threads did worse.
+        # 512 KiB chunks (Placement.nvme_chunk_bytes): a unit's entry is a few MB, and small chunks are what keep
+        # `threads` requests in flight while compute runs. On the 2-core VM, interleaved A/B runs
+        # (benchmarks/RESULTS.md) favoured 8 threads x 512 KiB over 1 MiB, 4 MiB, 256 KiB and more threads; the
+        # disk's drift makes single runs overlap.
         self.nvme = NvmeStore(folder, budget_bytes=budget_bytes, threads=threads, chunk_bytes=chunk_bytes)
         self.bytes = 0  # host bytes: none; disk usage is reported by `nvme.stats()`
         self.disk_bytes = 0
