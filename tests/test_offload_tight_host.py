@@ -16,7 +16,6 @@ SCRIPT = textwrap.dedent("""
     from tightfit import Placement
     from tightfit.models.gpt import GPT, GPTConfig
     from tightfit.offload import engine_of
-    from tightfit.offload.optim_step import _working_bytes
 
     torch.manual_seed(0)
     def model():
@@ -27,7 +26,7 @@ SCRIPT = textwrap.dedent("""
     # Measure one unit's working set with an unbounded engine, then rebuild with a budget just above it.
     probe = model()
     tightfit.wrap(probe, Placement.everywhere("nvme", nvme_dir=sys.argv[1] + "/probe"))
-    work = max(_working_bytes(u) for u in engine_of(probe).units.values())
+    work = max(u.step_bytes for u in engine_of(probe).units.values())
     placement = Placement.everywhere("nvme", nvme_dir=sys.argv[1] + "/swap", host_budget=int(work * 1.3),
                                      prefetch_depth=3)
     tightfit.wrap(wrapped, placement)

@@ -13,7 +13,6 @@ import tightfit
 from tightfit.config import Config
 from tightfit.models.gpt import GPT, GPTConfig
 from tightfit.offload.engine import engine_of
-from tightfit.offload.optim_step import _working_bytes
 from tightfit.offload.placement import Tier
 from tightfit.optim import AdamW
 from tightfit.planner import HardwareProfile, make_plan
@@ -65,7 +64,7 @@ def test_plan_runs_within_budgets(setting, tmp_path):
     # The host figure is the staging pool's peak, which depends on timing: whether the previous unit's write-back
     # has finished when the optimizer's read-ahead takes buffers for the next unit. The prediction assumes it has;
     # one more unit's working set in flight is the engine's worst case.
-    working_set = max(_working_bytes(u) for u in eng.units.values())
+    working_set = max(u.step_bytes for u in eng.units.values())
     assert pr.peak["host"] * 0.9 - 64 * 1024 <= host <= pr.peak["host"] + working_set
     assert rep["nvme"]["bytes"] == pytest.approx(pr.peak["nvme"], rel=0.10, abs=64 * 1024)
     eng.close()

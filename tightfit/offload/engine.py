@@ -216,8 +216,7 @@ class OffloadEngine:
                 tiers = {u.placement.master, u.placement.grads, u.placement.optim}
                 return Tier.NVME in tiers or (self.device.type == "cuda" and Tier.DEVICE in tiers and len(tiers) > 1)
 
-            work = max((4 * u.spec.numel + 12 * u.spec.train_numel + u.compute_bytes
-                        for u in self.units.values() if staged(u)), default=0)
+            work = max((u.step_bytes for u in self.units.values() if staged(u)), default=0)
             if self._host_tier_bytes() + work > p.host_budget:
                 raise UsageError(
                     f"host budget {format_size(p.host_budget)} is too small: host-tier states take "
@@ -265,8 +264,7 @@ class OffloadEngine:
         if (self.device.type != "cpu" or unit.master_entry != PARAMS or unit.resident
                 or unit.fresh_params is not None or unit.name not in self.schedule.first(Phase.FORWARD)):
             return False
-        room = self.pool.room()
-        return room is None or room >= 2 * (4 * unit.spec.numel + 12 * unit.spec.train_numel)
+        return self._pool_has_room(2 * unit.optim_bytes)
 
     def keeps_master(self, unit: OffloadUnit) -> bool:
         """Should a params fetch of `unit` starting now keep its staging buffer for the unit's optimizer step?
@@ -278,8 +276,11 @@ class OffloadEngine:
                 or unit.master_entry != PARAMS or unit.kept_master is not None
                 or unit.store[State.MASTER].tensor(unit.name, PARAMS) is not None):
             return False
+        return self._pool_has_room(2 * unit.optim_bytes)
+
+    def _pool_has_room(self, nbytes: int) -> bool:
         room = self.pool.room()
-        return room is None or room >= 2 * (4 * unit.spec.numel + 12 * unit.spec.train_numel)
+        return room is None or room >= nbytes
 
     def steps_in_flat(self, unit: OffloadUnit) -> bool:
         """Does the root unit's optimizer step run in place on its materialised params (CPU, fp32 master)?"""
@@ -567,10 +568,9 @@ class OffloadEngine:
                         slot.view(buf).copy_(slot.view(old))
                 self.pool.give(old)
             self._record_norms(unit, buf)
-            room = self.pool.room()
             # Hold only while the pool keeps room for a step's working set, else held buffers could starve the
             # step thread that is the only one to free them.
-            if hold and (room is None or room >= 4 * unit.spec.numel + 12 * unit.spec.train_numel):
+            if hold and self._pool_has_room(unit.optim_bytes):
                 unit.held_grads = buf
                 unit.where[State.GRADS] = Where.IN_HOST
                 self._time("grad_accumulate_s", t0)

@@ -116,6 +116,17 @@ class OffloadUnit:
         return out
 
     @property
+    def optim_bytes(self) -> int:
+        """fp32 bytes of the unit's optimizer state in a step: master, gradients and the two moments."""
+        return 4 * self.spec.numel + 12 * self.spec.train_numel
+
+    @property
+    def step_bytes(self) -> int:
+        """Host bytes of the unit's optimizer step through pool buffers: `optim_bytes` plus the compute copy
+        refreshed from the master."""
+        return self.optim_bytes + self.compute_bytes
+
+    @property
     def compute_bytes(self) -> int:
         return self.spec.numel * torch.empty((), dtype=self.compute_dtype).element_size()
 

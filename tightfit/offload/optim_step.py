@@ -53,10 +53,6 @@ def _step_device(engine, unit: OffloadUnit) -> torch.device:
     return torch.device("cpu")
 
 
-def _working_bytes(unit: OffloadUnit) -> int:
-    return 4 * unit.spec.numel + 12 * unit.spec.train_numel + unit.compute_bytes
-
-
 def _prepare(engine, unit: OffloadUnit, grads: bool = True, into: _Loaded | None = None) -> _Loaded:
     """Find or start loading the unit's master, gradients (unless `grads` is False) and moments where the step
     runs; entries already in `into` (a preload) are kept."""
@@ -96,7 +92,7 @@ def _master_from_memory(engine, unit: OffloadUnit, work: _Loaded) -> bool:
     the fetch], flat_unit.py); False: it must be read from its tier. The copies, best first:
     the root's materialised params (stepped in place), the staging buffer of the unit's backward fetch, and the
     flat buffer of a unit still materialised on the CPU (kept from forward for its backward: a memcpy)."""
-    if unit.master_entry != PARAMS and unit.kept_master is None:
+    if unit.master_entry != PARAMS:  # a separate fp32 master: no compute copy holds its values
         return False
     if unit.master_in_flat or engine.steps_in_flat(unit):
         if unit.flat_write is not None:
@@ -105,7 +101,7 @@ def _master_from_memory(engine, unit: OffloadUnit, work: _Loaded) -> bool:
         work.in_flat = True
         return True
     if unit.kept_master is not None:
-        work.tensors[unit.master_entry] = work.borrowed[unit.master_entry] = unit.kept_master
+        work.tensors[PARAMS] = work.borrowed[PARAMS] = unit.kept_master
         unit.kept_master = None
         return True
     if (not unit.resident and unit.flat.device.type == "cpu" and unit.where[State.PARAMS] == Where.ON_DEVICE
@@ -208,7 +204,7 @@ def preload(engine, unit: OffloadUnit) -> None:
     if not unit.trainable or unit.preloaded is not None:
         return
     room = engine.pool.room()
-    if room is not None and room < _working_bytes(unit):
+    if room is not None and room < unit.step_bytes:
         return
     unit.preloaded = _prepare(engine, unit, grads=False)
 
@@ -247,7 +243,7 @@ def step_units(engine, work: list[Work], grad_scales: list[torch.Tensor]) -> Non
         nonlocal nxt
         while nxt < len(work) and len(ahead) < depth:
             room = engine.pool.room()
-            if (ahead or not may_wait) and room is not None and room < _working_bytes(work[nxt][0]):
+            if (ahead or not may_wait) and room is not None and room < work[nxt][0].step_bytes:
                 return
             ahead.append(_prepare(engine, work[nxt][0]))
             nxt += 1

@@ -124,8 +124,8 @@ class CpuMover:
         """Fill `dst` from `src`, a pool buffer that goes back to the pool once copied and `after` is done."""
         def copy() -> None:
             dst.copy_(src)
-            after.result()  # the write-back reading `src` too
-            self.pool.give(src)
+            # The write-back reads `src` too: the buffer goes back when that is done, without holding this thread.
+            after.add_done_callback(lambda _f: self.pool.give(src))
 
         return self.copier.submit(copy)
 
