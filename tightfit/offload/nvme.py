@@ -126,7 +126,6 @@ class NvmeStore:
         self._depth_s = 0.0
         self._depth_mark = 0.0
         self._share = {"read": 0.0, "write": 0.0}
-        self._changing = "read"
         self._direct_bytes = 0
         self._fallbacks = 0
 
@@ -431,8 +430,7 @@ class NvmeStore:
             if self._inflight[kind] == 0:
                 self._since[kind] = now
             self._inflight[kind] += 1
-            self._changing = kind
-            self._count_depth(now, +1)
+            self._count_depth(now, kind, +1)
         done, moved_direct = 0, 0
         try:
             if direct and f.direct and f.dfd is not None:
@@ -460,12 +458,11 @@ class NvmeStore:
                 self._inflight[kind] -= 1
                 if self._inflight[kind] == 0:
                     self._busy[kind] += now - self._since[kind]
-                self._changing = kind
-                self._count_depth(now, -1)
+                self._count_depth(now, kind, -1)
                 self._bytes[kind] += done
                 self._direct_bytes += moved_direct
 
-    def _count_depth(self, now: float, delta: int) -> None:
+    def _count_depth(self, now: float, kind: str, delta: int) -> None:
         """Account the chunks in flight (either direction) up to `now`, then change their count by `delta`.
 
         Called under _lock, after `_inflight[kind]` has already changed by `delta` (hence the correction)."""
@@ -474,7 +471,7 @@ class NvmeStore:
             self._depth_s += self._inflight_any * dt
             # Each direction's share of the busy time: the fraction of the chunks in flight that were its own
             # over the interval just ended (the counts before this change).
-            reads = self._inflight["read"] - (delta if self._changing == "read" else 0)
+            reads = self._inflight["read"] - (delta if kind == "read" else 0)
             self._share["read"] += dt * reads / self._inflight_any
             self._share["write"] += dt * (self._inflight_any - reads) / self._inflight_any
         self._depth_mark = now
