@@ -168,15 +168,41 @@ def _raw_in_subprocess(folder: Path, volume: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _raw_mixed_in_subprocess(folder: Path, read_bytes: int, write_bytes: int) -> float:
-    """`measure_raw_mixed` in a child process (256 MiB of staging memory that must not count here)."""
-    code = ("import sys; from tightfit.offload.disk_bench import measure_raw_mixed, staging_buffer; "
-            "print(measure_raw_mixed(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), "
-            "staging=staging_buffer(256 << 20)))")
-    folder.mkdir(parents=True, exist_ok=True)
-    out = subprocess.run([sys.executable, "-c", code, str(folder), str(read_bytes), str(write_bytes)], check=True,
-                         capture_output=True, text=True)
-    return float(out.stdout.strip().splitlines()[-1])
+class RawMixedProbe:
+    """The raw mixed reference (`disk_bench.RawMixedDisk`), measured on demand by one long-lived child process.
+
+    A child, so its 256 MiB of staging memory does not count in this process's peak RSS; long-lived, so a
+    measurement starts the moment it is asked for. A fresh interpreter per measurement spent ~2 s importing torch
+    with the disk idle right before the raw transfer and not before the training step: on a virtual disk with a
+    throttle that refills while idle, that rest alone favoured the raw figure. Its scratch files stay laid out
+    between measurements (the first one writes them, untimed)."""
+
+    _CODE = ("import sys; from tightfit.offload.disk_bench import RawMixedDisk, staging_buffer\n"
+             "disk = RawMixedDisk(sys.argv[1], staging=staging_buffer(1 << 30)); print('ready', flush=True)\n"
+             "for line in sys.stdin:\n"
+             "    r, w = map(int, line.split())\n"
+             "    print(disk.seconds(r, w), flush=True)\n"
+             "disk.close()\n")
+
+    def __init__(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen([sys.executable, "-c", self._CODE, str(folder)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        if self.proc.stdout.readline().strip() != "ready":
+            raise RuntimeError("the raw disk probe did not start")
+
+    def seconds(self, read_bytes: int, write_bytes: int) -> float:
+        """Seconds the raw disk takes to read `read_bytes` and write `write_bytes` at once, measured now."""
+        self.proc.stdin.write(f"{read_bytes} {write_bytes}\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the raw disk probe died")
+        return float(line)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
 
 
 def memory(args) -> dict:
@@ -189,7 +215,8 @@ def memory(args) -> dict:
     virtual disk of the benchmark machine drifts by tens of percent between minutes; the mean of the two is the
     reference, both are reported). `disk_time_efficiency`: seconds the raw disk needs for everything moved, over
     the seconds the tier kept the disk busy; `mixed_per_step`: per step, the raw disk's time for that step's
-    reads and writes issued together (measured right after the step), over the tier's busy time in the step."""
+    reads and writes issued together (the mean of the measurements right before and right after the step), over
+    the tier's busy time in the step."""
     _fixed_mmap_threshold()
     _warm_up()
     overhead = psutil.Process().memory_info().rss
@@ -220,25 +247,34 @@ def memory(args) -> dict:
     model, opt = _build(cfg, placement)
     engine = engine_of(model)
     disk = engine.stores[Tier.NVME].nvme
-    # Per step after the first: the tier's disk traffic and busy time, then (training paused) the raw disk's time
-    # for exactly those bytes read and written at once, measured right then by a child process. The virtual disk
-    # of the benchmark machine drifts by up to 2x within minutes: only an adjacent raw figure is a fair reference.
-    marks: list[dict] = []
+    # Per step: the tier's disk traffic and busy time, then (training paused) the raw disk's time for exactly
+    # those bytes read and written at once, measured at once by the probe. The virtual disk of the benchmark
+    # machine drifts by up to 2x within minutes, so only adjacent raw figures are a fair reference: a step's
+    # reference brackets it, the mean of the raw time measured right before it (after the previous step, scaled
+    # to this step's bytes) and right after it.
+    probe = RawMixedProbe(folder / "raw")
+    marks: list[dict] = [disk.stats()]
+    raws: list[float] = []
     mixed: list[dict] = []
 
     def after_step(step: int) -> None:
         engine.wait_writes()  # this step's write-backs belong to it (they would otherwise run into the next)
         marks.append(disk.stats())
+        dr = marks[-1]["bytes_read"] - marks[-2]["bytes_read"]
+        dw = marks[-1]["bytes_written"] - marks[-2]["bytes_written"]
+        busy = marks[-1]["busy_s"] - marks[-2]["busy_s"]
+        raws.append(probe.seconds(dr, dw))
         if step >= 1:
-            dr = marks[-1]["bytes_read"] - marks[-2]["bytes_read"]
-            dw = marks[-1]["bytes_written"] - marks[-2]["bytes_written"]
-            busy = marks[-1]["busy_s"] - marks[-2]["busy_s"]
-            raw_s = _raw_mixed_in_subprocess(folder / "raw", dr, dw)
-            mixed.append({"read": dr, "written": dw, "busy_s": busy, "raw_mixed_s": raw_s,
-                          "efficiency": raw_s / busy})
+            prev = (marks[-2]["bytes_read"] - marks[-3]["bytes_read"]
+                    + marks[-2]["bytes_written"] - marks[-3]["bytes_written"])
+            before_s = raws[-2] * (dr + dw) / prev
+            ref = (before_s + raws[-1]) / 2
+            mixed.append({"read": dr, "written": dw, "busy_s": busy, "raw_before_s": before_s,
+                          "raw_after_s": raws[-1], "efficiency": ref / busy, "efficiency_vs_after": raws[-1] / busy})
 
     times = _train(model, opt, cfg, args.batch, args.steps, early=args.early, after_step=after_step)
-    before, after = marks[0], marks[-1]
+    probe.close()
+    before, after = marks[1], marks[-1]
     peak = max(sampler.stop(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     rep = engine.memory_report()
     timings = {k: round(v, 3) for k, v in engine.timings().items() if k != "nvme"}
@@ -265,9 +301,10 @@ def memory(args) -> dict:
         "raw_after_GBps": {k: raw_after[k] / 1e9 for k in ("read", "write")},
         "read_vs_raw": train_read / raw["read"], "write_vs_raw": train_write / raw["write"],
         "disk_time_efficiency": (d["bytes_read"] / raw["read"] + d["bytes_written"] / raw["write"]) / d["busy_s"],
-        # Per step: the raw disk's time for the step's bytes read and written at once, measured right after it,
-        # over the disk time the tier took for them.
+        # Per step: the raw disk's time for the step's bytes read and written at once (mean of the measurements
+        # right before and right after the step), over the disk time the tier took for them.
         "mixed_per_step": mixed, "mixed_efficiency_median": statistics.median(m["efficiency"] for m in mixed),
+        "mixed_efficiency_vs_after_median": statistics.median(m["efficiency_vs_after"] for m in mixed),
         "mean_queue_depth": d["depth_s"] / d["busy_s"], "busy_s": d["busy_s"],
         # Per-direction busy time counting overlap twice (the old, pessimistic time base), for comparison.
         "read_vs_raw_own_busy": d["bytes_read"] / d["read_busy_s"] / raw["read"],

@@ -351,6 +351,28 @@ def test_raw_mixed_read_write_probe(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_raw_mixed_disk_reuses_laid_out_files(tmp_path):
+    # Repeated measurements reuse two scratch files, written before any timing and grown on demand, so the timed
+    # writes overwrite data as the tier's in-place writes do; close() removes them.
+    staging = disk_bench.staging_buffer(4 << 20)
+    try:
+        disk = disk_bench.RawMixedDisk(tmp_path, block_bytes=1 << 20, staging=staging)
+        first = disk.seconds(2 << 20, 1 << 20)
+    except UsageError as e:
+        assert "O_DIRECT" in str(e) and str(tmp_path) in str(e)
+        return
+    with disk:
+        assert first > 0
+        sizes = sorted(p.stat().st_size for p in tmp_path.iterdir())
+        assert sizes == [1 << 20, 2 << 20]
+        assert disk.seconds(3 << 20, 1 << 20) > 0
+        sizes = sorted(p.stat().st_size for p in tmp_path.iterdir())
+        assert sizes == [1 << 20, 3 << 20]  # the read file grew; the write file was big enough
+        for p in tmp_path.iterdir():
+            assert p.read_bytes().count(0) < p.stat().st_size // 2  # laid out with random bytes, not holes
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bandwidth_through_small_shared_staging(tmp_path):
     # A volume larger than the staging memory cycles through it (both measurements), and still moves every byte.
     staging = disk_bench.staging_buffer(6 << 20, max_bytes=2 << 20)
