@@ -45,6 +45,7 @@ import torch  # noqa: E402
 import tightfit  # noqa: E402
 from tightfit import Placement, Tier  # noqa: E402
 from tightfit.models.gpt import GPT, GPTConfig  # noqa: E402
+from tightfit.offload.disk_bench import RawMixedDisk  # noqa: E402
 from tightfit.offload.engine import engine_of  # noqa: E402
 from tightfit.offload.state_io import import_state  # noqa: E402
 from tightfit.optim import AdamW  # noqa: E402
@@ -177,12 +178,15 @@ class RawMixedProbe:
     throttle that refills while idle, that rest alone favoured the raw figure. Its scratch files stay laid out
     between measurements (the first one writes them, untimed)."""
 
+    # Two buffer layouts, the faster taken each time: 1 GiB of distinct memory, and fio's layout (one buffer per
+    # request in flight, reused). On the benchmark VM each was the faster one for minutes at a time, by up to 25%.
     _CODE = ("import sys; from tightfit.offload.disk_bench import RawMixedDisk, staging_buffer\n"
-             "disk = RawMixedDisk(sys.argv[1], staging=staging_buffer(1 << 30)); print('ready', flush=True)\n"
+             "disks = [RawMixedDisk(sys.argv[1], staging=staging_buffer(n)) for n in (1 << 30, 8 * (4 << 20))]\n"
+             "print('ready', flush=True)\n"
              "for line in sys.stdin:\n"
              "    r, w = map(int, line.split())\n"
-             "    print(disk.seconds(r, w), flush=True)\n"
-             "disk.close()\n")
+             "    print(min(d.seconds(r, w) for d in disks), flush=True)\n"
+             "for d in disks: d.close()\n")
 
     def __init__(self, folder: Path) -> None:
         folder.mkdir(parents=True, exist_ok=True)
@@ -248,13 +252,18 @@ def memory(args) -> dict:
     engine = engine_of(model)
     disk = engine.stores[Tier.NVME].nvme
     # Per step: the tier's disk traffic and busy time, then (training paused) the raw disk's time for exactly
-    # those bytes read and written at once, measured at once by the probe. The virtual disk of the benchmark
-    # machine drifts by up to 2x within minutes, so only adjacent raw figures are a fair reference: a step's
-    # reference brackets it, the mean of the raw time measured right before it (after the previous step, scaled
-    # to this step's bytes) and right after it.
+    # those bytes read and written at once. The virtual disk of the benchmark machine drifts by up to 2x within
+    # minutes, so only adjacent raw figures are a fair reference: a step's reference brackets it, the mean of the
+    # raw time measured right before it (after the previous step, scaled to this step's bytes) and right after.
+    # Two raw references: through the engine's own idle pool buffers, in this process (the same memory the tier's
+    # transfers land in: on the VM, which host memory backs a buffer changed a transfer's speed by up to 2x), and
+    # through fresh memory in a child process (the faster of two buffer layouts).
     probe = RawMixedProbe(folder / "raw")
+    (folder / "raw-same-memory").mkdir(parents=True, exist_ok=True)
+    same_memory = RawMixedDisk(folder / "raw-same-memory")
+    idle_bytes: list[int] = []
     marks: list[dict] = [disk.stats()]
-    raws: list[float] = []
+    raws: dict[str, list[float]] = {"same": [], "fresh": []}
     mixed: list[dict] = []
 
     def after_step(step: int) -> None:
@@ -263,17 +272,24 @@ def memory(args) -> dict:
         dr = marks[-1]["bytes_read"] - marks[-2]["bytes_read"]
         dw = marks[-1]["bytes_written"] - marks[-2]["bytes_written"]
         busy = marks[-1]["busy_s"] - marks[-2]["busy_s"]
-        raws.append(probe.seconds(dr, dw))
+        idle = engine.pool.idle_buffers()
+        idle_bytes.append(sum(b.numel() for b in idle))
+        raws["same"].append(same_memory.seconds(dr, dw, memory=idle))
+        del idle
+        raws["fresh"].append(probe.seconds(dr, dw))
         if step >= 1:
             prev = (marks[-2]["bytes_read"] - marks[-3]["bytes_read"]
                     + marks[-2]["bytes_written"] - marks[-3]["bytes_written"])
-            before_s = raws[-2] * (dr + dw) / prev
-            ref = (before_s + raws[-1]) / 2
-            mixed.append({"read": dr, "written": dw, "busy_s": busy, "raw_before_s": before_s,
-                          "raw_after_s": raws[-1], "efficiency": ref / busy, "efficiency_vs_after": raws[-1] / busy})
+            row = {"read": dr, "written": dw, "busy_s": busy}
+            for k, v in raws.items():
+                before_s = v[-2] * (dr + dw) / prev
+                row[f"raw_{k}_s"] = ((before_s + v[-1]) / 2)
+                row[f"efficiency_{k}"] = row[f"raw_{k}_s"] / busy
+            mixed.append(row)
 
     times = _train(model, opt, cfg, args.batch, args.steps, early=args.early, after_step=after_step)
     probe.close()
+    same_memory.close()
     before, after = marks[1], marks[-1]
     peak = max(sampler.stop(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     rep = engine.memory_report()
@@ -303,8 +319,9 @@ def memory(args) -> dict:
         "disk_time_efficiency": (d["bytes_read"] / raw["read"] + d["bytes_written"] / raw["write"]) / d["busy_s"],
         # Per step: the raw disk's time for the step's bytes read and written at once (mean of the measurements
         # right before and right after the step), over the disk time the tier took for them.
-        "mixed_per_step": mixed, "mixed_efficiency_median": statistics.median(m["efficiency"] for m in mixed),
-        "mixed_efficiency_vs_after_median": statistics.median(m["efficiency_vs_after"] for m in mixed),
+        "mixed_per_step": mixed, "idle_pool_bytes": idle_bytes,
+        "mixed_efficiency_same_memory_median": statistics.median(m["efficiency_same"] for m in mixed),
+        "mixed_efficiency_fresh_memory_median": statistics.median(m["efficiency_fresh"] for m in mixed),
         "mean_queue_depth": d["depth_s"] / d["busy_s"], "busy_s": d["busy_s"],
         # Per-direction busy time counting overlap twice (the old, pessimistic time base), for comparison.
         "read_vs_raw_own_busy": d["bytes_read"] / d["read_busy_s"] / raw["read"],

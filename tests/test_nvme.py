@@ -330,6 +330,39 @@ def test_aligned_empty():
     assert aligned_empty(0).numel() == 0
 
 
+def _vma_flags(addr: int) -> list[str]:
+    """VmFlags of the mapping holding `addr`, from /proc/self/smaps."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    inside = False
+    for line in lines:
+        head = line.split()[0] if line else ""
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@pytest.mark.skipif(not hasattr(__import__("mmap"), "MADV_HUGEPAGE"), reason="Linux only: madvise(MADV_HUGEPAGE)")
+def test_large_aligned_buffers_are_huge_page_backed():
+    # [Note: huge pages for disk buffers]: a buffer of 2 MiB or more starts on a 2 MiB boundary, in a mapping of its
+    # own advised for huge pages; views keep the mapping alive after the buffer itself is dropped.
+    from tightfit.offload.aligned import HUGE_PAGE
+
+    buf = aligned_empty(3 * HUGE_PAGE // 4 + 5, torch.float32)
+    assert buf.data_ptr() % HUGE_PAGE == 0 and buf.numel() == 3 * HUGE_PAGE // 4 + 5
+    if Path("/sys/kernel/mm/transparent_hugepage/enabled").exists():
+        assert "hg" in _vma_flags(buf.data_ptr())  # the whole 2 MiB blocks are advised
+    buf.fill_(2.0)
+    tail = buf[-7:]
+    del buf
+    tail.add_(1.0)
+    assert torch.equal(tail, torch.full((7,), 3.0))
+    small = aligned_empty(1000)
+    assert is_aligned(small) and "hg" not in _vma_flags(small.data_ptr())  # small ones: the ordinary allocator
+
+
 def test_raw_bandwidth_probe(tmp_path):
     read_bps, write_bps = disk_bench.measure_raw_bandwidth(tmp_path, 8 << 20, use_fio=False, block_bytes=1 << 20)
     assert read_bps > 0 and write_bps > 0

@@ -19,6 +19,7 @@ then the only difference between the two figures is the store's code path.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import functools
 import json
@@ -130,31 +131,41 @@ class RawMixedDisk:
         self.block_bytes = block_bytes
         self.queue_depth = queue_depth
         self.staging = staging
-        self._views: list[memoryview] | None = None
         self._paths = [self.folder / f".tightfit-mixbench-{os.getpid()}-{id(self)}-{k}.tmp" for k in ("r", "w")]
         self._fds: list[int] = []
         self._blocks = [0, 0]  # blocks laid out per file
 
-    def seconds(self, read_bytes: int, write_bytes: int) -> float:
-        """Seconds for `read_bytes` read and `write_bytes` written at once (whole blocks, scaled to the bytes)."""
+    def seconds(self, read_bytes: int, write_bytes: int, memory: list[torch.Tensor] | None = None) -> float:
+        """Seconds for `read_bytes` read and `write_bytes` written at once (whole blocks, scaled to the bytes).
+
+        memory: 4096-aligned uint8 tensors to move the blocks through instead of the staging buffer (each gives
+        the block-sized slices that fit in it; they must hold one block at least). Why: on a virtual machine the
+        speed of a transfer can depend on which host memory backs the guest pages it lands in (by 2x on the
+        benchmark VM, stable for a given allocation and different for the next one), so a fair reference for the
+        NVMe tier moves its bytes through the tier's own buffers. The caller keeps them alive and unused meanwhile.
+        """
         rblocks = max(1, read_bytes // self.block_bytes)
         wblocks = max(1, write_bytes // self.block_bytes)
-        self._lay_out([rblocks, wblocks])
+        bs = self.block_bytes
+        if memory is not None:
+            views = [_byte_view(s) for t in memory for s in _slices(t, bs) if s.numel() == bs]
+            if not views:
+                raise ValueError(f"memory must hold at least one {bs}-byte block")
+        else:
+            if self.staging is None:
+                self.staging = staging_buffer(min(max(rblocks, wblocks) * bs, 1 << 30))
+            views = [_byte_view(b) for b in _slices(self.staging, bs)]
+        self._lay_out([rblocks, wblocks], views)
         half = max(1, self.queue_depth // 2)
-        bs, views = self.block_bytes, self._views
         elapsed = _timed_threads([functools.partial(_run_blocks, self._fds[0], views, rblocks, bs, half, False),
                                   functools.partial(_run_blocks, self._fds[1], views, wblocks, bs, half, True)])
         return elapsed * (read_bytes + write_bytes) / ((rblocks + wblocks) * bs)
 
-    def _lay_out(self, blocks: list[int]) -> None:
+    def _lay_out(self, blocks: list[int], views: list[memoryview]) -> None:
         """Open the files on first use; write whatever blocks are asked for beyond those already written."""
         bs = self.block_bytes
         grow = [max(0, n - have) for n, have in zip(blocks, self._blocks)]
         _check_space(self.folder, sum(grow) * bs)
-        if self._views is None:
-            if self.staging is None:
-                self.staging = staging_buffer(min(max(blocks) * bs, 1 << 30))
-            self._views = [memoryview(b.numpy()) for b in _slices(self.staging, bs)]
         try:
             if not self._fds:
                 for path in self._paths:
@@ -162,7 +173,7 @@ class RawMixedDisk:
             for i, (fd, n) in enumerate(zip(self._fds, blocks)):
                 if n > self._blocks[i]:
                     os.posix_fallocate(fd, 0, n * bs)
-                    _run_blocks(fd, self._views, n, bs, self.queue_depth, write=True)
+                    _run_blocks(fd, views, n, bs, self.queue_depth, write=True)
                     self._blocks[i] = n
         except OSError as e:
             if e.errno != errno.EINVAL:
@@ -243,6 +254,14 @@ def _slices(staging: torch.Tensor, size: int) -> list[torch.Tensor]:
     return [staging[i * size : (i + 1) * size] for i in range(n)]
 
 
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory, made with ctypes rather than numpy (a storage once
+    shared with numpy can never be resized, and the engine's buffers must stay resizable). The view does not keep
+    `t` alive: the caller does."""
+    n = t.numel() * t.element_size()
+    return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
+
+
 def _check_space(folder: Path, nbytes: int) -> None:
     if not folder.is_dir():
         raise UsageError(f"--nvme: {folder} is not a folder; create it or pick another path")
@@ -283,7 +302,7 @@ def _python(folder: Path, nbytes: int, block_bytes: int, queue_depth: int, block
     nblocks = nbytes // block_bytes
     if blocks[0].numel() < block_bytes:
         raise ValueError(f"staging buffer smaller than one block ({block_bytes} bytes)")
-    views = [memoryview(b.numpy()) for b in blocks]
+    views = [_byte_view(b) for b in blocks]
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     dfd, method = None, "python-buffered"
     try:

@@ -71,6 +71,13 @@ class BufferPool:
             idle = sum(len(lst) * self._size(*k) for k, lst in self._free.items())
             return self.capacity - self.bytes + idle
 
+    def idle_buffers(self) -> list[torch.Tensor]:
+        """The idle buffers (still the pool's), viewed as bytes. For measurements that must move bytes through
+        the very memory the engine uses (the NVMe benchmark's raw reference); only while nothing takes from the
+        pool, e.g. between training steps."""
+        with self._cond:
+            return [b.view(-1).view(torch.uint8) for lst in self._free.values() for b in lst]
+
     def give(self, buf: torch.Tensor) -> None:
         with self._cond:
             self._free.setdefault((buf.numel(), buf.dtype), []).append(buf)
