@@ -172,14 +172,14 @@ def _raw_in_subprocess(folder: Path, volume: int) -> dict:
 class RawMixedProbe:
     """The raw mixed reference (`disk_bench.RawMixedDisk`), measured on demand by one long-lived child process.
 
-    A child, so its 256 MiB of staging memory does not count in this process's peak RSS; long-lived, so a
-    measurement starts the moment it is asked for. A fresh interpreter per measurement spent ~2 s importing torch
-    with the disk idle right before the raw transfer and not before the training step: on a virtual disk with a
-    throttle that refills while idle, that rest alone favoured the raw figure. Its scratch files stay laid out
-    between measurements (the first one writes them, untimed)."""
+    A child, so its ~1 GiB of staging memory does not count in this process's peak RSS; long-lived, so a
+    measurement starts the moment it is asked for (a fresh interpreter per measurement left the disk idle for the
+    ~2 s of importing torch right before the raw transfer, and not before the training step). Its scratch files
+    stay laid out between measurements (the first one writes them, untimed)."""
 
-    # Two buffer layouts, the faster taken each time: 1 GiB of distinct memory, and fio's layout (one buffer per
-    # request in flight, reused). On the benchmark VM each was the faster one for minutes at a time, by up to 25%.
+    # Two buffer layouts, the faster taken each time (the stricter reference): 1 GiB of distinct memory, and fio's
+    # layout (one buffer per request in flight, reused). Through ordinary pages either could be the faster by up to
+    # 25%; through huge pages they are within a few percent.
     _CODE = ("import sys; from tightfit.offload.disk_bench import RawMixedDisk, staging_buffer\n"
              "disks = [RawMixedDisk(sys.argv[1], staging=staging_buffer(n)) for n in (1 << 30, 8 * (4 << 20))]\n"
              "print('ready', flush=True)\n"
@@ -252,12 +252,12 @@ def memory(args) -> dict:
     engine = engine_of(model)
     disk = engine.stores[Tier.NVME].nvme
     # Per step: the tier's disk traffic and busy time, then (training paused) the raw disk's time for exactly
-    # those bytes read and written at once. The virtual disk of the benchmark machine drifts by up to 2x within
-    # minutes, so only adjacent raw figures are a fair reference: a step's reference brackets it, the mean of the
-    # raw time measured right before it (after the previous step, scaled to this step's bytes) and right after.
-    # Two raw references: through the engine's own idle pool buffers, in this process (the same memory the tier's
-    # transfers land in: on the VM, which host memory backs a buffer changed a transfer's speed by up to 2x), and
-    # through fresh memory in a child process (the faster of two buffer layouts).
+    # those bytes read and written at once. A virtual disk's speed varies between minutes, so only adjacent raw
+    # figures are a fair reference: a step's reference brackets it, the mean of the raw time measured right before
+    # it (after the previous step, scaled to this step's bytes) and right after. Two raw references: through the
+    # engine's own idle pool buffers, in this process (the very memory the tier's transfers land in: how scattered
+    # a buffer's pages are changed a transfer's speed by up to 3x, aligned.py), and through fresh memory in a child
+    # process (the faster of two buffer layouts).
     probe = RawMixedProbe(folder / "raw")
     (folder / "raw-same-memory").mkdir(parents=True, exist_ok=True)
     same_memory = RawMixedDisk(folder / "raw-same-memory")

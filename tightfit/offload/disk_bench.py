@@ -9,8 +9,9 @@ swap folder itself (a folder, not a device: the filesystem is part of what the t
 Python loop of the same shape: `queue_depth` threads each issuing `block_bytes` pwrite/preadv calls on an O_DIRECT
 descriptor into 4096-aligned memory, working through the file in order. The memory holds random bytes so a virtual
 disk cannot shortcut zero blocks. The file is preallocated and written once before the timed write, which
-overwrites it (as the tier rewrites its files in place), and deleted afterwards. Where the filesystem refuses O_DIRECT the loop runs buffered and evicts the file from the page cache
-between writing and reading; the result's `method` says which ran.
+overwrites it (as the tier rewrites its files in place), and deleted afterwards. Where the filesystem refuses
+O_DIRECT the loop runs buffered and evicts the file from the page cache between writing and reading; the result's
+`method` says which ran.
 
 `measure_store` moves the same volume through an `NvmeStore` (aligned staging memory, the tier's defaults) and
 times it wall-clock, submit to last completion; its timed writes overwrite a laid-out file too. Give both the
@@ -140,10 +141,10 @@ class RawMixedDisk:
         """Seconds for `read_bytes` read and `write_bytes` written at once (whole blocks, scaled to the bytes).
 
         memory: 4096-aligned uint8 tensors to move the blocks through instead of the staging buffer (each gives
-        the block-sized slices that fit in it; they must hold one block at least). Why: on a virtual machine the
-        speed of a transfer can depend on which host memory backs the guest pages it lands in (by 2x on the
-        benchmark VM, stable for a given allocation and different for the next one), so a fair reference for the
-        NVMe tier moves its bytes through the tier's own buffers. The caller keeps them alive and unused meanwhile.
+        the block-sized slices that fit in it; they must hold one block at least). Why: a transfer's speed depends on
+        how physically scattered its buffer is ([Note: huge pages for disk buffers] in aligned.py), so a fair
+        reference for the NVMe tier moves its bytes through the tier's own buffers. The caller keeps them alive and
+        unused meanwhile.
         """
         rblocks = max(1, read_bytes // self.block_bytes)
         wblocks = max(1, write_bytes // self.block_bytes)
