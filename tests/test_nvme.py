@@ -406,6 +406,30 @@ def test_raw_mixed_disk_reuses_laid_out_files(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_raw_mixed_through_the_pools_idle_buffers(tmp_path):
+    # The benchmark's same-memory reference: the pool lends its idle buffers (as bytes, lent ones left out) and the
+    # raw loop moves its blocks through them, allocating nothing of its own.
+    from tightfit.offload.staging import BufferPool
+
+    pool = BufferPool(capacity=None)
+    lent = pool.take(1 << 18, torch.float32)  # 1 MiB, stays lent
+    idle = [pool.take(1 << 18, torch.float32) for _ in range(2)]
+    for b in idle:
+        pool.give(b)
+    got = pool.idle_buffers()
+    assert len(got) == 2 and all(g.dtype == torch.uint8 and g.numel() == 1 << 20 for g in got)
+    assert {g.data_ptr() for g in got} == {b.data_ptr() for b in idle} and lent.data_ptr() not in {
+        g.data_ptr() for g in got}
+    try:
+        with disk_bench.RawMixedDisk(tmp_path, block_bytes=1 << 20) as disk:
+            assert disk.seconds(2 << 20, 1 << 20, memory=got) > 0
+            assert disk.staging is None  # nothing allocated: the pool's memory carried every block
+            with pytest.raises(ValueError, match="at least one"):
+                disk.seconds(1 << 20, 1 << 20, memory=[g[: 1 << 19] for g in got])
+    except UsageError as e:
+        assert "O_DIRECT" in str(e)
+
+
 def test_bandwidth_through_small_shared_staging(tmp_path):
     # A volume larger than the staging memory cycles through it (both measurements), and still moves every byte.
     staging = disk_bench.staging_buffer(6 << 20, max_bytes=2 << 20)
