@@ -498,7 +498,7 @@ def main() -> None:
                          "defaults (the memory benchmark always trims). "
                          "bench_offload_deepspeed.py takes the same flag: compare like with like")
     ap.add_argument("--io-threads", type=int, default=8, help="memory: NVMe tier I/O threads")
-    ap.add_argument("--chunk-kib", type=int, default=512, help="memory: NVMe tier transfer size, KiB")
+    ap.add_argument("--chunk-kib", type=int, default=4096, help="memory: largest NVMe tier transfer, KiB")
     ap.add_argument("--device-mib", type=int, default=40, help="memory: device budget (the CPU here), MiB")
     ap.add_argument("--host-mib", type=int, default=96, help="memory: host budget (staging, optimizer), MiB")
     ap.add_argument("--threads", type=int, default=1,

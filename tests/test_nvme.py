@@ -363,6 +363,24 @@ def test_large_aligned_buffers_are_huge_page_backed():
     assert is_aligned(small) and "hg" not in _vma_flags(small.data_ptr())  # small ones: the ordinary allocator
 
 
+def test_transfer_size_fills_the_queue_then_grows_to_the_chunk(tmp_path):
+    # [Note: transfer size]: one transfer per I/O thread while each stays >= 512 KiB, never above chunk_bytes, in
+    # whole 4096-byte blocks; a read cut that way still moves every byte.
+    with NvmeStore(tmp_path / "swap", threads=8, chunk_bytes=4 << 20) as s:
+        cut = {n: s._transfer_size(n) for n in (1000, 1 << 20, 7 << 20, 64 << 20)}
+        assert cut[1000] == 4096  # a buffered head or tail: one transfer
+        assert cut[1 << 20] == 512 << 10  # two of the smallest size, not eight tiny ones
+        assert cut[7 << 20] == (7 << 20) // 8  # a unit-sized entry gives all 8 threads a transfer
+        assert cut[64 << 20] == 4 << 20  # a large one goes as the largest requests
+        assert all(size % 4096 == 0 for size in cut.values())
+        data = torch.randint(0, 256, (7 << 20,), dtype=torch.uint8)
+        s.create("t", {"x": ((7 << 20,), torch.uint8)})
+        s.write("t", "x", data).result()
+        back = aligned_empty(7 << 20)
+        s.read("t", "x", back).result()
+        assert torch.equal(back, data)
+
+
 def test_raw_bandwidth_probe(tmp_path):
     read_bps, write_bps = disk_bench.measure_raw_bandwidth(tmp_path, 8 << 20, use_fio=False, block_bytes=1 << 20)
     assert read_bps > 0 and write_bps > 0

@@ -10,14 +10,22 @@ Why this shape:
   where it is a clean `UsageError`, rather than halfway through a training step.
 - *positional I/O from a thread pool*: `os.pwrite` / `os.preadv` release the GIL, so `threads` requests are in
   flight at once while Python keeps scheduling compute. The threads serve requests by priority class
-  (io_queue.py): parameter fetches before optimizer loads before write-backs. A tensor is cut into `chunk_bytes` pieces so one large
-  tensor alone keeps the disk's queue full. The bytes go straight between the caller's tensor memory and the
-  file: no intermediate copy in Python.
+  (io_queue.py): parameter fetches before optimizer loads before write-backs. A tensor is cut into transfers so
+  that one tensor alone keeps the disk's queue full ([Note: transfer size]). The bytes go straight between the
+  caller's tensor memory and the file: no intermediate copy in Python.
 - *O_DIRECT where alignment allows*: when the tensor's buffer address and its file offset agree modulo 4096 (the
   engine allocates its staging buffers with `aligned_empty`), the aligned body goes through an O_DIRECT
   descriptor, which skips the page cache (no second memcpy, no write-back bursts, no cache evicting the host
   tier). Unaligned heads and tails, unaligned buffers and filesystems that refuse O_DIRECT (EINVAL) use an
   ordinary buffered descriptor on the same file. The two descriptors never share a page within one request.
+
+[Note: transfer size] A tensor of n bytes is cut into max(ceil(n / chunk_bytes), min(threads, n // 512 KiB))
+equal transfers in whole 4096-byte blocks: one per I/O thread when each can still be 512 KiB or more, so a lone
+request fills the queue, and never more than `chunk_bytes` (4 MiB by default, the largest request the benchmark
+VM's disk takes), so large entries go as large requests. Both ends were measured on the benchmark VM
+(benchmarks/RESULTS.md). The disk served 4 MiB reads at about 1.5x the bytes per queue slot of 512 KiB reads. A
+few-MB entry cut into 4 MiB pieces left the queue half empty. With 50 MB entries, 4 MiB transfers took the tier
+from 0.79 to 0.89 of the raw disk.
 
 Errors: a request's `Future` carries its error. ENOSPC/EDQUOT become a `UsageError` naming the folder; the file
 keeps its valid header and size, and every tensor not being written at that moment keeps its bytes.
@@ -46,6 +54,7 @@ from tightfit.utils.sizes import format_size
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the platform has none (macOS): every transfer is buffered
 _FULL = (errno.ENOSPC, errno.EDQUOT)
+_MIN_SPLIT = 512 << 10  # smallest transfer a tensor is cut into to give more I/O threads work ([Note: transfer size])
 SUFFIX = ".safetensors"
 
 
@@ -102,6 +111,7 @@ class NvmeStore:
         self.budget_bytes = budget_bytes
         self.direct = direct and _O_DIRECT != 0
         self.chunk_bytes = chunk_bytes
+        self.threads = threads
         self.keep = keep
         self._files: dict[str, _File] = {}
         # Serialises create/attach/delete, so two callers cannot both pass the budget check for the same bytes.
@@ -413,15 +423,22 @@ class NvmeStore:
         modulo 4096: then a buffered head reaches the first aligned offset, the body goes direct in whole blocks,
         and a buffered tail carries the last partial block.
         """
-        n, A, C = e.nbytes, DIRECT_ALIGN, self.chunk_bytes
+        n, A = e.nbytes, DIRECT_ALIGN
         head = body = 0
         if f.direct and (e.offset - addr) % A == 0:
             head = min(n, (-e.offset) % A)
             body = (n - head) // A * A
         parts: list[tuple[int, int, bool]] = []
         for lo, hi, direct in ((0, head, False), (head, head + body, True), (head + body, n, False)):
-            parts += [(s, min(C, hi - s), direct) for s in range(lo, hi, C)]
+            size = self._transfer_size(hi - lo)
+            parts += [(s, min(size, hi - s), direct) for s in range(lo, hi, size)]
         return parts
+
+    def _transfer_size(self, nbytes: int) -> int:
+        """Bytes per transfer for a span of `nbytes` ([Note: transfer size])."""
+        pieces = max(-(-nbytes // self.chunk_bytes), min(self.threads, nbytes // _MIN_SPLIT), 1)
+        size = -(-nbytes // pieces)
+        return min(self.chunk_bytes, max(DIRECT_ALIGN, -(-size // DIRECT_ALIGN) * DIRECT_ALIGN))
 
     def _io(self, kind: str, f: _File, name: str, off: int, buf: memoryview, direct: bool) -> None:
         """Run one transfer on an I/O thread (the GIL is released inside pwrite/preadv)."""

@@ -110,15 +110,13 @@ class DiskStore(TierStore):
     tier = Tier.NVME
 
     def __init__(self, folder: str, budget_bytes: int | None = None, threads: int = 8,
-                 chunk_bytes: int = 512 << 10) -> None:
+                 chunk_bytes: int = 4 << 20) -> None:
         try:
             from tightfit.offload.nvme import NvmeStore
         except ImportError as e:  # pragma: no cover - only while the NVMe engine is missing
             raise UsageError(f"the NVMe tier is not available in this build ({e}); place no state on nvme") from None
-        # 512 KiB chunks (Placement.nvme_chunk_bytes): a unit's entry is a few MB, and small chunks are what keep
-        # `threads` requests in flight while compute runs. On the 2-core VM, interleaved A/B runs through ordinary
-        # pages favoured 8 threads x 512 KiB over 1 MiB, 4 MiB, 256 KiB and more threads; through huge-page buffers
-        # 512 KiB to 4 MiB and 8 or 16 threads measured alike (benchmarks/RESULTS.md).
+        # Transfers of up to 4 MiB (Placement.nvme_chunk_bytes), fewer and smaller where an entry is small
+        # ([Note: transfer size] in nvme.py).
         self.nvme = NvmeStore(folder, budget_bytes=budget_bytes, threads=threads, chunk_bytes=chunk_bytes)
         self.bytes = 0  # host bytes: none; disk usage is reported by `nvme.stats()`
         self.disk_bytes = 0
