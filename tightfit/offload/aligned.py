@@ -24,6 +24,7 @@ advice is ignored and the buffer is ordinary memory. The mapping is freed with t
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 
 import torch
@@ -75,6 +76,16 @@ def _huge_page_backed(nbytes: int) -> torch.Tensor:
     except OSError:  # a kernel built without transparent huge pages: ordinary pages
         pass
     return raw[shift : shift + nbytes]
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory (no copy), for `os.preadv`/`os.pwrite`.
+
+    Made with ctypes rather than numpy: a storage once shared with numpy can never be resized again, and the engine
+    resizes parameter storages (flat_unit.py). The view does not own the memory: the caller keeps `t` alive while
+    the view is in use."""
+    n = t.numel() * t.element_size()
+    return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
 
 
 def is_aligned(t: torch.Tensor, alignment: int = DIRECT_ALIGN) -> bool:

@@ -21,7 +21,6 @@ store's code path.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import functools
 import json
@@ -38,7 +37,7 @@ from typing import Callable
 import torch
 
 from tightfit.errors import UsageError
-from tightfit.offload.aligned import DIRECT_ALIGN, aligned_empty
+from tightfit.offload.aligned import DIRECT_ALIGN, aligned_empty, byte_view
 from tightfit.utils.sizes import format_size
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -150,13 +149,13 @@ class RawMixedDisk:
         wblocks = max(1, write_bytes // self.block_bytes)
         bs = self.block_bytes
         if memory is not None:
-            views = [_byte_view(s) for t in memory for s in _slices(t, bs) if s.numel() == bs]
+            views = [byte_view(s) for t in memory for s in _slices(t, bs) if s.numel() == bs]
             if not views:
                 raise ValueError(f"memory must hold at least one {bs}-byte block")
         else:
             if self.staging is None:
                 self.staging = staging_buffer(min(max(rblocks, wblocks) * bs, 1 << 30))
-            views = [_byte_view(b) for b in _slices(self.staging, bs)]
+            views = [byte_view(b) for b in _slices(self.staging, bs)]
         self._lay_out([rblocks, wblocks], views)
         half = max(1, self.queue_depth // 2)
         elapsed = _timed_threads([functools.partial(_run_blocks, self._fds[0], views, rblocks, bs, half, False),
@@ -260,14 +259,6 @@ def _slices(staging: torch.Tensor, size: int) -> list[torch.Tensor]:
     return [staging[i * size : (i + 1) * size] for i in range(n)]
 
 
-def _byte_view(t: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous CPU tensor's memory, made with ctypes rather than numpy (a storage once
-    shared with numpy can never be resized, and the engine's buffers must stay resizable). The view does not keep
-    `t` alive: the caller does."""
-    n = t.numel() * t.element_size()
-    return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
-
-
 def _check_space(folder: Path, nbytes: int) -> None:
     if not folder.is_dir():
         raise UsageError(f"--nvme: {folder} is not a folder; create it or pick another path")
@@ -308,7 +299,7 @@ def _python(folder: Path, nbytes: int, block_bytes: int, queue_depth: int, block
     nblocks = nbytes // block_bytes
     if blocks[0].numel() < block_bytes:
         raise ValueError(f"staging buffer smaller than one block ({block_bytes} bytes)")
-    views = [_byte_view(b) for b in blocks]
+    views = [byte_view(b) for b in blocks]
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     dfd, method = None, "python-buffered"
     try:

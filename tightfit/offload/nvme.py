@@ -33,7 +33,6 @@ keeps its valid header and size, and every tensor not being written at that mome
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 import shutil
@@ -47,7 +46,7 @@ from pathlib import Path
 import torch
 
 from tightfit.errors import UsageError
-from tightfit.offload.aligned import DIRECT_ALIGN
+from tightfit.offload.aligned import DIRECT_ALIGN, byte_view
 from tightfit.offload.io_queue import LOAD, WRITE, IoQueue
 from tightfit.offload.safetensors_file import Entry, is_padding, plan_layout, read_layout
 from tightfit.utils.sizes import format_size
@@ -380,10 +379,8 @@ class NvmeStore:
         if e.nbytes == 0:
             req.set_result(None)
             return req
-        # A writable view of the tensor's own bytes (no copy), made with ctypes rather than numpy: a storage once
-        # shared with numpy can never be resized again, and the engine resizes parameter storages (flat_unit.py).
-        # The view does not own the memory: `alive` holds `t` until the last chunk is done, then lets it go.
-        buf = memoryview((ctypes.c_ubyte * e.nbytes).from_address(t.data_ptr())).cast("B")
+        # The tensor's own bytes (aligned.byte_view); `alive` holds `t` until the last chunk is done, then lets it go.
+        buf = byte_view(t)
         alive = [t]
         parts = self._plan(f, e, t.data_ptr())
         remaining = [len(parts)]
