@@ -498,7 +498,8 @@ def main() -> None:
                          "lower RSS, a page fault per page on every re-allocation); 'glibc' keeps glibc's adaptive "
                          "defaults (the memory benchmark always trims). "
                          "bench_offload_deepspeed.py takes the same flag: compare like with like")
-    ap.add_argument("--burst-mib", type=int, default=0, help="memory, overlap: fetch burst (Placement.fetch_burst_bytes)")
+    ap.add_argument("--burst-mib", type=int, default=0,
+                    help="memory, overlap: forward fetch bursts of up to this many MiB (Placement.fetch_burst_bytes)")
     ap.add_argument("--io-threads", type=int, default=8, help="memory: NVMe tier I/O threads")
     ap.add_argument("--chunk-kib", type=int, default=4096, help="memory: largest NVMe tier transfer, KiB")
     ap.add_argument("--device-mib", type=int, default=40, help="memory: device budget (the CPU here), MiB")

@@ -21,7 +21,7 @@ from enum import Enum
 ROOT_UNIT = "root"
 """Name of the unit holding every parameter that belongs to no repeated block (embeddings, final norm, head)."""
 
-MAX_BURST_EXTRA = 8
+MAX_BURST_EXTRA = 32
 """Units beyond the prefetch window one forward fetch burst may reach ([Note: fetch bursts] in engine.py)."""
 
 

@@ -30,10 +30,10 @@ from tightfit.planner.hardware import GiB, HardwareProfile
 from tightfit.planner.model_profile import ModelProfile, UnitProfile, Work
 from tightfit.utils.sizes import format_size
 
-FETCH_BURST_BYTES = 64 << 20
-"""Largest forward fetch burst the planner gives ([Note: fetch bursts] in offload/engine.py): with 7 MB units on
-the benchmark VM's disk, 64 MiB bursts took the tier's reads from 0.71 to 0.81-0.83 of raw (benchmarks/RESULTS.md).
-"""
+FETCH_BURST_BYTES = 128 << 20
+"""Largest forward fetch burst the planner gives ([Note: fetch bursts] in offload/engine.py). On the benchmark VM,
+with 7 MB units, forward reads moved at 2.1-2.2 GB/s one unit at a time, 2.35 GB/s in 64 MiB bursts and 2.9 GB/s in
+192 MiB bursts, against 3.3 GB/s raw (benchmarks/RESULTS.md)."""
 
 _GROUPS: dict[str, tuple[State, ...]] = {"params": (State.PARAMS,), "grads": (State.GRADS,),
                                          "optimizer": (State.MASTER, State.OPTIM)}
