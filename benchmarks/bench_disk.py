@@ -8,10 +8,6 @@ raw, and the median over rounds of store / raw within a round (the side-by-side 
 that comes and goes).
 
     .venv/bin/python benchmarks/bench_disk.py --folder /tmp --mib 1024 --repeats 3
-
---gil-busy runs a thread executing Python bytecode throughout (as a training loop's hooks and bookkeeping do),
-and --backend both measures the store's two ways of moving O_DIRECT transfers side by side: I/O threads
-(preadv/pwrite, each needing the GIL to start its next transfer) and native AIO (aio.py).
 """
 
 from __future__ import annotations
@@ -21,7 +17,6 @@ import platform
 import statistics
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -42,25 +37,12 @@ def main() -> None:
     ap.add_argument("--chunk-mib", type=int, default=4, help="store: chunk size (MiB)")
     ap.add_argument("--tensor-mib", type=int, default=64, help="store: size of each tensor (MiB)")
     ap.add_argument("--no-fio", action="store_true", help="use the Python O_DIRECT loop even if fio is installed")
-    ap.add_argument("--backend", choices=["default", "threads", "aio", "both"], default="default",
-                    help="store: how O_DIRECT transfers move (default: AIO where the kernel has it)")
-    ap.add_argument("--gil-busy", action="store_true", help="a thread runs Python bytecode during every measurement")
     args = ap.parse_args()
-    backends = {"default": [("store", None)], "threads": [("threads", False)], "aio": [("aio", True)],
-                "both": [("threads", False), ("aio", True)]}[args.backend]
-    stop = threading.Event()
-    if args.gil_busy:
-        def spin() -> None:
-            n = 0
-            while not stop.is_set():
-                n += 1
-
-        threading.Thread(target=spin, daemon=True).start()
     nbytes = args.mib << 20
     qds = [int(q) for q in args.queue_depths.split(",")]
 
     raw_runs: list[dict[str, float]] = []  # per round: best raw over the queue depths, per direction
-    store_runs: dict[str, list[dict[str, float]]] = {label: [] for label, _ in backends}
+    store_runs: list[dict[str, float]] = []
     method = "?"
     # One host buffer for both measurements, so they move data through the same (aligned, faulted-in) memory.
     staging = staging_buffer(nbytes)
@@ -75,24 +57,21 @@ def main() -> None:
                   f"read {raw.read_Bps / GB:6.2f} GB/s")
             best = {"write": max(best["write"], raw.write_Bps), "read": max(best["read"], raw.read_Bps)}
         raw_runs.append(best)
-        for label, aio in backends:
-            st = measure_store(args.folder, nbytes, tensor_bytes=args.tensor_mib << 20, threads=args.threads,
-                               chunk_bytes=args.chunk_mib << 20, staging=staging, aio=aio)
-            print(f"round {r} {label} ({st.method}, {args.threads} in flight): write {st.write_Bps / GB:6.2f} GB/s  "
-                  f"read {st.read_Bps / GB:6.2f} GB/s")
-            store_runs[label].append({"write": st.write_Bps, "read": st.read_Bps})
-    stop.set()
+        st = measure_store(args.folder, nbytes, tensor_bytes=args.tensor_mib << 20, threads=args.threads,
+                           chunk_bytes=args.chunk_mib << 20, staging=staging)
+        print(f"round {r} store ({st.method}, {args.threads} threads): write {st.write_Bps / GB:6.2f} GB/s  "
+              f"read {st.read_Bps / GB:6.2f} GB/s")
+        store_runs.append({"write": st.write_Bps, "read": st.read_Bps})
 
     print()
-    print("| store | direction | raw best (GB/s) | store best (GB/s) | best / best | median of per-round store / raw |")
-    print("|---|---|---|---|---|---|")
-    for label, runs in store_runs.items():
-        for d in ("write", "read"):
-            raw_best = max(x[d] for x in raw_runs)
-            store_best = max(x[d] for x in runs)
-            ratio = statistics.median(s[d] / r[d] for s, r in zip(runs, raw_runs))
-            print(f"| {label} | {d} | {raw_best / GB:.2f} ({method}) | {store_best / GB:.2f} | "
-                  f"{store_best / raw_best:.0%} | {ratio:.0%} |")
+    print("| direction | raw best (GB/s) | store best (GB/s) | best / best | median of per-round store / raw |")
+    print("|---|---|---|---|---|")
+    for d in ("write", "read"):
+        raw_best = max(x[d] for x in raw_runs)
+        store_best = max(x[d] for x in store_runs)
+        ratio = statistics.median(s[d] / r[d] for s, r in zip(store_runs, raw_runs))
+        print(f"| {d} | {raw_best / GB:.2f} ({method}) | {store_best / GB:.2f} | {store_best / raw_best:.0%} | "
+              f"{ratio:.0%} |")
 
 
 if __name__ == "__main__":

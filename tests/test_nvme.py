@@ -19,7 +19,6 @@ import torch
 
 from tightfit.errors import UsageError
 from tightfit.offload import disk_bench, nvme
-from tightfit.offload.aio import AioQueue
 from tightfit.offload.aligned import aligned_empty, is_aligned
 from tightfit.offload.nvme import NvmeStore
 from tightfit.offload.safetensors_file import is_padding
@@ -53,24 +52,10 @@ def _direct_works(folder: Path) -> bool:
         p.unlink(missing_ok=True)
 
 
-def _aio_works() -> bool:
-    try:
-        AioQueue(1, "probe").shutdown()
-        return True
-    except OSError:
-        return False
-
-
-AIO = _aio_works()
-BACKENDS = [False, pytest.param(True, marks=pytest.mark.skipif(not AIO, reason="no native AIO here"))]
-
-
-@pytest.fixture(params=BACKENDS, ids=["threads", "aio"])
-def store(tmp_path, request):
-    # Small chunks so a few-hundred-KiB tensor is already split into several concurrent requests. Both ways of
-    # moving O_DIRECT transfers: preadv/pwrite on the I/O threads, and native AIO (aio.py).
-    with NvmeStore(tmp_path / "swap", threads=4, chunk_bytes=16384, aio=request.param) as s:
-        assert (s._aio is not None) == request.param
+@pytest.fixture
+def store(tmp_path):
+    # Small chunks so a few-hundred-KiB tensor is already split into several concurrent requests.
+    with NvmeStore(tmp_path / "swap", threads=4, chunk_bytes=16384) as s:
         yield s
 
 
@@ -259,7 +244,7 @@ def test_fallback_when_o_direct_transfer_is_refused(tmp_path, monkeypatch):
 
     monkeypatch.setattr(nvme.os, "pwrite", pwrite)
     monkeypatch.setattr(nvme.os, "preadv", preadv)
-    with NvmeStore(tmp_path / "swap", threads=1, chunk_bytes=8192, aio=False) as s:  # the threads' own calls
+    with NvmeStore(tmp_path / "swap", threads=1, chunk_bytes=8192) as s:
         s.create("f", {"a": ((50000,), torch.float32)})
         src = aligned_empty(50000, torch.float32).copy_(torch.randn(50000))
         s.write("f", "a", src).result()
@@ -379,9 +364,9 @@ def test_large_aligned_buffers_are_huge_page_backed():
 
 
 def test_transfer_size_fills_the_queue_then_grows_to_the_chunk(tmp_path):
-    # [Note: transfer size]: on I/O threads, one transfer per idle thread while each stays >= 512 KiB, never above
+    # [Note: transfer size]: one transfer per idle I/O thread while each stays >= 512 KiB, never above
     # chunk_bytes, in whole 4096-byte blocks; a read cut that way still moves every byte.
-    with NvmeStore(tmp_path / "swap", threads=8, chunk_bytes=4 << 20, aio=False) as s:
+    with NvmeStore(tmp_path / "swap", threads=8, chunk_bytes=4 << 20) as s:
         cut = {n: s._transfer_size(n, idle=8) for n in (1000, 1 << 20, 7 << 20, 64 << 20)}
         assert cut[1000] == 4096  # a buffered head or tail: one transfer
         assert cut[1 << 20] == 512 << 10  # two of the smallest size, not eight tiny ones
@@ -403,15 +388,6 @@ def test_transfer_size_fills_the_queue_then_grows_to_the_chunk(tmp_path):
             r.result()
         assert all(torch.equal(o, data) for o in outs)
         assert s._outstanding == 0
-
-
-@pytest.mark.skipif(not AIO, reason="no native AIO here")
-def test_transfer_size_with_native_aio_is_the_largest(tmp_path):
-    # [Note: transfer size]: with the kernel holding the queue, entries go as the largest transfers.
-    with NvmeStore(tmp_path / "swap", threads=8, chunk_bytes=4 << 20, aio=True) as s:
-        assert s._transfer_size(7 << 20, idle=8) == (7 << 20) // 2
-        assert s._transfer_size(1 << 20, idle=8) == 1 << 20
-        assert s._transfer_size(64 << 20, idle=8) == 4 << 20
 
 
 def test_raw_bandwidth_probe(tmp_path):
@@ -499,47 +475,3 @@ def test_parse_fio_json():
           ' {"read": {"bw_bytes": 50}, "write": {"bw_bytes": 7}}]}'
     assert disk_bench.parse_fio_bw(out, "read") == 150.0
     assert disk_bench.parse_fio_bw(out, "write") == 7.0
-
-
-@pytest.mark.skipif(not AIO, reason="no native AIO here")
-@pytest.mark.parametrize("fault", ["einval", "short", "enospc", "eio"])
-def test_aio_refusals_and_short_transfers_are_finished_or_reported(tmp_path, fault):
-    """What the kernel may answer to an AIO transfer, forced by rewriting the answer of the first direct chunk:
-    EINVAL (the filesystem takes no O_DIRECT after all) and a short transfer are finished buffered by an I/O thread,
-    bytes intact; ENOSPC is the clean out-of-space error; any other errno names the tensor and the file."""
-    if not _direct_works(tmp_path):
-        pytest.skip("this filesystem takes no O_DIRECT")
-    with NvmeStore(tmp_path / "swap", threads=2, chunk_bytes=8192, aio=True) as s:
-        s.create("f", {"a": ((50000,), torch.float32)})
-        real_submit, answers = s._aio.submit, []
-
-        def submit(priority, write, fd, addr, nbytes, offset, started, done):
-            def rewritten(res):
-                if not answers:
-                    res = {"einval": -errno.EINVAL, "short": res - 4096, "enospc": -errno.ENOSPC,
-                           "eio": -errno.EIO}[fault]
-                answers.append(res)
-                done(res)
-
-            real_submit(priority, write, fd, addr, nbytes, offset, started, rewritten)
-
-        s._aio.submit = submit
-        src = aligned_empty(50000, torch.float32).copy_(torch.randn(50000))
-        fut = s.write("f", "a", src)
-        if fault == "enospc":
-            with pytest.raises(UsageError, match=r"swap folder .* out of space.*'a'"):
-                fut.result()
-            return
-        if fault == "eio":
-            with pytest.raises(OSError, match=r"write of tensor 'a' at byte \d+ failed"):
-                fut.result()
-            return
-        fut.result()
-        out = aligned_empty(50000, torch.float32)
-        s.read("f", "a", out).result()
-        assert torch.equal(out, src)
-        st = s.stats()
-        assert st["direct_fallbacks"] == (1 if fault == "einval" else 0)
-        assert st["bytes_written"] == st["bytes_read"] == 200000  # each byte counted once, however it moved
-        assert s._outstanding == 0
-        assert len(answers) > 1  # the chunks went through AIO, the first one with the forced answer

@@ -65,10 +65,9 @@ def test_plan_runs_within_budgets(setting, tmp_path):
     assert rep["nvme"]["bytes"] <= (plan.budgets["nvme"] or 0) or not plan.placement.uses(Tier.NVME)
     assert device == pytest.approx(engine_device_bytes(pr.breakdown), rel=0.10)
     # The host figure is the staging pool's peak, which depends on timing: whether the previous unit's write-back
-    # has finished when the optimizer's read-ahead takes buffers for the next unit (the prediction assumes it has;
-    # one more unit's working set in flight is the engine's worst case). Since transfers go through native AIO, one
-    # run in three measured below the prediction too, by up to a third of a working set: hence one either way.
+    # has finished when the optimizer's read-ahead takes buffers for the next unit. The prediction assumes it has;
+    # one more unit's working set in flight is the engine's worst case.
     working_set = max(u.step_bytes for u in eng.units.values())
-    assert pr.peak["host"] - working_set - 64 * 1024 <= host <= pr.peak["host"] + working_set
+    assert pr.peak["host"] * 0.9 - 64 * 1024 <= host <= pr.peak["host"] + working_set
     assert rep["nvme"]["bytes"] == pytest.approx(pr.peak["nvme"], rel=0.10, abs=64 * 1024)
     eng.close()

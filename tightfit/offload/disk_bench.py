@@ -204,12 +204,10 @@ def measure_store(
     threads: int = 8,
     chunk_bytes: int = 4 << 20,
     staging: torch.Tensor | None = None,
-    aio: bool | None = None,
 ) -> Bandwidth:
     """Write then read `nbytes` through an `NvmeStore` as uint8 tensors of `tensor_bytes`, wall-clock timed.
 
     staging: as for `measure_raw`; tensor i moves through its i-th tensor-sized slice (cycling).
-    aio: the store's O_DIRECT transfers through native AIO (True), its threads (False), or its default (None).
     """
     from tightfit.offload.nvme import NvmeStore  # here, so the planner's probe does not import the store
 
@@ -222,7 +220,7 @@ def measure_store(
     sizes = [min(tensor_bytes, nbytes - s) for s in range(0, nbytes, tensor_bytes)]
     bufs = [slots[i % len(slots)][:n] for i, n in enumerate(sizes)]
     with tempfile.TemporaryDirectory(dir=folder, prefix="tightfit-storebench-") as d:
-        with NvmeStore(d, threads=threads, chunk_bytes=chunk_bytes, aio=aio) as store:
+        with NvmeStore(d, threads=threads, chunk_bytes=chunk_bytes) as store:
             store.create("bench", {f"t{i}": ((n,), torch.uint8) for i, n in enumerate(sizes)})
             # Lay the file out first, untimed: the timed writes then overwrite data, as the tier's do after its
             # first step and as `measure_raw` times them.

@@ -19,18 +19,16 @@ Why this shape:
   tier). Unaligned heads and tails, unaligned buffers and filesystems that refuse O_DIRECT (EINVAL) use an
   ordinary buffered descriptor on the same file. The two descriptors never share a page within one request.
 
-[Note: transfer size] Transfers are as large as they can be while the disk's queue has work. A tensor of n bytes
-is cut into max(ceil(n / chunk_bytes), min(idle, n // min_split)) equal transfers in whole 4096-byte blocks,
-where `idle` is the number of the `threads` slots that the transfers already queued or running leave free.
-`chunk_bytes` is 4 MiB by default, the largest request the benchmark VM's disk takes. Measured on that VM
-(benchmarks/RESULTS.md), per backend:
-- I/O threads: `min_split` is 512 KiB. A thread is one request in flight, so a lone few-MB fetch is cut one piece
-  per idle thread; in 4 MiB pieces it left the queue half empty (0.65-0.67 of raw against 0.69-0.72 on 7 MB
-  units). A request joining a busy queue still goes in pieces of up to 4 MiB.
-- Native AIO: `min_split` is `chunk_bytes`, so entries go as the largest transfers. The disk served 4 MiB reads at
-  about 1.5x the bytes per queue slot of 512 KiB reads, and with the kernel holding the queue, 7 MB entries in
-  4 MiB pieces moved at 0.76-0.81 of raw against 0.68 cut per slot (0.81-0.86 against 0.74-0.77 with fetch bursts).
-- Large entries: with 50 MB entries, 4 MiB transfers took the tier from 0.79 to 0.89 of the raw disk.
+[Note: transfer size] Transfers are as large as they can be while the I/O threads all have work. A tensor of
+n bytes is cut into max(ceil(n / chunk_bytes), min(idle, n // 512 KiB)) equal transfers in whole 4096-byte
+blocks, where `idle` is the number of I/O threads that the transfers already queued or running leave without
+work. So a lone request is cut one per thread (while each piece stays 512 KiB or more) and fills the queue, while
+a request that joins a full queue (one of a fetch burst, a write-back behind reads) goes in pieces of up to
+`chunk_bytes` (4 MiB by default, the largest request the benchmark VM's disk takes). Both ends were measured on
+the benchmark VM (benchmarks/RESULTS.md): the disk served 4 MiB reads at about 1.5x the bytes per queue slot of
+512 KiB reads, and a lone few-MB entry cut into 4 MiB pieces left the queue half empty. With 50 MB entries, 4 MiB
+transfers took the tier from 0.79 to 0.89 of the raw disk; with 7 MB entries fetched in bursts, reads went from
+0.72 to 0.83.
 
 Errors: a request's `Future` carries its error. ENOSPC/EDQUOT become a `UsageError` naming the folder; the file
 keeps its valid header and size, and every tensor not being written at that moment keeps its bytes.
@@ -51,7 +49,6 @@ from pathlib import Path
 import torch
 
 from tightfit.errors import UsageError
-from tightfit.offload.aio import AioQueue
 from tightfit.offload.aligned import DIRECT_ALIGN, byte_view
 from tightfit.offload.io_queue import LOAD, WRITE, IoQueue
 from tightfit.offload.safetensors_file import Entry, is_padding, plan_layout, read_layout
@@ -59,7 +56,7 @@ from tightfit.utils.sizes import format_size
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the platform has none (macOS): every transfer is buffered
 _FULL = (errno.ENOSPC, errno.EDQUOT)
-_MIN_SPLIT = 512 << 10  # smallest piece the I/O threads cut a tensor into ([Note: transfer size])
+_MIN_SPLIT = 512 << 10  # smallest transfer a tensor is cut into to give idle I/O threads work ([Note: transfer size])
 SUFFIX = ".safetensors"
 
 
@@ -101,7 +98,6 @@ class NvmeStore:
         *,
         chunk_bytes: int = 4 << 20,
         keep: bool = False,
-        aio: bool | None = None,
     ):
         self.folder = Path(folder)
         try:
@@ -127,17 +123,6 @@ class NvmeStore:
         # The I/O threads: each runs one chunk (one pwrite/preadv) at a time, overlapping compute on the caller's
         # threads and each other. Live until close(), which drains them.
         self._pool = IoQueue(threads, "tightfit-nvme")
-        # O_DIRECT transfers go through the kernel's own queue where it has native AIO (aio.py): up to `threads` in
-        # flight there, reaped by one thread. Where it has not (or aio=False), the threads above move them too.
-        self._aio: AioQueue | None = None
-        if self.direct and aio is not False:
-            try:
-                self._aio = AioQueue(threads, "tightfit-nvme")
-            except OSError:
-                if aio:
-                    raise
-        # The smallest piece a tensor is cut into to give idle slots work ([Note: transfer size]).
-        self._min_split = chunk_bytes if self._aio is not None else min(_MIN_SPLIT, chunk_bytes)
         self._pending: set[Future] = set()
         self._closed = False
         # Bandwidth accounting per direction: bytes moved, and busy time = wall time with >= 1 chunk in flight.
@@ -288,8 +273,6 @@ class NvmeStore:
             return
         self.wait()
         self._pool.shutdown()
-        if self._aio is not None:
-            self._aio.shutdown()
         for file in list(self._files):
             self._drop(file, unlink=not self.keep and self._files[file].owned)
         self._closed = True
@@ -433,12 +416,8 @@ class NvmeStore:
             self._pending.add(req)
             f.pending.add(req)
         for start, n, direct in parts:
-            if direct and self._aio is not None and f.direct and f.dfd is not None:
-                self._aio_part(kind, f, name, e.offset + start, buf[start : start + n], t.data_ptr() + start,
-                               priority, part_done)
-            else:
-                self._pool.submit(priority, self._io, (kind, f, name, e.offset + start, buf[start : start + n],
-                                                       direct), part_done)
+            self._pool.submit(priority, self._io, (kind, f, name, e.offset + start, buf[start : start + n], direct),
+                              part_done)
         return req
 
     def _plan(self, f: _File, e: Entry, addr: int, idle: int) -> list[tuple[int, int, bool]]:
@@ -462,13 +441,18 @@ class NvmeStore:
 
     def _transfer_size(self, nbytes: int, idle: int) -> int:
         """Bytes per transfer for a span of `nbytes` when `idle` I/O threads have no work ([Note: transfer size])."""
-        pieces = max(-(-nbytes // self.chunk_bytes), min(idle, nbytes // self._min_split), 1)
+        pieces = max(-(-nbytes // self.chunk_bytes), min(idle, nbytes // _MIN_SPLIT), 1)
         size = -(-nbytes // pieces)
         return min(self.chunk_bytes, max(DIRECT_ALIGN, -(-size // DIRECT_ALIGN) * DIRECT_ALIGN))
 
     def _io(self, kind: str, f: _File, name: str, off: int, buf: memoryview, direct: bool) -> None:
         """Run one transfer on an I/O thread (the GIL is released inside pwrite/preadv)."""
-        self._begin(kind)
+        with self._lock:
+            now = time.perf_counter()
+            if self._inflight[kind] == 0:
+                self._since[kind] = now
+            self._inflight[kind] += 1
+            self._count_depth(now, kind, +1)
         done, moved_direct = 0, 0
         try:
             if direct and f.direct and f.dfd is not None:
@@ -477,69 +461,29 @@ class NvmeStore:
                 except OSError as e:
                     if e.errno != errno.EINVAL:
                         raise
-                    self._no_direct(f)
+                    # The filesystem refused O_DIRECT after all (e.g. tmpfs, some network filesystems): stop
+                    # planning direct transfers for this file and finish this one buffered.
+                    with self._lock:
+                        f.direct = False
+                        self._fallbacks += 1
             while done < len(buf):  # buffered path; also finishes a short direct transfer
                 done += _transfer_once(kind, f.fd, buf[done:], off + done)
         except OSError as e:
-            raise self._error(kind, f, name, off + done, e.errno) from (None if e.errno in _FULL else e)
+            if e.errno in _FULL:
+                raise UsageError(
+                    self._full_msg(f.path.name, f"could not take tensor {name!r} ({os.strerror(e.errno)})")
+                ) from None
+            raise OSError(e.errno, f"{kind} of tensor {name!r} at byte {off + done} failed", str(f.path)) from e
         finally:
-            self._end(kind, done, moved_direct)
-
-    def _aio_part(self, kind: str, f: _File, name: str, off: int, buf: memoryview, addr: int, priority: int,
-                  part_done) -> None:
-        """Run one O_DIRECT transfer through native AIO; a refused or short one is finished by an I/O thread."""
-        n = len(buf)
-
-        def done(res: int) -> None:
-            moved = max(res, 0)
-            self._end(kind, moved, moved)
-            if res == n:
-                part_done(None)
-                return
-            if res > 0 or res == -errno.EINVAL:  # short (finish buffered), or O_DIRECT refused after all
-                if res < 0:
-                    self._no_direct(f)
-                with self._lock:
-                    self._outstanding += 1
-                self._pool.submit(priority, self._io, (kind, f, name, off + moved, buf[moved:], False), part_done)
-                return
-            err = errno.ENOSPC if kind == "write" and res == 0 else (errno.EIO if res == 0 else -res)
-            part_done(self._error(kind, f, name, off, err))
-
-        self._aio.submit(priority, kind == "write", f.dfd, addr, n, off, lambda: self._begin(kind), done)
-
-    def _no_direct(self, f: _File) -> None:
-        """The filesystem refused O_DIRECT after all (e.g. tmpfs, some network filesystems): stop planning direct
-        transfers for this file; the refused transfer finishes buffered."""
-        with self._lock:
-            f.direct = False
-            self._fallbacks += 1
-
-    def _error(self, kind: str, f: _File, name: str, at: int, err: int) -> Exception:
-        if err in _FULL:
-            return UsageError(self._full_msg(f.path.name, f"could not take tensor {name!r} ({os.strerror(err)})"))
-        return OSError(err, f"{kind} of tensor {name!r} at byte {at} failed", str(f.path))
-
-    def _begin(self, kind: str) -> None:
-        """Account a transfer going to the disk."""
-        with self._lock:
-            now = time.perf_counter()
-            if self._inflight[kind] == 0:
-                self._since[kind] = now
-            self._inflight[kind] += 1
-            self._count_depth(now, kind, +1)
-
-    def _end(self, kind: str, moved: int, moved_direct: int) -> None:
-        """Account a transfer back from the disk, `moved` bytes of it moved."""
-        with self._lock:
-            now = time.perf_counter()
-            self._inflight[kind] -= 1
-            if self._inflight[kind] == 0:
-                self._busy[kind] += now - self._since[kind]
-            self._count_depth(now, kind, -1)
-            self._outstanding -= 1
-            self._bytes[kind] += moved
-            self._direct_bytes += moved_direct
+            with self._lock:
+                now = time.perf_counter()
+                self._inflight[kind] -= 1
+                if self._inflight[kind] == 0:
+                    self._busy[kind] += now - self._since[kind]
+                self._count_depth(now, kind, -1)
+                self._outstanding -= 1
+                self._bytes[kind] += done
+                self._direct_bytes += moved_direct
 
     def _count_depth(self, now: float, kind: str, delta: int) -> None:
         """Account the chunks in flight (either direction) up to `now`, then change their count by `delta`.
