@@ -244,7 +244,6 @@ def memory(args) -> dict:
     placement = Placement.everywhere(Tier.NVME, nvme_dir=str(folder), device_budget=device_budget - activations,
                                      host_budget=host_budget, prefetch_depth=args.prefetch,
                                      checkpoint_units=checkpointed, nvme_threads=args.io_threads,
-                                     fetch_burst_bytes=args.burst_mib * MiB,
                                      nvme_chunk_bytes=args.chunk_kib << 10)
     volume = 28 * n_params  # one step's traffic each way, about (fwd + bwd params, moments, write-backs)
     raw_before = _raw_in_subprocess(folder / "raw", volume)
@@ -385,7 +384,7 @@ def overlap(args) -> dict:
     folder = Path(args.folder) / "overlap"
     shutil.rmtree(folder, ignore_errors=True)
     placement = Placement.everywhere(Tier.NVME, nvme_dir=str(folder), prefetch_depth=args.prefetch,
-                                     checkpoint_units=ckpt, fetch_burst_bytes=args.burst_mib * MiB)
+                                     checkpoint_units=ckpt)
     model, opt = _build(cfg, placement)
     engine = engine_of(model)
     traffic = _Traffic(engine)
@@ -498,8 +497,6 @@ def main() -> None:
                          "lower RSS, a page fault per page on every re-allocation); 'glibc' keeps glibc's adaptive "
                          "defaults (the memory benchmark always trims). "
                          "bench_offload_deepspeed.py takes the same flag: compare like with like")
-    ap.add_argument("--burst-mib", type=int, default=0,
-                    help="memory, overlap: forward fetch bursts of up to this many MiB (Placement.fetch_burst_bytes)")
     ap.add_argument("--io-threads", type=int, default=8, help="memory: NVMe tier I/O threads")
     ap.add_argument("--chunk-kib", type=int, default=4096, help="memory: largest NVMe tier transfer, KiB")
     ap.add_argument("--device-mib", type=int, default=40, help="memory: device budget (the CPU here), MiB")

@@ -40,7 +40,7 @@ from tightfit.offload.aligned import aligned_empty
 from tightfit.offload.flat_unit import AT_REST, GRADS, MASTER, PARAMS, OffloadUnit, Where
 from tightfit.offload.hooks import queue_end_of_backward, register_hooks, remove_hooks
 from tightfit.offload.optim_step import discard_preload, preload
-from tightfit.offload.placement import MAX_BURST_EXTRA, ROOT_UNIT, Placement, State, Tier
+from tightfit.offload.placement import ROOT_UNIT, Placement, State, Tier
 from tightfit.offload.schedule import Phase, Schedule
 from tightfit.offload.staging import BufferPool, CpuMover, CudaMover
 from tightfit.offload.tiers import DiskStore, MemoryStore, TierStore
@@ -190,7 +190,6 @@ class OffloadEngine:
 
     def _check_budgets(self) -> None:
         p = self.placement
-        self._spare = 0
         if p.device_budget is not None:
             fixed = sum(n * torch.empty((), dtype=d).element_size()
                         for u in self.units.values() for n, d in u.entries().get(Tier.DEVICE, {}).values())
@@ -204,7 +203,6 @@ class OffloadEngine:
             # Two units overlap in backward: a unit's backward starts when the gradient of its output is ready,
             # which can be before the last parameter gradients of the unit after it have been accumulated.
             need = fixed + root_bytes + (2 * need_of(big) if big else 0)
-            self._spare = 2 * need_of(big) if big else 0  # kept free by fetch bursts ([Note: fetch bursts])
             if need > p.device_budget:
                 what = (f"; unit {big.name!r} needs {format_size(need_of(big))} while it computes, and two units "
                         "overlap in backward") if big else ""
@@ -336,43 +334,13 @@ class OffloadEngine:
                     and not other.master_in_flat):
                 self.release(other)
 
-    def _wants_fetch(self, unit: OffloadUnit) -> bool:
-        return not (unit.resident or unit.on_device)
-
-    def prefetch(self, names: list[str], phase: Phase) -> None:
-        """Start fetching the units of the prefetch window `names` that fit; in forward, as a burst.
-
-        [Note: fetch bursts] A unit's lone fetch of a few MB cannot keep a disk's queue full of large requests, and
-        each burst pays a ramp-up and a tail with few requests in flight. So in forward, once a unit of the window
-        must be fetched, the units after it in the recorded order are fetched with it until
-        `placement.fetch_burst_bytes` would be exceeded (at most MAX_BURST_EXTRA units beyond the window): the
-        window then drains for a few units and refills in one burst, whose requests join a full queue and go as
-        large transfers ([Note: transfer size] in nvme.py). Units beyond the window only use spare room: each must
-        fit the device budget with two computing units' needs to spare (the guarantee of `_check_budgets`), and its
-        staging buffer must be free in the pool, so a burst never forces an eviction or a wait. Backward is left
-        alone: its fetches keep their staging buffers for the optimizer (`keeps_master`) and already come with the
-        unit's optimizer state, so a burst there would hold pool memory the step thread needs.
-        """
-        if not any(self._wants_fetch(self.units[n]) for n in names):
-            return
-        burst = self.placement.fetch_burst_bytes if phase == Phase.FORWARD else 0
-        window = set(names)
-        if burst > 0:
-            names = self.schedule.ahead(phase, len(names) + MAX_BURST_EXTRA)
-        queued = 0
+    def prefetch(self, names: list[str]) -> None:
         for name in names:
             unit = self.units[name]
-            if not self._wants_fetch(unit):
+            if unit.resident or unit.on_device or not self._fits(unit.compute_bytes):
                 continue
-            if name in window:
-                if not self._fits(unit.compute_bytes):
-                    continue
-            elif (queued + unit.compute_bytes > burst or not self._fits(unit.compute_bytes + self._spare)
-                  or not self._pool_has_room(unit.compute_bytes)):
-                break
             self._charge(unit.compute_bytes)
             unit.start_fetch(self.mover, keep_master=self.keeps_master(unit))
-            queued += unit.compute_bytes
 
     def release(self, unit: OffloadUnit) -> None:
         self._active.discard(unit.name)
@@ -397,7 +365,7 @@ class OffloadEngine:
         self.materialise(root)
         if torch.is_grad_enabled():
             root.awaiting_backward = True
-        self.prefetch(self.schedule.first(Phase.FORWARD), Phase.FORWARD)
+        self.prefetch(self.schedule.first(Phase.FORWARD))
 
     def on_root_forward_end(self) -> None:
         self.schedule.end(Phase.FORWARD)
@@ -409,7 +377,7 @@ class OffloadEngine:
     def on_unit_forward_start(self, unit: OffloadUnit) -> None:
         nxt = self.schedule.visit(Phase.FORWARD, unit.name) if self.phase == Phase.FORWARD else []
         self.materialise(unit)
-        self.prefetch(nxt, Phase.FORWARD)
+        self.prefetch(nxt)
         if torch.is_grad_enabled():
             unit.awaiting_backward = True
 
@@ -441,7 +409,7 @@ class OffloadEngine:
         nxt = self.schedule.visit(Phase.BACKWARD, unit.name)
         self._charge_grads(unit)
         self.materialise(unit)
-        self.prefetch(nxt, Phase.BACKWARD)
+        self.prefetch(nxt)
         if self.early_step is not None:
             preload(self, unit)  # its optimizer state loads under its own backward
 

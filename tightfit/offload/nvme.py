@@ -19,16 +19,13 @@ Why this shape:
   tier). Unaligned heads and tails, unaligned buffers and filesystems that refuse O_DIRECT (EINVAL) use an
   ordinary buffered descriptor on the same file. The two descriptors never share a page within one request.
 
-[Note: transfer size] Transfers are as large as they can be while the I/O threads all have work. A tensor of
-n bytes is cut into max(ceil(n / chunk_bytes), min(idle, n // 512 KiB)) equal transfers in whole 4096-byte
-blocks, where `idle` is the number of I/O threads that the transfers already queued or running leave without
-work. So a lone request is cut one per thread (while each piece stays 512 KiB or more) and fills the queue, while
-a request that joins a full queue (one of a fetch burst, a write-back behind reads) goes in pieces of up to
-`chunk_bytes` (4 MiB by default, the largest request the benchmark VM's disk takes). Both ends were measured on
-the benchmark VM (benchmarks/RESULTS.md): the disk served 4 MiB reads at about 1.5x the bytes per queue slot of
-512 KiB reads, and a lone few-MB entry cut into 4 MiB pieces left the queue half empty. With 50 MB entries, 4 MiB
-transfers took the tier from 0.79 to 0.89 of the raw disk; with 7 MB entries fetched in bursts, reads went from
-0.72 to 0.83.
+[Note: transfer size] A tensor of n bytes is cut into max(ceil(n / chunk_bytes), min(threads, n // 512 KiB))
+equal transfers in whole 4096-byte blocks: one per I/O thread when each can still be 512 KiB or more, so a lone
+request fills the queue, and never more than `chunk_bytes` (4 MiB by default, the largest request the benchmark
+VM's disk takes), so large entries go as large requests. Both ends were measured on the benchmark VM
+(benchmarks/RESULTS.md). The disk served 4 MiB reads at about 1.5x the bytes per queue slot of 512 KiB reads. A
+few-MB entry cut into 4 MiB pieces left the queue half empty. With 50 MB entries, 4 MiB transfers took the tier
+from 0.79 to 0.89 of the raw disk.
 
 Errors: a request's `Future` carries its error. ENOSPC/EDQUOT become a `UsageError` naming the folder; the file
 keeps its valid header and size, and every tensor not being written at that moment keeps its bytes.
@@ -56,7 +53,7 @@ from tightfit.utils.sizes import format_size
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the platform has none (macOS): every transfer is buffered
 _FULL = (errno.ENOSPC, errno.EDQUOT)
-_MIN_SPLIT = 512 << 10  # smallest transfer a tensor is cut into to give idle I/O threads work ([Note: transfer size])
+_MIN_SPLIT = 512 << 10  # smallest transfer a tensor is cut into to give more I/O threads work ([Note: transfer size])
 SUFFIX = ".safetensors"
 
 
@@ -133,7 +130,6 @@ class NvmeStore:
         # Either direction: busy time (>= 1 chunk of any kind in flight) and the integral of the number of chunks in
         # flight over it, whose ratio is the mean queue depth the disk saw while busy.
         self._inflight_any = 0
-        self._outstanding = 0  # transfers queued or running, either direction ([Note: transfer size])
         self._since_any = 0.0
         self._busy_any = 0.0
         self._depth_s = 0.0
@@ -386,10 +382,7 @@ class NvmeStore:
         # The tensor's own bytes (aligned.byte_view); `alive` holds `t` until the last chunk is done, then lets it go.
         buf = byte_view(t)
         alive = [t]
-        with self._lock:
-            idle = max(0, self.threads - self._outstanding)
-            parts = self._plan(f, e, t.data_ptr(), idle)
-            self._outstanding += len(parts)
+        parts = self._plan(f, e, t.data_ptr())
         remaining = [len(parts)]
         errors: list[BaseException] = []
         req_lock = threading.Lock()
@@ -420,9 +413,8 @@ class NvmeStore:
                               part_done)
         return req
 
-    def _plan(self, f: _File, e: Entry, addr: int, idle: int) -> list[tuple[int, int, bool]]:
-        """Cut one tensor into (start, length, direct) transfers of at most chunk_bytes, giving up to `idle` I/O
-        threads work ([Note: transfer size]).
+    def _plan(self, f: _File, e: Entry, addr: int) -> list[tuple[int, int, bool]]:
+        """Cut one tensor into (start, length, direct) transfers of at most chunk_bytes.
 
         O_DIRECT is possible only where file offset and buffer address are both 4096-aligned, i.e. when they agree
         modulo 4096: then a buffered head reaches the first aligned offset, the body goes direct in whole blocks,
@@ -435,13 +427,13 @@ class NvmeStore:
             body = (n - head) // A * A
         parts: list[tuple[int, int, bool]] = []
         for lo, hi, direct in ((0, head, False), (head, head + body, True), (head + body, n, False)):
-            size = self._transfer_size(hi - lo, idle)
+            size = self._transfer_size(hi - lo)
             parts += [(s, min(size, hi - s), direct) for s in range(lo, hi, size)]
         return parts
 
-    def _transfer_size(self, nbytes: int, idle: int) -> int:
-        """Bytes per transfer for a span of `nbytes` when `idle` I/O threads have no work ([Note: transfer size])."""
-        pieces = max(-(-nbytes // self.chunk_bytes), min(idle, nbytes // _MIN_SPLIT), 1)
+    def _transfer_size(self, nbytes: int) -> int:
+        """Bytes per transfer for a span of `nbytes` ([Note: transfer size])."""
+        pieces = max(-(-nbytes // self.chunk_bytes), min(self.threads, nbytes // _MIN_SPLIT), 1)
         size = -(-nbytes // pieces)
         return min(self.chunk_bytes, max(DIRECT_ALIGN, -(-size // DIRECT_ALIGN) * DIRECT_ALIGN))
 
@@ -481,7 +473,6 @@ class NvmeStore:
                 if self._inflight[kind] == 0:
                     self._busy[kind] += now - self._since[kind]
                 self._count_depth(now, kind, -1)
-                self._outstanding -= 1
                 self._bytes[kind] += done
                 self._direct_bytes += moved_direct
 

@@ -21,9 +21,6 @@ from enum import Enum
 ROOT_UNIT = "root"
 """Name of the unit holding every parameter that belongs to no repeated block (embeddings, final norm, head)."""
 
-MAX_BURST_EXTRA = 32
-"""Units beyond the prefetch window one forward fetch burst may reach ([Note: fetch bursts] in engine.py)."""
-
 
 class Tier(str, Enum):
     """A memory tier, fastest first."""
@@ -94,10 +91,6 @@ class Placement:
     """Largest single transfer of the NVMe tier (a multiple of 4096). A tensor is cut into one transfer per I/O
     thread where that keeps each at 512 KiB or more, and never into transfers larger than this
     ([Note: transfer size] in nvme.py)."""
-    fetch_burst_bytes: int = 0
-    """When a unit of the prefetch window must be fetched, also fetch the units after it until this many bytes are
-    on their way (0: one unit at a time). Fewer, larger bursts keep more bytes queued on a disk
-    ([Note: fetch bursts] in engine.py)."""
     staging_buffers: int = 4
     """Pinned host staging buffers per dtype (CUDA); bounds host memory used for in-flight copies."""
     checkpoint_units: list[str] = field(default_factory=list)

@@ -57,12 +57,6 @@ class Schedule:
             return []
         return self._distinct(seq[self._cursor + 1 : self._cursor + 1 + self.depth], exclude=unit)
 
-    def ahead(self, phase: Phase, n: int, exclude: str | None = None) -> list[str]:
-        """The next `n` units of the recorded sequence after the cursor (distinct; none before it is recorded)."""
-        if not self.recorded[phase]:
-            return []
-        return self._distinct(self.order[phase][self._cursor + 1 : self._cursor + 1 + n], exclude=exclude)
-
     @staticmethod
     def _distinct(names: list[str], exclude: str | None = None) -> list[str]:
         out: list[str] = []

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from tightfit.offload.placement import MAX_BURST_EXTRA, ROOT_UNIT, Placement, State, Tier
+from tightfit.offload.placement import ROOT_UNIT, Placement, State, Tier
 from tightfit.planner.hardware import HardwareProfile
 from tightfit.planner.model_profile import ModelProfile, UnitProfile, Work
 
@@ -133,14 +133,6 @@ def memory(profile: ModelProfile, placement: Placement, hw: HardwareProfile,
     root_g = sum(u.trainable * c for u in profile.units if u.name == ROOT_UNIT)
     dev["grads in flight"] = root_g + 2 * max((u.trainable * c for u in profile.units if u.name != ROOT_UNIT),
                                               default=0)
-    if placement.fetch_burst_bytes and blocks and any(placement.of(u.name).params == Tier.NVME for u in streamed):
-        # Forward fetch bursts ([Note: fetch bursts] in engine.py): in forward the running block and `depth`
-        # prefetched ones, plus the units a burst fetches beyond the window (the burst's first unit is in the
-        # window). In backward one more block and the gradients in flight; the peak is the larger of the two.
-        block = max(blocks)
-        extra = min(placement.fetch_burst_bytes // block - 1, MAX_BURST_EXTRA,
-                    len(blocks) - placement.prefetch_depth - 1)
-        dev["fetch burst"] = max(0, extra * block - block - dev["grads in flight"])
     dev["activations"] = act_bytes(profile, set(placement.checkpoint_units))
     host = parts["host"]
     pool = 0
@@ -192,9 +184,9 @@ def staged_working_set(profile: ModelProfile, placement: Placement, hw: Hardware
 
 def engine_device_bytes(breakdown: dict[str, dict[str, int]]) -> int:
     """What the engine itself counts against the device budget: device-tier states + materialised units +
-    autograd gradients not yet shipped, and fetch bursts (everything but activations)."""
+    autograd gradients not yet shipped (everything but activations)."""
     d = breakdown.get("device", {})
-    return d.get("states", 0) + d.get("window", 0) + d.get("grads in flight", 0) + d.get("fetch burst", 0)
+    return d.get("states", 0) + d.get("window", 0) + d.get("grads in flight", 0)
 
 
 def work_time(w: Work, hw: HardwareProfile) -> float:

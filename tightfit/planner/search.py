@@ -10,7 +10,6 @@ Order of decisions (each step can only make the next easier):
 2. activation checkpointing (auto: only if activations + the smallest streaming window do not fit the device);
 3. tiling (only if one unit's largest Linear alone leaves no room on the device);
 4. prefetch depth (hide one unit's fetch behind the compute of the units before it), staging buffers;
-   (after step 5) forward fetch bursts from NVMe, in the device room left over;
 5. states: start on host; promote to the device in priority order while the device budget holds; demote to NVMe
    in reverse priority while host memory does not hold; promote again (a CPU-only machine's shared RAM may have
    room after the NVMe demotion).
@@ -29,11 +28,6 @@ from tightfit.planner.costs import Prediction, TrainShape, act_bytes, memory, pr
 from tightfit.planner.hardware import GiB, HardwareProfile
 from tightfit.planner.model_profile import ModelProfile, UnitProfile, Work
 from tightfit.utils.sizes import format_size
-
-FETCH_BURST_BYTES = 128 << 20
-"""Largest forward fetch burst the planner gives ([Note: fetch bursts] in offload/engine.py). On the benchmark VM,
-with 7 MB units, forward reads moved at 2.1-2.2 GB/s one unit at a time, 2.35 GB/s in 64 MiB bursts and 2.9 GB/s in
-192 MiB bursts, against 3.3 GB/s raw (benchmarks/RESULTS.md)."""
 
 _GROUPS: dict[str, tuple[State, ...]] = {"params": (State.PARAMS,), "grads": (State.GRADS,),
                                          "optimizer": (State.MASTER, State.OPTIM)}
@@ -169,8 +163,6 @@ def fixed(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainSh
     p = Placement.everywhere(tier, checkpoint_units=ck, nvme_dir=b.nvme_dir)
     p = _finish(p, profile, hw, b, shape)
     pred = predict(profile, p, hw, shape)
-    if not violations(pred, b):
-        p, pred = _fetch_bursts(p, pred, profile, hw, b, shape)
     reasons = [f"{label}: every state on the {tier.value} tier"]
     for t, need, have in violations(pred, b):
         reasons.append(f"warning: {t} needs {format_size(need)}, budget {format_size(have)}: this run may not fit")
@@ -222,31 +214,12 @@ def search(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainS
     bad = violations(pred, b)
     if bad:
         raise Infeasible(_suggest(bad[0], profile, hw, b, shape, p, pred))
-    p, pred = _fetch_bursts(p, pred, profile, hw, b, shape)
     reasons += _explain(profile, p, pred, shape)
     if tiled:
         # The engine's default unit policy does not descend into a block, so tiles inside a block are not units
         # it knows by name: name only real units in the placement (tiles follow the default placement).
         p = replace(p, units={k: v for k, v in p.units.items() if ".tiles." not in k})
     return SearchResult(p, pred, profile, reasons)
-
-
-def _fetch_bursts(p: Placement, pred: Prediction, profile: ModelProfile, hw: HardwareProfile, b: Budgets,
-                  shape: TrainShape) -> tuple[Placement, Prediction]:
-    """Forward fetch bursts from the device room the plan leaves: the largest of FETCH_BURST_BYTES, half, a quarter
-    ... that still fits, and at least two blocks' parameters, or none ([Note: fetch bursts] in engine.py)."""
-    streamed = [u for u in profile.units if u.name != ROOT_UNIT and p.of(u.name).params == Tier.NVME]
-    if not streamed:
-        return p, pred
-    block = max(u.numel for u in streamed) * shape.compute_bytes
-    burst = FETCH_BURST_BYTES
-    while burst >= 2 * block:
-        q = replace(p, fetch_burst_bytes=burst)
-        q_pred = predict(profile, q, hw, shape)
-        if not violations(q_pred, b):
-            return q, q_pred
-        burst //= 2
-    return p, pred
 
 
 def _min_streaming(profile: ModelProfile, shape: TrainShape) -> int:
@@ -343,9 +316,6 @@ def _explain(profile: ModelProfile, p: Placement, pred: Prediction, shape: Train
         out.append(f"{group}: " + ", ".join(f"{n} unit(s) on {t}" for t, n in tiers.items()))
     if any(p.of(u.name).params != Tier.DEVICE for u in profile.units):
         out.append(f"prefetch depth {p.prefetch_depth}: hides one unit's fetch behind the compute before it")
-    if p.fetch_burst_bytes:
-        out.append(f"fetch bursts of up to {format_size(p.fetch_burst_bytes)} in forward: fewer, larger disk "
-                   "requests, from the device room left over")
     return out
 
 
