@@ -363,15 +363,16 @@ def test_large_aligned_buffers_are_huge_page_backed():
     assert is_aligned(small) and "hg" not in _vma_flags(small.data_ptr())  # small ones: the ordinary allocator
 
 
-def test_transfer_size_fills_the_queue_then_grows_to_the_chunk(tmp_path):
-    # [Note: transfer size]: one transfer per I/O thread while each stays >= 512 KiB, never above chunk_bytes, in
-    # whole 4096-byte blocks; a read cut that way still moves every byte.
+def test_transfer_size_is_as_large_as_the_chunk_allows(tmp_path):
+    # [Note: transfer size]: ceil(n / chunk_bytes) equal transfers in whole 4096-byte blocks; a read cut that way
+    # still moves every byte.
     with NvmeStore(tmp_path / "swap", threads=8, chunk_bytes=4 << 20) as s:
-        cut = {n: s._transfer_size(n) for n in (1000, 1 << 20, 7 << 20, 64 << 20)}
+        cut = {n: s._transfer_size(n) for n in (1000, 1 << 20, 7 << 20, 64 << 20, (8 << 20) + 1)}
         assert cut[1000] == 4096  # a buffered head or tail: one transfer
-        assert cut[1 << 20] == 512 << 10  # two of the smallest size, not eight tiny ones
-        assert cut[7 << 20] == (7 << 20) // 8  # a unit-sized entry gives all 8 threads a transfer
-        assert cut[64 << 20] == 4 << 20  # a large one goes as the largest requests
+        assert cut[1 << 20] == 1 << 20  # one transfer, not one per thread
+        assert cut[7 << 20] == (7 << 20) // 2  # two equal halves, not a 4 MiB piece and a 3 MiB one
+        assert cut[64 << 20] == 4 << 20
+        assert cut[(8 << 20) + 1] == -(-((8 << 20) + 1) // 3 // 4096) * 4096  # three pieces, block-rounded
         assert all(size % 4096 == 0 for size in cut.values())
         data = torch.randint(0, 256, (7 << 20,), dtype=torch.uint8)
         s.create("t", {"x": ((7 << 20,), torch.uint8)})

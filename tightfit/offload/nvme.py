@@ -10,22 +10,23 @@ Why this shape:
   where it is a clean `UsageError`, rather than halfway through a training step.
 - *positional I/O from a thread pool*: `os.pwrite` / `os.preadv` release the GIL, so `threads` requests are in
   flight at once while Python keeps scheduling compute. The threads serve requests by priority class
-  (io_queue.py): parameter fetches before optimizer loads before write-backs. A tensor is cut into transfers so
-  that one tensor alone keeps the disk's queue full ([Note: transfer size]). The bytes go straight between the
-  caller's tensor memory and the file: no intermediate copy in Python.
+  (io_queue.py): parameter fetches before optimizer loads before write-backs. A tensor goes as a few large
+  transfers ([Note: transfer size]). The bytes go straight between the caller's tensor memory and the file: no
+  intermediate copy in Python.
 - *O_DIRECT where alignment allows*: when the tensor's buffer address and its file offset agree modulo 4096 (the
   engine allocates its staging buffers with `aligned_empty`), the aligned body goes through an O_DIRECT
   descriptor, which skips the page cache (no second memcpy, no write-back bursts, no cache evicting the host
   tier). Unaligned heads and tails, unaligned buffers and filesystems that refuse O_DIRECT (EINVAL) use an
   ordinary buffered descriptor on the same file. The two descriptors never share a page within one request.
 
-[Note: transfer size] A tensor of n bytes is cut into max(ceil(n / chunk_bytes), min(threads, n // 512 KiB))
-equal transfers in whole 4096-byte blocks: one per I/O thread when each can still be 512 KiB or more, so a lone
-request fills the queue, and never more than `chunk_bytes` (4 MiB by default, the largest request the benchmark
-VM's disk takes), so large entries go as large requests. Both ends were measured on the benchmark VM
-(benchmarks/RESULTS.md). The disk served 4 MiB reads at about 1.5x the bytes per queue slot of 512 KiB reads. A
-few-MB entry cut into 4 MiB pieces left the queue half empty. With 50 MB entries, 4 MiB transfers took the tier
-from 0.79 to 0.89 of the raw disk.
+[Note: transfer size] A tensor of n bytes is cut into ceil(n / chunk_bytes) equal transfers in whole 4096-byte
+blocks: as few and as large as `chunk_bytes` (4 MiB by default, the largest request the benchmark VM's disk takes)
+allows. The disk serves large requests better (4 MiB reads moved about 1.5x the bytes per queue slot of 512 KiB
+reads), and the several entries a training step has in flight keep its queue busy. Measured side by side on the
+benchmark VM with 7 MB entries (benchmarks/RESULTS.md, batch E): cutting each entry one piece per I/O thread
+(>= 512 KiB, so that a lone fetch fills the queue) gave reads at 0.70-0.72 of raw and the mixed step 0.69-0.70;
+4 MiB pieces gave 0.82-0.85 and 0.78-0.79. With 50 MB entries, 4 MiB transfers took the tier from 0.79 (512 KiB)
+to 0.89 of raw.
 
 Errors: a request's `Future` carries its error. ENOSPC/EDQUOT become a `UsageError` naming the folder; the file
 keeps its valid header and size, and every tensor not being written at that moment keeps its bytes.
@@ -53,7 +54,6 @@ from tightfit.utils.sizes import format_size
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the platform has none (macOS): every transfer is buffered
 _FULL = (errno.ENOSPC, errno.EDQUOT)
-_MIN_SPLIT = 512 << 10  # smallest transfer a tensor is cut into to give more I/O threads work ([Note: transfer size])
 SUFFIX = ".safetensors"
 
 
@@ -433,7 +433,7 @@ class NvmeStore:
 
     def _transfer_size(self, nbytes: int) -> int:
         """Bytes per transfer for a span of `nbytes` ([Note: transfer size])."""
-        pieces = max(-(-nbytes // self.chunk_bytes), min(self.threads, nbytes // _MIN_SPLIT), 1)
+        pieces = max(-(-nbytes // self.chunk_bytes), 1)
         size = -(-nbytes // pieces)
         return min(self.chunk_bytes, max(DIRECT_ALIGN, -(-size // DIRECT_ALIGN) * DIRECT_ALIGN))
 

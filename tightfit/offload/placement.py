@@ -88,9 +88,8 @@ class Placement:
     nvme_threads: int = 8
     """I/O threads of the NVMe tier = transfers in flight at once."""
     nvme_chunk_bytes: int = 4 << 20
-    """Largest single transfer of the NVMe tier (a multiple of 4096). A tensor is cut into one transfer per I/O
-    thread where that keeps each at 512 KiB or more, and never into transfers larger than this
-    ([Note: transfer size] in nvme.py)."""
+    """Largest single transfer of the NVMe tier (a multiple of 4096). A tensor is cut into as few equal transfers as
+    this allows ([Note: transfer size] in nvme.py)."""
     staging_buffers: int = 4
     """Pinned host staging buffers per dtype (CUDA); bounds host memory used for in-flight copies."""
     checkpoint_units: list[str] = field(default_factory=list)

@@ -115,8 +115,8 @@ class DiskStore(TierStore):
             from tightfit.offload.nvme import NvmeStore
         except ImportError as e:  # pragma: no cover - only while the NVMe engine is missing
             raise UsageError(f"the NVMe tier is not available in this build ({e}); place no state on nvme") from None
-        # Transfers of up to 4 MiB (Placement.nvme_chunk_bytes), fewer and smaller where an entry is small
-        # ([Note: transfer size] in nvme.py).
+        # Transfers of up to 4 MiB (Placement.nvme_chunk_bytes), as few as that allows ([Note: transfer size] in
+        # nvme.py).
         self.nvme = NvmeStore(folder, budget_bytes=budget_bytes, threads=threads, chunk_bytes=chunk_bytes)
         self.bytes = 0  # host bytes: none; disk usage is reported by `nvme.stats()`
         self.disk_bytes = 0
