@@ -264,7 +264,7 @@ class OffloadEngine:
         if (self.device.type != "cpu" or unit.master_entry != PARAMS or unit.resident
                 or unit.fresh_params is not None or unit.name not in self.schedule.first(Phase.FORWARD)):
             return False
-        return self._pool_has_room(2 * unit.optim_bytes)
+        return self.pool.has_room(2 * unit.optim_bytes)
 
     def keeps_master(self, unit: OffloadUnit) -> bool:
         """Should a params fetch of `unit` starting now keep its staging buffer for the unit's optimizer step?
@@ -276,11 +276,7 @@ class OffloadEngine:
                 or unit.master_entry != PARAMS or unit.kept_master is not None
                 or unit.store[State.MASTER].tensor(unit.name, PARAMS) is not None):
             return False
-        return self._pool_has_room(2 * unit.optim_bytes)
-
-    def _pool_has_room(self, nbytes: int) -> bool:
-        room = self.pool.room()
-        return room is None or room >= nbytes
+        return self.pool.has_room(2 * unit.optim_bytes)
 
     def steps_in_flat(self, unit: OffloadUnit) -> bool:
         """Does the root unit's optimizer step run in place on its materialised params (CPU, fp32 master)?"""
@@ -570,7 +566,7 @@ class OffloadEngine:
             self._record_norms(unit, buf)
             # Hold only while the pool keeps room for a step's working set, else held buffers could starve the
             # step thread that is the only one to free them.
-            if hold and self._pool_has_room(unit.optim_bytes):
+            if hold and self.pool.has_room(unit.optim_bytes):
                 unit.held_grads = buf
                 unit.where[State.GRADS] = Where.IN_HOST
                 self._time("grad_accumulate_s", t0)

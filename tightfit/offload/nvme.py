@@ -110,7 +110,6 @@ class NvmeStore:
         self.budget_bytes = budget_bytes
         self.direct = direct and _O_DIRECT != 0
         self.chunk_bytes = chunk_bytes
-        self.threads = threads
         self.keep = keep
         self._files: dict[str, _File] = {}
         # Serialises create/attach/delete, so two callers cannot both pass the budget check for the same bytes.

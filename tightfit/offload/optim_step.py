@@ -203,8 +203,7 @@ def preload(engine, unit: OffloadUnit) -> None:
     thread loads them itself then): the backward must never wait for a buffer here."""
     if not unit.trainable or unit.preloaded is not None:
         return
-    room = engine.pool.room()
-    if room is not None and room < unit.step_bytes:
+    if not engine.pool.has_room(unit.step_bytes):
         return
     unit.preloaded = _prepare(engine, unit, grads=False)
 
@@ -242,8 +241,7 @@ def step_units(engine, work: list[Work], grad_scales: list[torch.Tensor]) -> Non
         they finish. While a unit is held (prepared, or being stepped) a wait could never end."""
         nonlocal nxt
         while nxt < len(work) and len(ahead) < depth:
-            room = engine.pool.room()
-            if (ahead or not may_wait) and room is not None and room < work[nxt][0].step_bytes:
+            if (ahead or not may_wait) and not engine.pool.has_room(work[nxt][0].step_bytes):
                 return
             ahead.append(_prepare(engine, work[nxt][0]))
             nxt += 1

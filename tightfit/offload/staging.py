@@ -71,6 +71,11 @@ class BufferPool:
             idle = sum(len(lst) * self._size(*k) for k, lst in self._free.items())
             return self.capacity - self.bytes + idle
 
+    def has_room(self, nbytes: int) -> bool:
+        """Could a `take` of `nbytes` get them now without waiting?"""
+        room = self.room()
+        return room is None or room >= nbytes
+
     def idle_buffers(self) -> list[torch.Tensor]:
         """The idle buffers (still the pool's), viewed as bytes. For measurements that must move bytes through
         the very memory the engine uses (the NVMe benchmark's raw reference); only while nothing takes from the
