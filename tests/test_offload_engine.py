@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from concurrent.futures import Future
+
 import pytest
 import torch
 import torch.nn as nn
@@ -14,6 +18,7 @@ from tightfit.errors import UsageError
 from tightfit.offload.engine import engine_of
 from tightfit.offload.flat_unit import Where
 from tightfit.offload.placement import State
+from tightfit.offload.staging import CpuMover
 from tightfit.offload.units import ALIGN, find_units
 from tightfit.optim import AdamW
 
@@ -122,6 +127,53 @@ def test_smallest_device_budget_holds_with_every_reuse_on(tmp_path):
                                      prefetch_depth=2, checkpoint_units=["blocks.0", "blocks.1", "blocks.2"])
     losses, model, _ = train(tiny_gpt, placement, steps=4, early=True)
     assert losses == train(tiny_gpt, steps=4)[0]
+    assert engine_of(model).device_peak <= budget
+
+
+def _delayed_packs(monkeypatch, gate: "threading.Event | None" = None, delay: float = 0.0) -> None:
+    """Make every gradient pack finish late: after `gate` is set, or `delay` seconds after the copy."""
+    real = CpuMover.pack_grads
+
+    def pack_grads(self, grads, numel):
+        copied, out = real(self, grads, numel), Future()
+
+        def finish() -> None:
+            gate.wait() if gate is not None else time.sleep(delay)
+            out.set_result(copied.result())
+
+        threading.Thread(target=finish, daemon=True).start()
+        return out
+
+    monkeypatch.setattr(CpuMover, "pack_grads", pack_grads)
+
+
+def test_gradients_stay_metered_until_copied_off_the_device(tmp_path, monkeypatch):
+    """The copy of a unit's gradients into a host buffer runs off the backward thread; until it has read them,
+    the `param.grad`s it holds still count against the device budget."""
+    gate = threading.Event()
+    _delayed_packs(monkeypatch, gate)
+    model = tightfit.wrap(tiny_gpt(), Placement.everywhere(Tier.NVME, nvme_dir=str(tmp_path)))
+    engine = engine_of(model)
+    x, y = batch(0)
+    loss_of(model, x, y).backward()
+    every_grad = sum(u.grad_bytes for u in engine.units.values())
+    assert engine.device_bytes == every_grad, "released units, gradients not yet packed"
+    gate.set()
+    engine.wait_grads()
+    assert engine.device_bytes == 0
+
+
+def test_smallest_device_budget_holds_while_gradients_pack_late(tmp_path, monkeypatch):
+    """When the budget is full of gradients still being packed, the engine waits for the packs instead of
+    exceeding the budget or refusing the unit."""
+    probe = train(tiny_gpt, Placement.everywhere(Tier.HOST), steps=1)[1]
+    units = engine_of(probe).units
+    budget = 2 * units["root"].compute_bytes + 4 * units["blocks.0"].compute_bytes
+    _delayed_packs(monkeypatch, delay=0.02)
+    placement = Placement.everywhere(Tier.NVME, nvme_dir=str(tmp_path / "swap"), device_budget=budget,
+                                     prefetch_depth=2)
+    losses, model, _ = train(tiny_gpt, placement, steps=3, early=True)
+    assert losses == train(tiny_gpt, steps=3)[0]
     assert engine_of(model).device_peak <= budget
 
 

@@ -56,21 +56,38 @@ class AdamW(torch.optim.Optimizer):
         # Multipliers applied to the gradients inside the next step (loss-scale inverse, clip coefficient).
         self._grad_scales: list[torch.Tensor] = []
 
-    def _work(self, only=None):
-        """Per unit (in the engine's order), per parameter group, the trainable slots with a gradient."""
-        by_unit: dict[str, list[tuple[dict, list[int]]]] = {}
+    def _layout(self) -> dict[str, list[tuple[dict, list[int]]]]:
+        """Unit name -> [(param group, indices into unit.trainable)]: which group each trainable slot belongs to.
+        Cached while the groups stay the same dicts with as many parameters (`add_param_group` and
+        `load_state_dict` make new ones): `_work` runs once per unit per step, and locating every parameter each
+        time is quadratic in the number of units."""
+        key = tuple((id(group), len(group["params"])) for group in self.param_groups)
+        cached = getattr(self, "_layout_cache", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        layout: dict[str, list[tuple[dict, list[int]]]] = {}
         for group in self.param_groups:
             per_unit: dict[str, list[int]] = {}
             for p in group["params"]:
                 where = self.engine.locate(p)
-                if where is None or (only is not None and where[0] is not only):
-                    continue  # frozen, or not the unit asked for
-                unit, i = where
-                if unit.has_grad[i]:
-                    per_unit.setdefault(unit.name, []).append(i)
+                if where is not None:  # None: frozen
+                    per_unit.setdefault(where[0].name, []).append(where[1])
             for name, idx in per_unit.items():
-                by_unit.setdefault(name, []).append((group, idx))
-        return [(u, by_unit[u.name]) for u in self.engine.step_order() if u.name in by_unit]
+                layout.setdefault(name, []).append((group, idx))
+        self._layout_cache = (key, layout)
+        return layout
+
+    def _work(self, only=None):
+        """Per unit (in the engine's order, or just `only`), per parameter group, the trainable slots with a
+        gradient."""
+        layout = self._layout()
+        work = []
+        for unit in ([only] if only is not None else self.engine.step_order()):
+            groups = [(group, [i for i in idx if unit.has_grad[i]]) for group, idx in layout.get(unit.name, ())]
+            groups = [(group, idx) for group, idx in groups if idx]
+            if groups:
+                work.append((unit, groups))
+        return work
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None):

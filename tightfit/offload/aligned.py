@@ -53,7 +53,7 @@ def aligned_empty(
         raise ValueError(f"aligned_empty: numel must be >= 0, got {numel}")
     if alignment <= 0 or alignment & (alignment - 1):
         raise ValueError(f"aligned_empty: alignment must be a power of two, got {alignment}")
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     nbytes = numel * itemsize
     pin = pin and torch.cuda.is_available()
     if not pin and _MADV_HUGEPAGE is not None and nbytes >= HUGE_PAGE and HUGE_PAGE % alignment == 0:

@@ -16,10 +16,11 @@ The root unit is materialised from the model's forward start until its gradients
 during backward on a CPU device it stays materialised into the next step ([Note: master from the fetch]).
 
 [Note: device budget] Device bytes in use = the device-tier stores (fixed at wrap) + the flat buffers of the
-units materialised right now. A prefetch only starts when its unit fits; materialising a needed unit first
-evicts prefetched units that are not in use; if it still does not fit, that is a UsageError. Gradients produced
-by autograd live on the device only from their unit's backward until shipped (at most ~one unit's worth), and
-activations are the model's own; neither is counted, so leave headroom for them in the budget.
+units materialised right now + the `param.grad`s of units in backward, from their backward's start until their
+copy off the device has read them (`_packing`). A prefetch only starts when its unit fits; materialising a needed
+unit first evicts prefetched units that are not in use, then waits for gradient copies still running; if it
+still does not fit, that is a UsageError. Activations are the model's own and are not counted: leave headroom for
+them in the budget (the planner does).
 """
 
 from __future__ import annotations
@@ -153,6 +154,8 @@ class OffloadEngine:
         # Transient device bytes: materialised (fetched) units and gradients not yet shipped. The device-tier
         # states themselves are counted by the device store; `device_in_use` is the sum of both.
         self.device_bytes = 0
+        # Gradients shipped but not yet packed off the device: (bytes still metered, the pack's Future).
+        self._packing: list[tuple[int, Future]] = []
         self.device_peak = 0
         self._active: set[str] = set()  # units materialised because they compute now (not mere prefetches)
         self._timers: dict[str, float] = {}
@@ -185,13 +188,13 @@ class OffloadEngine:
     # ---- wrap time -------------------------------------------------------------------------------------------
 
     def _host_tier_bytes(self) -> int:
-        return sum(n * torch.empty((), dtype=d).element_size()
+        return sum(n * d.itemsize
                    for u in self.units.values() for e in [u.entries().get(Tier.HOST, {})] for n, d in e.values())
 
     def _check_budgets(self) -> None:
         p = self.placement
         if p.device_budget is not None:
-            fixed = sum(n * torch.empty((), dtype=d).element_size()
+            fixed = sum(n * d.itemsize
                         for u in self.units.values() for n, d in u.entries().get(Tier.DEVICE, {}).values())
             # While a unit computes its backward: its params (unless resident) and the grads autograd makes.
             def need_of(u: OffloadUnit) -> int:
@@ -299,7 +302,31 @@ class OffloadEngine:
 
     def _fits(self, nbytes: int) -> bool:
         budget = self.placement.device_budget
-        return budget is None or self.device_in_use + nbytes <= budget
+        if budget is None:
+            return True
+        self._settle_packs()
+        return self.device_in_use + nbytes <= budget
+
+    def _settle_packs(self, wait: bool = False) -> None:
+        """Stop metering the gradients whose pack has read them (all of them, waiting, if `wait`)."""
+        if wait:
+            wait_futures([f for _, f in self._packing])  # errors stay on the Futures (the grad worker raises them)
+        still = []
+        for nbytes, fut in self._packing:
+            if fut.done():
+                self.device_bytes -= nbytes
+            else:
+                still.append((nbytes, fut))
+        self._packing = still
+
+    def _make_room(self, keep: OffloadUnit, nbytes: int) -> bool:
+        """Evict idle units, then wait for gradients still being packed, until `nbytes` fit; whether they do."""
+        if self._fits(nbytes):
+            return True
+        self._evict_idle(keep)
+        if not self._fits(nbytes) and self._packing:
+            self._settle_packs(wait=True)
+        return self._fits(nbytes)
 
     def _charge(self, nbytes: int) -> None:
         self.device_bytes += nbytes
@@ -311,13 +338,11 @@ class OffloadEngine:
             return
         t0 = time.perf_counter()
         if unit.where[State.PARAMS] != Where.IN_FLIGHT:
-            if not self._fits(unit.compute_bytes):
-                self._evict_idle(unit)
-                if not self._fits(unit.compute_bytes):
-                    raise UsageError(
-                        f"device budget {format_size(self.placement.device_budget)} exceeded materialising unit "
-                        f"{unit.name!r} ({format_size(unit.compute_bytes)}; "
-                        f"{format_size(self.device_in_use)} in use); raise --gpu-mem or lower prefetch_depth")
+            if not self._make_room(unit, unit.compute_bytes):
+                raise UsageError(
+                    f"device budget {format_size(self.placement.device_budget)} exceeded materialising unit "
+                    f"{unit.name!r} ({format_size(unit.compute_bytes)}; "
+                    f"{format_size(self.device_in_use)} in use); raise --gpu-mem or lower prefetch_depth")
             self._charge(unit.compute_bytes)
             unit.start_fetch(self.mover, keep_master=self.keeps_master(unit))
         unit.finish_fetch(self.mover)
@@ -412,13 +437,16 @@ class OffloadEngine:
     def _charge_grads(self, unit: OffloadUnit) -> None:
         """Count the `param.grad`s autograd is about to produce for the unit (freed when they are shipped)."""
         if not unit.grads_charged:
-            if not self._fits(unit.grad_bytes):
-                self._evict_idle(unit)  # the budget's guarantee (_check_budgets) covers computing units only
+            self._make_room(unit, unit.grad_bytes)  # the budget's guarantee (_check_budgets) covers computing units
             unit.grads_charged = unit.grad_bytes
             self._charge(unit.grad_bytes)
 
-    def _uncharge_grads(self, unit: OffloadUnit) -> None:
-        self.device_bytes -= unit.grads_charged
+    def _uncharge_grads(self, unit: OffloadUnit, packing: Future | None = None) -> None:
+        """Stop counting the unit's `param.grad`s: now, or once `packing` (their copy off the device) is done."""
+        if packing is not None and not packing.done():
+            self._packing.append((unit.grads_charged, packing))
+        else:
+            self.device_bytes -= unit.grads_charged
         unit.grads_charged = 0
 
     def on_grad(self, unit: OffloadUnit, index: int) -> None:
@@ -435,8 +463,7 @@ class OffloadEngine:
             self._finish_backward(unit)
 
     def _finish_backward(self, unit: OffloadUnit) -> None:
-        self.ship_grads(unit)
-        self._uncharge_grads(unit)
+        self._uncharge_grads(unit, packing=self.ship_grads(unit))
         if self.steps_in_flat(unit) and any(unit.has_grad):
             unit.master_in_flat = True  # stays materialised: stepped in place, then used by the next forward
         else:
@@ -505,8 +532,9 @@ class OffloadEngine:
 
     # ---- gradients -------------------------------------------------------------------------------------------
 
-    def ship_grads(self, unit: OffloadUnit) -> None:
-        """Move the unit's new `param.grad`s into its grads tier, accumulating; free `param.grad`."""
+    def ship_grads(self, unit: OffloadUnit) -> Future | None:
+        """Move the unit's new `param.grad`s into its grads tier, accumulating; drop `param.grad`. Returns the
+        Future of their copy off the device while it may still read them (None when they were used up at once)."""
         pairs = []
         for i in sorted(unit.got):
             slot = unit.trainable[i]
@@ -515,7 +543,7 @@ class OffloadEngine:
                 pairs.append((i, slot, g))
                 slot.param.grad = None  # the device memory goes back as soon as the copy below has read it
         if not pairs:
-            return
+            return None
         had = list(unit.has_grad)
         new = {i for i, _, _ in pairs}
         for i in new:
@@ -528,7 +556,7 @@ class OffloadEngine:
                 view.add_(g) if had[i] else view.copy_(g)
             self._record_norms(unit, acc)
             unit.where[State.GRADS] = AT_REST[unit.placement.grads]
-            return
+            return None
         packed = self.mover.pack_grads([((slot.offset, slot.shape), g) for _, slot, g in pairs],
                                        unit.spec.train_numel)
         unit.where[State.GRADS] = Where.IN_FLIGHT
@@ -537,6 +565,7 @@ class OffloadEngine:
         hold = self.early_step is not None
         unit.grad_pending = self.grad_worker.submit(self._accumulate_off_device, unit, packed,
                                                     unit.grad_pending, new, had, hold)
+        return packed
 
     def _accumulate_off_device(self, unit: OffloadUnit, packed: Future, previous: Future | None,
                                new: set[int], had: list[bool], hold: bool = False) -> None:
@@ -589,6 +618,7 @@ class OffloadEngine:
             if unit.grad_pending is not None:
                 unit.grad_pending.result()
                 unit.grad_pending = None
+        self._settle_packs()  # a unit's gradients have landed, so their pack is done
 
     def zero_grad(self) -> None:
         self.wait_grads()

@@ -128,12 +128,12 @@ class OffloadUnit:
 
     @property
     def compute_bytes(self) -> int:
-        return self.spec.numel * torch.empty((), dtype=self.compute_dtype).element_size()
+        return self.spec.numel * self.compute_dtype.itemsize
 
     @property
     def grad_bytes(self) -> int:
         """Bytes of the `param.grad`s autograd produces for this unit in one backward (compute dtype)."""
-        return self.spec.train_numel * torch.empty((), dtype=self.compute_dtype).element_size()
+        return self.spec.train_numel * self.compute_dtype.itemsize
 
     # ---- the flat compute buffer -----------------------------------------------------------------------------
 

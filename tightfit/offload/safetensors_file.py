@@ -51,7 +51,7 @@ def is_padding(name: str) -> bool:
 
 
 def nbytes_of(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    return prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return prod(shape) * dtype.itemsize
 
 
 def plan_layout(

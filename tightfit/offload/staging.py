@@ -37,7 +37,7 @@ class BufferPool:
 
     @staticmethod
     def _size(numel: int, dtype: torch.dtype) -> int:
-        return numel * torch.empty((), dtype=dtype).element_size()
+        return numel * dtype.itemsize
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         need = self._size(numel, dtype)
@@ -146,10 +146,17 @@ class CpuMover:
 
         `grads` pairs a slot's (offset, shape) in the unit's flat layout with its gradient; the buffer gets each
         gradient at that offset (regions of slots without a gradient are left unwritten)."""
+        # The buffer is taken here, on the caller's thread: a full pool holds backward back (the back-pressure of
+        # [Note: staging memory]), never a copy thread that a fetch's copy, returning a buffer, may be queued behind.
+        # The copy runs on a copy thread, off the thread that runs backward; `grads` stay alive until it is done.
         buf = self.pool.take(numel, torch.float32)
-        for view, g in grads:
-            _region(buf, view).copy_(g)
-        return done_future(buf)
+
+        def pack() -> torch.Tensor:
+            for view, g in grads:
+                _region(buf, view).copy_(g)
+            return buf
+
+        return self.copier.submit(pack)
 
     def close(self) -> None:
         self.copier.shutdown(wait=True)

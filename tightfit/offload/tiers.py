@@ -35,7 +35,7 @@ def done_future(value=None) -> Future:
 
 
 def _nbytes(numel: int, dtype: torch.dtype) -> int:
-    return numel * torch.empty((), dtype=dtype).element_size()
+    return numel * dtype.itemsize
 
 
 class TierStore:
