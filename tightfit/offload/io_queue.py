@@ -48,11 +48,15 @@ class IoQueue:
         A callback rather than a Future per call: the NVMe store submits one call per chunk, thousands per step,
         and a Future (with its condition variable and lock) per chunk is enough garbage-collected objects to make
         the collector's full passes a visible share of a training step."""
+        self.submit_all(priority, [(fn, args, done)])
+
+    def submit_all(self, priority: int, calls: list[tuple[Callable, tuple, Callable]]) -> None:
+        """`submit` for several (fn, args, done) at once: one lock and one wake-up call for a request's chunks."""
         with self._cond:
             if self._closed:
                 raise RuntimeError("the I/O queue is shut down")
-            self._queues[priority].append((fn, args, done))
-            self._cond.notify()
+            self._queues[priority].extend(calls)
+            self._cond.notify(len(calls))
 
     def waiting(self) -> list[int]:
         """Transfers queued (not yet started) per class."""

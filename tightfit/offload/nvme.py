@@ -407,9 +407,8 @@ class NvmeStore:
         with self._lock:
             self._pending.add(req)
             f.pending.add(req)
-        for start, n, direct in parts:
-            self._pool.submit(priority, self._io, (kind, f, name, e.offset + start, buf[start : start + n], direct),
-                              part_done)
+        self._pool.submit_all(priority, [(self._io, (kind, f, name, e.offset + start, buf[start : start + n], direct),
+                                          part_done) for start, n, direct in parts])
         return req
 
     def _plan(self, f: _File, e: Entry, addr: int) -> list[tuple[int, int, bool]]:

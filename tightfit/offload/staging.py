@@ -115,18 +115,36 @@ class CpuMover:
             return self.copier.submit(copy)
         # Disk: read into an aligned staging buffer (O_DIRECT needs 4096-byte aligned memory, which the allocator
         # behind `dst` does not give), then copy into place.
+        # The copy is queued once the read is done, so no copy thread sits blocked on the disk while gradient packs
+        # and other copies wait behind it.
         staging = self.pool.take(dst.numel(), dst.dtype)
         read = store.load(unit, entry, staging, urgent=True)
+        fetched: Future = Future()
+        fetched.set_running_or_notify_cancel()
 
-        def then() -> torch.Tensor | None:
-            read.result()
-            dst.copy_(staging)
+        def copy() -> None:
+            try:
+                read.result()
+                dst.copy_(staging)
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the fetch
+                self.pool.give(staging)
+                fetched.set_exception(e)
+                return
             if keep_staging:
-                return staging
-            self.pool.give(staging)
-            return None
+                fetched.set_result(staging)
+            else:
+                self.pool.give(staging)
+                fetched.set_result(None)
 
-        return self.copier.submit(then)
+        def queue_copy(_read: Future) -> None:
+            try:
+                self.copier.submit(copy)
+            except RuntimeError as e:  # the mover was closed while the read was in flight
+                self.pool.give(staging)
+                fetched.set_exception(e)
+
+        read.add_done_callback(queue_copy)
+        return fetched
 
     def wait(self, fut: Future) -> torch.Tensor | None:
         """Wait for a fetch; the staging buffer it kept (a pool buffer the caller now owns), or None."""
