@@ -384,7 +384,8 @@ def overlap(args) -> dict:
     folder = Path(args.folder) / "overlap"
     shutil.rmtree(folder, ignore_errors=True)
     placement = Placement.everywhere(Tier.NVME, nvme_dir=str(folder), prefetch_depth=args.prefetch,
-                                     checkpoint_units=ckpt)
+                                     checkpoint_units=ckpt, nvme_threads=args.io_threads,
+                                     nvme_chunk_bytes=args.chunk_kib << 10)
     model, opt = _build(cfg, placement)
     engine = engine_of(model)
     traffic = _Traffic(engine)
@@ -497,8 +498,8 @@ def main() -> None:
                          "lower RSS, a page fault per page on every re-allocation); 'glibc' keeps glibc's adaptive "
                          "defaults (the memory benchmark always trims). "
                          "bench_offload_deepspeed.py takes the same flag: compare like with like")
-    ap.add_argument("--io-threads", type=int, default=8, help="memory: NVMe tier I/O threads")
-    ap.add_argument("--chunk-kib", type=int, default=4096, help="memory: largest NVMe tier transfer, KiB")
+    ap.add_argument("--io-threads", type=int, default=8, help="NVMe tier I/O threads")
+    ap.add_argument("--chunk-kib", type=int, default=4096, help="largest NVMe tier transfer, KiB")
     ap.add_argument("--device-mib", type=int, default=40, help="memory: device budget (the CPU here), MiB")
     ap.add_argument("--host-mib", type=int, default=96, help="memory: host budget (staging, optimizer), MiB")
     ap.add_argument("--threads", type=int, default=1,
