@@ -26,7 +26,6 @@ them in the budget (the planner does).
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,7 +37,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from tightfit.errors import UsageError
 from tightfit.offload.aligned import aligned_empty
-from tightfit.offload.flat_unit import AT_REST, GRADS, MASTER, PARAMS, OffloadUnit, Where
+from tightfit.offload.budget_checks import check_budgets, host_tier_bytes
+from tightfit.offload.flat_unit import MASTER, PARAMS, OffloadUnit, Where
+from tightfit.offload.grad_ship import ship_grads
 from tightfit.offload.hooks import queue_end_of_backward, register_hooks, remove_hooks
 from tightfit.offload.optim_step import discard_preload, preload
 from tightfit.offload.placement import ROOT_UNIT, Placement, State, Tier
@@ -46,6 +47,7 @@ from tightfit.offload.schedule import Phase, Schedule
 from tightfit.offload.staging import BufferPool, CpuMover, CudaMover
 from tightfit.offload.tiers import DiskStore, MemoryStore, TierStore
 from tightfit.offload.units import UnitPolicy, find_units
+from tightfit.offload.write_backs import WriteBacks
 from tightfit.utils.sizes import format_size
 
 _ENGINES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # wrapped model -> its engine
@@ -126,9 +128,9 @@ class OffloadEngine:
                                                chunk_bytes=placement.nvme_chunk_bytes)
         self.units: dict[str, OffloadUnit] = {
             s.name: OffloadUnit(s, placement.of(s.name), self.stores, compute_dtype, device) for s in specs}
-        self._check_budgets()
+        check_budgets(self.units, placement, device)
 
-        host_left = None if placement.host_budget is None else placement.host_budget - self._host_tier_bytes()
+        host_left = None if placement.host_budget is None else placement.host_budget - host_tier_bytes(self.units)
         # [Note: staging memory] in staging.py: every transfer and optimizer working buffer comes from this pool.
         self.pool = BufferPool(host_left, pin=device.type == "cuda")
         self.mover = CudaMover(self.pool, device) if device.type == "cuda" else CpuMover(self.pool)
@@ -142,12 +144,7 @@ class OffloadEngine:
         self.step_worker = ThreadPoolExecutor(1, thread_name_prefix="tightfit-step")
         self.early_step = None  # set by the optimizer for one backward: callable(unit) -> None
         self._early_steps: list[Future] = []
-        # Optimizer write-backs still in flight (master, moments, compute params going back to their tier). Nothing
-        # waits for them on the hot path: the stores order every later load of an entry after its save ([Note:
-        # entry order] in tiers.py). `check_writes` raises a failed one at the next step; `wait_writes` drains.
-        self._writes: set[Future] = set()
-        self._write_errors: list[BaseException] = []
-        self._writes_lock = threading.Lock()
+        self.writes = WriteBacks()  # the optimizer's write-backs in flight (write_backs.py)
         self.schedule = Schedule(placement.prefetch_depth)
         self.phase = Phase.IDLE
         self._in_backward = False
@@ -186,45 +183,6 @@ class OffloadEngine:
                 _PARAM_ENGINE[slot.param] = self
 
     # ---- wrap time -------------------------------------------------------------------------------------------
-
-    def _host_tier_bytes(self) -> int:
-        return sum(n * d.itemsize
-                   for u in self.units.values() for e in [u.entries().get(Tier.HOST, {})] for n, d in e.values())
-
-    def _check_budgets(self) -> None:
-        p = self.placement
-        if p.device_budget is not None:
-            fixed = sum(n * d.itemsize
-                        for u in self.units.values() for n, d in u.entries().get(Tier.DEVICE, {}).values())
-            # While a unit computes its backward: its params (unless resident) and the grads autograd makes.
-            def need_of(u: OffloadUnit) -> int:
-                return (0 if u.resident else u.compute_bytes) + u.grad_bytes
-
-            root = self.units[ROOT_UNIT]
-            root_bytes = need_of(root)
-            big = max((u for u in self.units.values() if not u.spec.is_root), key=need_of, default=None)
-            # Two units overlap in backward: a unit's backward starts when the gradient of its output is ready,
-            # which can be before the last parameter gradients of the unit after it have been accumulated.
-            need = fixed + root_bytes + (2 * need_of(big) if big else 0)
-            if need > p.device_budget:
-                what = (f"; unit {big.name!r} needs {format_size(need_of(big))} while it computes, and two units "
-                        "overlap in backward") if big else ""
-                raise UsageError(
-                    f"device budget {format_size(p.device_budget)} is too small: device-tier states take "
-                    f"{format_size(fixed)}, the root unit {format_size(root_bytes)}{what}; raise --gpu-mem, move "
-                    "states off the device tier, or split the model into smaller units")
-        if p.host_budget is not None:
-            # One unit's optimizer working set (16 B/param + compute copy) must fit next to the host tier.
-            def staged(u: OffloadUnit) -> bool:  # does its optimizer step go through pool buffers?
-                tiers = {u.placement.master, u.placement.grads, u.placement.optim}
-                return Tier.NVME in tiers or (self.device.type == "cuda" and Tier.DEVICE in tiers and len(tiers) > 1)
-
-            work = max((u.step_bytes for u in self.units.values() if staged(u)), default=0)
-            if self._host_tier_bytes() + work > p.host_budget:
-                raise UsageError(
-                    f"host budget {format_size(p.host_budget)} is too small: host-tier states take "
-                    f"{format_size(self._host_tier_bytes())} and one unit's optimizer step needs {format_size(work)} "
-                    "of staging; raise --cpu-mem, place states on nvme, or use smaller units")
 
     def _initialise(self, unit: OffloadUnit) -> None:
         """Allocate the unit's entries in their stores, write the model's current values, bind the params."""
@@ -437,7 +395,7 @@ class OffloadEngine:
     def _charge_grads(self, unit: OffloadUnit) -> None:
         """Count the `param.grad`s autograd is about to produce for the unit (freed when they are shipped)."""
         if not unit.grads_charged:
-            self._make_room(unit, unit.grad_bytes)  # the budget's guarantee (_check_budgets) covers computing units
+            self._make_room(unit, unit.grad_bytes)  # the budget's guarantee (check_budgets) covers computing units
             unit.grads_charged = unit.grad_bytes
             self._charge(unit.grad_bytes)
 
@@ -463,7 +421,7 @@ class OffloadEngine:
             self._finish_backward(unit)
 
     def _finish_backward(self, unit: OffloadUnit) -> None:
-        self._uncharge_grads(unit, packing=self.ship_grads(unit))
+        self._uncharge_grads(unit, packing=ship_grads(self, unit))
         if self.steps_in_flat(unit) and any(unit.has_grad):
             unit.master_in_flat = True  # stays materialised: stepped in place, then used by the next forward
         else:
@@ -479,7 +437,7 @@ class OffloadEngine:
         def after_grads() -> None:
             if pending is not None:
                 pending.result()
-            self.add_writes(run())  # the unit's write-backs, still in flight
+            self.writes.add(run())  # the unit's write-backs, still in flight
 
         self._early_steps.append(self.step_worker.submit(after_grads))
 
@@ -489,33 +447,9 @@ class OffloadEngine:
         for f in steps:
             f.result()
 
-    def add_writes(self, writes: list[Future]) -> None:
-        """Track write-backs in flight (any thread). A finished one is forgotten at once: a done Future keeps its
-        callbacks, and those reference the buffer they returned to the pool."""
-        with self._writes_lock:
-            self._writes.update(writes)
-        for w in writes:
-            w.add_done_callback(self._write_done)
-
-    def _write_done(self, w: Future) -> None:
-        with self._writes_lock:
-            self._writes.discard(w)
-            if w.exception() is not None:
-                self._write_errors.append(w.exception())
-
-    def check_writes(self) -> None:
-        """Raise the error of a failed write-back (its entry on the tier is stale), once."""
-        with self._writes_lock:
-            errors, self._write_errors = self._write_errors, []
-        if errors:
-            raise errors[0]
-
     def wait_writes(self) -> None:
         """Block until every optimizer write-back has reached its tier; raise the first failure."""
-        with self._writes_lock:
-            pending = list(self._writes)
-        wait_futures(pending)
-        self.check_writes()
+        self.writes.wait()
 
     def _end_of_backward(self) -> None:
         for unit in self.units.values():
@@ -531,86 +465,6 @@ class OffloadEngine:
         self._time("backward_s", self._t_bwd)
 
     # ---- gradients -------------------------------------------------------------------------------------------
-
-    def ship_grads(self, unit: OffloadUnit) -> Future | None:
-        """Move the unit's new `param.grad`s into its grads tier, accumulating; drop `param.grad`. Returns the
-        Future of their copy off the device while it may still read them (None when they were used up at once)."""
-        pairs = []
-        for i in sorted(unit.got):
-            slot = unit.trainable[i]
-            g = slot.param.grad
-            if g is not None:
-                pairs.append((i, slot, g))
-                slot.param.grad = None  # the device memory goes back as soon as the copy below has read it
-        if not pairs:
-            return None
-        had = list(unit.has_grad)
-        new = {i for i, _, _ in pairs}
-        for i in new:
-            unit.has_grad[i] = True
-        acc = unit.store[State.GRADS].tensor(unit.name, GRADS)
-        if acc is not None and acc.device == self.device:
-            # Addressable where the gradients are: accumulate in place now (ordered on the compute stream).
-            for i, slot, g in pairs:
-                view = slot.view(acc)
-                view.add_(g) if had[i] else view.copy_(g)
-            self._record_norms(unit, acc)
-            unit.where[State.GRADS] = AT_REST[unit.placement.grads]
-            return None
-        packed = self.mover.pack_grads([((slot.offset, slot.shape), g) for _, slot, g in pairs],
-                                       unit.spec.train_numel)
-        unit.where[State.GRADS] = Where.IN_FLIGHT
-        # When the unit is about to be stepped during this backward, its final gradients stay in the packed
-        # buffer for the step thread instead of making a round trip to disk.
-        hold = self.early_step is not None
-        unit.grad_pending = self.grad_worker.submit(self._accumulate_off_device, unit, packed,
-                                                    unit.grad_pending, new, had, hold)
-        return packed
-
-    def _accumulate_off_device(self, unit: OffloadUnit, packed: Future, previous: Future | None,
-                               new: set[int], had: list[bool], hold: bool = False) -> None:
-        """Grad worker: add a packed host copy of new gradients into the unit's host or disk gradient entry."""
-        t0 = time.perf_counter()
-        if previous is not None:
-            previous.result()
-        buf = packed.result()
-        store = unit.store[State.GRADS]
-        acc = store.tensor(unit.name, GRADS)
-        if acc is not None:  # host memory
-            for i in new:
-                slot = unit.trainable[i]
-                view = slot.view(acc)
-                view.add_(slot.view(buf)) if had[i] else view.copy_(slot.view(buf))
-            self._record_norms(unit, acc)
-        else:  # disk: read-modify-write through the packed buffer
-            if any(had):
-                old = self.pool.take(unit.spec.train_numel, torch.float32)
-                store.load(unit.name, GRADS, old).result()
-                for i, slot in enumerate(unit.trainable):
-                    if had[i] and i in new:
-                        slot.view(buf).add_(slot.view(old))  # old + new: the same bits as torch's grad += new
-                    elif had[i]:
-                        slot.view(buf).copy_(slot.view(old))
-                self.pool.give(old)
-            self._record_norms(unit, buf)
-            # Hold only while the pool keeps room for a step's working set, else held buffers could starve the
-            # step thread that is the only one to free them.
-            if hold and self.pool.has_room(unit.optim_bytes):
-                unit.held_grads = buf
-                unit.where[State.GRADS] = Where.IN_HOST
-                self._time("grad_accumulate_s", t0)
-                return
-            store.save(unit.name, GRADS, buf).result()
-        self.pool.give(buf)
-        unit.where[State.GRADS] = AT_REST[unit.placement.grads]
-        self._time("grad_accumulate_s", t0)
-
-    @staticmethod
-    def _record_norms(unit: OffloadUnit, flat: torch.Tensor) -> None:
-        idx = [i for i, h in enumerate(unit.has_grad) if h]
-        norms = torch._foreach_norm([unit.trainable[i].view(flat) for i in idx], 2.0) if idx else []
-        for i, n in zip(idx, norms):
-            unit.grad_norms[i] = n
 
     def wait_grads(self) -> None:
         """Block until every gradient shipped so far has reached its tier."""

@@ -264,8 +264,8 @@ def step_units(engine, work: list[Work], grad_scales: list[torch.Tensor]) -> Non
         writes = [f for f in writes if not f.done()] + _write_back(engine, current)
         del current
         unit.where[State.OPTIM] = AT_REST[unit.placement.optim]
-    engine.check_writes()  # a write-back of the previous step failed: its entry is stale, stop here
-    engine.add_writes(writes)  # not waited for: later loads of these entries are ordered after them
+    engine.writes.check()  # a write-back of the previous step failed: its entry is stale, stop here
+    engine.writes.add(writes)  # not waited for: later loads of these entries are ordered after them
     for unit, _ in work:
         unit.where[State.GRADS] = Where.EMPTY
     engine.zero_grad()

@@ -1,0 +1,107 @@
+"""Shipping a unit's gradients off the device as soon as its backward is done, accumulating on their tier.
+
+Why right away: a unit's `param.grad`s are device memory the next units' backward needs. When the grads tier is
+addressable where the gradients are (the device tier; the host tier on a CPU-only machine) they are added in place
+at once. Otherwise the mover packs them into one pooled host buffer (CUDA: a D2H copy on its own stream; CPU: a
+memcpy on a copy thread) and the engine's gradient worker adds them to the host tier, or reads-adds-writes them on
+NVMe, while backward goes on. Accumulation is `old + new` in fp32, the same bits as torch's `param.grad += new`.
+The worker records each parameter's gradient norm as it goes (clipping and overflow checks need no second pass
+over the disk). During a backward whose units are stepped as their gradients land (`step_during_backward`), a
+unit's final packed gradients go straight to its step (`OffloadUnit.held_grads`) instead of to disk and back.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+import torch
+
+from tightfit.offload.flat_unit import AT_REST, GRADS, OffloadUnit, Where
+from tightfit.offload.placement import State
+
+if TYPE_CHECKING:
+    from tightfit.offload.engine import OffloadEngine
+
+
+def ship_grads(engine: OffloadEngine, unit: OffloadUnit) -> Future | None:
+    """Move the unit's new `param.grad`s into its grads tier, accumulating; drop `param.grad`. Returns the
+    Future of their copy off the device while it may still read them (None when they were used up at once)."""
+    pairs = []
+    for i in sorted(unit.got):
+        slot = unit.trainable[i]
+        g = slot.param.grad
+        if g is not None:
+            pairs.append((i, slot, g))
+            slot.param.grad = None  # the device memory goes back as soon as the copy below has read it
+    if not pairs:
+        return None
+    had = list(unit.has_grad)
+    new = {i for i, _, _ in pairs}
+    for i in new:
+        unit.has_grad[i] = True
+    acc = unit.store[State.GRADS].tensor(unit.name, GRADS)
+    if acc is not None and acc.device == engine.device:
+        # Addressable where the gradients are: accumulate in place now (ordered on the compute stream).
+        for i, slot, g in pairs:
+            view = slot.view(acc)
+            view.add_(g) if had[i] else view.copy_(g)
+        _record_norms(unit, acc)
+        unit.where[State.GRADS] = AT_REST[unit.placement.grads]
+        return None
+    packed = engine.mover.pack_grads([((slot.offset, slot.shape), g) for _, slot, g in pairs], unit.spec.train_numel)
+    unit.where[State.GRADS] = Where.IN_FLIGHT
+    # When the unit is about to be stepped during this backward, its final gradients stay in the packed
+    # buffer for the step thread instead of making a round trip to disk.
+    hold = engine.early_step is not None
+    unit.grad_pending = engine.grad_worker.submit(_accumulate_off_device, engine, unit, packed, unit.grad_pending,
+                                                  new, had, hold)
+    return packed
+
+
+def _accumulate_off_device(engine: OffloadEngine, unit: OffloadUnit, packed: Future, previous: Future | None,
+                           new: set[int], had: list[bool], hold: bool = False) -> None:
+    """Grad worker: add a packed host copy of new gradients into the unit's host or disk gradient entry."""
+    t0 = time.perf_counter()
+    if previous is not None:
+        previous.result()
+    buf = packed.result()
+    store = unit.store[State.GRADS]
+    acc = store.tensor(unit.name, GRADS)
+    if acc is not None:  # host memory
+        for i in new:
+            slot = unit.trainable[i]
+            view = slot.view(acc)
+            view.add_(slot.view(buf)) if had[i] else view.copy_(slot.view(buf))
+        _record_norms(unit, acc)
+    else:  # disk: read-modify-write through the packed buffer
+        if any(had):
+            old = engine.pool.take(unit.spec.train_numel, torch.float32)
+            store.load(unit.name, GRADS, old).result()
+            for i, slot in enumerate(unit.trainable):
+                if had[i] and i in new:
+                    slot.view(buf).add_(slot.view(old))  # old + new: the same bits as torch's grad += new
+                elif had[i]:
+                    slot.view(buf).copy_(slot.view(old))
+            engine.pool.give(old)
+        _record_norms(unit, buf)
+        # Hold only while the pool keeps room for a step's working set, else held buffers could starve the
+        # step thread that is the only one to free them.
+        if hold and engine.pool.has_room(unit.optim_bytes):
+            unit.held_grads = buf
+            unit.where[State.GRADS] = Where.IN_HOST
+            engine._time("grad_accumulate_s", t0)
+            return
+        store.save(unit.name, GRADS, buf).result()
+    engine.pool.give(buf)
+    unit.where[State.GRADS] = AT_REST[unit.placement.grads]
+    engine._time("grad_accumulate_s", t0)
+
+
+def _record_norms(unit: OffloadUnit, flat: torch.Tensor) -> None:
+    """Each parameter's gradient 2-norm from the accumulated values in `flat` (for clipping, overflow checks)."""
+    idx = [i for i, h in enumerate(unit.has_grad) if h]
+    norms = torch._foreach_norm([unit.trainable[i].view(flat) for i in idx], 2.0) if idx else []
+    for i, n in zip(idx, norms):
+        unit.grad_norms[i] = n
