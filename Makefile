@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tightfit-installed
 
-.PHONY: train test test-slow bench setup clean
+.PHONY: train test test-slow test-gpu bench setup clean
 
 $(STAMP): pyproject.toml scripts/setup_env.sh
 	bash scripts/setup_env.sh $(VENV)
@@ -19,6 +19,10 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
+
+# On a machine with a CUDA GPU: the engine's fidelity and memory tests on the GPU (they fail without one).
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m cuda
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

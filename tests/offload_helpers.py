@@ -46,11 +46,12 @@ def loss_of(model, x, y) -> torch.Tensor:
 
 
 def train(build, placement=None, *, steps=10, accum=1, clip=None, fused=True, lr=1e-2, freeze=(),
-          compute_dtype=torch.float32, wrap_kwargs=None, scaler=None, seed=0, early=False):
+          compute_dtype=torch.float32, wrap_kwargs=None, scaler=None, seed=0, early=False, device="cpu"):
     """Train `build()` for `steps` optimizer steps; plain PyTorch + torch.optim.AdamW when placement is None.
 
     Returns (losses, model, optimizer). `freeze`: parameter-name prefixes set to requires_grad=False.
     `early`: step units during the last micro-batch's backward (`AdamW.step_during_backward`).
+    `device`: where the model computes (the plain model is moved there; the wrapped one is wrapped for it).
     """
     torch.manual_seed(seed)
     model = build()
@@ -58,15 +59,16 @@ def train(build, placement=None, *, steps=10, accum=1, clip=None, fused=True, lr
         if name.startswith(tuple(freeze)):
             p.requires_grad_(False)
     if placement is None:
+        model.to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, fused=fused or None)
     else:
-        tightfit.wrap(model, placement, compute_dtype=compute_dtype, **(wrap_kwargs or {}))
+        tightfit.wrap(model, placement, compute_dtype=compute_dtype, device=device, **(wrap_kwargs or {}))
         opt = AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     losses = []
     for step in range(steps):
         total = 0.0
         for micro in range(accum):
-            x, y = batch(step * accum + micro)
+            x, y = (t.to(device) for t in batch(step * accum + micro))
             loss = loss_of(model, x, y) / accum
             if early and micro == accum - 1:
                 opt.step_during_backward()
