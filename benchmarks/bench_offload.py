@@ -119,7 +119,10 @@ def _build(cfg: GPTConfig, placement: Placement) -> tuple[torch.nn.Module, AdamW
 
 
 def _train(model, opt, cfg, batch: int, steps: int, early: bool = False, after_step=None) -> list[float]:
-    """Train `steps` steps; times per step. after_step(step) runs after each step, outside the timing."""
+    """Train `steps` steps; times per step. after_step(step) runs after each step, outside the timing.
+
+    early: each unit steps during backward (no clipping). Otherwise the step runs after backward, as with clipping,
+    and the optimizer states load during backward, as `tightfit train` does then (`preload_during_backward`)."""
     times = []
     for step in range(steps):
         t0 = time.perf_counter()
@@ -127,6 +130,8 @@ def _train(model, opt, cfg, batch: int, steps: int, early: bool = False, after_s
         loss = model(x, y)
         if early:
             opt.step_during_backward()  # no clipping here: each unit steps as soon as its gradients land
+        else:
+            opt.preload_during_backward()
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -46,11 +46,13 @@ def loss_of(model, x, y) -> torch.Tensor:
 
 
 def train(build, placement=None, *, steps=10, accum=1, clip=None, fused=True, lr=1e-2, freeze=(),
-          compute_dtype=torch.float32, wrap_kwargs=None, scaler=None, seed=0, early=False, device="cpu"):
+          compute_dtype=torch.float32, wrap_kwargs=None, scaler=None, seed=0, early=False, preload=False,
+          device="cpu"):
     """Train `build()` for `steps` optimizer steps; plain PyTorch + torch.optim.AdamW when placement is None.
 
     Returns (losses, model, optimizer). `freeze`: parameter-name prefixes set to requires_grad=False.
     `early`: step units during the last micro-batch's backward (`AdamW.step_during_backward`).
+    `preload`: load optimizer states during the last micro-batch's backward (`AdamW.preload_during_backward`).
     `device`: where the model computes (the plain model is moved there; the wrapped one is wrapped for it).
     """
     torch.manual_seed(seed)
@@ -72,6 +74,8 @@ def train(build, placement=None, *, steps=10, accum=1, clip=None, fused=True, lr
             loss = loss_of(model, x, y) / accum
             if early and micro == accum - 1:
                 opt.step_during_backward()
+            if preload and micro == accum - 1:
+                opt.preload_during_backward()
             (scaler.scale(loss) if scaler else loss).backward()
             total += loss.item()
         if scaler is not None:

@@ -295,3 +295,66 @@ def test_nvme_io_settings_come_from_the_placement(tmp_path):
     nvme = engine_of(model).stores[Tier.NVME].nvme
     assert nvme.chunk_bytes == 8192 and len(nvme._pool._threads) == 2
     engine_of(model).close()
+
+
+def test_step_after_backward_reads_nothing_once_preloaded(tmp_path):
+    """With clipping the step must wait for backward; `preload_during_backward` loads each unit's master and
+    moments while backward runs and keeps the final gradients in memory, so the step after it reads nothing from
+    disk. Losses: bitwise torch's."""
+    from collections import Counter
+
+    placement = Placement.everywhere(Tier.NVME, nvme_dir=str(tmp_path / "swap"), prefetch_depth=1)
+    torch.manual_seed(0)
+    model = tightfit.wrap(tiny_gpt(), placement)
+    opt = AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    store = engine_of(model).stores[Tier.NVME]
+    phase = ["backward"]
+    reads: Counter = Counter()
+    load = store.load
+
+    def counting_load(unit, entry, dst, urgent=False):
+        reads[(phase[0], entry)] += 1
+        return load(unit, entry, dst, urgent)
+
+    store.load = counting_load
+    losses = []
+    for step in range(3):
+        phase[0] = "forward"
+        loss = loss_of(model, *batch(step))
+        opt.preload_during_backward()
+        phase[0] = "backward"
+        loss.backward()
+        phase[0] = "step"
+        opt.clip_grad_norm_(0.05)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    units = len(engine_of(model).units)
+    assert not [key for key in reads if key[0] == "step"], reads
+    assert reads[("backward", "grads")] == 0
+    assert reads[("backward", "exp_avg")] == reads[("backward", "exp_avg_sq")] == 2 * units  # none in step 0
+    assert losses == train(tiny_gpt, steps=3, clip=0.05)[0]
+    engine_of(model).close()
+
+
+def test_a_wrongly_declared_last_micro_batch_changes_nothing(tmp_path):
+    """`preload_during_backward` before a micro-batch that is not the last: the gradients held for the step are
+    the ones the next micro-batch accumulates onto (the copy on disk is stale), and the result is torch's."""
+    placement = Placement.everywhere(Tier.NVME, nvme_dir=str(tmp_path / "swap"))
+    torch.manual_seed(0)
+    model = tightfit.wrap(tiny_gpt(), placement)
+    opt = AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for step in range(3):
+        total = 0.0
+        for micro in range(3):
+            loss = loss_of(model, *batch(step * 3 + micro)) / 3
+            opt.preload_during_backward()  # declared for every micro-batch
+            loss.backward()
+            total += loss.item()
+        opt.clip_grad_norm_(0.05)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    assert losses == train(tiny_gpt, steps=3, accum=3, clip=0.05)[0]
+    engine_of(model).close()

@@ -1,7 +1,8 @@
 """Regression: an optimizer step under a host budget that fits about one unit's working set must finish.
 
-The read-ahead of the next unit once waited for pool buffers that the unit being stepped held: a deadlock. The
-run happens in a subprocess with a timeout so a hang fails the test instead of stalling the suite.
+The read-ahead of the next unit once waited for pool buffers that the unit being stepped held: a deadlock. With
+optimizer states preloaded during backward, the preloads hold buffers until the step: they must leave it room to
+start. The run happens in a subprocess with a timeout so a hang fails the test instead of stalling the suite.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 SCRIPT = textwrap.dedent("""
     import sys, torch
@@ -31,10 +34,13 @@ SCRIPT = textwrap.dedent("""
                                      prefetch_depth=3)
     tightfit.wrap(wrapped, placement)
     opt = tightfit.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    preload = sys.argv[2] == "preload"  # optimizer states loaded during backward, held until the step
     for i in range(3):
         x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(i))
         for m, o in ((ref, ref_opt), (wrapped, opt)):
             loss = m(x, torch.roll(x, -1, 1))
+            if preload and o is opt:
+                o.preload_during_backward()
             loss.backward()
             o.step()
             o.zero_grad()
@@ -43,8 +49,9 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_step_with_room_for_one_unit_finishes(tmp_path):
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], capture_output=True, text=True,
+@pytest.mark.parametrize("mode", ["plain", "preload"])
+def test_step_with_room_for_one_unit_finishes(tmp_path, mode):
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), mode], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.split("\n")

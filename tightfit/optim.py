@@ -120,6 +120,16 @@ class AdamW(torch.optim.Optimizer):
 
         self.engine.early_step = early
 
+    def preload_during_backward(self) -> None:
+        """Start loading each unit's master weights and moments during the coming backward, for the `step()` after it.
+
+        For a step that clips or unscales gradients (so cannot run during backward): call it right before the
+        backward of the last micro-batch. As each unit's backward starts, its optimizer state starts loading from
+        its tier, under the backward compute, as far as the host budget has room; the step after backward then
+        waits only for the gradients. The result is the same as without it.
+        """
+        self.engine.preload_step = True
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated gradients (they live in the engine's grads tier; `param.grad` is always None)."""
         self.engine.zero_grad()

@@ -143,6 +143,9 @@ class OffloadEngine:
         # are collected in `_early_steps` and awaited by the next `opt.step()`. Shut down by `close`.
         self.step_worker = ThreadPoolExecutor(1, thread_name_prefix="tightfit-step")
         self.early_step = None  # set by the optimizer for one backward: callable(unit) -> None
+        # Set by the optimizer for one backward (`AdamW.preload_during_backward`): a step follows it (after backward:
+        # it clips or unscales), so each unit's master and moments start loading as its backward starts.
+        self.preload_step = False
         self._early_steps: list[Future] = []
         self.writes = WriteBacks()  # the optimizer's write-backs in flight (write_backs.py)
         self.schedule = Schedule(placement.prefetch_depth)
@@ -203,7 +206,8 @@ class OffloadEngine:
             unit.store[State.PARAMS].save(unit.name, PARAMS, master.to(self.compute_dtype)).result()
         if unit.on_device and not unit.resident:
             self.release(unit)  # the device copy is stale
-        self.drop_kept_master(unit)  # so is a fetch's staging copy
+        discard_preload(self, unit)  # so is a master loaded ahead for a step
+        self.drop_kept_master(unit)  # and a fetch's staging copy
         self.drop_fresh_params(unit)  # and a step's
 
     def drop_kept_master(self, unit: OffloadUnit) -> None:
@@ -376,7 +380,7 @@ class OffloadEngine:
         self._in_backward = True
         root = self.units[ROOT_UNIT]
         self._charge_grads(root)  # the root's grads (the head's) come first and stay longest
-        if self.early_step is not None:
+        if self.early_step is not None or self.preload_step:
             preload(self, root)  # its moments load under the whole backward
         self._t_bwd = time.perf_counter()
         self.phase = Phase.BACKWARD
@@ -389,7 +393,7 @@ class OffloadEngine:
         self._charge_grads(unit)
         self.materialise(unit)
         self.prefetch(nxt)
-        if self.early_step is not None:
+        if self.early_step is not None or self.preload_step:
             preload(self, unit)  # its optimizer state loads under its own backward
 
     def _charge_grads(self, unit: OffloadUnit) -> None:
@@ -459,6 +463,7 @@ class OffloadEngine:
             self._uncharge_grads(unit)
         self.release_all(keep_stepping=True)  # prefetches the step did not use
         self.early_step = None  # step_during_backward covers one backward
+        self.preload_step = False  # so does preload_during_backward
         self.schedule.end(Phase.BACKWARD)
         self.phase = Phase.IDLE
         self._in_backward = False

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tightfit.offload.flat_unit import AT_REST, GRADS, OffloadUnit, Where
+from tightfit.offload.optim_step import step_reserve
 from tightfit.offload.placement import State
 
 if TYPE_CHECKING:
@@ -52,16 +53,20 @@ def ship_grads(engine: OffloadEngine, unit: OffloadUnit) -> Future | None:
         return None
     packed = engine.mover.pack_grads([((slot.offset, slot.shape), g) for _, slot, g in pairs], unit.spec.train_numel)
     unit.where[State.GRADS] = Where.IN_FLIGHT
-    # When the unit is about to be stepped during this backward, its final gradients stay in the packed
-    # buffer for the step thread instead of making a round trip to disk.
-    hold = engine.early_step is not None
+    # When a step follows this backward (declared by the optimizer), the unit's final gradients stay in the packed
+    # buffer for it instead of making a round trip to disk, while the pool keeps `hold` bytes free beside them.
+    hold = None
+    if engine.early_step is not None:
+        hold = unit.optim_bytes  # the step thread frees each unit's buffers as the backward goes on
+    elif engine.preload_step:
+        hold = step_reserve(engine)  # everything held waits for the step after backward (optim_step.preload)
     unit.grad_pending = engine.grad_worker.submit(_accumulate_off_device, engine, unit, packed, unit.grad_pending,
                                                   new, had, hold)
     return packed
 
 
 def _accumulate_off_device(engine: OffloadEngine, unit: OffloadUnit, packed: Future, previous: Future | None,
-                           new: set[int], had: list[bool], hold: bool = False) -> None:
+                           new: set[int], had: list[bool], hold: int | None = None) -> None:
     """Grad worker: add a packed host copy of new gradients into the unit's host or disk gradient entry."""
     t0 = time.perf_counter()
     if previous is not None:
@@ -77,8 +82,11 @@ def _accumulate_off_device(engine: OffloadEngine, unit: OffloadUnit, packed: Fut
         _record_norms(unit, acc)
     else:  # disk: read-modify-write through the packed buffer
         if any(had):
-            old = engine.pool.take(unit.spec.train_numel, torch.float32)
-            store.load(unit.name, GRADS, old).result()
+            if unit.held_grads is not None:  # the last micro-batch was declared, and was not: they are here
+                old, unit.held_grads = unit.held_grads, None
+            else:
+                old = engine.pool.take(unit.spec.train_numel, torch.float32)
+                store.load(unit.name, GRADS, old).result()
             for i, slot in enumerate(unit.trainable):
                 if had[i] and i in new:
                     slot.view(buf).add_(slot.view(old))  # old + new: the same bits as torch's grad += new
@@ -87,8 +95,8 @@ def _accumulate_off_device(engine: OffloadEngine, unit: OffloadUnit, packed: Fut
             engine.pool.give(old)
         _record_norms(unit, buf)
         # Hold only while the pool keeps room for a step's working set, else held buffers could starve the
-        # step thread that is the only one to free them.
-        if hold and engine.pool.has_room(unit.optim_bytes):
+        # step that is the only one to free them.
+        if hold is not None and engine.pool.has_room(hold):
             unit.held_grads = buf
             unit.where[State.GRADS] = Where.IN_HOST
             engine._time("grad_accumulate_s", t0)

@@ -196,16 +196,29 @@ def step_one(engine, unit: OffloadUnit, groups: list[tuple[dict, list[int]]],
 
 
 def preload(engine, unit: OffloadUnit) -> None:
-    """Start loading the master and moments of a unit whose backward starts now, for its step during backward.
+    """Start loading the master and moments of a unit whose backward starts now, for the step that follows.
 
-    Main thread, at the unit's backward start: the loads then run under the unit's own backward compute, and the
-    step thread finds them done when the gradients land. Skipped when the pool has no room right now (the step
-    thread loads them itself then): the backward must never wait for a buffer here."""
+    Main thread, at the unit's backward start: the loads then run under the backward compute. For a step during
+    backward the step thread finds them done when the unit's gradients land; for a step after backward
+    (`step_units`) only the gradients are left to read. Skipped when the pool has no room right now (the step loads
+    them itself then): the backward must never wait for a buffer here.
+
+    For a step after backward, what is loaded (or held: gradients, grad_ship.py) waits for that step, so
+    `step_reserve` stays free beside it. The step during backward frees each unit's buffers as the backward goes
+    on, and needs no such reserve."""
     if not unit.trainable or unit.preloaded is not None:
         return
-    if not engine.pool.has_room(unit.step_bytes):
+    reserve = 0 if engine.early_step is not None else step_reserve(engine)
+    if not engine.pool.has_room(unit.step_bytes + reserve):
         return
     unit.preloaded = _prepare(engine, unit, grads=False)
+
+
+def step_reserve(engine) -> int:
+    """Pool bytes that preloads and held gradients for a step after backward leave free: the largest unit's working
+    set. Whatever of a unit was not loaded ahead, its step can then take (once the buffers of transfers in flight
+    are back), and each stepped unit returns its own buffers for the next ([Note: staging memory])."""
+    return max(u.step_bytes for u in engine.units.values())
 
 
 def discard_preload(engine, unit: OffloadUnit) -> None:
@@ -241,13 +254,13 @@ def step_units(engine, work: list[Work], grad_scales: list[torch.Tensor]) -> Non
         they finish. While a unit is held (prepared, or being stepped) a wait could never end."""
         nonlocal nxt
         while nxt < len(work) and len(ahead) < depth:
-            if (ahead or not may_wait) and not engine.pool.has_room(work[nxt][0].step_bytes):
+            unit = work[nxt][0]
+            need = unit.step_bytes if unit.preloaded is None else 4 * unit.spec.train_numel  # just the gradients
+            if (ahead or not may_wait) and not engine.pool.has_room(need):
                 return
-            ahead.append(_prepare(engine, work[nxt][0]))
+            ahead.append(_prepare(engine, unit, into=unit.preloaded))  # a preload during backward is used as is
+            unit.preloaded = None
             nxt += 1
-
-    for unit, _ in work:
-        discard_preload(engine, unit)  # loaded for a step during backward that did not happen
     for unit, groups in work:
         read_ahead(may_wait=True)
         current = ahead.popleft()

@@ -170,8 +170,11 @@ class OffloadMemory(_Stepping):
     def backward(self, loss: torch.Tensor, last: bool = False) -> None:
         # Without clipping or loss scaling nothing needs every gradient before a unit steps: each unit's optimizer
         # step then runs during the last backward, as its gradients land (docs/ENGINE.md, "Clipping and overlap").
+        # With clipping the step waits for backward, but each unit's optimizer state still loads during it.
         if last and self._step_early:
             self.optimizer.step_during_backward()
+        elif last:
+            self.optimizer.preload_during_backward()
         super().backward(loss, last)
 
     def named_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
