@@ -51,10 +51,14 @@ def _batch(args, step: int, device: torch.device) -> tuple[torch.Tensor, torch.T
     return x.to(device), torch.roll(x, -1, 1).to(device)
 
 
-def _cap(args, device: torch.device) -> None:
+def _device(args) -> torch.device:
+    """The side's device, made current and capped (before anything is allocated on it)."""
+    device = torch.device(args.device)
     if device.type == "cuda":
+        torch.cuda.set_device(device)
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total), device)
+    return device
 
 
 def _sync(device: torch.device) -> None:
@@ -86,10 +90,7 @@ def run_fsdp2(args) -> dict:
     import torch.distributed as dist
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    _cap(args, device)
+    device = _device(args)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1,
                             init_method=f"tcp://127.0.0.1:{args.port}")
     torch.manual_seed(0)
@@ -128,10 +129,7 @@ def run_tightfit(args) -> dict:
     from tightfit.config import Config
     from tightfit.train.memory import setup_memory
 
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    _cap(args, device)
+    device = _device(args)
     cfg = Config()
     cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head = args.layers, args.embd, max(1, args.embd // 128)
     cfg.train.micro_batch, cfg.train.seq_len, cfg.train.device = args.batch, args.seq, device.type
