@@ -151,7 +151,7 @@ class OffloadEngine:
         self.schedule = Schedule(placement.prefetch_depth)
         self.phase = Phase.IDLE
         self._in_backward = False
-        # Transient device bytes: materialised (fetched) units and gradients not yet shipped. The device-tier
+        # Transient device bytes: materialised (fetched) units and gradients not yet copied off. The device-tier
         # states themselves are counted by the device store; `device_in_use` is the sum of both.
         self.device_bytes = 0
         # Gradients shipped but not yet packed off the device: (bytes still metered, the pack's Future).
