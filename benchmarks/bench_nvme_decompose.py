@@ -9,7 +9,8 @@ times side by side for the same bytes:
 - train: the tier's disk time during the step (wall time with at least one chunk in flight, NvmeStore.stats);
 - store replay: the step's recorded requests through the same store, all issued at once, no compute;
 - raw, same layout: the same requests as raw preadv/pwritev on the tier's own files, offsets and transfer pieces
-  (NvmeStore._plan), 8 threads, huge-page buffers, all at once;
+  (NvmeStore._plan), 8 threads, huge-page buffers, all at once, without the store's ordering of requests on the
+  same entry (a read after a write of that entry waits for it in the store; here it does not);
 - raw, sequential: the same read and write volume as sequential O_DIRECT blocks, 4 + 4 in flight (RawMixedDisk),
   the memory benchmark's reference.
 Their ratios split the shortfall into the layout (sequential / same layout), the store's code path (same layout /
