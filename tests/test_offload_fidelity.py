@@ -142,6 +142,15 @@ def test_fp16_loss_scaling_skips_overflow_steps(tmp_path):
     losses, *_ = train(tiny_gpt, Placement.everywhere(Tier.HOST), compute_dtype=torch.float16, scaler=scaler)
     assert scaler.skipped_steps == 0
     assert max_rel_diff(losses, reference("gpt")) <= 1e-2
+    # On NVMe with optimizer states loaded during backward (as tightfit train does with a scaler): overflowing
+    # steps are skipped and their preloads and held gradients dropped; the losses are those without preloading.
+    runs = []
+    for preload in (False, True):
+        scaler = LossScaler(init_scale=2.0**40)
+        runs.append(train(tiny_gpt, Placement.everywhere(Tier.NVME, nvme_dir=str(tmp_path / f"swap{preload}")),
+                          compute_dtype=torch.float16, scaler=scaler, preload=preload)[0])
+        assert scaler.skipped_steps >= 1
+    assert runs[0] == runs[1]
 
 
 class _SharedBlocks(torch.nn.Module):
