@@ -13,6 +13,7 @@ times side by side for the same bytes:
   same entry (a read after a write of that entry waits for it in the store; here it does not);
 - raw, sequential: the same read and write volume as sequential O_DIRECT blocks, 4 + 4 in flight (RawMixedDisk),
   the memory benchmark's reference.
+Also the share of the disk time spent at each number of chunks in flight, in training and in the replay.
 Their ratios split the shortfall into the layout (sequential / same layout), the store's code path (same layout /
 store replay) and the schedule of training (store replay / train): the bursts in which a step's requests reach the
 disk as compute goes.
@@ -65,6 +66,14 @@ def _raw_same_layout(store, ops, pool: ThreadPoolExecutor, bufs: dict) -> float:
     return seconds
 
 
+def _depths(before: dict, after: dict) -> str:
+    """Shares of the busy time between two stats() with 1, 2, 3-4, 5-8 and 9+ chunks in flight."""
+    at = [b - a for a, b in zip(before["busy_at_depth_s"], after["busy_at_depth_s"])]
+    total = sum(at) or 1.0
+    bins = [(1, 1), (2, 2), (3, 4), (5, 8), (9, len(at) - 1)]
+    return " ".join(f"{sum(at[lo:hi + 1]) / total:.2f}" for lo, hi in bins)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--folder", default="/tmp/tf_bench")
@@ -108,13 +117,18 @@ def main() -> None:
         busy = after["busy_s"] - before["busy_s"]
         read = after["bytes_read"] - before["bytes_read"]
         written = after["bytes_written"] - before["bytes_written"]
-        replay = min(traffic.replay() for _ in range(2))
+        s_replay = store.stats()
+        replay = traffic.replay()
+        replay_depths = _depths(s_replay, store.stats())
+        replay = min(replay, traffic.replay())
         layout = min(_raw_same_layout(store, traffic.ops, pool, bufs) for _ in range(2))
         seq = sequential.seconds(read, written)
         print(f"step {step}: {read / 1e9:.2f} GB read, {written / 1e9:.2f} GB written | seconds: train {busy:.2f}, "
               f"store replay {replay:.2f}, raw same layout {layout:.2f}, raw sequential {seq:.2f} | "
               f"sequential/train {seq / busy:.2f} = layout {seq / layout:.2f} x store {layout / replay:.2f} x "
               f"schedule {replay / busy:.2f}", flush=True)
+        print(f"  share of disk time at 1 / 2 / 3-4 / 5-8 / 9+ chunks in flight: train {_depths(before, after)}, "
+              f"store replay {replay_depths}", flush=True)
     pool.shutdown()
     sequential.close()
     engine.close()

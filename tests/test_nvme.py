@@ -137,6 +137,10 @@ def test_concurrent_writes_from_many_threads(store):
     loaded = safetensors.torch.load_file(store.path("c"))
     for i in range(n):
         assert torch.equal(loaded[f"p{i}"], values[i])
+    st = store.stats()  # the busy time split by chunks in flight adds up to the busy time and the depth integral
+    at = st["busy_at_depth_s"]
+    assert at[0] == 0.0 and sum(at) == pytest.approx(st["busy_s"], rel=1e-9)
+    assert sum(d * t for d, t in enumerate(at)) == pytest.approx(st["depth_s"], rel=1e-9)
 
 
 def test_budget_is_enforced(tmp_path):

@@ -54,6 +54,7 @@ from tightfit.utils.sizes import format_size
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the platform has none (macOS): every transfer is buffered
 _FULL = (errno.ENOSPC, errno.EDQUOT)
+_DEPTH_BINS = 16  # stats(): busy time per number of chunks in flight, 1 .. 16 and more
 SUFFIX = ".safetensors"
 
 
@@ -133,6 +134,7 @@ class NvmeStore:
         self._busy_any = 0.0
         self._depth_s = 0.0
         self._depth_mark = 0.0
+        self._at_depth = [0.0] * (_DEPTH_BINS + 1)  # busy seconds with d chunks in flight (the last bin: d or more)
         self._share = {"read": 0.0, "write": 0.0}
         self._direct_bytes = 0
         self._fallbacks = 0
@@ -233,7 +235,8 @@ class NvmeStore:
         Busy time is wall time during which at least one chunk of that direction was executing, so concurrent
         chunks are not double-counted and idle gaps between requests are not counted. `busy_s` is the same for
         either direction (the disk was busy), and `depth_s` the integral of chunks in flight over time:
-        `depth_s / busy_s` is the mean queue depth the disk saw while busy. `read_share_s` and `write_share_s`
+        `depth_s / busy_s` is the mean queue depth the disk saw while busy, and `busy_at_depth_s[d]` the busy
+        seconds with d chunks in flight (d = 1 .. 16, the last bin 16 or more). `read_share_s` and `write_share_s`
         split `busy_s` between the directions in proportion to the chunks each had in flight (they add up to
         `busy_s`): the fair time base for a per-direction bandwidth when reads and writes run at once.
         """
@@ -243,6 +246,8 @@ class NvmeStore:
             open_s = now - self._depth_mark if self._inflight_any else 0.0
             busy_any = self._busy_any + (now - self._since_any if self._inflight_any else 0.0)
             depth_s = self._depth_s + self._inflight_any * open_s
+            at_depth = list(self._at_depth)
+            at_depth[min(self._inflight_any, _DEPTH_BINS)] += open_s
             share = {k: self._share[k] + (open_s * self._inflight[k] / self._inflight_any if open_s else 0.0)
                      for k in self._share}
             out = {
@@ -252,6 +257,7 @@ class NvmeStore:
                 "write_busy_s": busy["write"],
                 "busy_s": busy_any,
                 "depth_s": depth_s,
+                "busy_at_depth_s": at_depth,
                 "read_share_s": share["read"],
                 "write_share_s": share["write"],
                 "direct_bytes": self._direct_bytes,
@@ -481,6 +487,7 @@ class NvmeStore:
         dt = now - self._depth_mark
         if self._inflight_any:
             self._depth_s += self._inflight_any * dt
+            self._at_depth[min(self._inflight_any, _DEPTH_BINS)] += dt
             # Each direction's share of the busy time: the fraction of the chunks in flight that were its own
             # over the interval just ended (the counts before this change).
             reads = self._inflight["read"] - (delta if kind == "read" else 0)
