@@ -13,7 +13,9 @@ times side by side for the same bytes:
   same entry (a read after a write of that entry waits for it in the store; here it does not);
 - raw, sequential: the same read and write volume as sequential O_DIRECT blocks, 4 + 4 in flight (RawMixedDisk),
   the memory benchmark's reference.
-Also the share of the disk time spent at each number of chunks in flight, in training and in the replay.
+Also the share of the disk time spent at each number of chunks in flight, in training and in the replay, and the
+kernel's own busy time for the block device (/proc/diskstats io_ticks) next to the tier's: a chunk counts as in
+flight until its I/O thread has the GIL again, so the tier's count can exceed the time the device was busy.
 Their ratios split the shortfall into the layout (sequential / same layout), the store's code path (same layout /
 store replay) and the schedule of training (store replay / train): the bursts in which a step's requests reach the
 disk as compute goes.
@@ -66,6 +68,20 @@ def _raw_same_layout(store, ops, pool: ThreadPoolExecutor, bufs: dict) -> float:
     return seconds
 
 
+def _disk_busy_s(folder: Path) -> float | None:
+    """The kernel's busy time of the block device under `folder` (/proc/diskstats io_ticks, ms), or None."""
+    try:
+        dev = os.stat(folder).st_dev
+        major, minor = os.major(dev), os.minor(dev)
+        for line in open("/proc/diskstats"):
+            f = line.split()
+            if int(f[0]) == major and int(f[1]) == minor:
+                return int(f[12]) / 1000
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def _depths(before: dict, after: dict) -> str:
     """Shares of the busy time between two stats() with 1, 2, 3-4, 5-8 and 9+ chunks in flight."""
     at = [b - a for a, b in zip(before["busy_at_depth_s"], after["busy_at_depth_s"])]
@@ -107,19 +123,20 @@ def main() -> None:
     for step in range(args.steps):
         traffic.ops.clear()
         traffic.recording = step >= 2
-        before = store.stats()
+        before, k0 = store.stats(), _disk_busy_s(folder)
         bo._train(model, opt, cfg, args.batch, 1, early=True)
         engine.wait_writes()
         traffic.recording = False
-        after = store.stats()
+        after, k1 = store.stats(), _disk_busy_s(folder)
         if step < 2:
             continue
         busy = after["busy_s"] - before["busy_s"]
         read = after["bytes_read"] - before["bytes_read"]
         written = after["bytes_written"] - before["bytes_written"]
-        s_replay = store.stats()
+        s_replay, k2 = store.stats(), _disk_busy_s(folder)
         replay = traffic.replay()
-        replay_depths = _depths(s_replay, store.stats())
+        s_end, k3 = store.stats(), _disk_busy_s(folder)
+        replay_depths = _depths(s_replay, s_end)
         replay = min(replay, traffic.replay())
         layout = min(_raw_same_layout(store, traffic.ops, pool, bufs) for _ in range(2))
         seq = sequential.seconds(read, written)
@@ -129,6 +146,10 @@ def main() -> None:
               f"schedule {replay / busy:.2f}", flush=True)
         print(f"  share of disk time at 1 / 2 / 3-4 / 5-8 / 9+ chunks in flight: train {_depths(before, after)}, "
               f"store replay {replay_depths}", flush=True)
+        if k0 is not None:
+            print(f"  the kernel's busy time for the device (io_ticks): train {k1 - k0:.2f} s against the tier's "
+                  f"{busy:.2f} s; store replay {k3 - k2:.2f} s against {s_end['busy_s'] - s_replay['busy_s']:.2f} s",
+                  flush=True)
     pool.shutdown()
     sequential.close()
     engine.close()
