@@ -128,6 +128,10 @@ class OffloadEngine:
                                                chunk_bytes=placement.nvme_chunk_bytes)
         self.units: dict[str, OffloadUnit] = {
             s.name: OffloadUnit(s, placement.of(s.name), self.stores, compute_dtype, device) for s in specs}
+        # Pool bytes that preloads and held gradients for a step after backward leave free: the largest unit's
+        # working set. Whatever of a unit was not loaded ahead, its step can then take (once the buffers of transfers
+        # in flight are back), and each stepped unit returns its own buffers for the next ([Note: staging memory]).
+        self.step_reserve = max(u.step_bytes for u in self.units.values())
         check_budgets(self.units, placement, device)
 
         host_left = None if placement.host_budget is None else placement.host_budget - host_tier_bytes(self.units)
@@ -206,8 +210,7 @@ class OffloadEngine:
             unit.store[State.PARAMS].save(unit.name, PARAMS, master.to(self.compute_dtype)).result()
         if unit.on_device and not unit.resident:
             self.release(unit)  # the device copy is stale
-        discard_preload(self, unit)  # so is a master loaded ahead for a step
-        self.drop_kept_master(unit)  # and a fetch's staging copy
+        discard_preload(self, unit)  # so are a master loaded ahead for a step and a fetch's staging copy
         self.drop_fresh_params(unit)  # and a step's
 
     def drop_kept_master(self, unit: OffloadUnit) -> None:

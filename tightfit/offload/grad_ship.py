@@ -6,8 +6,9 @@ at once. Otherwise the mover packs them into one pooled host buffer (CUDA: a D2H
 memcpy on a copy thread) and the engine's gradient worker adds them to the host tier, or reads-adds-writes them on
 NVMe, while backward goes on. Accumulation is `old + new` in fp32, the same bits as torch's `param.grad += new`.
 The worker records each parameter's gradient norm as it goes (clipping and overflow checks need no second pass
-over the disk). During a backward whose units are stepped as their gradients land (`step_during_backward`), a
-unit's final packed gradients go straight to its step (`OffloadUnit.held_grads`) instead of to disk and back.
+over the disk). When the optimizer has declared that a step follows this backward (`step_during_backward`,
+`preload_during_backward`), a unit's final packed gradients go straight to its step (`OffloadUnit.held_grads`)
+instead of to disk and back.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from tightfit.offload.flat_unit import AT_REST, GRADS, OffloadUnit, Where
-from tightfit.offload.optim_step import step_reserve
 from tightfit.offload.placement import State
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ def ship_grads(engine: OffloadEngine, unit: OffloadUnit) -> Future | None:
     if engine.early_step is not None:
         hold = unit.optim_bytes  # the step thread frees each unit's buffers as the backward goes on
     elif engine.preload_step:
-        hold = step_reserve(engine)  # everything held waits for the step after backward (optim_step.preload)
+        hold = engine.step_reserve  # everything held waits for the step after backward (optim_step.preload)
     unit.grad_pending = engine.grad_worker.submit(_accumulate_off_device, engine, unit, packed, unit.grad_pending,
                                                   new, had, hold)
     return packed

@@ -204,21 +204,14 @@ def preload(engine, unit: OffloadUnit) -> None:
     them itself then): the backward must never wait for a buffer here.
 
     For a step after backward, what is loaded (or held: gradients, grad_ship.py) waits for that step, so
-    `step_reserve` stays free beside it. The step during backward frees each unit's buffers as the backward goes
-    on, and needs no such reserve."""
+    `engine.step_reserve` stays free beside it. The step during backward frees each unit's buffers as the backward
+    goes on, and needs no such reserve."""
     if not unit.trainable or unit.preloaded is not None:
         return
-    reserve = 0 if engine.early_step is not None else step_reserve(engine)
+    reserve = 0 if engine.early_step is not None else engine.step_reserve
     if not engine.pool.has_room(unit.step_bytes + reserve):
         return
     unit.preloaded = _prepare(engine, unit, grads=False)
-
-
-def step_reserve(engine) -> int:
-    """Pool bytes that preloads and held gradients for a step after backward leave free: the largest unit's working
-    set. Whatever of a unit was not loaded ahead, its step can then take (once the buffers of transfers in flight
-    are back), and each stepped unit returns its own buffers for the next ([Note: staging memory])."""
-    return max(u.step_bytes for u in engine.units.values())
 
 
 def discard_preload(engine, unit: OffloadUnit) -> None:
