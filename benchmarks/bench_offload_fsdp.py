@@ -1,4 +1,4 @@
-"""tightfit against FSDP2 (`fully_shard` + `CPUOffloadPolicy`) on one GPU under the same memory cap (issue 3, acceptance 6).
+"""tightfit against FSDP2 (`fully_shard` + `CPUOffloadPolicy`) on one GPU under one memory cap (issue 3, acceptance 6).
 
     .venv/bin/python benchmarks/bench_offload_fsdp.py --layers 24 --embd 2048 --cap-gib 6 --batch 4 --seq 1024
     .venv/bin/python benchmarks/bench_offload_fsdp.py --device cpu --layers 2 --embd 64 --steps 3   # smoke test

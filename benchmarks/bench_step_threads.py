@@ -1,7 +1,7 @@
 """Where a training step's CPU goes, per thread: the thread that runs forward/backward against the engine's own.
 
     .venv/bin/python benchmarks/bench_step_threads.py --steps 30            # every state on NVMe, step during backward
-    .venv/bin/python benchmarks/bench_step_threads.py --steps 30 --device   # every state on the device tier (compute only)
+    .venv/bin/python benchmarks/bench_step_threads.py --steps 30 --device   # every state on the device tier
 
 Why: on a 2-core machine the all-NVMe step is slower than compute-only by the engine's CPU work beside the compute,
 not by I/O (benchmarks/RESULTS.md, overlap). This prints, per step, forward / backward / optimizer wall times and the
@@ -96,7 +96,8 @@ def main() -> None:
               f"  params wait {wait:.3f}  loss {loss.item():.4f}", flush=True)
     wall = time.perf_counter() - t_start
     end = _threads()
-    print(f"steps {args.skip}..{args.steps - 1}: median {statistics.median(times[args.skip:]):.3f} s, wall {wall:.2f} s")
+    median = statistics.median(times[args.skip:])
+    print(f"steps {args.skip}..{args.steps - 1}: median {median:.3f} s, wall {wall:.2f} s")
     for name, row in sorted(end.items(), key=lambda kv: -(kv[1][0] + kv[1][1])):
         d = [a - b for a, b in zip(row, start.get(name, [0.0] * 5))]
         if d[0] + d[1] > 0.01:
