@@ -249,7 +249,8 @@ def memory(args) -> dict:
     placement = Placement.everywhere(Tier.NVME, nvme_dir=str(folder), device_budget=device_budget - activations,
                                      host_budget=host_budget, prefetch_depth=args.prefetch,
                                      checkpoint_units=checkpointed, nvme_threads=args.io_threads,
-                                     nvme_chunk_bytes=args.chunk_kib << 10)
+                                     nvme_chunk_bytes=args.chunk_kib << 10,
+                                     min_unit_bytes=(args.min_unit_mib << 20) or None)
     volume = 28 * n_params  # one step's traffic each way, about (fwd + bwd params, moments, write-backs)
     raw_before = _raw_in_subprocess(folder / "raw", volume)
     sampler = RssSampler()
@@ -505,6 +506,8 @@ def main() -> None:
                          "bench_offload_deepspeed.py takes the same flag: compare like with like")
     ap.add_argument("--io-threads", type=int, default=8, help="NVMe tier I/O threads")
     ap.add_argument("--chunk-kib", type=int, default=4096, help="largest NVMe tier transfer, KiB")
+    ap.add_argument("--min-unit-mib", type=int, default=0,
+                    help="memory: join consecutive blocks into units of at least this many MiB (0: one block each)")
     ap.add_argument("--device-mib", type=int, default=40, help="memory: device budget (the CPU here), MiB")
     ap.add_argument("--host-mib", type=int, default=96, help="memory: host budget (staging, optimizer), MiB")
     ap.add_argument("--threads", type=int, default=1,

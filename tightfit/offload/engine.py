@@ -101,16 +101,19 @@ class OffloadEngine:
             raise UsageError(f"wrap(compute_dtype=...): use torch.float32, bfloat16 or float16, not {compute_dtype}")
         self._model = weakref.ref(model)  # weak: the model's hooks hold the engine, not the other way round
         self._closed = False
-        self.placement = placement
         self.compute_dtype = compute_dtype
         self.device = device
         self.meta_init = _replace_meta_params(model)
-        specs = find_units(model, units)
-        names = {s.name for s in specs}
+        specs = find_units(model, units, min_bytes=placement.min_unit_bytes,
+                           group_key=lambda path, p=placement: (p.of(path), path in p.checkpoint_units))
+        names = {s.name for s in specs} | {path for s in specs for path, _ in s.members}
         for name in [*placement.units, *placement.checkpoint_units]:
             if name not in names:
                 raise UsageError(f"placement names unit {name!r}, which this model does not have; units are: "
                                  f"{', '.join(sorted(names))}")
+        # Grouped blocks ([Note: grouped blocks]): the placement's per-block entries become the group's.
+        placement = placement.for_groups({s.name: [path for path, _ in s.members] for s in specs if s.members})
+        self.placement = placement
         if ROOT_UNIT in placement.checkpoint_units:
             raise UsageError(f"placement.checkpoint_units: the {ROOT_UNIT!r} unit cannot be checkpointed")
         if placement.uses(Tier.NVME) and not placement.nvme_dir:

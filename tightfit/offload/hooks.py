@@ -97,8 +97,16 @@ def register_hooks(engine) -> list:
                     outputs, lambda grad, unit=unit: engine.on_unit_backward_start(unit), mode="any")
             engine.on_unit_forward_end(unit)
 
-        handles.append(unit.spec.module.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(unit.spec.module.register_forward_hook(post, with_kwargs=True))
+        def inner_pre(module, args, kwargs, unit=unit):
+            # A later member of a group ([Note: grouped blocks]): the unit is materialised since its first member
+            # ran; this only re-materialises it if something (an out-of-order call) released it in between.
+            engine.materialise(unit)
+
+        modules = unit.spec.modules
+        handles.append(modules[0].register_forward_pre_hook(pre, with_kwargs=True))
+        for module in modules[1:]:
+            handles.append(module.register_forward_pre_hook(inner_pre, with_kwargs=True))
+        handles.append(modules[-1].register_forward_hook(post, with_kwargs=True))
 
     for unit in engine.units.values():
         for i, slot in enumerate(unit.trainable):
@@ -106,8 +114,8 @@ def register_hooks(engine) -> list:
                 lambda p, unit=unit, i=i: engine.on_grad(unit, i)))
 
     for name in engine.placement.checkpoint_units:
-        module = engine.units[name].spec.module
-        module.forward = _checkpointed(module.forward)
+        for module in engine.units[name].spec.modules:
+            module.forward = _checkpointed(module.forward)
     return handles
 
 
@@ -115,7 +123,8 @@ def remove_hooks(engine, handles: list) -> None:
     for h in handles:
         h.remove()
     for name in engine.placement.checkpoint_units:
-        engine.units[name].spec.module.__dict__.pop("forward", None)
+        for module in engine.units[name].spec.modules:
+            module.__dict__.pop("forward", None)
 
 
 def queue_end_of_backward(callback) -> None:

@@ -90,6 +90,10 @@ class Placement:
     nvme_chunk_bytes: int = 4 << 20
     """Largest single transfer of the NVMe tier (a multiple of 4096). A tensor is cut into as few equal transfers as
     this allows ([Note: transfer size] in nvme.py)."""
+    min_unit_bytes: int | None = None
+    """Join consecutive blocks into units of at least this many bytes of fp32 parameters (None: one block per
+    unit). Larger units are larger disk transfers, at the cost of device room for two of them ([Note: grouped
+    blocks] in units.py)."""
     staging_buffers: int = 4
     """Pinned host staging buffers per dtype (CUDA); bounds host memory used for in-flight copies."""
     checkpoint_units: list[str] = field(default_factory=list)
@@ -124,6 +128,23 @@ class Placement:
 
         units = {n: self.units[o] for n in names if (o := owner(n)) is not None}
         return replace(self, units=units, checkpoint_units=[u for u in self.checkpoint_units if u in names])
+
+    def for_groups(self, groups: dict[str, list[str]]) -> "Placement":
+        """This placement re-expressed for coarser units: `groups` maps a unit name to the names of the blocks it
+        joins, which share their tiers and checkpointing (units.py keeps blocks apart that do not)."""
+        units, checkpointed = dict(self.units), set(self.checkpoint_units)
+        for name, members in groups.items():
+            if members == [name]:
+                continue
+            first = members[0]
+            if first in units:
+                units[name] = units[first]
+            if first in checkpointed:
+                checkpointed.add(name)
+            for m in members:
+                units.pop(m, None)
+                checkpointed.discard(m)
+        return replace(self, units=units, checkpoint_units=sorted(checkpointed))
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -13,6 +13,15 @@ Unit policy (first match wins, walking the module tree top-down, never descendin
 Every parameter that belongs to no chosen module, or that is shared between two units (tied weights), goes to the
 `ROOT_UNIT` unit.
 
+[Note: grouped blocks] With `min_bytes`, the default policy joins consecutive blocks of one ModuleList into a unit
+of at least that many bytes of fp32 parameters, named after its first and last index ("blocks.0-3"). Why: a unit
+is the engine's transfer size, and a disk reaches its bandwidth only on large requests issued together; a model
+of many small blocks (7 MB each) moves them in lone bursts the disk serves at ~0.7 of its sequential speed, and
+28 MB units at ~0.9 (benchmarks/RESULTS.md, "Unit size"). The price is device memory: two units compute at once
+in backward, so the device budget must hold two groups. The members must run in index order (a block stack's
+`for block in self.blocks`): the hooks materialise the unit at its first member's forward and release it after
+the last member's. A `group_key` keeps blocks apart whose placement or checkpointing differ.
+
 Layout of a unit's flat buffer (elements, one dtype): trainable parameters first, each starting at a multiple of
 `ALIGN` elements, then frozen ones. Gradients and optimizer moments cover only the trainable prefix
 `[0, train_numel)`, so a frozen parameter has no gradient or optimizer state anywhere.
@@ -64,14 +73,21 @@ class UnitSpec:
 
     name: str
     module: nn.Module | None
-    """The module whose forward brackets the unit's use; None for the root unit, whose forward is the model's own
-    (the model is not held here: an engine keeping it alive would keep a dropped model, its buffers and its swap
-    files forever)."""
+    """The module whose forward brackets the unit's use (the first member of a group); None for the root unit,
+    whose forward is the model's own (the model is not held here: an engine keeping it alive would keep a dropped
+    model, its buffers and its swap files forever)."""
+    members: list[tuple[str, nn.Module]] = field(default_factory=list)
+    """(path, module) of every module in the unit, in call order: one, or a group of consecutive blocks ([Note:
+    grouped blocks]). Empty for the root unit."""
     slots: list[Slot] = field(default_factory=list)
     numel: int = 0
     """Elements in the flat buffer (all parameters, with alignment padding)."""
     train_numel: int = 0
     """Elements of the trainable prefix (gradients and optimizer moments have this size)."""
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        return [m for _, m in self.members]
 
     @property
     def trainable(self) -> list[Slot]:
@@ -124,9 +140,49 @@ def _choose_modules(model: nn.Module, policy: UnitPolicy) -> dict[str, nn.Module
     return chosen
 
 
-def find_units(model: nn.Module, policy: UnitPolicy = None) -> list[UnitSpec]:
-    """Group `model`'s parameters into units and lay each unit out. The root unit comes first."""
-    chosen = _choose_modules(model, policy)
+def group_blocks(blocks: list[tuple[str, int]], min_bytes: int,
+                 key: Callable[[str], object] = lambda path: None) -> dict[str, list[str]]:
+    """Unit name -> the block paths it joins: consecutive siblings ("parent.i", "parent.i+1") with equal `key`,
+    joined until each group holds `min_bytes` ([Note: grouped blocks]). `blocks`: (path, fp32 parameter bytes) in
+    module order. The planner calls this with its profile's sizes, the engine with the modules'."""
+    groups: dict[str, list[str]] = {}
+    run: list[str] = []
+    run_bytes = 0
+    for path, nbytes in blocks:
+        if run:
+            parent, _, index = path.rpartition(".")
+            prev_parent, _, prev_index = run[-1].rpartition(".")
+            follows = (parent == prev_parent and index.isdigit() and prev_index.isdigit()
+                       and int(index) == int(prev_index) + 1 and key(path) == key(run[0]))
+            if run_bytes >= min_bytes or not follows:
+                groups[_group_name(run)] = run
+                run, run_bytes = [], 0
+        run.append(path)
+        run_bytes += nbytes
+    if run:
+        groups[_group_name(run)] = run
+    return groups
+
+
+def _group_name(paths: list[str]) -> str:
+    return paths[0] if len(paths) == 1 else f"{paths[0]}-{paths[-1].rsplit('.', 1)[1]}"
+
+
+def find_units(model: nn.Module, policy: UnitPolicy = None, *, min_bytes: int | None = None,
+               group_key: Callable[[str], object] = lambda path: None) -> list[UnitSpec]:
+    """Group `model`'s parameters into units and lay each unit out. The root unit comes first.
+
+    min_bytes: join consecutive blocks of the default policy into units of at least this many bytes of fp32
+    parameters; blocks whose `group_key(path)` differ stay apart ([Note: grouped blocks])."""
+    modules = _choose_modules(model, policy)
+    if min_bytes and policy is None:
+        sizes = [(path, 4 * sum(p.numel() for p in m.parameters())) for path, m in modules.items()]
+        members = {name: [(path, modules[path]) for path in paths]
+                   for name, paths in group_blocks(sizes, min_bytes, group_key).items()}
+    else:
+        members = {path: [(path, module)] for path, module in modules.items()}
+    chosen = {path: module for group in members.values() for path, module in group}
+    unit_of_module = {path: name for name, group in members.items() for path, _ in group}
     # Which units use each parameter: a module's direct parameters belong to the innermost chosen ancestor.
     users: dict[int, set[str]] = {}
     by_id: dict[int, nn.Parameter] = {}
@@ -134,7 +190,7 @@ def find_units(model: nn.Module, policy: UnitPolicy = None) -> list[UnitSpec]:
         owner = ROOT_UNIT
         for unit_path in chosen:
             if path == unit_path or path.startswith(unit_path + "."):
-                owner = unit_path
+                owner = unit_of_module[unit_path]
                 break
         for p in module._parameters.values():
             if p is not None:
@@ -143,7 +199,7 @@ def find_units(model: nn.Module, policy: UnitPolicy = None) -> list[UnitSpec]:
     unit_of = {pid: (next(iter(u)) if len(u) == 1 else ROOT_UNIT) for pid, u in users.items()}
 
     specs = {ROOT_UNIT: UnitSpec(ROOT_UNIT, None)}
-    specs.update({path: UnitSpec(path, module) for path, module in chosen.items()})
+    specs.update({name: UnitSpec(name, group[0][1], list(group)) for name, group in members.items()})
     members: dict[str, list[tuple[str, nn.Parameter]]] = {name: [] for name in specs}
     for name, p in model.named_parameters():  # remove_duplicate=True: tied parameters appear once
         if not p.is_floating_point():
