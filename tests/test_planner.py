@@ -241,3 +241,33 @@ def test_hardware_profile_round_trip_and_cache(tmp_path, monkeypatch):
     hardware.save_cached(hw)
     assert hardware.load_cached() == hw
     assert hw.matmul_rate(512) == pytest.approx((20e12 + 100e12) / 2)
+
+
+def test_small_blocks_on_nvme_are_joined_into_larger_units(tmp_path):
+    # 16 blocks of 3.2 M parameters (12 MiB fp32): pairs make 24 MiB units, the planner's NVMe transfer target.
+    model = meta_gpt(n_layer=16, n_embd=512)
+    plan = make_plan(model, cfg(offload="nvme", nvme=f"{tmp_path}:4GiB"), GPU)
+    names = [u.name for u in plan.profile.units]
+    assert names == ["root"] + [f"blocks.{i}-{i + 1}" for i in range(0, 16, 2)]
+    assert plan.placement.min_unit_bytes == 24 * MiB
+    assert any("joined into 8 units" in r for r in plan.reasons)
+    plain = profile_model(meta_gpt(n_layer=16, n_embd=512), 8, 128)
+    assert plan.profile.unit("blocks.0-1").numel == plain.unit("blocks.0").numel + plain.unit("blocks.1").numel
+    assert plan.profile.numel == plain.numel
+    # The engine forms the same units from the plan's placement.
+    from tightfit.offload.units import find_units
+
+    with torch.device("meta"):
+        specs = find_units(GPT(GPTConfig(n_layer=16, n_embd=512, n_head=4, vocab_size=256)),
+                           min_bytes=plan.placement.min_unit_bytes)
+    assert [s.name for s in specs] == names
+    # Without NVMe nothing is joined; nor when the device cannot hold two joined units.
+    assert [u.name for u in make_plan(meta_gpt(n_layer=16, n_embd=512), cfg(offload="host"), GPU).profile.units] \
+        == ["root"] + [f"blocks.{i}" for i in range(16)]
+    roomy = make_plan(model, cfg(gpu_mem="300MiB", cpu_mem="300MiB", nvme=f"{tmp_path}:4GiB"), GPU)
+    assert roomy.placement.uses(Tier.NVME) and len(roomy.profile.units) == 9
+    assert not violations(roomy.prediction, _budgets(roomy))
+    tight = make_plan(model, cfg(gpu_mem="200MiB", cpu_mem="300MiB", nvme=f"{tmp_path}:4GiB"), GPU)
+    assert tight.placement.uses(Tier.NVME) and tight.placement.min_unit_bytes is None
+    assert len(tight.profile.units) == 17 and any("would exceed a budget" in r for r in tight.reasons)
+

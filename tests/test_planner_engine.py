@@ -52,6 +52,9 @@ def test_plan_runs_within_budgets(setting, tmp_path):
         opt.step()
         opt.zero_grad()
     eng = engine_of(model)
+    assert list(eng.units) == [u.name for u in plan.profile.units], "the engine forms the planner's units"
+    if setting == "nvme-heavy":  # 8 blocks of 0.2 MB on NVMe: joined in pairs (planner/unit_size.py)
+        assert len(eng.units) == 5 and plan.placement.min_unit_bytes
     rep = eng.memory_report()
     device = rep["device"]["peak"]  # device-tier states + materialised units + pending grads
     host = rep["host"]["tier"] + rep["host"]["staging_peak"]

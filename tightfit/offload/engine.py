@@ -105,7 +105,7 @@ class OffloadEngine:
         self.device = device
         self.meta_init = _replace_meta_params(model)
         specs = find_units(model, units, min_bytes=placement.min_unit_bytes,
-                           group_key=lambda path, p=placement: (p.of(path), path in p.checkpoint_units))
+                           group_key=lambda path, p=placement: (p.of(path), p.checkpoints(path)))
         names = {s.name for s in specs} | {path for s in specs for path, _ in s.members}
         for name in [*placement.units, *placement.checkpoint_units]:
             if name not in names:

@@ -67,6 +67,19 @@ class UnitPlacement:
         return cls(**{s.value: Tier(d.get(s.value, Tier.DEVICE.value)) for s in State})
 
 
+def _group_of(block: str, names) -> str | None:
+    """The name among `names` of a group of blocks ("blocks.0-3", units.py) that contains `block` ("blocks.2")."""
+    parent, _, index = block.rpartition(".")
+    if not index.isdigit():
+        return None
+    for name in names:
+        head, _, span = name.rpartition(".")
+        first, dash, last = span.partition("-")
+        if dash and head == parent and first.isdigit() and last.isdigit() and int(first) <= int(index) <= int(last):
+            return name
+    return None
+
+
 @dataclass
 class Placement:
     """A complete placement: per-unit tiers, budgets and schedule knobs. JSON round-trips."""
@@ -102,7 +115,12 @@ class Placement:
     """Linear modules to replace by tiles before wrapping: module path -> number of tiles."""
 
     def of(self, unit: str) -> UnitPlacement:
-        return self.units.get(unit, self.default)
+        """The tiers of `unit`, or of the group that contains it ("blocks.2" is in "blocks.0-3")."""
+        return self.units.get(unit) or self.units.get(_group_of(unit, self.units), self.default)
+
+    def checkpoints(self, unit: str) -> bool:
+        """`unit` (or the group that contains it) is recomputed in backward."""
+        return unit in self.checkpoint_units or _group_of(unit, self.checkpoint_units) is not None
 
     def uses(self, tier: Tier) -> bool:
         return any(p.tier(s) == tier for p in [self.default, *self.units.values()] for s in State)

@@ -176,7 +176,8 @@ def find_units(model: nn.Module, policy: UnitPolicy = None, *, min_bytes: int | 
     parameters; blocks whose `group_key(path)` differ stay apart ([Note: grouped blocks])."""
     modules = _choose_modules(model, policy)
     if min_bytes and policy is None:
-        sizes = [(path, 4 * sum(p.numel() for p in m.parameters())) for path, m in modules.items()]
+        # Sizes as the planner sees them (its profile's units are these ungrouped specs): the same groups result.
+        sizes = [(s.name, 4 * s.numel) for s in find_units(model) if not s.is_root]
         members = {name: [(path, modules[path]) for path in paths]
                    for name, paths in group_blocks(sizes, min_bytes, group_key).items()}
     else:

@@ -94,7 +94,7 @@ def act_bytes(profile: ModelProfile, checkpointed: set[str]) -> int:
     """Peak activation bytes when the units in `checkpointed` recompute their forward in backward."""
     ck = [u for u in profile.units if u.name in checkpointed and u.checkpointable]
     saved = sum(u.act_saved for u in profile.units if u not in ck) + sum(u.act_input for u in ck)
-    recompute = max((u.act_saved for u in ck), default=0)
+    recompute = max((u.act_recompute or u.act_saved for u in ck), default=0)
     return saved + recompute + profile.act_transient
 
 

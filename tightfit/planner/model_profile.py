@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn as nn
@@ -90,6 +90,9 @@ class UnitProfile:
     """The unit is one module call (a block); the root unit's leftovers are not."""
     linears: list[tuple[str, int, int]] = field(default_factory=list)
     """Every nn.Linear of the unit, largest first: the candidates for tiling."""
+    act_recompute: int = 0
+    """Bytes one recomputation of the checkpointed unit holds, when less than `act_saved`: a group of blocks
+    recomputes block by block ([Note: grouped blocks] in units.py). 0: `act_saved`."""
 
     @classmethod
     def from_dict(cls, d: dict) -> "UnitProfile":
@@ -130,6 +133,32 @@ class ModelProfile:
     @property
     def numel(self) -> int:
         return sum(u.numel for u in self.units)
+
+    def grouped(self, groups: dict[str, list[str]]) -> "ModelProfile":
+        """This profile with the blocks of each group joined into one unit (`find_units(min_bytes=...)`)."""
+        by_name = {u.name: u for u in self.units}
+        first_of = {members[0]: name for name, members in groups.items()}
+        units = []
+        for u in self.units:
+            if u.name not in first_of:
+                if not any(u.name in m for m in groups.values()):
+                    units.append(u)
+                continue
+            name = first_of[u.name]
+            parts = [by_name[m] for m in groups[name]]
+            fwd, bwd = Work(), Work()
+            for part in parts:
+                fwd.add(part.fwd)
+                bwd.add(part.bwd)
+            linears = sorted((lin for part in parts for lin in part.linears), key=lambda lin: -lin[1] * lin[2])
+            units.append(UnitProfile(
+                name, sum(q.numel for q in parts), sum(q.trainable for q in parts),
+                max((q.largest_linear for q in parts if q.largest_linear), key=lambda lin: lin[1] * lin[2],
+                    default=None),
+                sum(q.act_saved for q in parts), sum(q.act_input for q in parts), fwd, bwd,
+                all(q.checkpointable for q in parts), linears,
+                max(q.act_recompute or q.act_saved for q in parts)))
+        return replace(self, units=units)
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelProfile":

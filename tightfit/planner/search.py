@@ -27,6 +27,7 @@ from tightfit.offload.placement import ROOT_UNIT, Placement, State, Tier, UnitPl
 from tightfit.planner.costs import Prediction, TrainShape, act_bytes, memory, predict, units_per_window
 from tightfit.planner.hardware import GiB, HardwareProfile
 from tightfit.planner.model_profile import ModelProfile, UnitProfile, Work
+from tightfit.planner.unit_size import joined_reason, small_block_groups
 from tightfit.utils.sizes import format_size
 
 _GROUPS: dict[str, tuple[State, ...]] = {"params": (State.PARAMS,), "grads": (State.GRADS,),
@@ -164,6 +165,13 @@ def fixed(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainSh
     p = _finish(p, profile, hw, b, shape)
     pred = predict(profile, p, hw, shape)
     reasons = [f"{label}: every state on the {tier.value} tier"]
+    found = small_block_groups(p, profile)
+    if found is not None:  # every block on one tier: join them as they come (unit_size.py)
+        groups, target = found
+        reasons.append(joined_reason(profile, groups, target))
+        profile = profile.grouped(groups)
+        p = _finish(replace(p, min_unit_bytes=target).for_groups(groups), profile, hw, b, shape)
+        pred = predict(profile, p, hw, shape)
     for t, need, have in violations(pred, b):
         reasons.append(f"warning: {t} needs {format_size(need)}, budget {format_size(have)}: this run may not fit")
     return SearchResult(p, pred, profile, reasons)
@@ -178,7 +186,28 @@ def _finish(p: Placement, profile: ModelProfile, hw: HardwareProfile, b: Budgets
 
 def search(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainShape,
            checkpointing: str = "auto") -> SearchResult:
-    """The fastest placement the budgets allow (see the module docstring for the order of decisions)."""
+    """The fastest placement the budgets allow (see the module docstring for the order of decisions); searched
+    again with small blocks joined into larger units when the first answer puts them on NVMe (unit_size.py)."""
+    res = _search(profile, hw, b, shape, checkpointing)
+    found = small_block_groups(res.placement, res.profile)
+    if found is None:
+        return res
+    groups, target = found
+    try:
+        joined = _search(profile.grouped(groups), hw, b, shape, checkpointing)
+    except Infeasible:
+        joined = None
+    if joined is None or not joined.placement.uses(Tier.NVME) or joined.placement.tiled_linears:
+        res.reasons.append(f"units: one block each; joining them into units of {format_size(target)} for larger "
+                           "NVMe transfers would exceed a budget")
+        return res
+    joined.placement = replace(joined.placement, min_unit_bytes=target)
+    joined.reasons.append(joined_reason(profile, groups, target))
+    return joined
+
+
+def _search(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainShape,
+            checkpointing: str) -> SearchResult:
     reasons: list[str] = []
     ckable = sorted((u for u in profile.units if u.checkpointable), key=lambda u: u.act_input - u.act_saved)
     ck: set[str] = {u.name for u in ckable} if checkpointing == "on" else set()
