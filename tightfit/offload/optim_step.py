@@ -53,9 +53,26 @@ def _step_device(engine, unit: OffloadUnit) -> torch.device:
     return torch.device("cpu")
 
 
-def _prepare(engine, unit: OffloadUnit, grads: bool = True, into: _Loaded | None = None) -> _Loaded:
+def _take(engine, unit: OffloadUnit, numel: int, dtype: torch.dtype, stepping: bool) -> torch.Tensor:
+    """A pool buffer for `unit`'s step. `stepping` (not a preload): when the pool is short, first give up what other
+    units hold ahead of their own steps: their preloads and kept fetch buffers. Those units are stepped after this
+    one (in backward order, or later in `step_units`), so waiting for them to return their buffers would never end
+    (seen: a step during backward under a 48 MiB host budget hung, with the next unit's preload holding the room
+    the step needed). They load for themselves when their turn comes."""
+    need = numel * dtype.itemsize
+    if stepping and not engine.pool.has_room(need):
+        for other in list(engine.units.values()):
+            if other is not unit and (other.preloaded is not None or other.kept_master is not None):
+                discard_preload(engine, other)  # also drops its kept master
+                if engine.pool.has_room(need):
+                    break
+    return engine.pool.take(numel, dtype)
+
+
+def _prepare(engine, unit: OffloadUnit, grads: bool = True, into: _Loaded | None = None,
+             stepping: bool = True) -> _Loaded:
     """Find or start loading the unit's master, gradients (unless `grads` is False) and moments where the step
-    runs; entries already in `into` (a preload) are kept."""
+    runs; entries already in `into` (a preload) are kept. `stepping`: for the step itself, not a preload."""
     where = _step_device(engine, unit)
     work = into or _Loaded(unit)
     fresh_moments = unit.where[State.OPTIM] == Where.EMPTY
@@ -69,7 +86,7 @@ def _prepare(engine, unit: OffloadUnit, grads: bool = True, into: _Loaded | None
             work.tensors[entry] = work.borrowed[entry] = unit.held_grads
             unit.held_grads = None
             continue
-        if state == State.MASTER and _master_from_memory(engine, unit, work):
+        if state == State.MASTER and _master_from_memory(engine, unit, work, stepping):
             continue
         store = unit.store[state]
         t = store.tensor(unit.name, entry)
@@ -78,7 +95,7 @@ def _prepare(engine, unit: OffloadUnit, grads: bool = True, into: _Loaded | None
             if state == State.OPTIM and fresh_moments:
                 t.zero_()
             continue
-        buf = engine.pool.take(numel, torch.float32)
+        buf = _take(engine, unit, numel, torch.float32, stepping)
         work.tensors[entry] = work.borrowed[entry] = buf
         if state == State.OPTIM and fresh_moments:
             buf.zero_()  # torch.optim.AdamW starts its moments at zero; nothing to read
@@ -87,7 +104,7 @@ def _prepare(engine, unit: OffloadUnit, grads: bool = True, into: _Loaded | None
     return work
 
 
-def _master_from_memory(engine, unit: OffloadUnit, work: _Loaded) -> bool:
+def _master_from_memory(engine, unit: OffloadUnit, work: _Loaded, stepping: bool) -> bool:
     """Put the unit's fp32 master into `work` from a copy already in memory, if there is one ([Note: master from
     the fetch], flat_unit.py); False: it must be read from its tier. The copies, best first:
     the root's materialised params (stepped in place), the staging buffer of the unit's backward fetch, and the
@@ -106,7 +123,7 @@ def _master_from_memory(engine, unit: OffloadUnit, work: _Loaded) -> bool:
         return True
     if (not unit.resident and unit.flat.device.type == "cpu" and unit.where[State.PARAMS] == Where.ON_DEVICE
             and unit.store[State.MASTER].tensor(unit.name, PARAMS) is None):
-        buf = engine.pool.take(unit.spec.numel, torch.float32)
+        buf = _take(engine, unit, unit.spec.numel, torch.float32, stepping)
         buf.copy_(unit.flat_io)
         work.tensors[PARAMS] = work.borrowed[PARAMS] = buf
         return True
@@ -160,7 +177,7 @@ def _write_back(engine, work: _Loaded) -> list[Future]:
         if target is not None:
             target.copy_(master)
         else:
-            cast = engine.pool.take(unit.spec.numel, unit.compute_dtype)
+            cast = _take(engine, unit, unit.spec.numel, unit.compute_dtype, stepping=True)
             cast.copy_(master)
             writes.append((unit.store[State.PARAMS].save(unit.name, PARAMS, cast), cast))
     futures = []
@@ -211,7 +228,7 @@ def preload(engine, unit: OffloadUnit) -> None:
     reserve = 0 if engine.early_step is not None else engine.step_reserve
     if not engine.pool.has_room(unit.step_bytes + reserve):
         return
-    unit.preloaded = _prepare(engine, unit, grads=False)
+    unit.preloaded = _prepare(engine, unit, grads=False, stepping=False)
 
 
 def discard_preload(engine, unit: OffloadUnit) -> None:
