@@ -16,8 +16,8 @@ Every parameter that belongs to no chosen module, or that is shared between two 
 [Note: grouped blocks] With `min_bytes`, the default policy joins consecutive blocks of one ModuleList into a unit
 of at least that many bytes of fp32 parameters, named after its first and last index ("blocks.0-3"). Why: a unit
 is the engine's transfer size, and a disk reaches its bandwidth only on large requests issued together; a model
-of many small blocks (7 MB each) moves them in lone bursts the disk serves at ~0.7 of its sequential speed, and
-28 MB units at ~0.9 (benchmarks/RESULTS.md, "Unit size"). The price is device memory: two units compute at once
+of many small blocks (7 MB each) moves them in lone bursts the disk serves at ~0.75 of its sequential speed, and
+28 MB units at ~0.9 (benchmarks/RESULTS.md, "Batch H"). The price is device memory: two units compute at once
 in backward, so the device budget must hold two groups. The members must run in index order (a block stack's
 `for block in self.blocks`): the hooks materialise the unit at its first member's forward and release it after
 the last member's. A `group_key` keeps blocks apart whose placement or checkpointing differ.

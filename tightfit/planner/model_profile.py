@@ -138,10 +138,11 @@ class ModelProfile:
         """This profile with the blocks of each group joined into one unit (`find_units(min_bytes=...)`)."""
         by_name = {u.name: u for u in self.units}
         first_of = {members[0]: name for name, members in groups.items()}
+        joined = {m for members in groups.values() for m in members}
         units = []
         for u in self.units:
             if u.name not in first_of:
-                if not any(u.name in m for m in groups.values()):
+                if u.name not in joined:
                     units.append(u)
                 continue
             name = first_of[u.name]

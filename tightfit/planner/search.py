@@ -196,7 +196,7 @@ def search(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainS
     grouped = profile.grouped(groups)
     # Host memory the meters do not see grows with the unit: ~2 units' parameters and gradients, measured (the memory
     # benchmark with joined pairs went 12% over its budget where one block per unit stayed under; benchmarks/
-    # RESULTS.md, "Unit size"). Joined units must fit with that much left over.
+    # RESULTS.md, "Batch H"). Joined units must fit with that much left over.
     margin = 2 * max(4 * (u.numel + u.trainable) for u in grouped.units if u.name != ROOT_UNIT)
     try:
         joined = _search(grouped, hw, replace(b, host=b.host - margin), shape, checkpointing)

@@ -2,8 +2,8 @@
 
 Why: a unit is the engine's transfer. A disk reaches its bandwidth on large requests issued together; the blocks of
 a small model (7 MB each in the memory benchmark) reach it in lone bursts, and the NVMe tier moved them at ~0.75 of
-the disk's sequential bandwidth, against ~0.9 for 28 MB units on the same machine (benchmarks/RESULTS.md, "Unit
-size"). Joining consecutive blocks ([Note: grouped blocks] in tightfit/offload/units.py) buys larger transfers with
+the disk's sequential bandwidth, against ~0.9 for 28 MB units on the same machine (benchmarks/RESULTS.md, "Batch
+H"). Joining consecutive blocks ([Note: grouped blocks] in tightfit/offload/units.py) buys larger transfers with
 device memory (two units compute at once in backward) and staging memory (a unit's optimizer working set), so the
 planner joins them only where its search still fits the budgets with the joined units (search.py).
 """
