@@ -225,7 +225,7 @@ class OffloadEngine:
         if unit.fresh_params is not None:
             buf, write = unit.fresh_params
             unit.fresh_params = None
-            write.add_done_callback(lambda _f: self.pool.give(buf))
+            self.pool.give_after(write, buf)
 
     def keeps_fresh(self, unit: OffloadUnit) -> bool:
         """Should the step of `unit` keep its updated params in memory for the next forward's fetch?

@@ -183,7 +183,7 @@ def _write_back(engine, work: _Loaded) -> list[Future]:
     futures = []
     for fut, buf in writes:
         if buf is not None:
-            fut.add_done_callback(lambda _f, buf=buf: engine.pool.give(buf))
+            engine.pool.give_after(fut, buf)
         futures.append(fut)
     return futures
 

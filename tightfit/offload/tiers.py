@@ -170,6 +170,7 @@ class DiskStore(TierStore):
         fut.add_done_callback(lambda f: self._forget(key, f))
         if before:
             remaining = [len(before)]
+            box = [t]  # emptied at issue: the earlier requests keep this callback as long as they live
 
             def one_done(_: Future) -> None:
                 with self._lock:
@@ -177,7 +178,7 @@ class DiskStore(TierStore):
                     if remaining[0]:
                         return
                 try:
-                    self._issue(kind, file, entry, t, priority).add_done_callback(lambda f: _forward(f, fut))
+                    self._issue(kind, file, entry, box.pop(), priority).add_done_callback(lambda f: _forward(f, fut))
                 except BaseException as e:  # e.g. the store was closed meanwhile
                     fut.set_exception(e)
                 with self._lock:
