@@ -20,19 +20,23 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
 # Some pip configurations print one warning per unreachable mirror folder; keep real errors, drop that noise.
 quiet() { "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; return "${PIPESTATUS[0]}"; }
 
+# The oldest torch tightfit runs on, as pyproject.toml states it (one place to change it).
+torch_req=$(grep -o '"torch>=[0-9.]*"' "$(dirname "$0")/../pyproject.toml" | tr -d '"')
+torch_req=${torch_req:-torch}
+
 have_torch() { "$venv/bin/python" -c "import torch" >/dev/null 2>&1; }
 
 if ! have_torch; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
         echo "setup: GPU found, installing CUDA-enabled torch"
-        "${pip[@]}" install "torch>=2.4"
-    elif "${pip[@]}" install --no-index --no-deps "torch>=2.4" >/dev/null 2>&1; then
+        "${pip[@]}" install "$torch_req"
+    elif "${pip[@]}" install --no-index --no-deps "$torch_req" >/dev/null 2>&1; then
         version=$("$venv/bin/python" -c "import importlib.metadata as m; print(m.version('torch'))")
         echo "setup: using the locally offered torch wheel $version"
         quiet "${pip[@]}" install "torch==$version"
     else
         echo "setup: installing torch from the package registry"
-        "${pip[@]}" install "torch>=2.4"
+        "${pip[@]}" install "$torch_req"
     fi
 fi
 

@@ -27,6 +27,7 @@ ZeRO-1 with tensor parallelism runs ZeroRedundancyOptimizer on the TP shards' lo
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import torch
@@ -69,8 +70,7 @@ def apply_ddp(module: nn.Module, dp_mesh: DeviceMesh, pipelined: bool = False,
         # DDP broadcasts and buckets plain tensors only. For TP-sharded (DTensor) parameters PyTorch's DDP
         # semantics come from `replicate`, the FSDP2-based data-parallel engine: parameters replicated over dp,
         # gradients all-reduced once per step, one group per block as with fully_shard.
-        from torch.distributed._composable.replicate_with_fsdp import replicate
-
+        replicate = _fsdp_replicate()
         for block in repeated_blocks(module):
             replicate(block, mesh=dp_mesh)
         replicate(module, mesh=dp_mesh)
@@ -78,6 +78,23 @@ def apply_ddp(module: nn.Module, dp_mesh: DeviceMesh, pipelined: bool = False,
     device_ids = [torch.cuda.current_device()] if dp_mesh.device_type == "cuda" else None
     return DDP(module, process_group=dp_mesh.get_group(), device_ids=device_ids, bucket_cap_mb=bucket_cap_mb,
                find_unused_parameters=pipelined)
+
+
+def _fsdp_replicate():
+    """torch's FSDP2-based `replicate`: private (torch.distributed._composable), taking a 1-D mesh from torch 2.10."""
+    try:
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+    except ImportError:
+        replicate = None
+    if replicate is None or _torch_older_than(2, 10):
+        raise UsageError(f"--strategy: data parallelism over tensor-parallel shards needs torch >= 2.10 "
+                         f"(torch.distributed._composable.replicate_with_fsdp), this is {torch.__version__}: "
+                         "upgrade torch, or use zero2/zero3 with tp")
+    return replicate
+
+
+def _torch_older_than(major: int, minor: int) -> bool:
+    return tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2]) < (major, minor)
 
 
 def apply_zero(module: nn.Module, dp_mesh: DeviceMesh, stage: int, cpu_offload: bool = False,

@@ -25,13 +25,18 @@ width of the local shard. Plans exist for:
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from tightfit.errors import UsageError
+
+try:  # private in torch; only the packed q|k|v of HF GPT-2 (Conv1DColwise(fused=3)) needs it
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:
+    _StridedShard = None
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -47,6 +52,10 @@ class Conv1DColwise(ColwiseParallel):
         self.fused = fused
 
     def _placement(self, dim: int):
+        if self.fused > 1 and _StridedShard is None:
+            raise UsageError(f"tensor parallelism of packed projections (HF GPT-2's c_attn) needs "
+                             f"torch.distributed.tensor's _StridedShard, missing from torch {torch.__version__}: "
+                             "use the torch version pyproject.toml names, or --strategy zero3")
         return _StridedShard(dim, split_factor=self.fused) if self.fused > 1 else Shard(dim)
 
     def _partition_conv1d_fn(self, name, module, device_mesh):
