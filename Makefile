@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tightfit-installed
 
-.PHONY: train test test-slow test-gpu bench setup clean
+.PHONY: train test test-slow test-gpu gpu-check bench setup clean
 
 $(STAMP): pyproject.toml scripts/setup_env.sh
 	bash scripts/setup_env.sh $(VENV)
@@ -23,6 +23,11 @@ test-slow: $(STAMP)
 # On a machine with a CUDA GPU: the engine's fidelity and memory tests on the GPU (they fail without one).
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m cuda
+
+# On a machine with a CUDA GPU: the CUDA tests and the GPU benchmarks (< 25 min), figures to runs/gpu-check/.
+# No .venv needed: it uses the machine's own CUDA torch and installs nothing from a registry (scripts/gpu_check.sh).
+gpu-check:
+	bash scripts/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

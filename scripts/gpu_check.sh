@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# `make gpu-check`: on a machine with a CUDA GPU, run the CUDA tests and the GPU benchmarks (under 25 minutes in
+# all), and write every figure to one file, runs/gpu-check/figures.json (and figures.md to read).
+#
+# It downloads nothing: the GPU machines this project is lent reach no package registry and carry their own CUDA
+# torch. So it takes the first Python among $PYTHON, .venv/bin/python, python3, python whose torch sees a GPU, and
+#   - uses it as is if it is this project's .venv (made by `make setup`, tightfit installed);
+#   - else makes a virtual environment on top of it (runs/gpu-venv, --system-site-packages, so its torch is the
+#     machine's; where that Python is itself a virtual environment, a .pth file adds its site-packages) and installs
+#     tightfit there with `pip install --no-index --no-deps --no-build-isolation -e .` (nothing fetched: the build
+#     uses the setuptools already there); where pip cannot, a .pth file naming this checkout does the same job;
+#   - where no virtual environment can be made, runs everything with PYTHONPATH=. (tightfit from this checkout).
+# Stages, each under a time limit (seconds; they sum to 24 minutes):
+#   tests  (480)  pytest -m cuda tests/test_offload_cuda.py
+#   fsdp   (420)  benchmarks/bench_offload_fsdp.py: tightfit vs FSDP2 + CPUOffloadPolicy under one cap
+#   llama  (540)  benchmarks/bench_gpu_llama.py: a ~1B Llama offloaded under a 24 GiB cap vs plain PyTorch
+# GPU_CHECK_STAGES="tests fsdp" runs some of them (a stage run again replaces only its own results, so stages run
+# one call at a time end in the same report); GPU_CHECK_OUT changes the folder. Exit status 0 when every stage ran
+# and passed. GPU_CHECK_SMOKE=1 checks this script itself on a machine without a GPU: any torch will do, the tests
+# are only collected and the benchmarks run their tiny `--device cpu` smoke configurations (figures meaningless).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${GPU_CHECK_OUT:-runs/gpu-check}
+venv=${GPU_CHECK_VENV:-runs/gpu-venv}
+stages=${GPU_CHECK_STAGES:-tests fsdp llama}
+mkdir -p "$out"
+report() { "${py:-python3}" scripts/gpu_check_report.py "$@" --out "$out"; }
+
+# 1. A Python whose torch sees a CUDA GPU.
+smoke=${GPU_CHECK_SMOKE:-0}
+cuda_ok() {
+    "$1" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() or $smoke else 1)" >/dev/null 2>&1
+}
+base=""
+tried=()
+for cand in ${PYTHON:-} .venv/bin/python python3 python; do
+    command -v "$cand" >/dev/null 2>&1 || continue
+    tried+=("$cand")
+    if cuda_ok "$cand"; then base=$(command -v "$cand"); break; fi
+done
+if [ -z "$base" ]; then
+    why="no CUDA GPU: no Python here has a torch that sees one (tried: ${tried[*]:-none})"
+    echo "gpu-check: $why" >&2
+    rm -f "$out/stages.tsv" "$out/env.json"
+    report write --no-gpu "$why"
+    exit 1
+fi
+
+# 2. tightfit importable next to that torch, without downloading anything.
+py="$base"
+install="the project's .venv ($base)"
+if [ "$base" != "$(command -v .venv/bin/python 2>/dev/null)" ]; then
+    if ! cuda_ok "$venv/bin/python"; then
+        rm -rf "$venv"
+        # No pip or setuptools of its own: those of $base's site serve (a venv's bundled setuptools may be too old
+        # to build an editable install without the wheel package).
+        "$base" -m venv --system-site-packages --without-pip "$venv" >/dev/null 2>&1
+        if [ -x "$venv/bin/python" ] && ! cuda_ok "$venv/bin/python"; then
+            # $base is itself a virtual environment: --system-site-packages reached its base Python, not its
+            # packages. Point the new environment at them.
+            site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+            "$base" -c "import site; print('\n'.join(site.getsitepackages()))" >"$site/_gpu_check_base.pth"
+        fi
+    fi
+    if cuda_ok "$venv/bin/python"; then
+        py="$venv/bin/python"
+        site=$("$py" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+        rm -f "$site/_tightfit_checkout.pth"
+        if "$py" -c "import setuptools" >/dev/null 2>&1 &&
+            "$py" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-build-isolation -e . \
+                >"$out/install.log" 2>&1; then
+            install="pip install --no-deps --no-build-isolation -e . into $venv (on $base)"
+        else
+            # What an editable install amounts to, without the package's metadata and console script.
+            echo "$PWD" >"$site/_tightfit_checkout.pth"
+            install="a .pth file naming this checkout in $venv (on $base); pip could not install offline"
+            install+=" (see $out/install.log)"
+            echo "gpu-check: $install" >&2
+        fi
+    else
+        export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+        install="PYTHONPATH=. with $base (no virtual environment could be made on it)"
+    fi
+fi
+"$py" scripts/gpu_check_report.py env --out "$out" --install "$install"
+
+# 3. The stages, each under its time limit; each one's output also goes to $out/<stage>.log.
+run_stage() {  # name limit_s command...
+    local name=$1 limit=$2 t0 rc
+    shift 2
+    echo "gpu-check: stage $name (limit ${limit}s): $*"
+    t0=$(date +%s)
+    timeout --kill-after=30 "$limit" "$@" 2>&1 | tee "$out/$name.log"
+    rc=${PIPESTATUS[0]}
+    sed -i "/^$name\t/d" "$out/stages.tsv" 2>/dev/null
+    printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$rc" "$(($(date +%s) - t0))" "$limit" "$(date -u +%FT%TZ)" \
+        >>"$out/stages.tsv"
+}
+export PYTHONUNBUFFERED=1
+if [ "$smoke" = 1 ]; then
+    echo "gpu-check: GPU_CHECK_SMOKE=1: tests collected only, benchmarks in their CPU smoke configurations" >&2
+    collect=(--collect-only)
+    fsdp_shape=(--device cpu --layers 2 --embd 64 --batch 2 --seq 32 --steps 3 --warmup 1)
+    llama_shape=(--device cpu --layers 2 --hidden 64 --intermediate 128 --heads 4 --kv-heads 2 --vocab 256 --seq 32
+        --batch 2 --steps 3 --warmup 1)
+else
+    collect=()
+    fsdp_shape=(--layers 24 --embd 2048 --batch 2 --seq 1024 --cap-gib 8 --steps 8)
+    llama_shape=(--cap-gib 24)
+fi
+for stage in $stages; do
+    case $stage in
+    tests)
+        rm -f "$out/cuda-tests.xml"
+        run_stage tests 480 "$py" -m pytest -q -m cuda -p no:cacheprovider tests/test_offload_cuda.py \
+            --junitxml="$out/cuda-tests.xml" "${collect[@]}" ;;
+    fsdp)
+        rm -f "$out/bench_offload_fsdp.json"
+        run_stage fsdp 420 "$py" benchmarks/bench_offload_fsdp.py "${fsdp_shape[@]}" \
+            --json-out "$out/bench_offload_fsdp.json" ;;
+    llama)
+        rm -f "$out/bench_gpu_llama.json"
+        run_stage llama 540 "$py" benchmarks/bench_gpu_llama.py "${llama_shape[@]}" \
+            --json-out "$out/bench_gpu_llama.json" ;;
+    *)
+        echo "gpu-check: unknown stage '$stage' (GPU_CHECK_STAGES takes tests, fsdp, llama)" >&2
+        exit 2 ;;
+    esac
+done
+report write
+exit $?

@@ -1,0 +1,121 @@
+"""`make gpu-check`'s code on a machine without a GPU: each GPU benchmark's `--device cpu` smoke mode, the report
+that gathers their figures into one file, and the script's answer where there is no GPU.
+
+The benchmarks' GPU runs cannot happen here; these runs go through the same code with tiny models (the sides in
+this process instead of one process each), so what breaks on the GPU is what only a GPU has. Each benchmark runs
+in its own subprocess, all at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+FSDP_SMOKE = ["--device", "cpu", "--layers", "2", "--embd", "64", "--batch", "2", "--seq", "32", "--steps", "3",
+              "--warmup", "1"]
+LLAMA_SMOKE = ["--device", "cpu", "--layers", "2", "--hidden", "64", "--intermediate", "128", "--heads", "4",
+               "--kv-heads", "2", "--vocab", "256", "--seq", "32", "--batch", "2", "--steps", "3", "--warmup", "1"]
+
+
+def _start(args: list[str], **kw) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **kw.pop("env", {})}
+    return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            **kw)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU answer of gpu_check.sh; a GPU machine would run it")
+def test_benchmarks_smoke_and_one_figures_file(tmp_path):
+    out = tmp_path / "gpu-check"
+    out.mkdir()
+    fsdp = _start([sys.executable, "benchmarks/bench_offload_fsdp.py", *FSDP_SMOKE, "--json-out",
+                   str(out / "bench_offload_fsdp.json")])
+    llama = _start([sys.executable, "benchmarks/bench_gpu_llama.py", *LLAMA_SMOKE, "--json-out",
+                    str(out / "bench_gpu_llama.json")])
+    nogpu = _start(["bash", "scripts/gpu_check.sh"], env={"GPU_CHECK_OUT": str(tmp_path / "nogpu")})
+    for proc in (fsdp, llama):
+        rc, log = _finish(proc)
+        assert rc == 0, log[-3000:]
+
+    b = json.loads((out / "bench_offload_fsdp.json").read_text())
+    assert b["fsdp2"]["optimizer"].startswith("torch.optim.AdamW(fused=True)")
+    for side in ("fsdp2", "tightfit"):
+        assert len(b[side]["losses"]) == 3 and b[side]["tokens_per_s"] > 0
+    # The same model, seed and batches on both sides: the first losses agree to bf16 rounding.
+    assert abs(b["fsdp2"]["losses"][0] - b["tightfit"]["losses"][0]) < 0.05
+    assert b["tokens_per_s_ratio"] > 0
+
+    b = json.loads((out / "bench_gpu_llama.json").read_text())
+    assert b["model"] in ("llama", "gpt") and b["model_note"] and b["failed_sides"] == []
+    assert b["peak"]["peak_flops"] > 0 and b["peak"]["peak_source"] == "measured bf16 matmul"
+    for side in ("plain", "tightfit", "tightfit-host"):
+        r = b[side]
+        assert r["step_flops"] > 6 * r["linear_params"] * 2 * 32 and 0 < r["mfu"]
+    assert abs(b["plain"]["losses"][0] - b["tightfit"]["losses"][0]) < 0.05
+    assert b["tightfit-host"]["tokens_per_s_over_plain"] > 0
+
+    # The report gathers the stages' files into one figures file.
+    (out / "stages.tsv").write_text("tests\t0\t60\t480\tT\nfsdp\t0\t9\t420\tT\nllama\t1\t12\t540\tT\n")
+    (out / "cuda-tests.xml").write_text(
+        '<testsuites><testsuite tests="2" failures="1" errors="0" skipped="0">'
+        '<testcase name="test_a" time="1.5"/><testcase name="test_b" time="2"><failure message="boom"/></testcase>'
+        "</testsuite></testsuites>")
+    proc = subprocess.run([sys.executable, "scripts/gpu_check_report.py", "write", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert proc.returncode == 1, proc.stderr  # the llama stage's exit status 1
+    assert "figures.json" in proc.stdout
+    figures = json.loads((out / "figures.json").read_text())
+    assert figures["status"].startswith("failed") and figures["stages"]["fsdp"]["seconds"] == 9
+    assert figures["cuda_tests"]["passed"] == 1 and figures["cuda_tests"]["cases"][1]["message"] == "boom"
+    assert figures["fsdp"]["tightfit"]["tokens_per_s"] > 0 and figures["llama"]["plain"]["mfu"] > 0
+    md = (out / "figures.md").read_text()
+    assert "FSDP2" in md and "| tightfit-host |" in md and "`test_b`: boom" in md
+
+    # Where no Python has a CUDA torch, gpu_check.sh says so, in its figures file too, and fails.
+    rc, log = _finish(nogpu)
+    assert rc == 1 and "no CUDA GPU" in log, log
+    assert json.loads((tmp_path / "nogpu" / "figures.json").read_text())["status"].startswith("not run: no CUDA GPU")
+
+
+def test_a_failing_side_is_reported_and_the_others_still_run(tmp_path):
+    """On a GPU every side runs in its own process (bench_gpu_util.run_side); here with a child that needs no torch."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_gpu_util as util
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    script = tmp_path / "side.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT / "benchmarks")!r})
+        import bench_gpu_util as util
+        side, result = sys.argv[2], sys.argv[4]
+        def run():
+            print("working on", side, file=sys.stderr)
+            if side == "bad":
+                raise RuntimeError("CUDA out of memory (pretend)")
+            return {{"tokens_per_s": 1.0}}
+        util.child_main(result, run)
+    """))
+    good = util.run_side(str(script), "good", [], None)
+    bad = util.run_side(str(script), "bad", [], None)
+    assert good["tokens_per_s"] == 1.0 and "error" not in good
+    assert bad["error"] == "RuntimeError: CUDA out of memory (pretend)"
+    assert "working on bad" in bad["log_tail"] and bad["wall_s"] > 0
+    here = util.run_side("unused", "here", [], lambda: 1 / 0)
+    assert here["error"].startswith("ZeroDivisionError")
+    assert util.step_flops(10, 2, 4, 3, 5) == 6 * 10 * 15 + 12 * 2 * 4 * 5 * 15
+    assert util.table_peak("NVIDIA H100 80GB HBM3") == 989e12 and util.table_peak("NVIDIA H100 PCIe") == 756e12
+    assert util.table_peak("NVIDIA GeForce RTX 3050") is None
