@@ -3,9 +3,10 @@
 Why: the tier must reach >= 85% of what the disk itself delivers. Both are measured in the same run, interleaved
 (raw, store, raw, store, ...) through the same host memory, so background load on a shared machine and the
 memory's behaviour hit both alike. The raw figure of a round is the best over the queue depths tried (fio when
-installed, otherwise the Python O_DIRECT loop of disk_bench.py). Two ratios per direction: best store / best
-raw, and the median over rounds of store / raw within a round (the side-by-side figure, least sensitive to load
-that comes and goes).
+installed, otherwise the probe's Python O_DIRECT loop; disk_reference.py). Two ratios per direction: best store /
+best raw, and the median over rounds of store / raw within a round (the side-by-side figure, least sensitive to
+load that comes and goes). The store runs with the tuning the tier derives for the folder (the probe's, else 8
+threads and 4 MiB transfers) unless --threads / --chunk-kib say otherwise.
 
     .venv/bin/python benchmarks/bench_disk.py --folder /tmp --mib 1024 --repeats 3
 """
@@ -21,7 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tightfit.offload.disk_bench import measure_raw, measure_store, staging_buffer  # noqa: E402
+from tightfit.offload.nvme import DiskTuning, disk_tuning  # noqa: E402
+
+from disk_reference import measure_raw, measure_store, staging_buffer  # noqa: E402
 
 GB = 1e9
 
@@ -33,8 +36,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="interleaved raw/store rounds")
     ap.add_argument("--queue-depths", default="1,8", help="raw: requests in flight to try (best one counts)")
     ap.add_argument("--block-mib", type=int, default=4, help="raw: block size (MiB)")
-    ap.add_argument("--threads", type=int, default=8, help="store: I/O threads")
-    ap.add_argument("--chunk-mib", type=int, default=4, help="store: chunk size (MiB)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="store: I/O threads (default: the probe's for this disk, else 8)")
+    ap.add_argument("--chunk-kib", type=int, default=None,
+                    help="store: largest transfer, KiB (default: the probe's for this disk, else 4096)")
     ap.add_argument("--tensor-mib", type=int, default=64, help="store: size of each tensor (MiB)")
     ap.add_argument("--no-fio", action="store_true", help="use the Python O_DIRECT loop even if fio is installed")
     args = ap.parse_args()
@@ -46,7 +51,11 @@ def main() -> None:
     method = "?"
     # One host buffer for both measurements, so they move data through the same (aligned, faulted-in) memory.
     staging = staging_buffer(nbytes)
-    print(f"folder {args.folder}, {args.mib} MiB per measurement, {platform.node()}")
+    tuning = disk_tuning(args.folder)
+    tuning = DiskTuning(args.threads or tuning.threads,
+                        tuning.chunk_bytes if args.chunk_kib is None else args.chunk_kib << 10)
+    print(f"folder {args.folder}, {args.mib} MiB per measurement, {platform.node()}; store: {tuning.threads} "
+          f"threads, transfers up to {tuning.chunk_bytes >> 10} KiB")
     for r in range(args.repeats):
         best = {"read": 0.0, "write": 0.0}
         for qd in qds:
@@ -57,9 +66,9 @@ def main() -> None:
                   f"read {raw.read_Bps / GB:6.2f} GB/s")
             best = {"write": max(best["write"], raw.write_Bps), "read": max(best["read"], raw.read_Bps)}
         raw_runs.append(best)
-        st = measure_store(args.folder, nbytes, tensor_bytes=args.tensor_mib << 20, threads=args.threads,
-                           chunk_bytes=args.chunk_mib << 20, staging=staging)
-        print(f"round {r} store ({st.method}, {args.threads} threads): write {st.write_Bps / GB:6.2f} GB/s  "
+        st = measure_store(args.folder, nbytes, tensor_bytes=args.tensor_mib << 20, threads=tuning.threads,
+                           chunk_bytes=tuning.chunk_bytes, staging=staging)
+        print(f"round {r} store ({st.method}, {tuning.threads} threads): write {st.write_Bps / GB:6.2f} GB/s  "
               f"read {st.read_Bps / GB:6.2f} GB/s")
         store_runs.append({"write": st.write_Bps, "read": st.read_Bps})
 

@@ -13,9 +13,12 @@ times side by side for the same bytes:
   same entry (a read after a write of that entry waits for it in the store; here it does not);
 - raw, sequential: the same read and write volume as sequential O_DIRECT blocks, 4 + 4 in flight (RawMixedDisk),
   the memory benchmark's reference.
-Also the share of the disk time spent at each number of chunks in flight, in training and in the replay, and the
-kernel's own busy time for the block device (/proc/diskstats io_ticks) next to the tier's: a chunk counts as in
-flight until its I/O thread has the GIL again, so the tier's count can exceed the time the device was busy.
+Also the kernel's own busy time for the block device (/proc/diskstats io_ticks) next to the tier's (a chunk counts
+as in flight until its I/O thread has the GIL again, so the tier's count can exceed the time the device was busy),
+and the mean number of requests in flight while the device was busy, in training and in the replay, by the
+kernel's count (time_in_queue / io_ticks). That column used to split the tier's disk time by chunks in flight
+from a per-depth histogram the store kept; the histogram left the store's I/O path (issue 15), and the kernel's
+counters give the mean depth instead (no split by depth).
 Their ratios split the shortfall into the layout (sequential / same layout), the store's code path (same layout /
 store replay) and the schedule of training (store replay / train): the bursts in which a step's requests reach the
 disk as compute goes.
@@ -37,10 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import bench_offload as bo  # noqa: E402
+from disk_reference import RawMixedDisk, kernel_disk_stats  # noqa: E402
 from tightfit import Placement, Tier  # noqa: E402
 from tightfit.models.gpt import GPT  # noqa: E402
 from tightfit.offload.aligned import aligned_empty  # noqa: E402
-from tightfit.offload.disk_bench import RawMixedDisk  # noqa: E402
 from tightfit.offload.engine import engine_of  # noqa: E402
 from tightfit.planner.costs import act_bytes  # noqa: E402
 from tightfit.planner.model_profile import profile_model  # noqa: E402
@@ -68,26 +71,11 @@ def _raw_same_layout(store, ops, pool: ThreadPoolExecutor, bufs: dict) -> float:
     return seconds
 
 
-def _disk_busy_s(folder: Path) -> float | None:
-    """The kernel's busy time of the block device under `folder` (/proc/diskstats io_ticks, ms), or None."""
-    try:
-        dev = os.stat(folder).st_dev
-        major, minor = os.major(dev), os.minor(dev)
-        for line in open("/proc/diskstats"):
-            f = line.split()
-            if int(f[0]) == major and int(f[1]) == minor:
-                return int(f[12]) / 1000
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def _depths(before: dict, after: dict) -> str:
-    """Shares of the busy time between two stats() with 1, 2, 3-4, 5-8 and 9+ chunks in flight."""
-    at = [b - a for a, b in zip(before["busy_at_depth_s"], after["busy_at_depth_s"])]
-    total = sum(at) or 1.0
-    bins = [(1, 1), (2, 2), (3, 4), (5, 8), (9, len(at) - 1)]
-    return " ".join(f"{sum(at[lo:hi + 1]) / total:.2f}" for lo, hi in bins)
+def _depth(k0: tuple[float, float] | None, k1: tuple[float, float] | None) -> str:
+    """The kernel's mean requests in flight while the device was busy between two samples of kernel_disk_stats."""
+    if k0 is None or k1 is None or k1[0] <= k0[0]:
+        return "n/a"
+    return f"{(k1[1] - k0[1]) / (k1[0] - k0[0]):.1f}"
 
 
 def main() -> None:
@@ -123,20 +111,19 @@ def main() -> None:
     for step in range(args.steps):
         traffic.ops.clear()
         traffic.recording = step >= 2
-        before, k0 = store.stats(), _disk_busy_s(folder)
+        before, k0 = store.stats(), kernel_disk_stats(folder)
         bo._train(model, opt, cfg, args.batch, 1, early=True)
         engine.wait_writes()
         traffic.recording = False
-        after, k1 = store.stats(), _disk_busy_s(folder)
+        after, k1 = store.stats(), kernel_disk_stats(folder)
         if step < 2:
             continue
         busy = after["busy_s"] - before["busy_s"]
         read = after["bytes_read"] - before["bytes_read"]
         written = after["bytes_written"] - before["bytes_written"]
-        s_replay, k2 = store.stats(), _disk_busy_s(folder)
+        s_replay, k2 = store.stats(), kernel_disk_stats(folder)
         replay = traffic.replay()
-        s_end, k3 = store.stats(), _disk_busy_s(folder)
-        replay_depths = _depths(s_replay, s_end)
+        s_end, k3 = store.stats(), kernel_disk_stats(folder)
         replay = min(replay, traffic.replay())
         layout = min(_raw_same_layout(store, traffic.ops, pool, bufs) for _ in range(2))
         seq = sequential.seconds(read, written)
@@ -144,12 +131,11 @@ def main() -> None:
               f"store replay {replay:.2f}, raw same layout {layout:.2f}, raw sequential {seq:.2f} | "
               f"sequential/train {seq / busy:.2f} = layout {seq / layout:.2f} x store {layout / replay:.2f} x "
               f"schedule {replay / busy:.2f}", flush=True)
-        print(f"  share of disk time at 1 / 2 / 3-4 / 5-8 / 9+ chunks in flight: train {_depths(before, after)}, "
-              f"store replay {replay_depths}", flush=True)
         if k0 is not None:
-            print(f"  the kernel's busy time for the device (io_ticks): train {k1 - k0:.2f} s against the tier's "
-                  f"{busy:.2f} s; store replay {k3 - k2:.2f} s against {s_end['busy_s'] - s_replay['busy_s']:.2f} s",
-                  flush=True)
+            print(f"  the kernel's busy time for the device (io_ticks): train {k1[0] - k0[0]:.2f} s against the "
+                  f"tier's {busy:.2f} s; store replay {k3[0] - k2[0]:.2f} s against "
+                  f"{s_end['busy_s'] - s_replay['busy_s']:.2f} s; requests in flight while busy (the kernel's "
+                  f"mean): train {_depth(k0, k1)}, store replay {_depth(k2, k3)}", flush=True)
     pool.shutdown()
     sequential.close()
     engine.close()

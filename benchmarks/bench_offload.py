@@ -11,7 +11,7 @@ on NVMe, a device budget (the CPU is the device here) and a host budget, initial
 The fixed overhead of the torch runtime is the RSS measured in the same process before the big model exists,
 after a warm-up step of a tiny wrapped model (libraries, thread pools, autograd and allocator state).
 Afterwards the NVMe tier's bandwidth during the training steps (bytes per busy second, from NvmeStore.stats) is
-put next to raw sequential O_DIRECT of the same volume in the same folder (tightfit/offload/disk_bench.py).
+put next to raw sequential O_DIRECT of the same volume in the same folder (benchmarks/disk_reference.py).
 
 overlap: the same model trained with every state on the device tier (compute only, no I/O), then on NVMe (first
 with the optimizer after backward, then with `step_during_backward`, the overlapped step); the
@@ -45,10 +45,14 @@ import torch  # noqa: E402
 import tightfit  # noqa: E402
 from tightfit import Placement, Tier  # noqa: E402
 from tightfit.models.gpt import GPT, GPTConfig  # noqa: E402
-from tightfit.offload.disk_bench import RawMixedDisk  # noqa: E402
 from tightfit.offload.engine import engine_of  # noqa: E402
+from tightfit.offload.nvme import DiskTuning  # noqa: E402
 from tightfit.offload.state_io import import_state  # noqa: E402
 from tightfit.optim import AdamW  # noqa: E402
+
+_HERE = str(Path(__file__).resolve().parent)
+sys.path.insert(0, _HERE)
+from disk_reference import RawMixedDisk, kernel_disk_stats  # noqa: E402
 
 MiB = 1 << 20
 
@@ -103,12 +107,14 @@ def _batch(cfg: GPTConfig, batch: int, step: int) -> tuple[torch.Tensor, torch.T
     return x, torch.roll(x, -1, 1)
 
 
-def _build(cfg: GPTConfig, placement: Placement) -> tuple[torch.nn.Module, AdamW]:
+def _build(cfg: GPTConfig, placement: Placement, disk: DiskTuning | None = None) -> tuple[torch.nn.Module, AdamW]:
+    """The model on the meta device, wrapped, initialised unit by unit. disk: the NVMe tier's tuning (None: what
+    it derives, [Note: disk tuning] in tightfit/offload/nvme.py)."""
     with torch.device("meta"):
         model = GPT(cfg)
     names = [n for n, _ in model.named_parameters()]
     shapes = dict((n, p.shape) for n, p in model.named_parameters())
-    tightfit.wrap(model, placement, device="cpu")
+    tightfit.wrap(model, placement, device="cpu", disk=disk)
     import_state(model, None, lambda key: _init_value(key[len("model."):], shapes[key[len("model."):]]))
     try:  # the init's temporaries fragment glibc's heap; give the free pages back before training
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -142,6 +148,11 @@ def _train(model, opt, cfg, batch: int, steps: int, early: bool = False, after_s
     return times
 
 
+def _disk_tuning(args) -> DiskTuning:
+    """--io-threads / --chunk-kib as the NVMe tier's tuning; what is not given the tier derives itself."""
+    return DiskTuning(threads=args.io_threads, chunk_bytes=None if args.chunk_kib is None else args.chunk_kib << 10)
+
+
 def _config(args) -> GPTConfig:
     return GPTConfig(vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=args.embd // 64,
                      n_embd=args.embd)
@@ -165,17 +176,18 @@ def _warm_up() -> None:
 def _raw_in_subprocess(folder: Path, volume: int) -> dict:
     """Raw sequential O_DIRECT bandwidth of `volume` bytes in `folder`, measured by a child process (its 1 GiB of
     random staging memory must not count in this process's peak RSS)."""
-    code = ("import json, sys; from tightfit.offload.disk_bench import measure_raw, staging_buffer; "
-            "v = int(sys.argv[2]); r = measure_raw(sys.argv[1], v, queue_depth=8, staging=staging_buffer(min(v, 1 << 30))); "
+    code = ("import json, sys; sys.path.insert(0, sys.argv[3]); "
+            "from disk_reference import measure_raw, staging_buffer; v = int(sys.argv[2]); "
+            "r = measure_raw(sys.argv[1], v, queue_depth=8, staging=staging_buffer(min(v, 1 << 30))); "
             "print(json.dumps({'read': r.read_Bps, 'write': r.write_Bps, 'method': r.method}))")
     folder.mkdir(parents=True, exist_ok=True)
-    out = subprocess.run([sys.executable, "-c", code, str(folder), str(volume)], check=True, capture_output=True,
-                         text=True)
+    out = subprocess.run([sys.executable, "-c", code, str(folder), str(volume), _HERE], check=True,
+                         capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 class RawMixedProbe:
-    """The raw mixed reference (`disk_bench.RawMixedDisk`), measured on demand by one long-lived child process.
+    """The raw mixed reference (`disk_reference.RawMixedDisk`), measured on demand by one long-lived child process.
 
     A child, so its ~1 GiB of staging memory does not count in this process's peak RSS; long-lived, so a
     measurement starts the moment it is asked for (a fresh interpreter per measurement left the disk idle for the
@@ -185,7 +197,7 @@ class RawMixedProbe:
     # Two buffer layouts, the faster taken each time (the stricter reference): 1 GiB of distinct memory, and fio's
     # layout (one buffer per request in flight, reused). Through ordinary pages either could be the faster by up to
     # 25%; through huge pages they are within a few percent.
-    _CODE = ("import sys; from tightfit.offload.disk_bench import RawMixedDisk, staging_buffer\n"
+    _CODE = ("import sys; sys.path.insert(0, sys.argv[2]); from disk_reference import RawMixedDisk, staging_buffer\n"
              "disks = [RawMixedDisk(sys.argv[1], staging=staging_buffer(n)) for n in (1 << 30, 8 * (4 << 20))]\n"
              "print('ready', flush=True)\n"
              "for line in sys.stdin:\n"
@@ -195,7 +207,7 @@ class RawMixedProbe:
 
     def __init__(self, folder: Path) -> None:
         folder.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen([sys.executable, "-c", self._CODE, str(folder)], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-c", self._CODE, str(folder), _HERE], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
         if self.proc.stdout.readline().strip() != "ready":
             raise RuntimeError("the raw disk probe did not start")
@@ -248,13 +260,11 @@ def memory(args) -> dict:
         activations = act_bytes(profile_model(GPT(cfg), args.batch, args.seq), set(checkpointed))
     placement = Placement.everywhere(Tier.NVME, nvme_dir=str(folder), device_budget=device_budget - activations,
                                      host_budget=host_budget, prefetch_depth=args.prefetch,
-                                     checkpoint_units=checkpointed, nvme_threads=args.io_threads,
-                                     nvme_chunk_bytes=args.chunk_kib << 10,
-                                     min_unit_bytes=(args.min_unit_mib << 20) or None)
+                                     checkpoint_units=checkpointed, min_unit_bytes=(args.min_unit_mib << 20) or None)
     volume = 28 * n_params  # one step's traffic each way, about (fwd + bwd params, moments, write-backs)
     raw_before = _raw_in_subprocess(folder / "raw", volume)
     sampler = RssSampler()
-    model, opt = _build(cfg, placement)
+    model, opt = _build(cfg, placement, _disk_tuning(args))
     engine = engine_of(model)
     disk = engine.stores[Tier.NVME].nvme
     # Per step: the tier's disk traffic and busy time, then (training paused) the raw disk's time for exactly
@@ -271,10 +281,17 @@ def memory(args) -> dict:
     marks: list[dict] = [disk.stats()]
     raws: dict[str, list[float]] = {"same": [], "fresh": []}
     mixed: list[dict] = []
+    # The kernel's counters of the disk (io_ticks, time_in_queue) over each measured step, the raw references
+    # between steps left out: its busy time and mean queue depth during training (disk_reference.kernel_disk_stats).
+    kernel: list[tuple[float, float]] = []
+    k_start = [kernel_disk_stats(folder)]
 
     def after_step(step: int) -> None:
         engine.wait_writes()  # this step's write-backs belong to it (they would otherwise run into the next)
         marks.append(disk.stats())
+        k_end = kernel_disk_stats(folder)
+        if step >= 1 and k_end is not None and k_start[0] is not None:
+            kernel.append((k_end[0] - k_start[0][0], k_end[1] - k_start[0][1]))
         dr = marks[-1]["bytes_read"] - marks[-2]["bytes_read"]
         dw = marks[-1]["bytes_written"] - marks[-2]["bytes_written"]
         busy = marks[-1]["busy_s"] - marks[-2]["busy_s"]
@@ -292,6 +309,7 @@ def memory(args) -> dict:
                 row[f"raw_{k}_s"] = ((before_s + v[-1]) / 2)
                 row[f"efficiency_{k}"] = row[f"raw_{k}_s"] / busy
             mixed.append(row)
+        k_start[0] = kernel_disk_stats(folder)
 
     times = _train(model, opt, cfg, args.batch, args.steps, early=args.early, after_step=after_step)
     probe.close()
@@ -301,7 +319,8 @@ def memory(args) -> dict:
     rep = engine.memory_report()
     timings = {k: round(v, 3) for k, v in engine.timings().items() if k != "nvme"}
     d = {k: after[k] - before[k] for k in ("bytes_read", "bytes_written", "read_busy_s", "write_busy_s", "busy_s",
-                                           "depth_s", "read_share_s", "write_share_s")}
+                                           "read_share_s", "write_share_s")}
+    kernel_busy = sum(b for b, _ in kernel)
     engine.close()
     per_step = args.steps - 1
     raw_after = _raw_in_subprocess(folder / "raw", volume)
@@ -328,7 +347,9 @@ def memory(args) -> dict:
         "mixed_per_step": mixed, "idle_pool_bytes": idle_bytes,
         "mixed_efficiency_same_memory_median": statistics.median(m["efficiency_same"] for m in mixed),
         "mixed_efficiency_fresh_memory_median": statistics.median(m["efficiency_fresh"] for m in mixed),
-        "mean_queue_depth": d["depth_s"] / d["busy_s"], "busy_s": d["busy_s"],
+        "busy_s": d["busy_s"], "kernel_busy_s": kernel_busy if kernel else None,
+        # Requests in flight while the disk was busy, by the kernel's count (None: no block device, e.g. tmpfs).
+        "mean_queue_depth": sum(q for _, q in kernel) / kernel_busy if kernel_busy else None,
         # Per-direction busy time counting overlap twice (the old, pessimistic time base), for comparison.
         "read_vs_raw_own_busy": d["bytes_read"] / d["read_busy_s"] / raw["read"],
         "write_vs_raw_own_busy": d["bytes_written"] / d["write_busy_s"] / raw["write"],
@@ -390,9 +411,8 @@ def overlap(args) -> dict:
     folder = Path(args.folder) / "overlap"
     shutil.rmtree(folder, ignore_errors=True)
     placement = Placement.everywhere(Tier.NVME, nvme_dir=str(folder), prefetch_depth=args.prefetch,
-                                     checkpoint_units=ckpt, nvme_threads=args.io_threads,
-                                     nvme_chunk_bytes=args.chunk_kib << 10)
-    model, opt = _build(cfg, placement)
+                                     checkpoint_units=ckpt)
+    model, opt = _build(cfg, placement, _disk_tuning(args))
     engine = engine_of(model)
     traffic = _Traffic(engine)
     # The I/O-only time of each mode replays the exact requests of its last measured step.
@@ -504,8 +524,10 @@ def main() -> None:
                          "lower RSS, a page fault per page on every re-allocation); 'glibc' keeps glibc's adaptive "
                          "defaults (the memory benchmark always trims). "
                          "bench_offload_deepspeed.py takes the same flag: compare like with like")
-    ap.add_argument("--io-threads", type=int, default=8, help="NVMe tier I/O threads")
-    ap.add_argument("--chunk-kib", type=int, default=4096, help="largest NVMe tier transfer, KiB")
+    ap.add_argument("--io-threads", type=int, default=None,
+                    help="NVMe tier I/O threads (default: the probe's for this disk, else 8)")
+    ap.add_argument("--chunk-kib", type=int, default=None,
+                    help="largest NVMe tier transfer, KiB (default: the probe's for this disk, else 4096)")
     ap.add_argument("--min-unit-mib", type=int, default=0,
                     help="memory: join consecutive blocks into units of at least this many MiB (0: one block each)")
     ap.add_argument("--device-mib", type=int, default=40, help="memory: device budget (the CPU here), MiB")

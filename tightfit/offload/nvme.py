@@ -20,13 +20,20 @@ Why this shape:
   ordinary buffered descriptor on the same file. The two descriptors never share a page within one request.
 
 [Note: transfer size] A tensor of n bytes is cut into ceil(n / chunk_bytes) equal transfers in whole 4096-byte
-blocks: as few and as large as `chunk_bytes` (4 MiB by default, the largest request the benchmark VM's disk takes)
-allows. The disk serves large requests better (4 MiB reads moved about 1.5x the bytes per queue slot of 512 KiB
-reads), and the several entries a training step has in flight keep its queue busy. Measured side by side on the
-benchmark VM with 7 MB entries (benchmarks/RESULTS.md, batch E): cutting each entry one piece per I/O thread
-(>= 512 KiB, so that a lone fetch fills the queue) gave reads at 0.70-0.72 of raw and the mixed step 0.69-0.70;
-4 MiB pieces gave 0.82-0.85 and 0.78-0.79. With 50 MB entries, 4 MiB transfers took the tier from 0.79 (512 KiB)
-to 0.89 of raw.
+blocks: as few and as large as `chunk_bytes` (the largest request the disk takes, at most 4 MiB: [Note: disk
+tuning]; 4 MiB on the benchmark VM) allows. The disk serves large requests better (4 MiB reads moved about 1.5x
+the bytes per queue slot of 512 KiB reads), and the several entries a training step has in flight keep its queue
+busy. Measured side by side on the benchmark VM with 7 MB entries (benchmarks/RESULTS.md, batch E): cutting each
+entry one piece per I/O thread (>= 512 KiB, so that a lone fetch fills the queue) gave reads at 0.70-0.72 of raw
+and the mixed step 0.69-0.70; 4 MiB pieces gave 0.82-0.85 and 0.78-0.79. With 50 MB entries, 4 MiB transfers
+took the tier from 0.79 (512 KiB) to 0.89 of raw.
+
+[Note: disk tuning] How many I/O threads (= transfers in flight) and how large a transfer are properties of the
+disk, not choices a user should make: `tightfit probe` measures them for the swap folder's disk
+(tightfit/planner/disk_probe.py) and caches them in the hardware profile; `disk_tuning(folder)` reads that cache
+when it describes the folder's filesystem, else takes the defaults (8 threads, 4 MiB). Reading is cheap (a stat
+and a JSON file): nothing is measured when a model is wrapped. Benchmarks and tests that need other values pass
+`threads` / `chunk_bytes` to the store (`tightfit.wrap(..., disk=DiskTuning(...))` reaches it).
 
 Errors: a request's `Future` carries its error. ENOSPC/EDQUOT become a `UsageError` naming the folder; the file
 keeps its valid header and size, and every tensor not being written at that moment keeps its bytes.
@@ -54,8 +61,50 @@ from tightfit.utils.sizes import format_size
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the platform has none (macOS): every transfer is buffered
 _FULL = (errno.ENOSPC, errno.EDQUOT)
-_DEPTH_BINS = 16  # stats(): busy time per number of chunks in flight, 1 .. 16 and more
 SUFFIX = ".safetensors"
+
+
+@dataclass(frozen=True)
+class DiskTuning:
+    """How the NVMe tier drives its disk ([Note: disk tuning]). None: what `disk_tuning` derives for the folder."""
+
+    threads: int | None = None
+    """I/O threads = transfers in flight at once."""
+    chunk_bytes: int | None = None
+    """Largest single transfer, a multiple of 4096 ([Note: transfer size])."""
+
+
+DEFAULT_TUNING = DiskTuning(threads=8, chunk_bytes=4 << 20)
+"""Where no probe measured the folder's disk: what the benchmark VM's disk was measured best with."""
+
+
+def device_of(folder: str | Path) -> str | None:
+    """The filesystem holding `folder` (or its nearest existing parent) as "major:minor", or None."""
+    path = Path(folder)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        dev = os.stat(path).st_dev
+    except OSError:
+        return None
+    return f"{os.major(dev)}:{os.minor(dev)}"
+
+
+def disk_tuning(folder: str | Path) -> DiskTuning:
+    """The probe's tuning for the disk of `folder` when the cached hardware profile measured that filesystem, else
+    `DEFAULT_TUNING`. Cheap: no measurement ([Note: disk tuning])."""
+    # The profile is the planner's (tightfit probe writes it); only its cache is read here, lazily, so the
+    # engine does not load the planner unless a disk tier is built.
+    from tightfit.planner.hardware import load_cached
+
+    hw = load_cached()
+    dev = device_of(folder)
+    if hw is None or not dev or hw.nvme_device != dev:
+        return DEFAULT_TUNING
+    threads, chunk = hw.nvme_io_threads, hw.nvme_chunk_bytes
+    if threads < 1 or chunk < DIRECT_ALIGN or chunk % DIRECT_ALIGN:  # a hand-edited cache: not worth an error
+        return DEFAULT_TUNING
+    return DiskTuning(threads=threads, chunk_bytes=chunk)
 
 
 @dataclass
@@ -84,17 +133,18 @@ class NvmeStore:
 
     folder: the swap folder (created if missing). budget_bytes: most bytes the files this store creates may take
     (None: the disk's free space). threads: I/O threads = requests in flight. direct: use O_DIRECT where possible.
-    chunk_bytes: largest single transfer (a multiple of 4096). keep: leave the created files on `close`.
+    chunk_bytes: largest single transfer (a multiple of 4096). threads and chunk_bytes: None takes what
+    `disk_tuning(folder)` gives ([Note: disk tuning]). keep: leave the created files on `close`.
     """
 
     def __init__(
         self,
         folder: str | Path,
         budget_bytes: int | None = None,
-        threads: int = 8,
+        threads: int | None = None,
         direct: bool = True,
         *,
-        chunk_bytes: int = 4 << 20,
+        chunk_bytes: int | None = None,
         keep: bool = False,
     ):
         self.folder = Path(folder)
@@ -104,12 +154,17 @@ class NvmeStore:
             raise UsageError(f"--nvme: cannot create swap folder {self.folder} ({e.strerror}); pick another path")
         if not os.access(self.folder, os.W_OK):
             raise UsageError(f"--nvme: swap folder {self.folder} is not writable; pick another path")
+        if threads is None or chunk_bytes is None:
+            derived = disk_tuning(self.folder)
+            threads = derived.threads if threads is None else threads
+            chunk_bytes = derived.chunk_bytes if chunk_bytes is None else chunk_bytes
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         if chunk_bytes < DIRECT_ALIGN or chunk_bytes % DIRECT_ALIGN:
             raise ValueError(f"chunk_bytes must be a positive multiple of {DIRECT_ALIGN}, got {chunk_bytes}")
         self.budget_bytes = budget_bytes
         self.direct = direct and _O_DIRECT != 0
+        self.threads = threads
         self.chunk_bytes = chunk_bytes
         self.keep = keep
         self._files: dict[str, _File] = {}
@@ -122,19 +177,17 @@ class NvmeStore:
         self._pool = IoQueue(threads, "tightfit-nvme")
         self._pending: set[Future] = set()
         self._closed = False
-        # Bandwidth accounting per direction: bytes moved, and busy time = wall time with >= 1 chunk in flight.
+        # Bandwidth accounting (`stats`): bytes moved per direction; busy time per direction and for either (wall
+        # time with >= 1 chunk in flight), and each direction's share of the latter. Updated under _lock when a
+        # chunk starts or ends (`_account`).
         self._bytes = {"read": 0, "write": 0}
         self._busy = {"read": 0.0, "write": 0.0}
         self._inflight = {"read": 0, "write": 0}
         self._since = {"read": 0.0, "write": 0.0}
-        # Either direction: busy time (>= 1 chunk of any kind in flight) and the integral of the number of chunks in
-        # flight over it, whose ratio is the mean queue depth the disk saw while busy.
         self._inflight_any = 0
         self._since_any = 0.0
         self._busy_any = 0.0
-        self._depth_s = 0.0
-        self._depth_mark = 0.0
-        self._at_depth = [0.0] * (_DEPTH_BINS + 1)  # busy seconds with d chunks in flight (the last bin: d or more)
+        self._mark = 0.0  # the last chunk start or end: the shares are accounted up to here
         self._share = {"read": 0.0, "write": 0.0}
         self._direct_bytes = 0
         self._fallbacks = 0
@@ -234,30 +287,23 @@ class NvmeStore:
 
         Busy time is wall time during which at least one chunk of that direction was executing, so concurrent
         chunks are not double-counted and idle gaps between requests are not counted. `busy_s` is the same for
-        either direction (the disk was busy), and `depth_s` the integral of chunks in flight over time:
-        `depth_s / busy_s` is the mean queue depth the disk saw while busy, and `busy_at_depth_s[d]` the busy
-        seconds with d chunks in flight (d = 1 .. 16, the last bin 16 or more). `read_share_s` and `write_share_s`
-        split `busy_s` between the directions in proportion to the chunks each had in flight (they add up to
-        `busy_s`): the fair time base for a per-direction bandwidth when reads and writes run at once.
+        either direction (the disk was busy); `read_share_s` and `write_share_s` split it between the directions
+        in proportion to the chunks each had in flight (they add up to `busy_s`): the fair time base for a
+        per-direction bandwidth when reads and writes run at once. Queue depths are the kernel's to count
+        (/proc/diskstats; benchmarks/disk_reference.py).
         """
         now = time.perf_counter()
         with self._lock:
             busy = {k: self._busy[k] + (now - self._since[k] if self._inflight[k] else 0.0) for k in self._busy}
-            open_s = now - self._depth_mark if self._inflight_any else 0.0
-            busy_any = self._busy_any + (now - self._since_any if self._inflight_any else 0.0)
-            depth_s = self._depth_s + self._inflight_any * open_s
-            at_depth = list(self._at_depth)
-            at_depth[min(self._inflight_any, _DEPTH_BINS)] += open_s
-            share = {k: self._share[k] + (open_s * self._inflight[k] / self._inflight_any if open_s else 0.0)
+            n = self._inflight_any
+            share = {k: self._share[k] + ((now - self._mark) * self._inflight[k] / n if n else 0.0)
                      for k in self._share}
             out = {
                 "bytes_read": self._bytes["read"],
                 "bytes_written": self._bytes["write"],
                 "read_busy_s": busy["read"],
                 "write_busy_s": busy["write"],
-                "busy_s": busy_any,
-                "depth_s": depth_s,
-                "busy_at_depth_s": at_depth,
+                "busy_s": self._busy_any + (now - self._since_any if n else 0.0),
                 "read_share_s": share["read"],
                 "write_share_s": share["write"],
                 "direct_bytes": self._direct_bytes,
@@ -444,11 +490,7 @@ class NvmeStore:
     def _io(self, kind: str, f: _File, name: str, off: int, buf: memoryview, direct: bool) -> None:
         """Run one transfer on an I/O thread (the GIL is released inside pwrite/preadv)."""
         with self._lock:
-            now = time.perf_counter()
-            if self._inflight[kind] == 0:
-                self._since[kind] = now
-            self._inflight[kind] += 1
-            self._count_depth(now, kind, +1)
+            self._account(time.perf_counter(), kind, +1)
         done, moved_direct = 0, 0
         try:
             if direct and f.direct and f.dfd is not None:
@@ -472,32 +514,27 @@ class NvmeStore:
             raise OSError(e.errno, f"{kind} of tensor {name!r} at byte {off + done} failed", str(f.path)) from e
         finally:
             with self._lock:
-                now = time.perf_counter()
-                self._inflight[kind] -= 1
-                if self._inflight[kind] == 0:
-                    self._busy[kind] += now - self._since[kind]
-                self._count_depth(now, kind, -1)
+                self._account(time.perf_counter(), kind, -1)
                 self._bytes[kind] += done
                 self._direct_bytes += moved_direct
 
-    def _count_depth(self, now: float, kind: str, delta: int) -> None:
-        """Account the chunks in flight (either direction) up to `now`, then change their count by `delta`.
-
-        Called under _lock, after `_inflight[kind]` has already changed by `delta` (hence the correction)."""
-        dt = now - self._depth_mark
-        if self._inflight_any:
-            self._depth_s += self._inflight_any * dt
-            self._at_depth[min(self._inflight_any, _DEPTH_BINS)] += dt
-            # Each direction's share of the busy time: the fraction of the chunks in flight that were its own
-            # over the interval just ended (the counts before this change).
-            reads = self._inflight["read"] - (delta if kind == "read" else 0)
-            self._share["read"] += dt * reads / self._inflight_any
-            self._share["write"] += dt * (self._inflight_any - reads) / self._inflight_any
-        self._depth_mark = now
-        if self._inflight_any == 0:
+    def _account(self, now: float, kind: str, delta: int) -> None:
+        """Under _lock: account busy time and each direction's share of it up to `now`, then change the number of
+        `kind` chunks in flight by `delta` (+1 at a chunk's start, -1 at its end)."""
+        n = self._inflight_any
+        if n:
+            for k in self._share:
+                self._share[k] += (now - self._mark) * self._inflight[k] / n
+        else:
             self._since_any = now
+        self._mark = now
+        if not self._inflight[kind]:
+            self._since[kind] = now
+        self._inflight[kind] += delta
         self._inflight_any += delta
-        if self._inflight_any == 0:
+        if not self._inflight[kind]:
+            self._busy[kind] += now - self._since[kind]
+        if not self._inflight_any:
             self._busy_any += now - self._since_any
 
 

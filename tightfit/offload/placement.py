@@ -80,6 +80,11 @@ def _group_of(block: str, names) -> str | None:
     return None
 
 
+_RETIRED = ("nvme_threads", "nvme_chunk_bytes", "staging_buffers")
+"""Fields older plan files carry and `from_dict` skips: the disk's tuning is the probe's now ([Note: disk tuning] in
+nvme.py), and staging buffers were never read."""
+
+
 @dataclass
 class Placement:
     """A complete placement: per-unit tiers, budgets and schedule knobs. JSON round-trips."""
@@ -98,17 +103,10 @@ class Placement:
     """Bytes the swap folder may use (None: its free space)."""
     prefetch_depth: int = 2
     """How many units ahead of the running one are fetched."""
-    nvme_threads: int = 8
-    """I/O threads of the NVMe tier = transfers in flight at once."""
-    nvme_chunk_bytes: int = 4 << 20
-    """Largest single transfer of the NVMe tier (a multiple of 4096). A tensor is cut into as few equal transfers as
-    this allows ([Note: transfer size] in nvme.py)."""
     min_unit_bytes: int | None = None
     """Join consecutive blocks into units of at least this many bytes of fp32 parameters (None: one block per
     unit). Larger units are larger disk transfers, at the cost of device room for two of them ([Note: grouped
     blocks] in units.py)."""
-    staging_buffers: int = 4
-    """Pinned host staging buffers per dtype (CUDA); bounds host memory used for in-flight copies."""
     checkpoint_units: list[str] = field(default_factory=list)
     """Units whose activations are recomputed in backward instead of stored."""
     tiled_linears: dict[str, int] = field(default_factory=dict)
@@ -172,7 +170,7 @@ class Placement:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Placement":
-        d = dict(d)
+        d = {k: v for k, v in d.items() if k not in _RETIRED}
         d["default"] = UnitPlacement.from_dict(d.get("default", {}))
         d["units"] = {k: UnitPlacement.from_dict(v) for k, v in d.get("units", {}).items()}
         return cls(**d)

@@ -1,33 +1,31 @@
-"""Measure a disk's raw sequential bandwidth, and the NVMe tier's bandwidth on the same disk.
+"""Measure the swap folder's disk for the planner: its bandwidth, and how the NVMe tier should drive it.
 
-Why: the NVMe tier is judged against the disk it runs on ("the tier's bandwidth is >= 85% of the raw disk
-bandwidth measured in the same run"), and the planner needs the disk's speed to cost a placement. Both want the
-same number: sequential O_DIRECT transfers of large blocks with several requests in flight, on a file in the
-swap folder itself (a folder, not a device: the filesystem is part of what the tier pays for).
+Why in the planner, not beside the tier: a disk is measured once, by `tightfit probe`, and the result is cached in
+the hardware profile (hardware.py). The training path only reads the cached figures
+(`tightfit.offload.nvme.disk_tuning`); nothing here runs while a model trains. The benchmarks' references (raw
+mixed reads and writes, the store's own bandwidth, fio) are in benchmarks/disk_reference.py.
 
-`measure_raw` uses fio when it is installed (the reference tool, libaio, iodepth = queue_depth), and otherwise a
-Python loop of the same shape: `queue_depth` threads each issuing `block_bytes` pwrite/preadv calls on an O_DIRECT
-descriptor into 4096-aligned memory, working through the file in order. The memory holds random bytes so a virtual
-disk cannot shortcut zero blocks. The file is preallocated and written once before the timed write, which
-overwrites it (as the tier rewrites its files in place), and deleted afterwards. Where the filesystem refuses
-O_DIRECT the loop runs buffered and evicts the file from the page cache between writing and reading; the result's
-`method` says which ran.
-
-`measure_store` moves the same volume through an `NvmeStore` (aligned staging memory, the tier's defaults) and
-times it wall-clock, submit to last completion; its timed writes overwrite a laid-out file too. Give both the
-same `staging_buffer` to compare them side by side: then the only difference between the two figures is the
-store's code path.
+What is measured, each the way the tier spends it, on a scratch file in the swap folder itself (a folder, not a
+device: the filesystem is part of what the tier pays for):
+- *bandwidth* (`measure_raw`): `queue_depth` threads each issuing `block_bytes` pwrite/preadv calls on an O_DIRECT
+  descriptor, into 4096-aligned memory holding random bytes (a virtual disk cannot shortcut zero blocks), working
+  through the file in order. The file is preallocated and laid out by one untimed pass; the timed write
+  overwrites it (as the tier rewrites its files in place), then the read. Where the filesystem refuses O_DIRECT
+  the loop runs buffered and evicts the file from the page cache before reading; `Bandwidth.method` says which.
+- *the largest transfer* (`max_transfer_bytes`): what the block device under the folder takes in one request
+  (`/sys/block/<dev>/queue/max_sectors_kb`), at most 4 MiB: a larger request would be split by the kernel, and
+  a transfer that holds the disk longer delays the urgent reads queued behind it ([Note: transfer size] in
+  tightfit/offload/nvme.py). 4 MiB where no block device is known (tmpfs, overlay, network filesystems).
+- *I/O threads* (`probe_disk`): the same file read at 8, 16 and 32 transfers in flight; the fewest within 10% of
+  the fastest. Reads, because they are what compute waits for. Never fewer than 8: a training step has several
+  entries in flight at once, and raw reads at 2-4 in flight were within 2% of 8 on the benchmark VM anyway.
 """
 
 from __future__ import annotations
 
 import errno
-import functools
-import json
 import os
 import shutil
-import subprocess
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -41,6 +39,10 @@ from tightfit.offload.aligned import DIRECT_ALIGN, aligned_empty, byte_view
 from tightfit.utils.sizes import format_size
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+MAX_TRANSFER = 4 << 20
+"""Cap on the tier's largest transfer, and its value where the device's limit is unknown."""
+THREAD_CHOICES = (8, 16, 32)
+"""I/O thread counts `probe_disk` tries; the first is the default."""
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,41 @@ class Bandwidth:
     nbytes: int
     """Bytes written, then the same bytes read."""
     method: str
-    """'fio', 'python-direct', 'python-buffered' (filesystem without O_DIRECT), or 'store'."""
+    """'python-direct', 'python-buffered' (filesystem without O_DIRECT); the benchmarks add 'fio' and 'store'."""
+
+
+@dataclass(frozen=True)
+class DiskProfile:
+    """What `probe_disk` found: the disk's bandwidth and the tier's tuning for it."""
+
+    read_Bps: float
+    write_Bps: float
+    device: str
+    """The folder's filesystem as "major:minor" (`tightfit.offload.nvme.device_of`): the tuning applies there."""
+    threads: int
+    """I/O threads for the tier = transfers in flight."""
+    chunk_bytes: int
+    """Largest single transfer of the tier."""
+    method: str
+
+
+def probe_disk(folder: str | Path, nbytes: int = 256 << 20) -> DiskProfile:
+    """Bandwidth of the disk under `folder` at 8 transfers in flight, its largest transfer, and the I/O threads
+    the tier should use (see the module docstring). Leaves nothing in `folder`."""
+    from tightfit.offload.nvme import device_of  # the tier's notion of "this folder's disk"
+
+    folder = Path(folder)
+    chunk = max_transfer_bytes(folder)
+    nbytes = max(chunk, nbytes // chunk * chunk)
+    check_space(folder, nbytes)
+    staging = staging_buffer(nbytes)  # alive until the passes are done: the views do not hold it
+    with _ScratchFile(folder, nbytes, chunk, [byte_view(b) for b in block_slices(staging, chunk)]) as f:
+        write_s = f.seconds(THREAD_CHOICES[0], write=True)
+        read_bps = {d: nbytes / f.seconds(d, write=False) for d in THREAD_CHOICES}
+    best = max(read_bps.values())
+    threads = min(d for d, bps in read_bps.items() if bps >= 0.9 * best)
+    return DiskProfile(read_bps[THREAD_CHOICES[0]], nbytes / write_s, device_of(folder) or "", threads, chunk,
+                       f.method)
 
 
 def measure_raw_bandwidth(folder: str | Path, nbytes: int, **kwargs) -> tuple[float, float]:
@@ -67,191 +103,111 @@ def measure_raw(
     *,
     block_bytes: int = 4 << 20,
     queue_depth: int = 8,
-    use_fio: bool = True,
     staging: torch.Tensor | None = None,
 ) -> Bandwidth:
     """Write then read `nbytes` sequentially in `folder` with `queue_depth` blocks of `block_bytes` in flight.
 
-    staging: host memory the Python loop moves blocks through (see `staging_buffer`); block i uses the i-th
-    block-sized slice, cycling when the volume is larger. Pass the same one to `measure_store` to compare the two.
+    staging: host memory the blocks move through (see `staging_buffer`); block i uses the i-th block-sized slice,
+    cycling when the volume is larger. Pass the same one to the benchmarks' `measure_store` to compare the two.
     """
     folder = Path(folder)
     if block_bytes <= 0 or block_bytes % DIRECT_ALIGN:
         raise ValueError(f"block_bytes must be a positive multiple of {DIRECT_ALIGN}, got {block_bytes}")
     nbytes = max(block_bytes, nbytes // block_bytes * block_bytes)  # whole blocks, so every transfer is aligned
-    _check_space(folder, nbytes)
-    if use_fio and shutil.which("fio"):
-        try:
-            return _fio(folder, nbytes, block_bytes, queue_depth)
-        except (subprocess.CalledProcessError, ValueError, KeyError):
-            pass  # fio without libaio, or an unexpected output format: measure with the Python loop instead
+    check_space(folder, nbytes)
     if staging is None:
         staging = staging_buffer(nbytes)
-    views = _slices(staging, block_bytes)
-    return _python(folder, nbytes, block_bytes, queue_depth, views)
+    blocks = block_slices(staging, block_bytes)
+    if blocks[0].numel() < block_bytes:
+        raise ValueError(f"staging buffer smaller than one block ({block_bytes} bytes)")
+    with _ScratchFile(folder, nbytes, block_bytes, [byte_view(b) for b in blocks]) as f:
+        t_write = f.seconds(queue_depth, write=True)
+        t_read = f.seconds(queue_depth, write=False)
+    return Bandwidth(nbytes / t_read, nbytes / t_write, nbytes, f.method)
 
 
-def measure_raw_mixed(
-    folder: str | Path,
-    read_bytes: int,
-    write_bytes: int,
-    *,
-    block_bytes: int = 4 << 20,
-    queue_depth: int = 8,
-    staging: torch.Tensor | None = None,
-) -> float:
-    """Seconds the disk takes to read `read_bytes` and write `write_bytes` at the same time; one measurement of
-    a `RawMixedDisk` (see there), whose files are gone afterwards."""
-    with RawMixedDisk(folder, block_bytes=block_bytes, queue_depth=queue_depth, staging=staging) as disk:
-        return disk.seconds(read_bytes, write_bytes)
+def max_transfer_bytes(folder: str | Path, sysfs: str | Path = "/sys") -> int:
+    """The largest request the block device under `folder` takes (max_sectors_kb), in whole 4096-byte blocks, at
+    most `MAX_TRANSFER`; `MAX_TRANSFER` when unknown. `sysfs`: where sysfs is mounted (tests pass a fake one)."""
+    from tightfit.offload.nvme import device_of
 
-
-class RawMixedDisk:
-    """Two scratch files in `folder` for timing reads and writes issued together, sequentially, with O_DIRECT,
-    `queue_depth` blocks in flight in all (half per direction); Python loop, no fio.
-
-    Why: a training step reads and writes at once, and a disk (or the kernel's I/O scheduler: mq-deadline, for
-    one, favours reads) may serve a mix slower than either direction alone. This is the raw reference for that
-    mix: the time the disk needs for exactly the step's bytes, with nothing else running.
-
-    Both files are written once before any timing, and grown (written) as a larger volume is asked for: the timed
-    writes overwrite blocks that hold data, as the tier's in-place writes do after its first step. On ext4 a
-    first write into preallocated space also converts the extent (a journal update per write): on the benchmark
-    VM that made the write half of the mix up to 1.7x slower, a reference the tier would beat without being fast.
-    An object rather than a function so repeated measurements (one per training step) reuse the laid-out files.
-    Close it (or use `with`) to delete them.
-    """
-
-    def __init__(self, folder: str | Path, *, block_bytes: int = 4 << 20, queue_depth: int = 8,
-                 staging: torch.Tensor | None = None) -> None:
-        if not _O_DIRECT:
-            raise UsageError("measure_raw_mixed needs O_DIRECT, which this platform does not have")
-        if block_bytes <= 0 or block_bytes % DIRECT_ALIGN:
-            raise ValueError(f"block_bytes must be a positive multiple of {DIRECT_ALIGN}, got {block_bytes}")
-        self.folder = Path(folder)
-        self.block_bytes = block_bytes
-        self.queue_depth = queue_depth
-        self.staging = staging
-        self._paths = [self.folder / f".tightfit-mixbench-{os.getpid()}-{id(self)}-{k}.tmp" for k in ("r", "w")]
-        self._fds: list[int] = []
-        self._blocks = [0, 0]  # blocks laid out per file
-
-    def seconds(self, read_bytes: int, write_bytes: int, memory: list[torch.Tensor] | None = None) -> float:
-        """Seconds for `read_bytes` read and `write_bytes` written at once (whole blocks, scaled to the bytes).
-
-        memory: 4096-aligned uint8 tensors to move the blocks through instead of the staging buffer (each gives
-        the block-sized slices that fit in it; they must hold one block at least). Why: a transfer's speed depends on
-        how physically scattered its buffer is ([Note: huge pages for disk buffers] in aligned.py), so a fair
-        reference for the NVMe tier moves its bytes through the tier's own buffers. The caller keeps them alive and
-        unused meanwhile.
-        """
-        rblocks = max(1, read_bytes // self.block_bytes)
-        wblocks = max(1, write_bytes // self.block_bytes)
-        bs = self.block_bytes
-        if memory is not None:
-            views = [byte_view(s) for t in memory for s in _slices(t, bs) if s.numel() == bs]
-            if not views:
-                raise ValueError(f"memory must hold at least one {bs}-byte block")
-        else:
-            if self.staging is None:
-                self.staging = staging_buffer(min(max(rblocks, wblocks) * bs, 1 << 30))
-            views = [byte_view(b) for b in _slices(self.staging, bs)]
-        self._lay_out([rblocks, wblocks], views)
-        half = max(1, self.queue_depth // 2)
-        elapsed = _timed_threads([functools.partial(_run_blocks, self._fds[0], views, rblocks, bs, half, False),
-                                  functools.partial(_run_blocks, self._fds[1], views, wblocks, bs, half, True)])
-        return elapsed * (read_bytes + write_bytes) / ((rblocks + wblocks) * bs)
-
-    def _lay_out(self, blocks: list[int], views: list[memoryview]) -> None:
-        """Open the files on first use; write whatever blocks are asked for beyond those already written."""
-        bs = self.block_bytes
-        grow = [max(0, n - have) for n, have in zip(blocks, self._blocks)]
-        _check_space(self.folder, sum(grow) * bs)
+    dev = device_of(folder)
+    if dev is None:
+        return MAX_TRANSFER
+    node = os.path.realpath(os.path.join(sysfs, "dev", "block", dev))
+    # A partition has no queue of its own: its disk's is one folder up.
+    for queue in (os.path.join(node, "queue"), os.path.join(os.path.dirname(node), "queue")):
         try:
-            if not self._fds:
-                for path in self._paths:
-                    self._fds.append(os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o600))
-            for i, (fd, n) in enumerate(zip(self._fds, blocks)):
-                if n > self._blocks[i]:
-                    os.posix_fallocate(fd, 0, n * bs)
-                    _run_blocks(fd, views, n, bs, self.queue_depth, write=True)
-                    self._blocks[i] = n
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-            raise UsageError(f"--nvme: the filesystem of {self.folder} refuses O_DIRECT transfers; the mixed raw "
-                             "measurement needs them") from None
-
-    def close(self) -> None:
-        for fd in self._fds:
-            os.close(fd)
-        self._fds = []
-        for path in self._paths:
-            path.unlink(missing_ok=True)
-
-    def __enter__(self) -> "RawMixedDisk":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def measure_store(
-    folder: str | Path,
-    nbytes: int,
-    *,
-    tensor_bytes: int = 64 << 20,
-    threads: int = 8,
-    chunk_bytes: int = 4 << 20,
-    staging: torch.Tensor | None = None,
-) -> Bandwidth:
-    """Write then read `nbytes` through an `NvmeStore` as uint8 tensors of `tensor_bytes`, wall-clock timed.
-
-    staging: as for `measure_raw`; tensor i moves through its i-th tensor-sized slice (cycling).
-    """
-    from tightfit.offload.nvme import NvmeStore  # here, so the planner's probe does not import the store
-
-    folder = Path(folder)
-    _check_space(folder, nbytes + (1 << 20))
-    if staging is None:
-        staging = staging_buffer(nbytes)
-    tensor_bytes = max(DIRECT_ALIGN, min(tensor_bytes, staging.numel()) // DIRECT_ALIGN * DIRECT_ALIGN)
-    slots = _slices(staging, tensor_bytes)
-    sizes = [min(tensor_bytes, nbytes - s) for s in range(0, nbytes, tensor_bytes)]
-    bufs = [slots[i % len(slots)][:n] for i, n in enumerate(sizes)]
-    with tempfile.TemporaryDirectory(dir=folder, prefix="tightfit-storebench-") as d:
-        with NvmeStore(d, threads=threads, chunk_bytes=chunk_bytes) as store:
-            store.create("bench", {f"t{i}": ((n,), torch.uint8) for i, n in enumerate(sizes)})
-            # Lay the file out first, untimed: the timed writes then overwrite data, as the tier's do after its
-            # first step and as `measure_raw` times them.
-            for f in [store.write("bench", f"t{i}", b) for i, b in enumerate(bufs)]:
-                f.result()
-            t0 = time.perf_counter()
-            for f in [store.write("bench", f"t{i}", b) for i, b in enumerate(bufs)]:
-                f.result()
-            t_write = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            for f in [store.read("bench", f"t{i}", b) for i, b in enumerate(bufs)]:
-                f.result()
-            t_read = time.perf_counter() - t0
-            method = "store" if store.stats()["direct_bytes"] else "store-buffered"
-    total = sum(sizes)
-    return Bandwidth(total / t_read, total / t_write, total, method)
+            kib = int(Path(queue, "max_sectors_kb").read_text().strip())
+        except (OSError, ValueError):
+            continue
+        return max(DIRECT_ALIGN, min(MAX_TRANSFER, kib * 1024 // DIRECT_ALIGN * DIRECT_ALIGN))
+    return MAX_TRANSFER
 
 
 def staging_buffer(nbytes: int, max_bytes: int = 1 << 30) -> torch.Tensor:
-    """A 4096-aligned uint8 host buffer of min(nbytes, max_bytes) random bytes for the measurements above.
+    """A 4096-aligned uint8 host buffer of min(nbytes, max_bytes) random bytes for the measurements.
 
     Random, so a virtual disk cannot shortcut zero or repeated blocks; written once here, so every page is
     faulted in before any timed loop. Distinct memory per block up to max_bytes: on some virtual machines DMA into
-    the same few pages over and over is markedly slower, and both measurements should see the same memory.
+    the same few pages over and over is markedly slower, and measurements compared side by side should see the
+    same memory.
     """
     buf = aligned_empty(max(DIRECT_ALIGN, min(nbytes, max_bytes)))
     buf.random_(0, 256)
     return buf
 
 
-def _slices(staging: torch.Tensor, size: int) -> list[torch.Tensor]:
+class _ScratchFile:
+    """A preallocated file of `nbytes` in `folder`, laid out by one untimed write pass, deleted on exit.
+
+    Why lay out first: a first write into preallocated space converts extents (a journal update per write on
+    ext4), a cost the tier pays once; its in-place rewrites are what the timed passes reproduce."""
+
+    def __init__(self, folder: Path, nbytes: int, block_bytes: int, views: list[memoryview]) -> None:
+        self.path = folder / f".tightfit-rawbench-{os.getpid()}-{id(self)}.tmp"
+        self.nbytes, self.block_bytes, self.views = nbytes, block_bytes, views
+        self.method = "python-buffered"
+        self._fd = self._dfd = None
+
+    def __enter__(self) -> "_ScratchFile":
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.posix_fallocate(self._fd, 0, self.nbytes)
+            if _O_DIRECT:
+                try:
+                    self._dfd = os.open(self.path, os.O_RDWR | _O_DIRECT)
+                    os.pwrite(self._dfd, self.views[0], 0)  # some filesystems accept the open, refuse the transfer
+                    self.method = "python-direct"
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise
+                    if self._dfd is not None:
+                        os.close(self._dfd)
+                    self._dfd = None
+            self.seconds(8, write=True)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def seconds(self, queue_depth: int, write: bool) -> float:
+        """Seconds for one sequential pass over the file with `queue_depth` blocks in flight."""
+        fd = self._dfd if self._dfd is not None else self._fd
+        if not write and self._dfd is None:  # buffered: make writes durable, then read from the disk, not the cache
+            os.fsync(self._fd)
+            os.posix_fadvise(self._fd, 0, self.nbytes, os.POSIX_FADV_DONTNEED)
+        return run_blocks(fd, self.views, self.nbytes // self.block_bytes, self.block_bytes, queue_depth, write)
+
+    def __exit__(self, *exc) -> None:
+        for fd in (self._fd, self._dfd):
+            if fd is not None:
+                os.close(fd)
+        self._fd = self._dfd = None
+        self.path.unlink(missing_ok=True)
+
+
+def block_slices(staging: torch.Tensor, size: int) -> list[torch.Tensor]:
     """Consecutive `size`-byte slices of `staging` (at least one: a short buffer gives one short slice)."""
     if staging.dtype != torch.uint8 or staging.data_ptr() % DIRECT_ALIGN:
         raise ValueError("staging must be a 4096-aligned uint8 tensor (see staging_buffer)")
@@ -259,7 +215,7 @@ def _slices(staging: torch.Tensor, size: int) -> list[torch.Tensor]:
     return [staging[i * size : (i + 1) * size] for i in range(n)]
 
 
-def _check_space(folder: Path, nbytes: int) -> None:
+def check_space(folder: Path, nbytes: int) -> None:
     if not folder.is_dir():
         raise UsageError(f"--nvme: {folder} is not a folder; create it or pick another path")
     free = shutil.disk_usage(folder).free
@@ -270,71 +226,8 @@ def _check_space(folder: Path, nbytes: int) -> None:
         )
 
 
-def _fio(folder: Path, nbytes: int, block_bytes: int, queue_depth: int) -> Bandwidth:
-    path = folder / f".tightfit-rawbench-{os.getpid()}.tmp"
-    bw = {}
-    try:
-        for rw in ("write", "read"):  # the read pass reads the file the write pass laid out
-            out = subprocess.run(
-                ["fio", "--name=tightfit-raw", f"--filename={path}", f"--size={nbytes}", f"--bs={block_bytes}",
-                 f"--rw={rw}", "--direct=1", "--ioengine=libaio", f"--iodepth={queue_depth}",
-                 "--refill_buffers=1", "--output-format=json"],
-                capture_output=True, text=True, check=True,
-            ).stdout
-            bw[rw] = parse_fio_bw(out, rw)
-    finally:
-        path.unlink(missing_ok=True)
-    return Bandwidth(bw["read"], bw["write"], nbytes, "fio")
-
-
-def parse_fio_bw(fio_json: str, rw: str) -> float:
-    """Bytes/s of direction `rw` ('read' or 'write') summed over the jobs of a `fio --output-format=json` run."""
-    start = fio_json.find("{")  # fio may print warnings before the JSON
-    data = json.loads(fio_json[start:])
-    return float(sum(job[rw]["bw_bytes"] for job in data["jobs"]))
-
-
-def _python(folder: Path, nbytes: int, block_bytes: int, queue_depth: int, blocks: list[torch.Tensor]) -> Bandwidth:
-    path = folder / f".tightfit-rawbench-{os.getpid()}.tmp"
-    nblocks = nbytes // block_bytes
-    if blocks[0].numel() < block_bytes:
-        raise ValueError(f"staging buffer smaller than one block ({block_bytes} bytes)")
-    views = [byte_view(b) for b in blocks]
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-    dfd, method = None, "python-buffered"
-    try:
-        os.posix_fallocate(fd, 0, nbytes)
-        if _O_DIRECT:
-            try:
-                dfd = os.open(path, os.O_RDWR | _O_DIRECT)
-                os.pwrite(dfd, views[0], 0)  # some filesystems accept the open and refuse the transfer
-                method = "python-direct"
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                if dfd is not None:
-                    os.close(dfd)
-                dfd = None
-        io_fd = dfd if dfd is not None else fd
-        # Lay the file out with one untimed pass, then time an overwrite: the tier rewrites its files in place, and
-        # a first write into preallocated space costs extent conversions the tier pays only once (RawMixedDisk).
-        _run_blocks(io_fd, views, nblocks, block_bytes, queue_depth, write=True)
-        t_write = _run_blocks(io_fd, views, nblocks, block_bytes, queue_depth, write=True)
-        if dfd is None:  # buffered: make the write durable, then make sure the reads come from the disk
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, nbytes, os.POSIX_FADV_DONTNEED)
-        t_read = _run_blocks(io_fd, views, nblocks, block_bytes, queue_depth, write=False)
-    finally:
-        os.close(fd)
-        if dfd is not None:
-            os.close(dfd)
-        path.unlink(missing_ok=True)
-    return Bandwidth(nbytes / t_read, nbytes / t_write, nbytes, method)
-
-
-def _run_blocks(
-    fd: int, views: list[memoryview], nblocks: int, block_bytes: int, queue_depth: int, write: bool
-) -> float:
+def run_blocks(fd: int, views: list[memoryview], nblocks: int, block_bytes: int, queue_depth: int,
+               write: bool) -> float:
     """Seconds for `queue_depth` threads to move blocks 0..nblocks-1 in order, each taking the next free block.
 
     Block i moves through views[i % len(views)].
@@ -359,10 +252,10 @@ def _run_blocks(
                     raise OSError(errno.EIO, "short transfer in the disk benchmark")
                 done += n
 
-    return _timed_threads([worker] * queue_depth)
+    return timed_threads([worker] * queue_depth)
 
 
-def _timed_threads(fns: list[Callable[[], object]]) -> float:
+def timed_threads(fns: list[Callable[[], object]]) -> float:
     """Run each callable on a thread of its own, all at once; seconds until the last is done. The first error
     any of them raised is raised here."""
     errors: list[BaseException] = []

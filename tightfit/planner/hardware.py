@@ -62,6 +62,13 @@ class HardwareProfile:
     """Matmul FLOP/s of the compute device at square sizes (size -> FLOP/s), in the compute dtype."""
     op_overhead_s: float = 10e-6
     """Seconds of fixed dispatch overhead per aten op (dominates small models on CPU)."""
+    nvme_device: str = ""
+    """The filesystem the disk figures were measured on, as "major:minor" (`tightfit.offload.nvme.device_of`); the
+    NVMe tier takes the two below only for a swap folder there ([Note: disk tuning] in tightfit/offload/nvme.py)."""
+    nvme_io_threads: int = 8
+    """I/O threads of the NVMe tier on that disk (= transfers in flight): the fewest reading within 10% of the best."""
+    nvme_chunk_bytes: int = 4 << 20
+    """Largest transfer of the NVMe tier on that disk: the device's largest request, at most 4 MiB."""
     runtime_rss: int = 0
     """RSS of a process that imported torch and ran a tiny step: the floor under every host measurement."""
     threads: int = 1
@@ -99,7 +106,9 @@ class HardwareProfile:
                  f"  matmul TFLOP/s by size: {mm}",
                  f"  memory bandwidth {self.mem_bw / g:.1f} GB/s, per-op overhead {self.op_overhead_s * 1e6:.1f} us",
                  f"  host->device {self.h2d_bw / g:.1f} GB/s, device->host {self.d2h_bw / g:.1f} GB/s",
-                 f"  disk read {self.nvme_read_bw / g:.2f} GB/s, write {self.nvme_write_bw / g:.2f} GB/s (O_DIRECT)",
+                 f"  disk read {self.nvme_read_bw / g:.2f} GB/s, write {self.nvme_write_bw / g:.2f} GB/s (O_DIRECT); "
+                 f"the NVMe tier uses {self.nvme_io_threads} I/O threads, transfers up to "
+                 f"{self.nvme_chunk_bytes >> 10} KiB",
                  f"  AdamW: CPU {self.cpu_adam_rate / 1e6:.0f} M params/s, device {self.device_adam_rate / 1e6:.0f} M/s",
                  f"  runtime RSS {self.runtime_rss / 2**20:.0f} MiB; cached in {cache_path()}"]
         return "\n".join(lines)

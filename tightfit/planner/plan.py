@@ -131,7 +131,7 @@ class Plan:
             lines.append(f"predicted RSS (runtime {format_size(pr.runtime_rss)} + host + CPU device): "
                          f"{format_size(pr.rss(False))}")
         lines.append("")
-        lines.append(f"schedule: prefetch depth {p.prefetch_depth}, staging buffers {p.staging_buffers}, "
+        lines.append(f"schedule: prefetch depth {p.prefetch_depth}, "
                      f"checkpointed units {len(p.checkpoint_units)}, tiled linears {len(p.tiled_linears)}")
         tr = pr.traffic
         lines.append(f"traffic per step: host->device {format_size(tr.get('h2d', 0) + tr.get('h2d_opt', 0))}, "

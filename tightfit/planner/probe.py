@@ -8,7 +8,8 @@ engine spends it:
   (counted by the same tracer the model profile uses, so the two agree on what "an op" is);
 - fused AdamW on CPU (and on the GPU), in parameters per second;
 - host<->device copies (pinned, CUDA; a memcpy between tier buffers on a CPU-only machine);
-- the swap folder's sequential O_DIRECT read/write bandwidth (`tightfit.offload.disk_bench`);
+- the swap folder's sequential O_DIRECT read/write bandwidth, and how the NVMe tier should drive that disk (I/O
+  threads, largest transfer: `disk_probe.py`);
 - the RSS of a fresh process that imported torch and ran a tiny step: the runtime floor under host memory.
 """
 
@@ -22,6 +23,7 @@ import time
 
 import torch
 
+from tightfit.planner.disk_probe import DiskProfile, probe_disk
 from tightfit.planner.hardware import HardwareProfile, current, load_cached, machine_key, save_cached
 
 _MATMUL_SIZES = (128, 256, 512, 1024, 2048)
@@ -129,15 +131,14 @@ def measure_runtime_rss() -> int:
         return psutil.Process().memory_info().rss
 
 
-def measure_disk(folder: str | None, nbytes: int = 256 << 20) -> tuple[float, float]:
-    """(read, write) bytes/s of sequential O_DIRECT transfers in `folder` (a temporary folder when None)."""
-    from tightfit.offload.disk_bench import measure_raw_bandwidth
-
+def measure_disk(folder: str | None, nbytes: int = 256 << 20) -> DiskProfile:
+    """Bandwidth of sequential O_DIRECT transfers in `folder` (a temporary folder when None), and the NVMe tier's
+    I/O threads and largest transfer for its disk."""
     if folder:
         os.makedirs(folder, exist_ok=True)
-        return measure_raw_bandwidth(folder, nbytes)
+        return probe_disk(folder, nbytes)
     with tempfile.TemporaryDirectory(prefix="tightfit-probe-") as d:
-        return measure_raw_bandwidth(d, nbytes)
+        return probe_disk(d, nbytes)
 
 
 def run_probe(folder: str | None = None, save: bool = True) -> HardwareProfile:
@@ -147,12 +148,14 @@ def run_probe(folder: str | None = None, save: bool = True) -> HardwareProfile:
     dtype = torch.bfloat16 if cuda else torch.float32
     gpu_total = torch.cuda.get_device_properties(0).total_memory if cuda else 0
     h2d, d2h = measure_copies()
-    read_bw, write_bw = measure_disk(folder)
+    disk = measure_disk(folder)
     cpu_adam = measure_adam("cpu")
     hw = HardwareProfile(
         key=machine_key(), cuda=cuda, device_name=torch.cuda.get_device_name(0) if cuda else "cpu",
         gpu_total=gpu_total, gpu_free=gpu_total, host_total=0, host_available=0, nvme_free=0,
-        nvme_read_bw=read_bw, nvme_write_bw=write_bw, h2d_bw=h2d, d2h_bw=d2h, mem_bw=measure_mem_bw(device),
+        nvme_read_bw=disk.read_Bps, nvme_write_bw=disk.write_Bps, nvme_device=disk.device,
+        nvme_io_threads=disk.threads, nvme_chunk_bytes=disk.chunk_bytes, h2d_bw=h2d, d2h_bw=d2h,
+        mem_bw=measure_mem_bw(device),
         cpu_adam_rate=cpu_adam, device_adam_rate=measure_adam("cuda") if cuda else cpu_adam,
         matmul_flops=measure_matmul(device, dtype), op_overhead_s=measure_op_overhead(device),
         runtime_rss=measure_runtime_rss(), threads=torch.get_num_threads(), measured_at=time.time())

@@ -178,9 +178,9 @@ def fixed(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainSh
 
 
 def _finish(p: Placement, profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainShape) -> Placement:
-    """Prefetch depth, staging buffers and budgets of a placement whose tiers are chosen."""
+    """Prefetch depth and budgets of a placement whose tiers are chosen."""
     depth = units_per_window(profile, p, hw, shape)
-    return replace(p, prefetch_depth=depth, staging_buffers=depth + 2, device_budget=b.device,
+    return replace(p, prefetch_depth=depth, device_budget=b.device,
                    host_budget=b.host, nvme_dir=b.nvme_dir, nvme_budget=b.nvme if b.nvme_dir else None)
 
 
@@ -243,7 +243,7 @@ def _search(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: Train
     p = _promote(p, items, profile, hw, b, shape)
     pred = predict(profile, p, hw, shape)
     while violations(pred, b) and p.prefetch_depth > 1:  # a shallower window may be what makes it fit
-        p = replace(p, prefetch_depth=p.prefetch_depth - 1, staging_buffers=p.prefetch_depth + 1)
+        p = replace(p, prefetch_depth=p.prefetch_depth - 1)
         pred = predict(profile, p, hw, shape)
     bad = violations(pred, b)
     if bad:

@@ -1,0 +1,103 @@
+"""The disk probe and the NVMe tier's tuning ([Note: disk tuning] in tightfit/offload/nvme.py).
+
+`tightfit probe` measures the swap folder's disk (bandwidth, the largest transfer, the I/O threads) and caches it;
+the store takes the cached tuning only for a folder on the filesystem that was measured, else the defaults, and
+never measures anything itself.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from tightfit.offload import nvme
+from tightfit.offload.nvme import DEFAULT_TUNING, DiskTuning, NvmeStore, device_of, disk_tuning
+from tightfit.offload.placement import Placement, Tier
+from tightfit.planner import disk_probe
+from tightfit.planner.hardware import HardwareProfile, save_cached
+
+
+def test_raw_bandwidth_probe(tmp_path):
+    read_bps, write_bps = disk_probe.measure_raw_bandwidth(tmp_path, 8 << 20, block_bytes=1 << 20)
+    assert read_bps > 0 and write_bps > 0
+    assert list(tmp_path.iterdir()) == []  # the probe file is gone
+
+
+def test_probe_disk_finds_threads_and_transfer_size(tmp_path):
+    found = disk_probe.probe_disk(tmp_path, 8 << 20)
+    assert found.read_Bps > 0 and found.write_Bps > 0
+    assert found.threads in disk_probe.THREAD_CHOICES
+    assert 4096 <= found.chunk_bytes <= disk_probe.MAX_TRANSFER and found.chunk_bytes % 4096 == 0
+    assert found.device == device_of(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def _fake_sysfs(root: Path, dev: str, kib: str | None, partition: bool) -> None:
+    """sysfs as the kernel lays it out: /sys/dev/block/MAJ:MIN -> the device (or a partition inside its disk)."""
+    disk = root / "devices" / "vda"
+    node = disk / "vda1" if partition else disk
+    node.mkdir(parents=True)
+    if kib is not None:
+        (disk / "queue").mkdir()
+        (disk / "queue" / "max_sectors_kb").write_text(kib + "\n")
+    (root / "dev" / "block").mkdir(parents=True)
+    os.symlink(node, root / "dev" / "block" / dev)
+
+
+@pytest.mark.parametrize("kib, partition, want", [
+    ("1280", False, 1280 << 10),   # the device's limit
+    ("1280", True, 1280 << 10),    # a partition: its disk's queue
+    ("32767", False, 4 << 20),     # capped at 4 MiB
+    ("6", False, 4096),            # whole 4096-byte blocks
+    (None, False, 4 << 20),        # no queue: unknown
+])
+def test_largest_transfer_comes_from_the_block_device(tmp_path, kib, partition, want):
+    sysfs = tmp_path / "sys"
+    _fake_sysfs(sysfs, device_of(tmp_path), kib, partition)
+    assert disk_probe.max_transfer_bytes(tmp_path, sysfs=sysfs) == want
+
+
+def _profile(device: str, threads: int, chunk: int) -> HardwareProfile:
+    from tightfit.planner.hardware import machine_key
+
+    return replace(HardwareProfile.synthetic(key=machine_key()), nvme_device=device, nvme_io_threads=threads,
+                   nvme_chunk_bytes=chunk)
+
+
+def test_the_store_takes_the_probes_tuning_for_the_measured_filesystem_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("TIGHTFIT_CACHE", str(tmp_path / "cache"))
+    swap = tmp_path / "swap" / "not-yet-created"
+    assert disk_tuning(swap) == DEFAULT_TUNING  # no cached profile
+    save_cached(_profile(device_of(tmp_path), 16, 1 << 20))
+    assert disk_tuning(swap) == DiskTuning(threads=16, chunk_bytes=1 << 20)  # its nearest existing parent's disk
+    with NvmeStore(swap) as s:
+        assert s.threads == 16 and s.chunk_bytes == 1 << 20
+    with NvmeStore(swap, threads=2) as s:  # an explicit value wins; the other is still derived
+        assert s.threads == 2 and s.chunk_bytes == 1 << 20
+    save_cached(_profile("12345:6", 16, 1 << 20))  # measured on another filesystem
+    assert disk_tuning(swap) == DEFAULT_TUNING
+    save_cached(_profile(device_of(tmp_path), 0, 1000))  # nonsense in the cache: the defaults, not an error
+    assert disk_tuning(swap) == DEFAULT_TUNING
+
+
+def test_old_profiles_and_plans_still_load():
+    hw = HardwareProfile.from_dict({k: v for k, v in HardwareProfile.synthetic().to_dict().items()
+                                    if not k.startswith("nvme_") or k in ("nvme_free", "nvme_read_bw",
+                                                                         "nvme_write_bw")})
+    assert hw.nvme_device == "" and hw.nvme_io_threads == 8 and hw.nvme_chunk_bytes == 4 << 20
+    old = Placement.everywhere(Tier.NVME, nvme_dir="/x").to_dict() | {
+        "nvme_threads": 4, "nvme_chunk_bytes": 1 << 20, "staging_buffers": 6}
+    assert Placement.from_dict(old) == Placement.everywhere(Tier.NVME, nvme_dir="/x")
+    with pytest.raises(TypeError):  # other unknown keys are still mistakes
+        Placement.from_dict(old | {"prefetch_dpeth": 3})
+
+
+def test_wrapping_measures_nothing(tmp_path, monkeypatch):
+    # disk_tuning reads a cache; it must never run the probe (seconds of disk traffic at every wrap).
+    monkeypatch.setenv("TIGHTFIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(disk_probe, "probe_disk", lambda *a, **k: pytest.fail("measured at wrap time"))
+    monkeypatch.setattr(disk_probe, "measure_raw", lambda *a, **k: pytest.fail("measured at wrap time"))
+    assert nvme.disk_tuning(tmp_path) == DEFAULT_TUNING
