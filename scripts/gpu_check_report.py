@@ -117,7 +117,7 @@ def _gib(n) -> str:
 
 def _side_row(name: str, r: dict) -> str:
     if "error" in r:
-        return f"| {name} | failed: {r['error'][:160]} | | | | |"
+        return f"| {name} | failed: {r['error'][:160].replace('|', '/')} | | | | |"
     mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "-"
     return (f"| {name} | {r['tokens_per_s']:,.0f} | {r['median_step_s']:.3f} | {mfu} | "
             f"{_gib(r.get('peak_cuda_allocated'))} | {_gib(r.get('peak_cuda_reserved'))} |")
@@ -157,8 +157,8 @@ def markdown(f: dict) -> str:
     b = f.get("llama")
     if b:
         c, p = b["config"], b.get("peak", {})
-        peak = (f"{p['peak_flops'] / 1e12:.0f} TFLOP/s ({p['peak_source']}; measured bf16 matmul "
-                f"{p['measured_matmul_bf16_flops'] / 1e12:.0f} TFLOP/s)") if p else "-"
+        peak = (f"{p['peak_flops'] / 1e12:.4g} TFLOP/s ({p['peak_source']}; measured bf16 matmul "
+                f"{p['measured_matmul_bf16_flops'] / 1e12:.4g} TFLOP/s)") if "peak_flops" in p else "-"
         lines += ["## ~1B model, states offloaded under a cap (`benchmarks/bench_gpu_llama.py`)", "",
                   f"Model: {b['model']} ({b['model_note']}); batch {c['batch']} x {c['seq']}, bf16, cap "
                   f"{c['cap_gib']} GiB. MFU against {peak}.", ""] + header
