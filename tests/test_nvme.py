@@ -181,7 +181,7 @@ def test_disk_full_at_create_leaves_no_file(tmp_path, monkeypatch):
         assert list(s.folder.iterdir()) == []
 
 
-def test_disk_full_during_write_keeps_file_valid(store, monkeypatch):
+def test_disk_full_during_write_marks_the_entry_failed_and_close_deletes_the_file(store, monkeypatch):
     store.create("f", {"keep": ((500,), torch.float32), "lost": ((6000,), torch.float32)})
     keep, before = torch.randn(500), torch.randn(6000)
     store.write("f", "keep", keep).result()
@@ -198,12 +198,43 @@ def test_disk_full_during_write_keeps_file_valid(store, monkeypatch):
 
     monkeypatch.setattr(nvme.os, "pwrite", pwrite_fills_up)
     fut = store.write("f", "lost", torch.randn(6000))  # 24000 bytes: two 16 KiB-or-less chunks
-    with pytest.raises(UsageError, match=r"swap folder .* out of space.*'lost'"):
+    with pytest.raises(UsageError, match=r"swap folder .* out of space.*f.safetensors.*'lost'.* free space"):
         fut.result()
     monkeypatch.undo()
-    loaded = safetensors.torch.load_file(store.path("f"))  # header and size untouched: still opens
-    assert torch.equal(loaded["keep"], keep)
-    assert loaded["lost"].shape == (6000,)
+    # [Note: failed writes]: half of 'lost' is new, half old. The header still opens in any reader, so the store
+    # refuses to read the entry, keeps the rest of the file readable, and deletes the file on close.
+    assert store.failed("f") == ["lost"]
+    with pytest.raises(UsageError, match=r"'lost' of .*f.safetensors cannot be read: its last write failed"):
+        store.read("f", "lost", torch.empty(6000)).result()
+    out = torch.empty(500)
+    store.read("f", "keep", out).result()
+    assert torch.equal(out, keep)
+    again = torch.randn(6000)  # a complete write makes the entry whole again
+    store.write("f", "lost", again).result()
+    assert store.failed("f") == []
+    store.read("f", "lost", back := torch.empty(6000)).result()
+    assert torch.equal(back, again)
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["swap", "kept"])
+def test_close_leaves_no_file_with_a_failed_write(tmp_path, monkeypatch, keep):
+    real_pwrite = os.pwrite
+    with NvmeStore(tmp_path / "swap", threads=1, chunk_bytes=8192, keep=keep) as s:
+        s.create("bad", {"x": ((6000,), torch.float32)})
+        s.create("good", {"x": ((10,), torch.float32)})
+        s.write("good", "x", torch.ones(10)).result()
+
+        def eio(fd, buf, off):
+            raise OSError(errno.EIO, "Input/output error")
+
+        monkeypatch.setattr(nvme.os, "pwrite", eio)
+        with pytest.raises(UsageError, match=r"writing tensor 'x' of .*bad.safetensors failed at byte \d+ "
+                                             r"\(Input/output error\); check the disk"):
+            s.write("bad", "x", torch.randn(6000)).result()
+        monkeypatch.setattr(nvme.os, "pwrite", real_pwrite)
+    left = sorted(p.name for p in (tmp_path / "swap").iterdir())
+    # A kept folder keeps its good files; a file with a failed write never stays under its own name.
+    assert left == (["bad.safetensors.corrupt", "good.safetensors"] if keep else [])
 
 
 def _is_direct(fd: int) -> bool:

@@ -35,8 +35,14 @@ when it describes the folder's filesystem, else takes the defaults (8 threads, 4
 and a JSON file): nothing is measured when a model is wrapped. Benchmarks and tests that need other values pass
 `threads` / `chunk_bytes` to the store (`tightfit.wrap(..., disk=DiskTuning(...))` reaches it).
 
-Errors: a request's `Future` carries its error. ENOSPC/EDQUOT become a `UsageError` naming the folder; the file
-keeps its valid header and size, and every tensor not being written at that moment keeps its bytes.
+[Note: failed writes] A request's `Future` carries its error: ENOSPC/EDQUOT a `UsageError` naming the folder,
+the file, the tensor and what to do; any other failed transfer a `UsageError` naming the same and the OS error.
+A write that fails may have landed part of its chunks: the tensor then holds neither its old bytes nor its new
+ones, yet the file's header and size are intact, so any reader would take them for valid. So the store marks the
+entry failed: every later read of it fails with an error that says so (never stale or torn bytes), until a write
+of the whole entry succeeds. On `close` a file with a failed entry is deleted (renamed to `.corrupt` when it is
+to be kept: `keep=True` or attached), so no swap file is left holding torn bytes. Every other tensor of the file
+keeps its bytes.
 """
 
 from __future__ import annotations
@@ -126,6 +132,8 @@ class _File:
     """Written since the last `flush` (needs an fsync to be durable)."""
     pending: set = field(default_factory=set)
     """Request futures in flight on this file; `delete`/`create` wait for them before closing descriptors."""
+    failed: dict = field(default_factory=dict)
+    """Entry name -> the error of its last write, which failed ([Note: failed writes]); reads of it fail."""
 
 
 class NvmeStore:
@@ -314,14 +322,29 @@ class NvmeStore:
         out["write_Bps"] = out["bytes_written"] / busy["write"] if busy["write"] else 0.0
         return out
 
+    def failed(self, file: str) -> list[str]:
+        """Entries of `file` whose last write failed ([Note: failed writes]); reads of them fail."""
+        with self._lock:
+            return sorted(self._file(file).failed)
+
     def close(self) -> None:
-        """Drain the I/O threads, close every file, delete the created ones unless keep=True. Idempotent."""
+        """Drain the I/O threads, close every file, delete the created ones unless keep=True. Idempotent.
+
+        A file with a failed entry ([Note: failed writes]) is deleted, or renamed to `<name>.safetensors.corrupt`
+        when it would be kept (keep=True, attached): none is left that a reader would take for valid."""
         if self._closed:
             return
         self.wait()
         self._pool.shutdown()
-        for file in list(self._files):
-            self._drop(file, unlink=not self.keep and self._files[file].owned)
+        for name in list(self._files):
+            f = self._files[name]
+            kept = self.keep or not f.owned
+            self._drop(name, unlink=not kept)
+            if kept and f.failed:
+                try:
+                    os.replace(f.path, f.path.with_name(f.path.name + ".corrupt"))
+                except OSError:  # the disk may be what failed: then at least no valid-looking file stays
+                    f.path.unlink(missing_ok=True)
         self._closed = True
 
     def __enter__(self) -> "NvmeStore":
@@ -427,6 +450,13 @@ class NvmeStore:
             )
         req: Future = Future()
         req.set_running_or_notify_cancel()
+        with self._lock:
+            failed = f.failed.get(name) if kind == "read" else None
+        if failed is not None:  # [Note: failed writes]: torn bytes are never handed out
+            req.set_exception(UsageError(
+                f"--nvme: tensor {name!r} of {f.path} cannot be read: its last write failed, so it holds neither "
+                f"its old nor its new values ({failed}); fix that and restart from the last checkpoint"))
+            return req
         if e.nbytes == 0:
             req.set_result(None)
             return req
@@ -451,6 +481,11 @@ class NvmeStore:
                     f.pending.discard(req)
                     if kind == "write":
                         f.dirty = True
+                        # Marked before the Future completes: a read ordered after this write sees the mark.
+                        if errors:
+                            f.failed[name] = errors[0]
+                        else:
+                            f.failed.pop(name, None)  # every byte of the entry is new again
                 if errors:
                     req.set_exception(errors[0])
                 else:
@@ -511,7 +546,10 @@ class NvmeStore:
                 raise UsageError(
                     self._full_msg(f.path.name, f"could not take tensor {name!r} ({os.strerror(e.errno)})")
                 ) from None
-            raise OSError(e.errno, f"{kind} of tensor {name!r} at byte {off + done} failed", str(f.path)) from e
+            raise UsageError(
+                f"--nvme: {'writing' if kind == 'write' else 'reading'} tensor {name!r} of {f.path} failed at byte "
+                f"{off + done} ({e.strerror or e}); check the disk under {self.folder} (dmesg), or point --nvme "
+                f"at another disk") from e
         finally:
             with self._lock:
                 self._account(time.perf_counter(), kind, -1)
