@@ -281,7 +281,7 @@ def test_tight_host_budget_on_nvme(mode, tmp_path):
     """In a subprocess with a timeout: a deadlock (a step waiting for buffers a fetch holds) fails the test instead
     of stalling the run."""
     proc = subprocess.run([sys.executable, "-c", TIGHT_HOST, str(Path(__file__).parent), str(tmp_path), mode],
-                          capture_output=True, text=True, timeout=240)
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["host_peak"] <= r["budget"], r
