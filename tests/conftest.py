@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
 import pytest
+
+# Every engine in the test suite uses the strict CPU mover: copies complete late, on their own threads, and a buffer
+# freed, reused or read while a copy touches it fails loudly ([Note: the mover contract], tightfit/offload/movers.py).
+# Subprocesses the tests start inherit it.
+os.environ.setdefault("TIGHTFIT_STRICT_MOVER", "1")
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ from tightfit.errors import UsageError
 from tightfit.offload.engine import engine_of
 from tightfit.offload.flat_unit import Where
 from tightfit.offload.placement import State
-from tightfit.offload.staging import CpuMover
+from tightfit.offload.movers import CpuMover, Transfer
 from tightfit.offload.units import ALIGN, find_units
 from tightfit.optim import AdamW
 
@@ -134,12 +134,13 @@ def _delayed_packs(monkeypatch, gate: "threading.Event | None" = None, delay: fl
     """Make every gradient pack finish late: after `gate` is set, or `delay` seconds after the copy."""
     real = CpuMover.pack_grads
 
-    def pack_grads(self, grads, numel):
-        copied, out = real(self, grads, numel), Future()
+    def pack_grads(self, grads, numel, dtype):
+        copied, out = real(self, grads, numel, dtype), Transfer()
+        out.issued.set_result(None)
 
         def finish() -> None:
             gate.wait() if gate is not None else time.sleep(delay)
-            out.set_result(copied.result())
+            out.done.set_result(copied.done.result())
 
         threading.Thread(target=finish, daemon=True).start()
         return out
@@ -287,13 +288,16 @@ def test_a_dropped_wrapped_model_is_freed_with_its_engine_threads_and_swap_files
     assert not io_threads() - before, "its I/O threads are still running"
 
 
-def test_nvme_io_settings_come_from_the_placement(tmp_path):
-    placement = Placement.everywhere(Tier.NVME, nvme_dir=str(tmp_path / "swap"), nvme_threads=2,
-                                     nvme_chunk_bytes=8192)
-    losses, model, _ = train(tiny_gpt, placement, steps=3)
+def test_nvme_io_settings_given_to_wrap_reach_the_store(tmp_path):
+    # The disk's tuning is the probe's ([Note: disk tuning] in nvme.py); wrap's advanced `disk` keyword overrides it.
+    from tightfit.offload.nvme import DiskTuning
+
+    placement = Placement.everywhere(Tier.NVME, nvme_dir=str(tmp_path / "swap"))
+    losses, model, _ = train(tiny_gpt, placement, steps=3,
+                             wrap_kwargs={"disk": DiskTuning(threads=2, chunk_bytes=8192)})
     assert losses == train(tiny_gpt, steps=3)[0]
     nvme = engine_of(model).stores[Tier.NVME].nvme
-    assert nvme.chunk_bytes == 8192 and len(nvme._pool._threads) == 2
+    assert nvme.threads == 2 and len(nvme._pool._threads) == 2 and nvme.chunk_bytes == 8192
     engine_of(model).close()
 
 

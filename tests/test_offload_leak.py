@@ -49,7 +49,8 @@ def test_a_fetched_staging_buffer_is_freed_when_the_pool_drops_it(tmp_path):
     the cyclic collector ran; 13-27 MiB with 14 MB units, benchmarks/RESULTS.md batch H)."""
     import weakref
 
-    from tightfit.offload.staging import BufferPool, CpuMover
+    from tightfit.offload.movers import CpuMover
+    from tightfit.offload.staging import BufferPool
     from tightfit.offload.tiers import DiskStore
 
     store = DiskStore(str(tmp_path), threads=2)

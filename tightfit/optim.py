@@ -26,7 +26,7 @@ import torch
 
 from tightfit.errors import UsageError
 from tightfit.offload.engine import OffloadEngine, engine_of_param
-from tightfit.offload.optim_step import step_one, step_units
+from tightfit.offload.optim_step import Multipliers, step_one, step_units
 
 
 class AdamW(torch.optim.Optimizer):
@@ -96,7 +96,7 @@ class AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.engine.wait_early_steps()  # units stepped during backward (step_during_backward)
-        step_units(self.engine, self._work(), self._grad_scales)
+        step_units(self.engine, self._work(), Multipliers(self._grad_scales))
         self._grad_scales = []
         return loss
 
@@ -111,7 +111,7 @@ class AdamW(torch.optim.Optimizer):
         if self._grad_scales:
             raise UsageError("step_during_backward: gradients are being unscaled or clipped this step; clipping "
                              "needs all gradients before any unit is stepped, so call opt.step() after backward")
-        hyper = self._grad_scales
+        hyper = Multipliers(self._grad_scales)
 
         def early(unit) -> None:  # main thread, when the unit's backward is done
             work = self._work(only=unit)

@@ -91,3 +91,17 @@ def byte_view(t: torch.Tensor) -> memoryview:
 def is_aligned(t: torch.Tensor, alignment: int = DIRECT_ALIGN) -> bool:
     """True when `t`'s first byte sits at a multiple of `alignment` (what O_DIRECT needs of a buffer)."""
     return t.data_ptr() % alignment == 0
+
+
+def mapped_empty(numel: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """An uninitialised 1-D CPU tensor in its own anonymous mapping of whole pages (huge pages advised from
+    HUGE_PAGE bytes up): no page is shared with any other buffer, which `cudaHostRegister` needs (a page can be
+    registered once), and unmapping it really returns the memory."""
+    nbytes = numel * dtype.itemsize
+    pages = max(DIRECT_ALIGN, -(-nbytes // DIRECT_ALIGN) * DIRECT_ALIGN)
+    if _MADV_HUGEPAGE is not None and nbytes >= HUGE_PAGE:
+        raw = _huge_page_backed(pages)
+    else:
+        area = mmap.mmap(-1, pages, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        raw = torch.frombuffer(area, dtype=torch.uint8)
+    return raw[:nbytes].view(dtype)

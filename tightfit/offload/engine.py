@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 import weakref
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
 
 import torch
 import torch.nn as nn
@@ -38,13 +39,14 @@ from torch.utils.weak import WeakIdKeyDictionary
 from tightfit.errors import UsageError
 from tightfit.offload.aligned import aligned_empty
 from tightfit.offload.budget_checks import check_budgets, host_tier_bytes
-from tightfit.offload.flat_unit import MASTER, PARAMS, OffloadUnit, Where
+from tightfit.offload.flat_unit import MASTER, PARAMS, GradsState, OffloadUnit, ParamsState
 from tightfit.offload.grad_ship import ship_grads
 from tightfit.offload.hooks import queue_end_of_backward, register_hooks, remove_hooks
 from tightfit.offload.optim_step import discard_preload, preload
 from tightfit.offload.placement import ROOT_UNIT, Placement, State, Tier
 from tightfit.offload.schedule import Phase, Schedule
-from tightfit.offload.staging import BufferPool, CpuMover, CudaMover
+from tightfit.offload.movers import CpuMover, CudaMover, Transfer, strict_from_env
+from tightfit.offload.staging import BufferPool, HostAllocator, RegisteredAllocator
 from tightfit.offload.tiers import DiskStore, MemoryStore, TierStore
 from tightfit.offload.units import UnitPolicy, find_units
 from tightfit.offload.write_backs import WriteBacks
@@ -94,7 +96,7 @@ class OffloadEngine:
     """Streams one model's unit states across device, host and NVMe. Built by `tightfit.wrap`."""
 
     def __init__(self, model: nn.Module, placement: Placement, compute_dtype: torch.dtype,
-                 device: torch.device, units: UnitPolicy = None) -> None:
+                 device: torch.device, units: UnitPolicy = None, disk=None) -> None:
         if _ENGINES.get(model) is not None:
             raise UsageError("wrap: this model is already wrapped")
         if compute_dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -119,16 +121,27 @@ class OffloadEngine:
         if placement.uses(Tier.NVME) and not placement.nvme_dir:
             raise UsageError("placement puts states on nvme but gives no nvme_dir; pass --nvme PATH")
 
-        # The stores, one per tier. Device: the compute device. Host: CPU memory, pinned when a GPU copies from it.
-        # Disk: created only when some state is placed there. All live until `close`.
+        # The mover ([Note: the mover contract], movers.py) and the host memory it stages through. On CUDA, staging
+        # buffers and the host tier's params are page-locked by `RegisteredAllocator` (exactly metered, freed when
+        # dropped); nothing else is. The strict CPU mover (copies complete late, the contract checked) is what the
+        # test suite runs.
+        cuda = device.type == "cuda"
+        self._pinned = RegisteredAllocator() if cuda else None
+        staging = RegisteredAllocator() if cuda else HostAllocator()
+        self.pool = BufferPool(None, allocator=staging)  # capacity set below, once the host tier is known
+        self.mover = CudaMover(self.pool, device) if cuda else CpuMover(self.pool, strict=strict_from_env())
+        # The stores, one per tier. Device: the compute device. Host: CPU memory. Disk: created only when some state
+        # is placed there. All live until `close`. Copies across devices run on the mover's copy thread.
+        copier = self.mover.copy_async
         self.stores: dict[Tier, TierStore] = {
-            Tier.DEVICE: MemoryStore(Tier.DEVICE, device),
-            Tier.HOST: MemoryStore(Tier.HOST, torch.device("cpu"), pin=device.type == "cuda"),
+            Tier.DEVICE: MemoryStore(Tier.DEVICE, device, copier=copier),
+            Tier.HOST: MemoryStore(Tier.HOST, torch.device("cpu"), pinned=self._pinned, copier=copier),
         }
         if placement.uses(Tier.NVME):
+            # `disk` (nvme.DiskTuning, from wrap): overrides of the disk tuning the store derives by itself.
             self.stores[Tier.NVME] = DiskStore(placement.nvme_dir, placement.nvme_budget,
-                                               threads=placement.nvme_threads,
-                                               chunk_bytes=placement.nvme_chunk_bytes)
+                                               threads=disk.threads if disk else None,
+                                               chunk_bytes=disk.chunk_bytes if disk else None)
         self.units: dict[str, OffloadUnit] = {
             s.name: OffloadUnit(s, placement.of(s.name), self.stores, compute_dtype, device) for s in specs}
         # Pool bytes that preloads and held gradients for a step after backward leave free: the largest unit's
@@ -137,10 +150,9 @@ class OffloadEngine:
         self.step_reserve = max(u.step_bytes for u in self.units.values())
         check_budgets(self.units, placement, device)
 
-        host_left = None if placement.host_budget is None else placement.host_budget - host_tier_bytes(self.units)
         # [Note: staging memory] in staging.py: every transfer and optimizer working buffer comes from this pool.
-        self.pool = BufferPool(host_left, pin=device.type == "cuda")
-        self.mover = CudaMover(self.pool, device) if device.type == "cuda" else CpuMover(self.pool)
+        self.pool.capacity = (None if placement.host_budget is None
+                              else placement.host_budget - host_tier_bytes(self.units))
         # Gradient worker: accumulates gradients that left the device into their host/disk tier, one unit after
         # another, overlapping the backward of the units after. One thread keeps micro-batches of a unit in order.
         # Shut down by `close`.
@@ -161,11 +173,14 @@ class OffloadEngine:
         # Transient device bytes: materialised (fetched) units and gradients not yet copied off. The device-tier
         # states themselves are counted by the device store; `device_in_use` is the sum of both.
         self.device_bytes = 0
-        # Gradients shipped but not yet packed off the device: (bytes still metered, the pack's Future).
-        self._packing: list[tuple[int, Future]] = []
+        # Gradients shipped but not yet packed off the device: (bytes still metered, the pack's Transfer).
+        self._packing: list[tuple[int, Transfer]] = []
+        # Host waits for a device copy to complete, per phase ([Note: the mover contract] 6): none in forward.
+        self.host_waits: Counter = Counter()
         self.device_peak = 0
         self._active: set[str] = set()  # units materialised because they compute now (not mere prefetches)
         self._timers: dict[str, float] = {}
+        self._warned_autocast = False
         self._t_step = None
 
         for unit in self.units.values():
@@ -251,9 +266,9 @@ class OffloadEngine:
 
     def steps_in_flat(self, unit: OffloadUnit) -> bool:
         """Does the root unit's optimizer step run in place on its materialised params (CPU, fp32 master)?"""
-        return (unit.spec.is_root and self.early_step is not None and bool(unit.trainable) and not unit.resident
+        return (unit.spec.is_root and self.early_step is not None and bool(unit.trainable)
                 and unit.master_entry == PARAMS and unit.flat.device.type == "cpu"
-                and unit.where[State.PARAMS] == Where.ON_DEVICE)
+                and unit.params_state == ParamsState.READY)
 
     def read_master(self, unit: OffloadUnit) -> torch.Tensor:
         """The unit's fp32 master values as a new host tensor."""
@@ -277,14 +292,18 @@ class OffloadEngine:
 
     def _settle_packs(self, wait: bool = False) -> None:
         """Stop metering the gradients whose pack has read them (all of them, waiting, if `wait`)."""
-        if wait:
-            wait_futures([f for _, f in self._packing])  # errors stay on the Futures (the grad worker raises them)
         still = []
-        for nbytes, fut in self._packing:
-            if fut.done():
+        for nbytes, pack in self._packing:
+            if wait and not pack.done.done():
+                self.host_waits[self.phase] += 1
+                try:
+                    self.mover.sync(pack)
+                except BaseException:  # noqa: BLE001 - the gradient worker raises it
+                    pass
+            if pack.done.done():
                 self.device_bytes -= nbytes
             else:
-                still.append((nbytes, fut))
+                still.append((nbytes, pack))
         self._packing = still
 
     def _make_room(self, keep: OffloadUnit, nbytes: int) -> bool:
@@ -302,10 +321,13 @@ class OffloadEngine:
 
     def materialise(self, unit: OffloadUnit) -> None:
         self._active.add(unit.name)
-        if unit.resident or unit.where[State.PARAMS] == Where.ON_DEVICE:
+        if unit.refresh is not None:  # the last step's new compute params are on their way
+            self.mover.wait(unit.refresh)
+            unit.refresh = None
+        if unit.params_state in (ParamsState.RESIDENT, ParamsState.READY):
             return
         t0 = time.perf_counter()
-        if unit.where[State.PARAMS] != Where.IN_FLIGHT:
+        if unit.params_state == ParamsState.RELEASED:
             if not self._make_room(unit, unit.compute_bytes):
                 raise UsageError(
                     f"device budget {format_size(self.placement.device_budget)} exceeded materialising unit "
@@ -346,7 +368,30 @@ class OffloadEngine:
 
     # ---- events from the hooks -------------------------------------------------------------------------------
 
+    def _check_autocast(self) -> None:
+        """Refuse (under a device budget) or warn about autocast to a lower precision over fp32 compute weights.
+
+        Why: autocast casts each weight for every op that uses it and saves the cast for backward, so every unit's
+        weights live on the device a second time, in the low dtype, from forward to backward: memory the engine
+        neither sees nor frees. The engine can hold the compute copy in that dtype itself (fp32 master kept)."""
+        kind = self.device.type
+        if self.compute_dtype != torch.float32 or not torch.is_autocast_enabled(kind):
+            return
+        dtype = torch.get_autocast_dtype(kind)
+        if dtype == torch.float32:
+            return
+        name = str(dtype).replace("torch.", "")
+        msg = (f"autocast({name}) is on over fp32 compute weights: it keeps a {name} copy of every unit's weights "
+               f"from forward to backward, outside the device budget; wrap with compute_dtype=torch.{name} (the "
+               "fp32 master weights stay) and drop the autocast")
+        if self.placement.device_budget is not None:
+            raise UsageError(msg)
+        if not self._warned_autocast:
+            self._warned_autocast = True
+            warnings.warn(msg, stacklevel=3)
+
     def on_root_forward_start(self) -> None:
+        self._check_autocast()
         self.phase = Phase.FORWARD
         self._t_step = time.perf_counter()
         self.schedule.begin(Phase.FORWARD)
@@ -409,9 +454,9 @@ class OffloadEngine:
             unit.grads_charged = unit.grad_bytes
             self._charge(unit.grad_bytes)
 
-    def _uncharge_grads(self, unit: OffloadUnit, packing: Future | None = None) -> None:
+    def _uncharge_grads(self, unit: OffloadUnit, packing: Transfer | None = None) -> None:
         """Stop counting the unit's `param.grad`s: now, or once `packing` (their copy off the device) is done."""
-        if packing is not None and not packing.done():
+        if packing is not None and not packing.done.done():
             self._packing.append((unit.grads_charged, packing))
         else:
             self.device_bytes -= unit.grads_charged
@@ -460,6 +505,10 @@ class OffloadEngine:
     def wait_writes(self) -> None:
         """Block until every optimizer write-back has reached its tier; raise the first failure."""
         self.writes.wait()
+        for unit in self.units.values():
+            if unit.refresh is not None:
+                self.mover.sync(unit.refresh)
+                unit.refresh = None
 
     def _end_of_backward(self) -> None:
         for unit in self.units.values():
@@ -496,7 +545,7 @@ class OffloadEngine:
                 unit.held_grads = None
             unit.has_grad = [False] * len(unit.trainable)
             unit.grad_norms = [None] * len(unit.trainable)
-            unit.where[State.GRADS] = Where.EMPTY
+            unit.grads_to(GradsState.EMPTY)
 
     def locate(self, p: torch.Tensor) -> "tuple[OffloadUnit, int] | None":
         """(unit, index into unit.trainable) of a trainable parameter of this model; None if frozen."""

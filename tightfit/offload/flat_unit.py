@@ -16,6 +16,7 @@ device, `flat` is the stored tensor itself and is never freed.
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 from enum import Enum
 
@@ -27,7 +28,7 @@ from tightfit.offload.units import UnitSpec
 
 
 class Where(str, Enum):
-    """Where one state of one unit is right now."""
+    """Where one state of one unit is right now (for reports: derived from the unit's states below)."""
 
     ON_DEVICE = "on device"
     IN_HOST = "in host"
@@ -39,6 +40,43 @@ class Where(str, Enum):
 
 
 AT_REST = {Tier.DEVICE: Where.ON_DEVICE, Tier.HOST: Where.IN_HOST, Tier.NVME: Where.ON_DISK}
+
+
+class ParamsState(str, Enum):
+    """The compute copy of a unit's parameters. Transitions (asserted, `OffloadUnit._params_to`):
+    RELEASED -> FETCHING (start_fetch) -> READY (finish_fetch) -> RELEASED (free); FETCHING -> RELEASED (free
+    cancels the copy). RESIDENT never changes: the params tier is the device and `flat` is the stored tensor."""
+
+    RESIDENT = "resident"
+    RELEASED = "released"
+    FETCHING = "fetching"
+    READY = "ready"
+
+
+class GradsState(str, Enum):
+    """A unit's accumulated gradients between two optimizer steps. Transitions (asserted, `_grads_to`):
+    EMPTY | STORED | HELD -> SHIPPING (a backward's gradients leave the device; micro-batches may overlap) ->
+    STORED (on their tier) or HELD (final gradients kept in a pool buffer for the step, `held_grads`);
+    EMPTY | STORED -> STORED directly when the tier is addressable where they were computed; and any state at rest
+    -> EMPTY (consumed by the step, or zero_grad)."""
+
+    EMPTY = "empty"
+    SHIPPING = "shipping"
+    STORED = "stored"
+    HELD = "held"
+
+
+_PARAMS_MOVES = {
+    ParamsState.FETCHING: {ParamsState.RELEASED},
+    ParamsState.READY: {ParamsState.FETCHING},
+    ParamsState.RELEASED: {ParamsState.FETCHING, ParamsState.READY},
+}
+_GRADS_MOVES = {
+    GradsState.SHIPPING: {GradsState.EMPTY, GradsState.STORED, GradsState.HELD, GradsState.SHIPPING},
+    GradsState.STORED: {GradsState.SHIPPING, GradsState.EMPTY, GradsState.STORED},
+    GradsState.HELD: {GradsState.SHIPPING},
+    GradsState.EMPTY: {GradsState.EMPTY, GradsState.STORED, GradsState.HELD},
+}
 
 # Entry names inside a store (also the tensor names inside a unit's safetensors file).
 PARAMS, MASTER, GRADS, EXP_AVG, EXP_AVG_SQ = "params", "master", "grads", "exp_avg", "exp_avg_sq"
@@ -59,16 +97,18 @@ class OffloadUnit:
         self.master_entry = PARAMS if (compute_dtype == torch.float32
                                        and placement.params == placement.master) else MASTER
         self.trainable = spec.trainable  # slots with gradients, in flat order
-        self.where: dict[State, Where] = {
-            State.PARAMS: AT_REST[placement.params],
-            State.MASTER: AT_REST[placement.master],
-            State.GRADS: Where.EMPTY,
-            State.OPTIM: Where.EMPTY,
-        }
         self.resident = placement.params == Tier.DEVICE
+        self.params_state = ParamsState.RESIDENT if self.resident else ParamsState.RELEASED
+        self.grads_state = GradsState.EMPTY
+        self._shipping = 0  # gradient ships in flight (micro-batches of one unit may overlap)
+        self._grads_lock = threading.Lock()  # grads_state moves on the main thread and the gradient worker
+        self.moments_empty = True  # no optimizer step yet: Adam's moments start at zero, nothing to read
         self.flat: torch.Tensor | None = None
         self.flat_io: torch.Tensor | None = None
-        self.fetch: Future | None = None  # the in-flight params fetch, if any
+        self.fetch = None  # the Transfer filling `flat` while FETCHING (movers.py)
+        # A resident unit with a separate master: the Transfer uploading its compute params refreshed by the last
+        # step; the next forward's compute waits on it (engine.materialise).
+        self.refresh = None
         # [Note: master from the fetch] With fp32 compute the params *are* the master values. A backward fetch from
         # disk reads them into a staging buffer anyway; when the unit is about to be stepped, that buffer is kept
         # (`kept_master`, a pool buffer) and becomes the step's master buffer instead of reading the same bytes
@@ -149,9 +189,27 @@ class OffloadUnit:
         if not self.resident:
             self.flat.untyped_storage().resize_(0)
 
+    def _params_to(self, new: ParamsState) -> None:
+        assert self.params_state in _PARAMS_MOVES[new], f"{self.name}: params {self.params_state.value} -> {new.value}"
+        self.params_state = new
+
+    def grads_to(self, new: GradsState) -> None:
+        """Move the gradients' state (any thread); SHIPPING counts ships in flight, the last one to land decides."""
+        with self._grads_lock:
+            old = self.grads_state
+            if old == GradsState.SHIPPING and new != GradsState.SHIPPING:
+                self._shipping -= 1
+                if self._shipping:
+                    return  # another micro-batch's gradients are still on their way
+            assert old in _GRADS_MOVES[new], f"{self.name}: grads {old.value} -> {new.value}"
+            if new == GradsState.SHIPPING:
+                self._shipping += 1
+            self.grads_state = new
+
     def start_fetch(self, mover, keep_master: bool = False) -> None:
-        """Allocate the flat buffer and start copying the params in (state IN_FLIGHT). keep_master: keep the
-        staging buffer the bytes pass through as `kept_master` (see the note in __init__)."""
+        """Allocate the flat buffer and start copying the params in. keep_master: keep the staging buffer the bytes
+        pass through as `kept_master` (see the note in __init__)."""
+        self._params_to(ParamsState.FETCHING)
         self.flat.untyped_storage().resize_(self.compute_bytes)
         if self.fresh_params is not None:  # updated by the step that just ran: no disk read
             buf, write = self.fresh_params
@@ -160,32 +218,41 @@ class OffloadUnit:
         else:
             self.fetch = mover.fetch(self.store[State.PARAMS], self.name, PARAMS, self.flat_io,
                                      keep_staging=keep_master)
-        self.where[State.PARAMS] = Where.IN_FLIGHT
 
     def finish_fetch(self, mover) -> None:
         kept = mover.wait(self.fetch)
         self.fetch = None
-        self.where[State.PARAMS] = Where.ON_DEVICE
+        self._params_to(ParamsState.READY)
         if kept is not None:
             self.kept_master = kept
 
     def free(self, mover) -> None:
-        """Drop the device copy (params are never modified in place by compute, so nothing is written back)."""
+        """Drop the device copy (params are never modified in place by compute, so nothing is written back).
+        A copy still filling the buffer is cancelled first ([Note: the mover contract] 3, movers.py)."""
         if self.fetch is not None:
-            kept = self.fetch.result()  # a copy into the buffer must finish before its memory goes away
+            mover.cancel(self.fetch)
             self.fetch = None
-            if kept is not None:  # a prefetch evicted before use: nobody will step from it
-                mover.pool.give(kept)
         if self.flat_write is not None:
-            self.flat_write.result()  # the write-back of a step in place reads this storage
+            self.flat_write.result()  # the write-back of a step in place reads this storage (a disk write)
             self.flat_write = None
         self.master_in_flat = False
         self.flat.untyped_storage().resize_(0)
-        self.where[State.PARAMS] = AT_REST[self.placement.params]
+        self._params_to(ParamsState.RELEASED)
 
     @property
     def on_device(self) -> bool:
-        return self.resident or self.where[State.PARAMS] in (Where.ON_DEVICE, Where.IN_FLIGHT)
+        return self.params_state != ParamsState.RELEASED
+
+    @property
+    def where(self) -> dict[State, Where]:
+        """Where each state is now (derived; for reports and tests)."""
+        params = {ParamsState.RESIDENT: Where.ON_DEVICE, ParamsState.READY: Where.ON_DEVICE,
+                  ParamsState.FETCHING: Where.IN_FLIGHT, ParamsState.RELEASED: AT_REST[self.placement.params]}
+        grads = {GradsState.EMPTY: Where.EMPTY, GradsState.SHIPPING: Where.IN_FLIGHT,
+                 GradsState.STORED: AT_REST[self.placement.grads], GradsState.HELD: Where.IN_HOST}
+        return {State.PARAMS: params[self.params_state], State.MASTER: AT_REST[self.placement.master],
+                State.GRADS: grads[self.grads_state],
+                State.OPTIM: Where.EMPTY if self.moments_empty else AT_REST[self.placement.optim]}
 
     def reset_backward(self) -> None:
         self.got.clear()

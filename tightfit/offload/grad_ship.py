@@ -19,16 +19,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tightfit.offload.flat_unit import AT_REST, GRADS, OffloadUnit, Where
+from tightfit.offload.flat_unit import GRADS, GradsState, OffloadUnit
 from tightfit.offload.placement import State
 
 if TYPE_CHECKING:
     from tightfit.offload.engine import OffloadEngine
 
 
-def ship_grads(engine: OffloadEngine, unit: OffloadUnit) -> Future | None:
+def ship_grads(engine: OffloadEngine, unit: OffloadUnit):
     """Move the unit's new `param.grad`s into its grads tier, accumulating; drop `param.grad`. Returns the
-    Future of their copy off the device while it may still read them (None when they were used up at once)."""
+    Transfer of their copy off the device while it may still read them (None when they were used up at once)."""
     pairs = []
     for i in sorted(unit.got):
         slot = unit.trainable[i]
@@ -49,10 +49,13 @@ def ship_grads(engine: OffloadEngine, unit: OffloadUnit) -> Future | None:
             view = slot.view(acc)
             view.add_(g) if had[i] else view.copy_(g)
         _record_norms(unit, acc)
-        unit.where[State.GRADS] = AT_REST[unit.placement.grads]
+        unit.grads_to(GradsState.STORED)
         return None
-    packed = engine.mover.pack_grads([((slot.offset, slot.shape), g) for _, slot, g in pairs], unit.spec.train_numel)
-    unit.where[State.GRADS] = Where.IN_FLIGHT
+    # Packed in the gradients' own dtype (the compute dtype): the copy off the device converts nothing and moves
+    # only their bytes; the worker upcasts to fp32 on the host, exactly (every bf16/fp16 value is an fp32 value).
+    packed = engine.mover.pack_grads([((slot.offset, slot.shape), g) for _, slot, g in pairs], unit.spec.train_numel,
+                                     pairs[0][2].dtype)
+    unit.grads_to(GradsState.SHIPPING)
     # When a step follows this backward (declared by the optimizer), the unit's final gradients stay in the packed
     # buffer for it instead of making a round trip to disk, while the pool keeps `hold` bytes free beside them.
     hold = None
@@ -65,13 +68,20 @@ def ship_grads(engine: OffloadEngine, unit: OffloadUnit) -> Future | None:
     return packed
 
 
-def _accumulate_off_device(engine: OffloadEngine, unit: OffloadUnit, packed: Future, previous: Future | None,
+def _accumulate_off_device(engine: OffloadEngine, unit: OffloadUnit, packed, previous: Future | None,
                            new: set[int], had: list[bool], hold: int | None = None) -> None:
     """Grad worker: add a packed host copy of new gradients into the unit's host or disk gradient entry."""
     t0 = time.perf_counter()
     if previous is not None:
         previous.result()
-    buf = packed.result()
+    buf = packed.done.result()
+    if buf.dtype != torch.float32:  # upcast on the host: the fp32 buffer is what gets accumulated and written
+        wide = engine.pool.take(unit.spec.train_numel, torch.float32)
+        for i in new:
+            slot = unit.trainable[i]
+            slot.view(wide).copy_(slot.view(buf))
+        engine.pool.give(buf)
+        buf = wide
     store = unit.store[State.GRADS]
     acc = store.tensor(unit.name, GRADS)
     if acc is not None:  # host memory
@@ -98,12 +108,12 @@ def _accumulate_off_device(engine: OffloadEngine, unit: OffloadUnit, packed: Fut
         # step that is the only one to free them.
         if hold is not None and engine.pool.has_room(hold):
             unit.held_grads = buf
-            unit.where[State.GRADS] = Where.IN_HOST
+            unit.grads_to(GradsState.HELD)
             engine._time("grad_accumulate_s", t0)
             return
         store.save(unit.name, GRADS, buf).result()
     engine.pool.give(buf)
-    unit.where[State.GRADS] = AT_REST[unit.placement.grads]
+    unit.grads_to(GradsState.STORED)
     engine._time("grad_accumulate_s", t0)
 
 

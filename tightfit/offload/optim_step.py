@@ -28,8 +28,9 @@ from concurrent.futures import Future
 
 import torch
 
-from tightfit.offload.flat_unit import AT_REST, EXP_AVG, EXP_AVG_SQ, GRADS, MASTER, PARAMS, OffloadUnit, Where
+from tightfit.offload.flat_unit import EXP_AVG, EXP_AVG_SQ, GRADS, MASTER, PARAMS, GradsState, OffloadUnit, ParamsState
 from tightfit.offload.placement import State, Tier
+from tightfit.offload.tiers import done_future
 
 Work = tuple[OffloadUnit, list[tuple[dict, list[int]]]]
 """A unit and, per parameter group, the indices (into unit.trainable) of the slots to step."""
@@ -75,7 +76,7 @@ def _prepare(engine, unit: OffloadUnit, grads: bool = True, into: _Loaded | None
     runs; entries already in `into` (a preload) are kept. `stepping`: for the step itself, not a preload."""
     where = _step_device(engine, unit)
     work = into or _Loaded(unit)
-    fresh_moments = unit.where[State.OPTIM] == Where.EMPTY
+    fresh_moments = unit.moments_empty
     for state, entry, numel in ((State.MASTER, unit.master_entry, unit.spec.numel),
                                 (State.GRADS, GRADS, unit.spec.train_numel),
                                 (State.OPTIM, EXP_AVG, unit.spec.train_numel),
@@ -121,7 +122,7 @@ def _master_from_memory(engine, unit: OffloadUnit, work: _Loaded, stepping: bool
         work.tensors[PARAMS] = work.borrowed[PARAMS] = unit.kept_master
         unit.kept_master = None
         return True
-    if (not unit.resident and unit.flat.device.type == "cpu" and unit.where[State.PARAMS] == Where.ON_DEVICE
+    if (unit.params_state == ParamsState.READY and unit.flat.device.type == "cpu"
             and unit.store[State.MASTER].tensor(unit.name, PARAMS) is None):
         buf = _take(engine, unit, unit.spec.numel, torch.float32, stepping)
         buf.copy_(unit.flat_io)
@@ -130,15 +131,30 @@ def _master_from_memory(engine, unit: OffloadUnit, work: _Loaded, stepping: bool
     return False
 
 
-def _step(unit: OffloadUnit, work: _Loaded, groups: list[tuple[dict, list[int]]],
-          grad_scales: list[torch.Tensor]) -> None:
+class Multipliers:
+    """The gradient multipliers of one step (loss-scale inverse, clip coefficient), each moved to a device once per
+    step rather than once per unit and group (a device-to-host copy is a host sync)."""
+
+    def __init__(self, scales: list[torch.Tensor]) -> None:
+        self.scales = scales  # the optimizer's list: multipliers added before the step count
+        self._on: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
+
+    def on(self, device: torch.device) -> list[torch.Tensor]:
+        key = (device, len(self.scales))
+        if key not in self._on:
+            self._on[key] = [s.to(device) for s in self.scales]
+        return self._on[key]
+
+
+def _step(unit: OffloadUnit, work: _Loaded, groups: list[tuple[dict, list[int]]], grad_scales: Multipliers) -> None:
     master, grads = work.tensors[unit.master_entry], work.tensors[GRADS]
     m, v = work.tensors[EXP_AVG], work.tensors[EXP_AVG_SQ]
+    scales = grad_scales.on(grads.device)
     for group, idx in groups:
         slots = [unit.trainable[i] for i in idx]
         g = [s.view(grads) for s in slots]
-        for scale in grad_scales:  # loss-scale inverse, clip coefficient: torch multiplies grads the same way
-            torch._foreach_mul_(g, scale.to(grads.device))
+        for scale in scales:  # loss-scale inverse, clip coefficient: torch multiplies grads the same way
+            torch._foreach_mul_(g, scale)
         for i in idx:
             if unit.steps[i] is None:
                 unit.steps[i] = torch.tensor(0.0, dtype=torch.float32, device=master.device)
@@ -174,8 +190,14 @@ def _write_back(engine, work: _Loaded) -> list[Future]:
     if unit.master_entry == MASTER:  # separate compute copy: refresh it from the new master values
         master = work.tensors[MASTER]
         target = unit.store[State.PARAMS].tensor(unit.name, PARAMS)
-        if target is not None:
-            target.copy_(master)
+        if target is not None and target.device == master.device and not unit.resident:
+            target.copy_(master)  # the host tier's compute copy, cast in place
+        elif target is not None and unit.resident:
+            cast = _take(engine, unit, unit.spec.numel, unit.compute_dtype, stepping=True)
+            cast.copy_(master)  # cast on the host, where the master is
+            # The device copy the next forward computes with: uploaded asynchronously, and the forward waits on it
+            # (engine.materialise); the mover returns `cast` to the pool once copied.
+            unit.refresh = engine.mover.copy_in(cast, target, after=done_future())
         else:
             cast = _take(engine, unit, unit.spec.numel, unit.compute_dtype, stepping=True)
             cast.copy_(master)
@@ -189,7 +211,7 @@ def _write_back(engine, work: _Loaded) -> list[Future]:
 
 
 def step_one(engine, unit: OffloadUnit, groups: list[tuple[dict, list[int]]],
-             grad_scales: list[torch.Tensor]) -> list[Future]:
+             grad_scales: Multipliers) -> list[Future]:
     """Step one unit (load, step, start the write-back); its gradients are consumed. Returns the pending writes.
 
     Used for the step that overlaps backward: called on the engine's step thread as soon as the unit's gradients
@@ -203,8 +225,8 @@ def step_one(engine, unit: OffloadUnit, groups: list[tuple[dict, list[int]]],
     _step(unit, work, groups, grad_scales)
     t2 = time.perf_counter()
     writes = _write_back(engine, work)
-    unit.where[State.OPTIM] = AT_REST[unit.placement.optim]
-    unit.where[State.GRADS] = Where.EMPTY
+    unit.moments_empty = False
+    unit.grads_to(GradsState.EMPTY)
     unit.has_grad = [False] * len(unit.trainable)
     unit.grad_norms = [None] * len(unit.trainable)
     engine._timers["optimizer_s"] = engine._timers.get("optimizer_s", 0.0) + t2 - t1
@@ -242,7 +264,7 @@ def discard_preload(engine, unit: OffloadUnit) -> None:
     engine.drop_kept_master(unit)
 
 
-def step_units(engine, work: list[Work], grad_scales: list[torch.Tensor]) -> None:
+def step_units(engine, work: list[Work], grad_scales: Multipliers) -> None:
     """One optimizer step over `work`, in order; loads of the next units overlap this unit's step.
 
     Read-ahead: up to `placement.prefetch_depth` units are loading while one is stepped, as far as the buffer pool
@@ -286,11 +308,9 @@ def step_units(engine, work: list[Work], grad_scales: list[torch.Tensor]) -> Non
         # keep a buffer the pool may already have dropped alive until the end of the step.
         writes = [f for f in writes if not f.done()] + _write_back(engine, current)
         del current
-        unit.where[State.OPTIM] = AT_REST[unit.placement.optim]
+        unit.moments_empty = False
     engine.writes.check()  # a write-back of the previous step failed: its entry is stale, stop here
     engine.writes.add(writes)  # not waited for: later loads of these entries are ordered after them
-    for unit, _ in work:
-        unit.where[State.GRADS] = Where.EMPTY
     engine.zero_grad()
     engine._timers["optimizer_s"] = engine._timers.get("optimizer_s", 0.0) + compute
     engine._timers["optimizer_io_wait_s"] = engine._timers.get("optimizer_io_wait_s", 0.0) + io_wait

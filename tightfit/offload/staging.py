@@ -1,46 +1,132 @@
-"""Moving bytes between tier stores and the compute device: the bounded host buffer pool and two movers.
-
-Why a mover object: the schedule is the same on every machine, only "copy these bytes to the device" differs.
-`CpuMover` (no GPU: the device is the CPU with a budget) runs copies on a small thread pool; `CudaMover` runs them
-on dedicated CUDA streams through pinned staging buffers, ordered with events. The engine picks one at wrap time
-and never tests the device type again.
+"""Host staging memory: the bounded buffer pool every transfer and optimizer step draws from, and its allocators.
 
 [Note: staging memory] Every host buffer the engine needs for a transfer or an optimizer step comes from one
 `BufferPool` with a byte capacity (what the host budget leaves after the host tier itself). `take` blocks when the
 pool is exhausted until another transfer returns a buffer: that back-pressure is what keeps peak host memory
 within budget however far ahead the schedule runs.
+
+[Note: metering what the allocator holds] The pool meters the bytes its allocator really holds, not the bytes it
+asked for: `pool.bytes == allocator.held` at all times. That matters on CUDA, where torch's pinned allocator
+(`torch.empty(..., pin_memory=True)`) rounds every request up to a power of two and never gives memory back, so a
+pool counting `numel * itemsize` undercounted and "dropping" an idle buffer freed nothing. The CUDA pool uses
+`RegisteredAllocator` instead: each buffer is its own page-aligned mapping, page-locked with `cudaHostRegister`
+and unregistered when dropped, so what is counted is what is held, and a drop frees. Only buffers that take part
+in asynchronous device copies (parameter staging, gradient packs) need page-locking at all; the host tier's
+masters and moments never do (tiers.py).
 """
 
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+import weakref
+from concurrent.futures import Future
 
 import torch
 
 from tightfit.errors import UsageError
-from tightfit.offload.aligned import aligned_empty
-from tightfit.offload.tiers import TierStore, done_future
+from tightfit.offload.aligned import DIRECT_ALIGN, aligned_empty, mapped_empty
+
+
+class HostAllocator:
+    """Where a pool's buffers come from. `allocate` returns (buffer, bytes the process newly holds for it); `release`
+    gives a buffer back and returns the bytes that really went back. `held` is the running total."""
+
+    pinned = False
+
+    def __init__(self) -> None:
+        self.held = 0
+
+    def allocate(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+        buf = aligned_empty(numel, dtype)
+        nbytes = numel * dtype.itemsize
+        self.held += nbytes
+        return buf, nbytes
+
+    def cost(self, numel: int, dtype: torch.dtype) -> int:
+        """Bytes a new `allocate` of this size would add to `held` now."""
+        return numel * dtype.itemsize
+
+    def size_of(self, buf: torch.Tensor) -> int:
+        """Bytes held for `buf`, one of this allocator's buffers."""
+        return self.cost(buf.numel(), buf.dtype)
+
+    def release(self, buf: torch.Tensor) -> int:
+        nbytes = buf.numel() * buf.element_size()
+        self.held -= nbytes
+        return nbytes
+
+
+class RegisteredAllocator(HostAllocator):
+    """Page-locked buffers for asynchronous copies (CUDA): each one its own page-aligned mapping, registered with
+    `cudaHostRegister` and unregistered when released, so it holds exactly its pages and frees them when dropped.
+    `register(ptr, nbytes)` / `unregister(ptr)` default to the CUDA runtime's (tests pass recording stand-ins)."""
+
+    pinned = True
+
+    def __init__(self, register=None, unregister=None) -> None:
+        super().__init__()
+        self._register = register or _cuda_host_register
+        self._unregister = unregister or _cuda_host_unregister
+
+    @staticmethod
+    def _pages(numel: int, dtype: torch.dtype) -> int:
+        return -(-numel * dtype.itemsize // DIRECT_ALIGN) * DIRECT_ALIGN
+
+    def allocate(self, numel, dtype):
+        nbytes = self._pages(numel, dtype)
+        buf = mapped_empty(numel, dtype)  # its own mapping: no page is shared with another registration
+        self._register(buf.data_ptr(), nbytes)
+        self.held += nbytes
+        return buf, nbytes
+
+    def cost(self, numel, dtype):
+        return self._pages(numel, dtype)
+
+    def release(self, buf):
+        self._unregister(buf.data_ptr())
+        nbytes = self._pages(buf.numel(), buf.dtype)
+        self.held -= nbytes
+        return nbytes
+
+
+def _cuda_host_register(ptr: int, nbytes: int) -> None:
+    err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} B failed (error {int(err)})")
+
+
+def _cuda_host_unregister(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 class BufferPool:
-    """Reusable 1-D host buffers (4096-byte aligned for O_DIRECT; pinned on CUDA), at most `capacity` bytes."""
+    """Reusable 1-D host buffers (4096-byte aligned for O_DIRECT), at most `capacity` bytes held by the allocator.
 
-    def __init__(self, capacity: int | None, pin: bool = False) -> None:
+    poison: fill every buffer with NaN (0xFF bytes) when it is lent and when it comes back, so a read of bytes a
+    transfer has not written yet, or of a buffer after it was returned, shows up as NaNs in the results (the strict
+    test mode, movers.py). `guard(buf)`, when set, is asked before a returned buffer becomes reusable: it raises if
+    a transfer still touches it.
+    """
+
+    def __init__(self, capacity: int | None, allocator: HostAllocator | None = None, poison: bool = False) -> None:
         self.capacity = capacity
-        self.pin = pin
-        # (numel, dtype) -> idle buffers. Kept for reuse; dropped (freed) only to make room for another size.
+        self.allocator = allocator or HostAllocator()
+        self.poison = poison
+        self.guard = None
+        # (numel, dtype) -> idle buffers. Kept for reuse; released only to make room for another size.
         self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        # Buffers lent out (weakly: a lent buffer that dies without coming back is a metering leak, `live_bytes`).
+        self._lent: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._cond = threading.Condition()
-        self.bytes = 0  # bytes allocated (idle + lent)
+        self.bytes = 0  # bytes the allocator holds for this pool (idle + lent), [Note: metering what ...]
         self.peak = 0
 
-    @staticmethod
-    def _size(numel: int, dtype: torch.dtype) -> int:
-        return numel * dtype.itemsize
+    @property
+    def pin(self) -> bool:
+        return self.allocator.pinned
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        need = self._size(numel, dtype)
+        need = self.allocator.cost(numel, dtype)
         if self.capacity is not None and need > self.capacity:
             raise UsageError(f"host budget: a {need} B staging buffer does not fit the {self.capacity} B left for "
                              "staging; raise --cpu-mem or use smaller units")
@@ -48,27 +134,34 @@ class BufferPool:
             while True:
                 idle = self._free.get((numel, dtype))
                 if idle:
-                    return idle.pop()
-                if self.capacity is None or self.bytes + need <= self.capacity:
+                    buf = idle.pop()
                     break
-                # Free idle buffers of other sizes before waiting for a lent one to come back.
-                victims = [(k, lst) for k, lst in self._free.items() if lst]
-                if victims:
-                    k, lst = victims[0]
-                    lst.pop()
-                    self.bytes -= self._size(*k)
+                need = self.allocator.cost(numel, dtype)
+                if self.capacity is None or self.bytes + need <= self.capacity:
+                    buf, held = self.allocator.allocate(numel, dtype)
+                    self.bytes += held
+                    self.peak = max(self.peak, self.bytes)
+                    break
+                # Release idle buffers of other sizes before waiting for a lent one to come back.
+                victim = next(((k, lst) for k, lst in self._free.items() if lst), None)
+                if victim is not None:
+                    self.bytes -= self.allocator.release(victim[1].pop())
                     continue
+                if not self._lent:
+                    raise UsageError(f"host budget: {self.bytes} B held by the staging allocator and none of it "
+                                     f"lent, yet no room for {need} B more; raise --cpu-mem")
                 self._cond.wait()
-            self.bytes += need
-            self.peak = max(self.peak, self.bytes)
-        return aligned_empty(numel, dtype, pin=self.pin)
+            self._lent[id(buf)] = buf
+        if self.poison:
+            _poison(buf)
+        return buf
 
     def room(self) -> int | None:
-        """Bytes a `take` could get now without waiting (idle buffers count: they can be dropped); None: no cap."""
+        """Bytes a `take` could get now without waiting (idle buffers count: they can be released); None: no cap."""
         if self.capacity is None:
             return None
         with self._cond:
-            idle = sum(len(lst) * self._size(*k) for k, lst in self._free.items())
+            idle = sum(self.allocator.size_of(b) for lst in self._free.values() for b in lst)
             return self.capacity - self.bytes + idle
 
     def has_room(self, nbytes: int) -> bool:
@@ -84,7 +177,12 @@ class BufferPool:
             return [b.view(-1).view(torch.uint8) for lst in self._free.values() for b in lst]
 
     def give(self, buf: torch.Tensor) -> None:
+        if self.guard is not None:
+            self.guard(buf)
+        if self.poison:
+            _poison(buf)
         with self._cond:
+            self._lent.pop(id(buf), None)
             self._free.setdefault((buf.numel(), buf.dtype), []).append(buf)
             self._cond.notify_all()
 
@@ -94,181 +192,20 @@ class BufferPool:
         box = [buf]
         fut.add_done_callback(lambda _f: self.give(box.pop()))
 
+    def live_bytes(self) -> int:
+        """Bytes of the buffers that exist now, idle or lent, as the allocator counts them. Equal to `bytes` unless
+        a lent buffer died without coming back (then the pool meters memory that is gone)."""
+        with self._cond:
+            bufs = [b for lst in self._free.values() for b in lst] + list(self._lent.values())
+        return sum(self.allocator.size_of(b) for b in bufs)
+
     def clear(self) -> None:
         with self._cond:
-            for (numel, dtype), lst in self._free.items():
-                self.bytes -= len(lst) * self._size(numel, dtype)
+            for lst in self._free.values():
+                for buf in lst:
+                    self.bytes -= self.allocator.release(buf)
             self._free.clear()
 
 
-class CpuMover:
-    """No GPU: the "device" is host memory with a budget, so a fetch is a memcpy or a disk read into place."""
-
-    def __init__(self, pool: BufferPool, threads: int = 2) -> None:
-        self.pool = pool
-        # Copy threads: a host-tier fetch (memcpy of a unit's params into its device buffer) runs here, overlapping
-        # the compute of the unit before it. torch's copy releases the GIL. Shut down by `close`.
-        self.copier = ThreadPoolExecutor(threads, thread_name_prefix="tightfit-copy")
-
-    def fetch(self, store: TierStore, unit: str, entry: str, dst: torch.Tensor, keep_staging: bool = False) -> Future:
-        """Start filling `dst` from the store. keep_staging: when the bytes pass through a staging buffer (a disk
-        read), hand that buffer to the caller through `wait` instead of returning it to the pool."""
-        src = store.tensor(unit, entry)
-        if src is not None:
-            def copy() -> None:
-                dst.copy_(src)
-
-            return self.copier.submit(copy)
-        # Disk: read into an aligned staging buffer (O_DIRECT needs 4096-byte aligned memory, which the allocator
-        # behind `dst` does not give), then copy into place.
-        # The copy is queued once the read is done, so no copy thread sits blocked on the disk while gradient packs
-        # and other copies wait behind it.
-        staging = self.pool.take(dst.numel(), dst.dtype)
-        read = store.load(unit, entry, staging, urgent=True)
-        fetched: Future = Future()
-        fetched.set_running_or_notify_cancel()
-        # The buffer is handed over in a box that the copy empties: a Future keeps its done-callbacks (and so these
-        # closures) as long as it lives, and naming the read future inside them made a reference cycle that only
-        # the cyclic collector broke. Until it did, a staging buffer given back to the pool and later dropped by
-        # it for another size stayed allocated, unseen by any meter (13-27 MiB measured with 14 MB units).
-        box = [staging]
-        del staging
-
-        def copy(done: Future) -> None:
-            buf = box.pop()
-            try:
-                done.result()
-                dst.copy_(buf)
-            except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the fetch
-                self.pool.give(buf)
-                fetched.set_exception(e)
-                return
-            if keep_staging:
-                fetched.set_result(buf)
-            else:
-                self.pool.give(buf)
-                fetched.set_result(None)
-
-        def queue_copy(done: Future) -> None:
-            try:
-                self.copier.submit(copy, done)
-            except RuntimeError as e:  # the mover was closed while the read was in flight
-                self.pool.give(box.pop())
-                fetched.set_exception(e)
-
-        read.add_done_callback(queue_copy)
-        return fetched
-
-    def wait(self, fut: Future) -> torch.Tensor | None:
-        """Wait for a fetch; the staging buffer it kept (a pool buffer the caller now owns), or None."""
-        return fut.result()
-
-    def copy_in(self, src: torch.Tensor, dst: torch.Tensor, after: Future) -> Future:
-        """Fill `dst` from `src`, a pool buffer that goes back to the pool once copied and `after` is done."""
-        def copy() -> None:
-            dst.copy_(src)
-            # The write-back reads `src` too: the buffer goes back when that is done, without holding this thread.
-            self.pool.give_after(after, src)
-
-        return self.copier.submit(copy)
-
-    def pack_grads(self, grads: list[tuple[tuple[int, torch.Size], torch.Tensor]], numel: int) -> Future:
-        """Copy gradients into one pooled fp32 host buffer of `numel` elements; the future gives the buffer.
-
-        `grads` pairs a slot's (offset, shape) in the unit's flat layout with its gradient; the buffer gets each
-        gradient at that offset (regions of slots without a gradient are left unwritten)."""
-        # The buffer is taken here, on the caller's thread: a full pool holds backward back (the back-pressure of
-        # [Note: staging memory]), never a copy thread that a fetch's copy, returning a buffer, may be queued behind.
-        # The copy runs on a copy thread, off the thread that runs backward; `grads` stay alive until it is done.
-        buf = self.pool.take(numel, torch.float32)
-
-        def pack() -> torch.Tensor:
-            for view, g in grads:
-                _region(buf, view).copy_(g)
-            return buf
-
-        return self.copier.submit(pack)
-
-    def close(self) -> None:
-        self.copier.shutdown(wait=True)
-
-
-def _region(buf: torch.Tensor, view_like: tuple[int, torch.Size]) -> torch.Tensor:
-    offset, shape = view_like
-    return buf[offset : offset + shape.numel()].view(shape)
-
-
-class CudaMover:
-    """GPU: pinned staging buffers, a host-to-device and a device-to-host stream, events for ordering.
-
-    Hot path (the main thread): only enqueues copies and `wait_event`s; it never synchronises with the GPU.
-    Waiting for a copy to finish before a staging buffer is reused happens on the `waiter` thread.
-    """
-
-    def __init__(self, pool: BufferPool, device: torch.device, threads: int = 2) -> None:
-        self.pool = pool
-        self.device = device
-        # h2d: parameter fetches (overlap the compute of the units before). d2h: gradient copies out (overlap the
-        # backward of the units after). Both live as long as the engine.
-        self.h2d = torch.cuda.Stream(device)
-        self.d2h = torch.cuda.Stream(device)
-        # Waiter threads: block on disk reads and on copy events so staging buffers go back to the pool as soon as
-        # a copy is done, without the main thread ever synchronising. Shut down by `close`.
-        self.waiter = ThreadPoolExecutor(threads, thread_name_prefix="tightfit-cuda-wait")
-
-    def fetch(self, store: TierStore, unit: str, entry: str, dst: torch.Tensor, keep_staging: bool = False) -> Future:
-        """As CpuMover.fetch; staging buffers are never kept here (`keep_staging` is ignored)."""
-        # `dst` was (re)allocated on the compute stream; the copy must not start before that point of it.
-        alloc = torch.cuda.Event()
-        alloc.record(torch.cuda.current_stream(self.device))
-        src = store.tensor(unit, entry)
-        if src is not None:  # pinned host (or device) memory: one async copy
-            with torch.cuda.stream(self.h2d):
-                self.h2d.wait_event(alloc)
-                dst.copy_(src, non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record(self.h2d)
-            return done_future(ready)
-        staging = self.pool.take(dst.numel(), dst.dtype)
-        read = store.load(unit, entry, staging, urgent=True)
-
-        def then() -> torch.cuda.Event:
-            read.result()
-            with torch.cuda.device(self.device), torch.cuda.stream(self.h2d):
-                self.h2d.wait_event(alloc)
-                dst.copy_(staging, non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record(self.h2d)
-            ready.synchronize()  # waiter thread only: the staging buffer is free once the copy has run
-            self.pool.give(staging)
-            return ready
-
-        return self.waiter.submit(then)
-
-    def wait(self, fut: Future) -> None:
-        # A host wait only for the disk read, never for the GPU: the compute stream waits on the copy's event.
-        torch.cuda.current_stream(self.device).wait_event(fut.result())
-        return None
-
-    def pack_grads(self, grads: list[tuple[tuple[int, torch.Size], torch.Tensor]], numel: int) -> Future:
-        buf = self.pool.take(numel, torch.float32)
-        produced = torch.cuda.Event()
-        produced.record(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.d2h):
-            self.d2h.wait_event(produced)
-            for view, g in grads:
-                _region(buf, view).copy_(g, non_blocking=True)
-                # The caller drops param.grad right after this call; the allocator must not reuse its memory until
-                # the d2h stream has read it.
-                g.record_stream(self.d2h)
-            copied = torch.cuda.Event()
-            copied.record(self.d2h)
-
-        def then() -> torch.Tensor:
-            copied.synchronize()
-            return buf
-
-        return self.waiter.submit(then)
-
-    def close(self) -> None:
-        self.waiter.shutdown(wait=True)
+def _poison(buf: torch.Tensor) -> None:
+    buf.view(torch.uint8).fill_(0xFF)  # NaN in every float dtype

@@ -24,7 +24,7 @@ import torch.nn as nn
 from tightfit.errors import UsageError
 from tightfit.offload.aligned import aligned_empty
 from tightfit.offload.engine import _ENGINES, OffloadEngine
-from tightfit.offload.flat_unit import AT_REST, EXP_AVG, EXP_AVG_SQ, OffloadUnit, Where
+from tightfit.offload.flat_unit import EXP_AVG, EXP_AVG_SQ, OffloadUnit
 from tightfit.offload.placement import State
 
 _MOMENTS = (EXP_AVG, EXP_AVG_SQ)
@@ -114,7 +114,7 @@ def _export_wrapped(engine: OffloadEngine, with_optim: bool):
         for slot in unit.spec.slots:
             yield f"model.{slot.name}", slot.view(master).clone()
         del master
-        if not with_optim or unit.where[State.OPTIM] == Where.EMPTY:
+        if not with_optim or unit.moments_empty:
             continue
         moments = _read_moments(unit)
         for i, slot in enumerate(unit.trainable):
@@ -154,6 +154,4 @@ def _import_wrapped(engine: OffloadEngine, with_optim: bool, get):
         if found:
             for entry in _MOMENTS:
                 unit.store[State.OPTIM].save(unit.name, entry, moments[entry]).result()
-            unit.where[State.OPTIM] = AT_REST[unit.placement.optim]
-        else:
-            unit.where[State.OPTIM] = Where.EMPTY
+        unit.moments_empty = not found

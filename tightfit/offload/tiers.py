@@ -6,8 +6,8 @@ tier is addressable memory), `load` (stored -> a buffer of the caller's) and `sa
 Adding a tier is adding a class here.
 
 - `MemoryStore(Tier.DEVICE)`: tensors in device memory (CUDA, or the CPU when there is no GPU).
-- `MemoryStore(Tier.HOST)`: tensors in host memory, page-locked on CUDA machines so copies to and from the GPU
-  can run asynchronously on a stream.
+- `MemoryStore(Tier.HOST)`: tensors in host memory; on CUDA machines the compute params are page-locked, so
+  their copies to the GPU run asynchronously on a stream.
 - `DiskStore`: one safetensors file per unit ("<unit>.safetensors") in the swap folder, read and written at known offsets by
   `tightfit.offload.nvme.NvmeStore` from its thread pool. Nothing is addressable; every use is a `load`.
 
@@ -64,35 +64,56 @@ class TierStore:
 
 
 class MemoryStore(TierStore):
-    """Flat tensors in device or host memory. Loads and saves are plain (synchronous) copies."""
+    """Flat tensors in device or host memory.
 
-    def __init__(self, tier: Tier, device: torch.device, pin: bool = False) -> None:
+    pinned: an allocator of page-locked memory (staging.RegisteredAllocator) for the entries a GPU copies from
+    asynchronously: the compute params of the host tier. Masters, gradients and moments never take part in such a
+    copy and stay pageable ([Note: metering what the allocator holds], staging.py).
+    copier: `fn(dst, src) -> Future` running a copy off the caller's thread; used for loads and saves that cross
+    devices (the device tier of a GPU to or from a host buffer), so no hook or step waits for such a copy inline.
+    Copies within one memory are plain synchronous copies.
+    """
+
+    def __init__(self, tier: Tier, device: torch.device, pinned=None, copier=None) -> None:
         self.tier = tier
         self.device = device
-        self.pin = pin and device.type == "cpu" and torch.cuda.is_available()
+        self.pinned = pinned if device.type == "cpu" else None
+        self.copier = copier
         # (unit, entry) -> 1-D tensor. Lives as long as the engine (freed by `close`).
         self._tensors: dict[tuple[str, str], torch.Tensor] = {}
         self.bytes = 0
 
     def allocate(self, unit, entries):
         for entry, (numel, dtype) in entries.items():
+            if self.pinned is not None and entry == "params":
+                t, held = self.pinned.allocate(numel, dtype)
+            else:
+                t, held = torch.empty(numel, dtype=dtype, device=self.device), numel * dtype.itemsize
             # Zeroed so a model built on the meta device reads zeros, not garbage, before import_state.
-            t = torch.zeros(numel, dtype=dtype, device=self.device, pin_memory=self.pin)
+            t.zero_()
             self._tensors[(unit, entry)] = t
-            self.bytes += t.numel() * t.element_size()
+            self.bytes += held
 
     def tensor(self, unit, entry):
         return self._tensors[(unit, entry)]
 
-    def load(self, unit, entry, dst, urgent=False):
-        dst.copy_(self._tensors[(unit, entry)])
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> Future:
+        if self.copier is not None and dst.device != src.device:
+            return self.copier(dst, src)
+        dst.copy_(src)
         return done_future()
+
+    def load(self, unit, entry, dst, urgent=False):
+        return self._copy(dst, self._tensors[(unit, entry)])
 
     def save(self, unit, entry, src):
-        self._tensors[(unit, entry)].copy_(src)
-        return done_future()
+        return self._copy(self._tensors[(unit, entry)], src)
 
     def close(self):
+        if self.pinned is not None:
+            for (_, entry), t in self._tensors.items():
+                if entry == "params":
+                    self.pinned.release(t)
         self._tensors.clear()
         self.bytes = 0
 
@@ -109,14 +130,14 @@ class DiskStore(TierStore):
 
     tier = Tier.NVME
 
-    def __init__(self, folder: str, budget_bytes: int | None = None, threads: int = 8,
-                 chunk_bytes: int = 4 << 20) -> None:
+    def __init__(self, folder: str, budget_bytes: int | None = None, threads: int | None = None,
+                 chunk_bytes: int | None = None) -> None:
         try:
             from tightfit.offload.nvme import NvmeStore
         except ImportError as e:  # pragma: no cover - only while the NVMe engine is missing
             raise UsageError(f"the NVMe tier is not available in this build ({e}); place no state on nvme") from None
-        # Transfers of up to 4 MiB (Placement.nvme_chunk_bytes), as few as that allows ([Note: transfer size] in
-        # nvme.py).
+        # I/O threads and largest transfer: the probe's for this folder's disk unless given ([Note: disk tuning] in
+        # nvme.py); a tensor goes as few transfers as that allows ([Note: transfer size]).
         self.nvme = NvmeStore(folder, budget_bytes=budget_bytes, threads=threads, chunk_bytes=chunk_bytes)
         self.bytes = 0  # host bytes: none; disk usage is reported by `nvme.stats()`
         self.disk_bytes = 0

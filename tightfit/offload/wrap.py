@@ -19,18 +19,23 @@ import torch.nn as nn
 
 from tightfit.errors import UsageError
 from tightfit.offload.engine import OffloadEngine
+from tightfit.offload.nvme import DiskTuning
 from tightfit.offload.placement import Placement
 from tightfit.offload.units import UnitPolicy
 
 
 def wrap(model: nn.Module, placement: Placement, *, compute_dtype: torch.dtype = torch.float32,
-         device: torch.device | str | None = None, units: UnitPolicy = None) -> nn.Module:
+         device: torch.device | str | None = None, units: UnitPolicy = None,
+         disk: DiskTuning | None = None) -> nn.Module:
     """Offload `model`'s training states as `placement` says; returns `model` itself.
 
     compute_dtype: dtype of the parameters during forward/backward (fp32 master weights are kept regardless).
     device: where to compute (default: CUDA if available, else the CPU, with `placement.device_budget`).
     units: which modules are units: a list of module paths (fnmatch patterns allowed) or a callable
         `(path, module) -> bool`; default: the children of every ModuleList of same-class children.
+    disk: advanced, for benchmarks and tests: `tightfit.offload.nvme.DiskTuning(threads=..., chunk_bytes=...)`
+        overrides the NVMe tier's I/O threads and largest transfer, which it otherwise takes from `tightfit probe`'s
+        measurement of the swap folder's disk (8 threads and 4 MiB where none was made; [Note: disk tuning]).
     Use `tightfit.offload.engine_of(model)` for memory reports and timings.
     """
     if not isinstance(placement, Placement):
@@ -43,5 +48,5 @@ def wrap(model: nn.Module, placement: Placement, *, compute_dtype: torch.dtype =
         device = torch.device("cuda", torch.cuda.current_device())
     if device.type not in ("cpu", "cuda"):
         raise UsageError(f"wrap(device=...): only cpu and cuda are supported, got {device}")
-    OffloadEngine(model, placement, compute_dtype, device, units)
+    OffloadEngine(model, placement, compute_dtype, device, units, disk=disk)
     return model

@@ -1,0 +1,461 @@
+"""Moving bytes between the tier stores and the compute device: one contract, a CPU and a CUDA implementation.
+
+Why one contract: the schedule is the same on every machine, only "copy these bytes to the device" differs. When
+the CPU mover completed every copy before returning and the CUDA mover did not, the CPU test suite could not see
+the ordering bugs a GPU hits (a buffer freed while a copy still writes it, a staging buffer reused while a copy
+still reads it). Both movers now hand out the same `Transfer` and follow the same rules, and the CPU mover can
+complete copies late on purpose and check the rules (`strict`), which is how the test suite runs.
+
+[Note: the mover contract]
+1. `fetch(store, unit, entry, dst)` starts filling `dst` (a unit's device buffer) and returns a `Transfer`. Nothing
+   reads `dst` before `wait(transfer)`; nothing frees it before `wait` or `cancel`.
+2. `wait(transfer)` orders the compute after the copy. CUDA: the host waits only for a disk read still running (a
+   copy cannot be issued before its bytes are in host memory), then the compute stream waits on the copy's event;
+   the host never waits for the GPU. CPU: the compute "stream" is the host thread, so it waits for the copy.
+3. `cancel(transfer)`: `dst` is about to be freed. A copy not yet issued is dropped; one already issued is ordered
+   before whatever the compute stream does next (CUDA: an event wait, no host sync; CPU: the host waits for it).
+4. `pack_grads(...)` starts copying gradients, in their own dtype, into a pooled host buffer; the transfer's
+   `done` future gives the buffer once the host may read it (CUDA: after the copy's event, seen by the one
+   completion thread). The gradients stay alive until the copy has read them.
+5. A pool buffer goes back to the pool only when every transfer that reads or writes it is done: the mover itself
+   returns a staging buffer from the transfer's completion, also when the read failed or the fetch was cancelled.
+6. The host waits for a device copy to complete only through `sync`, which counts it (`stats`): the engine does so
+   only in backward under a tight device budget, never in forward.
+
+Threads: CPU copies run on `copier` threads (torch's copy releases the GIL). CUDA copies are issued on the `h2d`
+and `d2h` streams, from the caller's thread or, for a disk fetch, from the NVMe thread that finished the read; one
+`_Completions` thread waits for their events (blocking events: it sleeps, it does not spin on a core the CPU
+optimizer needs) and runs what each completion unlocks.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import random
+import threading
+import time
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from tightfit.offload.staging import BufferPool
+from tightfit.offload.tiers import TierStore
+
+
+class MoverContractError(AssertionError):
+    """A buffer was freed, reused or read while a transfer that touches it was pending (strict CPU mover)."""
+
+
+class Transfer:
+    """One asynchronous copy into or out of the device. `issued`: the copy is issued (CUDA: enqueued on its stream,
+    `event` recorded) or was dropped; `done`: it is complete as the host sees it, with the host buffer it leaves
+    (a pack) as result."""
+
+    __slots__ = ("issued", "done", "event", "lock", "cancelled", "running", "kept")
+
+    def __init__(self) -> None:
+        self.issued: Future = Future()
+        self.done: Future = Future()
+        self.event = None  # CUDA only: recorded on the copy's stream
+        self.lock = threading.Lock()  # orders issuing against cancelling
+        self.cancelled = False
+        self.running = False  # CPU only: the copy has started
+        self.kept: torch.Tensor | None = None  # a disk fetch's staging buffer, kept for the caller (CPU)
+
+    def fail(self, error: BaseException) -> None:
+        for f in (self.issued, self.done):
+            if not f.done():
+                f.set_exception(error)
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    s = t.untyped_storage()
+    return s.data_ptr(), s.nbytes()
+
+
+def _region(buf: torch.Tensor, view_like: tuple[int, torch.Size]) -> torch.Tensor:
+    offset, shape = view_like
+    return buf[offset : offset + shape.numel()].view(shape)
+
+
+def strict_from_env() -> bool:
+    """The strict CPU mover is on when TIGHTFIT_STRICT_MOVER is set to 1 (the test suite sets it)."""
+    return os.environ.get("TIGHTFIT_STRICT_MOVER", "") == "1"
+
+
+class CpuMover:
+    """No GPU: the "device" is host memory with a budget, so a fetch is a memcpy, or a disk read and a memcpy.
+
+    strict: copies start late (after a random pause of up to `max_delay_s`), every pending copy's buffers are
+    registered, a copy whose destination was freed or resized before it ran, and a pool buffer given back while a
+    pending copy touches it, raise `MoverContractError` (on the caller's thread at once, or at the next mover call
+    when a copy thread found it); the pool poisons lent and returned buffers."""
+
+    def __init__(self, pool: BufferPool, threads: int = 2, strict: bool = False, max_delay_s: float = 0.002,
+                 seed: int = 0) -> None:
+        self.pool = pool
+        self.strict = strict
+        self.max_delay_s = max_delay_s
+        self._rng = random.Random(seed)
+        # Copy threads: fetch copies and gradient packs, overlapping the compute of the units around them. Shut
+        # down by `close`.
+        self.copier = ThreadPoolExecutor(threads, thread_name_prefix="tightfit-copy")
+        self.stats: Counter = Counter()
+        self._pending: dict[int, list[tuple[int, int]]] = {}  # id(transfer) -> (address, bytes) it touches
+        self._lock = threading.Lock()
+        self.violations: list[str] = []
+        if strict:
+            pool.poison = True
+            pool.guard = self._guard_give
+
+    # ---- the contract ------------------------------------------------------------------------------------------
+
+    def fetch(self, store: TierStore, unit: str, entry: str, dst: torch.Tensor,
+              keep_staging: bool = False) -> Transfer:
+        """Start filling `dst` from the store. keep_staging: a disk read's staging buffer (the bytes just fetched)
+        is kept for the caller, returned by `wait`, instead of going back to the pool."""
+        self._raise_violations()
+        t = Transfer()
+        span = _span(dst)  # what `dst` is now: the copy checks it is still there when it runs
+        src = store.tensor(unit, entry)
+        if src is not None:
+            self._issue(t, dst, span, src, staging=None, keep=False)
+            return t
+        # Disk: read into an aligned staging buffer (O_DIRECT needs 4096-byte aligned memory), then copy into place.
+        # The copy is queued once the read is done, so no copy thread sits blocked on the disk.
+        staging = self.pool.take(dst.numel(), dst.dtype)
+        read = store.load(unit, entry, staging, urgent=True)
+        box = [staging]  # emptied on use: the read future keeps this callback as long as it lives
+        del staging
+
+        def on_read(done: Future) -> None:
+            buf = box.pop()
+            if done.exception() is not None:
+                self.pool.give(buf)  # a failed read returns its buffer too
+                t.fail(done.exception())
+                return
+            self._issue(t, dst, span, buf, staging=buf, keep=keep_staging)
+
+        read.add_done_callback(on_read)
+        return t
+
+    def wait(self, t: Transfer) -> torch.Tensor | None:
+        """Order the compute after `t` (here: the host waits for it); the staging buffer it kept, or None."""
+        self._raise_violations()
+        t.done.result()
+        self._raise_violations()
+        kept, t.kept = t.kept, None
+        return kept
+
+    def cancel(self, t: Transfer) -> None:
+        """The destination of `t` is about to be freed: drop the copy if it has not started, else wait for it."""
+        with t.lock:
+            if not t.running and not t.done.done():
+                t.cancelled = True
+                self.stats["cancelled"] += 1
+                return
+        self.stats["cancel_waits"] += 1
+        try:
+            t.done.result()
+        except BaseException:  # noqa: BLE001 - the fetch's error dies with the buffer it was filling
+            pass
+        if t.kept is not None:
+            self.pool.give(t.kept)
+            t.kept = None
+
+    def sync(self, t: Transfer):
+        """The host waits for `t` to complete (counted: on CUDA this is a wait for the GPU)."""
+        self.stats["host_waits_on_device"] += 1
+        return t.done.result()
+
+    def pack_grads(self, grads: list[tuple[tuple[int, torch.Size], torch.Tensor]], numel: int,
+                   dtype: torch.dtype) -> Transfer:
+        """Copy gradients into one pooled host buffer of `numel` elements of `dtype` (theirs: no conversion on the
+        way, the reader upcasts); `done` gives the buffer. `grads` pairs a slot's (offset, shape) in the unit's
+        flat layout with its gradient; regions of slots without one are left unwritten."""
+        self._raise_violations()
+        # Taken here, on the caller's thread: a full pool holds backward back ([Note: staging memory]), never a
+        # copy thread that a fetch's copy, returning a buffer, may be queued behind.
+        buf = self.pool.take(numel, dtype)
+        t = Transfer()
+        self.stats["bytes_to_host"] += sum(g.numel() for _, g in grads) * buf.element_size()  # what lands on the host
+
+        def pack() -> None:
+            for view, g in grads:
+                _region(buf, view).copy_(g)
+
+        touches = [buf, *(g for _, g in grads)]
+        self._run(t, pack, touches, [_span(x) for x in touches], result=lambda: buf)
+        return t
+
+    def copy_in(self, src: torch.Tensor, dst: torch.Tensor, after: Future) -> Transfer:
+        """Fill `dst` from `src`, a pool buffer that goes back to the pool once copied and `after` is done."""
+        t = Transfer()
+        box = [src]
+
+        def copy() -> None:
+            dst.copy_(box[0])
+
+        def finish() -> None:
+            self.pool.give_after(after, box.pop())  # the write-back `after` reads it too
+
+        self._run(t, copy, [dst, src], [_span(dst), _span(src)], on_done=finish, on_cancel=finish)
+        return t
+
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> Future:
+        """A plain copy between two memories, off the caller's thread (a tier store's load or save)."""
+        return self.copier.submit(dst.copy_, src)
+
+    def close(self) -> None:
+        self.copier.shutdown(wait=True)
+        self._raise_violations()
+
+    # ---- the machinery -----------------------------------------------------------------------------------------
+
+    def _issue(self, t: Transfer, dst: torch.Tensor, span: tuple[int, int], src: torch.Tensor,
+               staging: torch.Tensor | None, keep: bool) -> None:
+        self.stats["bytes_to_device"] += dst.numel() * dst.element_size()
+
+        def copy() -> None:
+            dst.copy_(src)
+
+        def finish() -> None:
+            if staging is not None:
+                if keep:
+                    t.kept = staging
+                else:
+                    self.pool.give(staging)
+
+        def dropped() -> None:
+            if staging is not None:
+                self.pool.give(staging)
+
+        self._run(t, copy, [dst, src], [span, _span(src)], on_done=finish, on_cancel=dropped)
+
+    def _run(self, t: Transfer, fn, touches: list[torch.Tensor], spans: list[tuple[int, int]], result=None,
+             on_done=None, on_cancel=None) -> None:
+        """Run `fn` on a copy thread (late, in strict mode), unless `t` is cancelled before it starts. `spans`: each
+        touched tensor's storage (address, bytes) when the transfer was started; a copy whose buffer has changed
+        since fails (always: copying into freed memory would not fail, it would corrupt)."""
+        if self.strict:
+            with self._lock:
+                self._pending[id(t)] = spans
+        delay = self._rng.uniform(0, self.max_delay_s) if self.strict else 0.0
+        if not t.issued.done():
+            t.issued.set_result(None)
+
+        def run() -> None:
+            if delay:
+                time.sleep(delay)
+            with t.lock:
+                if t.cancelled:
+                    self._forget(t)
+                    if on_cancel is not None:
+                        on_cancel()
+                    t.done.set_result(None)
+                    return
+                t.running = True
+            try:
+                self._check_alive(touches, spans)
+                fn()
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the transfer
+                self._forget(t)
+                if on_cancel is not None:
+                    on_cancel()
+                t.fail(e)
+                return
+            self._forget(t)
+            if on_done is not None:
+                on_done()
+            t.done.set_result(result() if result is not None else None)
+
+        try:
+            self.copier.submit(run)
+        except RuntimeError as e:  # the mover was closed while a disk read was in flight
+            self._forget(t)
+            if on_cancel is not None:
+                on_cancel()
+            t.fail(e)
+
+    def _check_alive(self, touches: list[torch.Tensor], spans: list[tuple[int, int]]) -> None:
+        for x, (ptr, nbytes) in zip(touches, spans):
+            s = x.untyped_storage()
+            if s.data_ptr() != ptr or s.nbytes() < nbytes:
+                msg = (f"a copy ran into a buffer freed or resized while the copy was pending ({nbytes} B at "
+                       f"{ptr:#x}, now {s.nbytes()} B): free only after wait() or cancel()")
+                self.violations.append(msg)
+                raise MoverContractError(msg)
+
+    def _forget(self, t: Transfer) -> None:
+        if self.strict:
+            with self._lock:
+                self._pending.pop(id(t), None)
+
+    def _guard_give(self, buf: torch.Tensor) -> None:
+        """Pool guard (strict): a buffer goes back only when no pending copy touches it."""
+        lo = buf.data_ptr()
+        hi = lo + buf.numel() * buf.element_size()
+        with self._lock:
+            busy = any(p < hi and lo < p + n for spans in self._pending.values() for p, n in spans)
+        if busy:
+            msg = f"a pool buffer ({hi - lo} B at {lo:#x}) was given back while a pending copy touches it"
+            self.violations.append(msg)
+            raise MoverContractError(msg)
+
+    def _raise_violations(self) -> None:
+        if self.violations:
+            raise MoverContractError("; ".join(self.violations))
+
+
+class _Completions:
+    """The one thread that waits for CUDA events, in the order they were recorded, and runs what each completion
+    unlocks (returning a staging buffer, handing a gradient pack to the gradient worker). Stopped by `close`."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="tightfit-cuda-completions", daemon=True)
+        self._thread.start()
+
+    def add(self, event, fn) -> None:
+        self._queue.put((event, fn))
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            event, fn = item
+            event.synchronize()  # a blocking event: the thread sleeps until the GPU gets there
+            fn()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+
+class CudaMover:
+    """GPU: page-locked staging from the pool, a host-to-device and a device-to-host stream, events for ordering.
+
+    Hot path (the thread running forward or backward): only issues copies and `wait_event`s; it never waits for
+    the GPU. Staging buffers go back to the pool from the completion thread once their copy's event is reached.
+    """
+
+    def __init__(self, pool: BufferPool, device: torch.device) -> None:
+        self.pool = pool
+        self.device = device
+        # h2d: parameter fetches (overlap the compute of the units before). d2h: gradient packs (overlap the
+        # backward of the units after). Both live as long as the engine.
+        self.h2d = torch.cuda.Stream(device)
+        self.d2h = torch.cuda.Stream(device)
+        self.completions = _Completions()
+        # Plain copies of tier stores (device tier <-> pageable host buffers) run here, off the hot path.
+        self.copier = ThreadPoolExecutor(1, thread_name_prefix="tightfit-cuda-copy")
+        self.stats: Counter = Counter()
+
+    def _event(self):
+        return torch.cuda.Event(blocking=True)
+
+    def fetch(self, store: TierStore, unit: str, entry: str, dst: torch.Tensor,
+              keep_staging: bool = False) -> Transfer:
+        """As CpuMover.fetch; staging buffers are never kept here (`keep_staging` is ignored: the step of a unit
+        computed on a GPU does not run on its compute copy)."""
+        t = Transfer()
+        # `dst` was (re)allocated on the compute stream; the copy must not start before that point of it.
+        alloc = self._event()
+        alloc.record(torch.cuda.current_stream(self.device))
+        src = store.tensor(unit, entry)
+        if src is not None:  # page-locked host (or device) memory: one async copy, issued now
+            self._issue(t, dst, src, alloc, staging=None)
+            return t
+        staging = self.pool.take(dst.numel(), dst.dtype)
+        read = store.load(unit, entry, staging, urgent=True)
+        box = [staging]
+        del staging
+
+        def on_read(done: Future) -> None:  # an NVMe thread
+            buf = box.pop()
+            if done.exception() is not None:
+                self.pool.give(buf)
+                t.fail(done.exception())
+                return
+            self._issue(t, dst, buf, alloc, staging=buf)
+
+        read.add_done_callback(on_read)
+        return t
+
+    def _issue(self, t: Transfer, dst: torch.Tensor, src: torch.Tensor, alloc, staging) -> None:
+        with t.lock:
+            if t.cancelled:
+                if staging is not None:
+                    self.pool.give(staging)
+                t.issued.set_result(None)
+                t.done.set_result(None)
+                return
+            with torch.cuda.device(self.device), torch.cuda.stream(self.h2d):
+                self.h2d.wait_event(alloc)
+                dst.copy_(src, non_blocking=True)
+                ev = self._event()
+                ev.record(self.h2d)
+            t.event = ev
+            t.issued.set_result(None)
+        self.stats["bytes_to_device"] += dst.numel() * dst.element_size()
+
+        def complete() -> None:
+            if staging is not None:
+                self.pool.give(staging)
+            t.done.set_result(None)
+
+        self.completions.add(ev, complete)
+
+    def wait(self, t: Transfer) -> None:
+        t.issued.result()  # a disk read still running: host memory, not the GPU
+        torch.cuda.current_stream(self.device).wait_event(t.event)
+        return None
+
+    def cancel(self, t: Transfer) -> None:
+        with t.lock:
+            if not t.issued.done():
+                t.cancelled = True  # issued never: the read's callback gives the staging buffer back
+                self.stats["cancelled"] += 1
+                return
+        if t.event is not None:  # the memory goes back to the compute stream's pool after the copy
+            torch.cuda.current_stream(self.device).wait_event(t.event)
+
+    def sync(self, t: Transfer):
+        self.stats["host_waits_on_device"] += 1
+        return t.done.result()
+
+    def pack_grads(self, grads: list[tuple[tuple[int, torch.Size], torch.Tensor]], numel: int,
+                   dtype: torch.dtype) -> Transfer:
+        # In the gradients' own dtype: a copy that also converted would convert on the GPU (an unmetered fp32
+        # temporary per gradient) and move twice the bytes; the gradient worker upcasts on the host.
+        buf = self.pool.take(numel, dtype)
+        t = Transfer()
+        produced = self._event()
+        produced.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.d2h):
+            self.d2h.wait_event(produced)
+            for view, g in grads:
+                _region(buf, view).copy_(g, non_blocking=True)
+                # The caller drops param.grad right after this call; the allocator must not reuse its memory until
+                # the d2h stream has read it.
+                g.record_stream(self.d2h)
+            ev = self._event()
+            ev.record(self.d2h)
+        t.event = ev
+        t.issued.set_result(None)
+        self.stats["bytes_to_host"] += sum(g.numel() for _, g in grads) * buf.element_size()  # what lands on the host
+        self.completions.add(ev, lambda: t.done.set_result(buf))
+        return t
+
+    def copy_in(self, src: torch.Tensor, dst: torch.Tensor, after: Future) -> Transfer:
+        raise NotImplementedError("fresh params are kept only when the device is the CPU (engine.keeps_fresh)")
+
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> Future:
+        return self.copier.submit(dst.copy_, src)
+
+    def close(self) -> None:
+        self.completions.close()
+        self.copier.shutdown(wait=True)
