@@ -6,47 +6,67 @@ allocator blur); step time is not checked here (benchmarks/bench_planner.py does
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 import tightfit
 from tightfit.config import Config
+from tightfit.errors import UsageError
 from tightfit.models.gpt import GPT, GPTConfig
+from tightfit.offload import memory_model as mm
+from tightfit.offload.budget_checks import unit_sizes
 from tightfit.offload.engine import engine_of
 from tightfit.offload.placement import Tier
 from tightfit.optim import AdamW
 from tightfit.planner import HardwareProfile, make_plan
-from tightfit.planner.costs import engine_device_bytes
+from tightfit.planner.costs import engine_device_bytes, unit_sizes as planned_sizes
 from tightfit.planner.hardware import GiB
 
+MiB = 2**20
 CPU = HardwareProfile.synthetic(cuda=False, device_name="cpu", gpu_total=0, gpu_free=0, host_total=8 * GiB,
                                 host_available=6 * GiB, h2d_bw=5e9, d2h_bw=5e9, mem_bw=10e9,
-                                runtime_rss=300 * 2**20, device_adam_rate=1e9, matmul_flops={128: 20e9, 1024: 60e9})
+                                runtime_rss=300 * MiB, device_adam_rate=1e9, matmul_flops={128: 20e9, 1024: 60e9})
+GCFG = GPTConfig(n_layer=8, n_embd=64, n_head=4, block_size=32)
+
+
+def _cfg(**memory) -> Config:
+    cfg = Config()
+    cfg.train.micro_batch, cfg.train.seq_len, cfg.train.device = 4, 32, "cpu"
+    for k, v in memory.items():
+        setattr(cfg.memory, k, v)
+    return cfg
+
+
+def _meta() -> GPT:
+    with torch.device("meta"):
+        return GPT(GCFG)
 
 
 @pytest.mark.parametrize("setting", ["memory", "host-limited", "nvme-heavy"])
 def test_plan_runs_within_budgets(setting, tmp_path):
-    gcfg = GPTConfig(n_layer=8, n_embd=64, n_head=4, block_size=32)
-    cfg = Config()
-    cfg.train.micro_batch, cfg.train.seq_len, cfg.train.device = 4, 32, "cpu"
-    with torch.device("meta"):
-        meta = GPT(gcfg)
-    if setting != "memory":
+    if setting == "memory":
+        cfg = _cfg()
+    elif setting == "host-limited":
         # blocks are ~50k params: 0.8 MiB of 16-byte state each (7 MiB in all); the host must hold one optimizer
-        # working set (1 MiB)
-        cfg.memory.gpu_mem, cfg.memory.cpu_mem, cfg.memory.nvme = "4MiB", "5MiB", f"{tmp_path}:1GiB"
-    if setting == "nvme-heavy":
-        # Every state on NVMe with a roomy host pool (tests/test_offload_tight_host.py covers a tight one).
-        cfg.memory.offload, cfg.memory.cpu_mem = "nvme", None
-    plan = make_plan(meta, cfg, CPU)
+        # working set (1 MiB). On a CPU-only machine --cpu-mem bounds the whole process: the runtime's 300 MiB,
+        # the 4 MiB device and 5 MiB for the host tier and the pool.
+        cfg = _cfg(gpu_mem="4MiB", cpu_mem="309MiB", nvme=f"{tmp_path}:1GiB")
+    else:  # every state on NVMe with a roomy host pool (tests/test_offload_tight_host.py covers a tight one)
+        cfg = _cfg(gpu_mem="4MiB", nvme=f"{tmp_path}:1GiB", offload="nvme")
+    plan = make_plan(_meta(), cfg, CPU)
     if setting == "nvme-heavy":
         assert plan.placement.uses(Tier.NVME)
+    pr, p = plan.prediction, plan.placement
+    # The engine's budgets are the predicted figures ([Note: the pool] in memory_model.py).
+    assert p.device_budget == engine_device_bytes(pr.breakdown) and p.host_budget == pr.peak["host"]
     torch.manual_seed(0)
-    model = GPT(gcfg)
-    tightfit.wrap(model, plan.placement, device="cpu")
+    model = GPT(GCFG)
+    tightfit.wrap(model, p, device="cpu")
     opt = AdamW(model.parameters(), lr=1e-3)
     x = torch.randint(0, 256, (4, 32))
-    for _ in range(2):
+    for _ in range(3):
         model(x, x).backward()
         opt.clip_grad_norm_(1.0)
         opt.step()
@@ -54,20 +74,40 @@ def test_plan_runs_within_budgets(setting, tmp_path):
     eng = engine_of(model)
     assert list(eng.units) == [u.name for u in plan.profile.units], "the engine forms the planner's units"
     if setting == "nvme-heavy":  # 8 blocks of 0.2 MB on NVMe: joined in pairs (planner/unit_size.py)
-        assert len(eng.units) == 5 and plan.placement.min_unit_bytes
+        assert len(eng.units) == 5 and p.min_unit_bytes
     rep = eng.memory_report()
     device = rep["device"]["peak"]  # device-tier states + materialised units + pending grads
     host = rep["host"]["tier"] + rep["host"]["staging_peak"]
-    pr = plan.prediction
-    if cfg.memory.offload == "auto" and plan.budgets["device"] is not None:
-        assert device <= plan.budgets["device"]
-        assert host <= plan.budgets["host"]
-    assert rep["nvme"]["bytes"] <= (plan.budgets["nvme"] or 0) or not plan.placement.uses(Tier.NVME)
+    assert device <= p.device_budget and host <= p.host_budget, "the engine holds the plan's figures"
+    if setting == "host-limited":
+        assert device + pr.breakdown["device"]["activations"] <= plan.budgets["device"]
     assert device == pytest.approx(engine_device_bytes(pr.breakdown), rel=0.10)
-    # The host figure is the staging pool's peak, which depends on timing: whether the previous unit's write-back
-    # has finished when the optimizer's read-ahead takes buffers for the next unit. The prediction assumes it has;
-    # one more unit's working set in flight is the engine's worst case.
-    working_set = max(u.step_bytes for u in eng.units.values())
-    assert pr.peak["host"] * 0.9 - 64 * 1024 <= host <= pr.peak["host"] + working_set
+    # The pool grows only as far as the engine takes buffers; the prediction is its capacity, the bound.
+    assert rep["host"]["tier"] == pr.breakdown["host"]["states"] <= host
     assert rep["nvme"]["bytes"] == pytest.approx(pr.peak["nvme"], rel=0.10, abs=64 * 1024)
     eng.close()
+
+
+def test_engine_refusal_and_planner_use_the_same_numbers(tmp_path):
+    """The wrap-time refusal and the planner call the same function on the same units: a device budget one byte
+    under the model's minimum is refused, the minimum itself is accepted, and the planner's figures for the same
+    placement are that function's."""
+    plan = make_plan(_meta(), _cfg(offload="nvme", nvme=f"{tmp_path}:1GiB"), CPU)
+    p = plan.placement
+    torch.manual_seed(0)
+    probe = tightfit.wrap(GPT(GCFG), p, device="cpu")
+    eng = engine_of(probe)
+    sizes = unit_sizes(eng.units)
+    assert sizes == planned_sizes(plan.profile), "the engine's units are the planner's, byte for byte"
+    c = 4
+    minimum = sum(mm.device_minimum(sizes, p, c).values())
+    assert engine_device_bytes(plan.prediction.breakdown) == sum(mm.device_parts(sizes, p, c, "backward").values())
+    pool_min = mm.pool_minimum(sizes, p, c, cuda=False)
+    assert pool_min == max(u.step_bytes for u in eng.units.values())  # the engine's own reservation per step
+    eng.close()
+    with pytest.raises(UsageError, match="device budget"):
+        tightfit.wrap(GPT(GCFG), replace(p, device_budget=minimum - 1), device="cpu")
+    with pytest.raises(UsageError, match="host budget"):
+        tightfit.wrap(GPT(GCFG), replace(p, host_budget=pool_min - 1), device="cpu")
+    ok = tightfit.wrap(GPT(GCFG), replace(p, device_budget=minimum, host_budget=pool_min), device="cpu")
+    engine_of(ok).close()

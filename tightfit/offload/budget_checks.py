@@ -1,10 +1,11 @@
 """Wrap-time budget checks: refuse a placement whose budgets cannot hold one step, before anything is allocated.
 
 Why at wrap time: a budget that is too small would otherwise surface mid-step, as a UsageError from the device
-meter or as a pool `take` that waits forever. The smallest device budget the schedule can live with is the
-device-tier states + the root unit + two units' params and gradients (two units overlap in backward: a unit's
+meter or as a pool `take` that waits forever. The arithmetic is the memory model's (`memory_model.py`), the same
+the planner predicts with: the smallest device budget is the backward phase without prefetching (device-tier
+states + the root unit + two blocks' params and gradients: two units overlap in backward, because a unit's
 backward starts when its output gradient is ready, which can be before the unit after it has accumulated its last
-parameter gradient). The smallest host budget is the host tier + one unit's optimizer working set.
+parameter gradient); the smallest host budget is the host tier + one unit's optimizer working set.
 """
 
 from __future__ import annotations
@@ -12,46 +13,51 @@ from __future__ import annotations
 import torch
 
 from tightfit.errors import UsageError
+from tightfit.offload import memory_model as mm
 from tightfit.offload.flat_unit import OffloadUnit
-from tightfit.offload.placement import ROOT_UNIT, Placement, Tier
+from tightfit.offload.placement import Placement, Tier
 from tightfit.utils.sizes import format_size
 
 
+def unit_sizes(units: dict[str, OffloadUnit]) -> list[mm.UnitSize]:
+    """The memory model's view of the engine's units (flat sizes, padding included)."""
+    return [mm.UnitSize(u.name, u.spec.numel, u.spec.train_numel) for u in units.values()]
+
+
+def _compute_bytes(units: dict[str, OffloadUnit]) -> int:
+    return next(iter(units.values())).compute_dtype.itemsize
+
+
 def tier_bytes(units: dict[str, OffloadUnit], tier: Tier) -> int:
-    """Bytes of every unit's entries on `tier`."""
-    return sum(n * d.itemsize for u in units.values() for n, d in u.entries().get(tier, {}).values())
+    """Bytes of every unit's states on `tier`."""
+    return mm.tier_states(unit_sizes(units), _placement_of(units), _compute_bytes(units))[tier]
 
 
 def host_tier_bytes(units: dict[str, OffloadUnit]) -> int:
     return tier_bytes(units, Tier.HOST)
 
 
+def _placement_of(units: dict[str, OffloadUnit]) -> Placement:
+    """A placement with each unit's own tiers (the engine's units may be joined blocks or tiles)."""
+    return Placement(units={u.name: u.placement for u in units.values()})
+
+
 def check_budgets(units: dict[str, OffloadUnit], p: Placement, device: torch.device) -> None:
     """Raise a UsageError naming what does not fit when a budget cannot hold one step of these units."""
+    sizes, c, cuda = unit_sizes(units), _compute_bytes(units), device.type == "cuda"
+    per_unit = _placement_of(units)
     if p.device_budget is not None:
-        fixed = tier_bytes(units, Tier.DEVICE)
-
-        def need_of(u: OffloadUnit) -> int:  # while a unit computes its backward: params (unless resident) + grads
-            return (0 if u.resident else u.compute_bytes) + u.grad_bytes
-
-        root_bytes = need_of(units[ROOT_UNIT])
-        big = max((u for u in units.values() if not u.spec.is_root), key=need_of, default=None)
-        need = fixed + root_bytes + (2 * need_of(big) if big else 0)
-        if need > p.device_budget:
-            what = (f"; unit {big.name!r} needs {format_size(need_of(big))} while it computes, and two units "
-                    "overlap in backward") if big else ""
+        need = mm.device_minimum(sizes, per_unit, c)
+        if sum(need.values()) > p.device_budget:
             raise UsageError(
-                f"device budget {format_size(p.device_budget)} is too small: device-tier states take "
-                f"{format_size(fixed)}, the root unit {format_size(root_bytes)}{what}; raise --gpu-mem, move "
+                f"device budget {format_size(p.device_budget)} is too small: a step needs at least "
+                f"{format_size(sum(need.values()))} (device-tier states {format_size(need['states'])}, the root "
+                f"and two units computing at once {format_size(need['window'])}, their gradients "
+                f"{format_size(need['grads in flight'])}: two units overlap in backward); raise --gpu-mem, move "
                 "states off the device tier, or split the model into smaller units")
     if p.host_budget is not None:
-        def staged(u: OffloadUnit) -> bool:  # does its optimizer step go through pool buffers?
-            tiers = {u.placement.master, u.placement.grads, u.placement.optim}
-            return Tier.NVME in tiers or (device.type == "cuda" and Tier.DEVICE in tiers and len(tiers) > 1)
-
-        # One unit's optimizer working set (16 B/param + compute copy) must fit next to the host tier.
-        work = max((u.step_bytes for u in units.values() if staged(u)), default=0)
-        host = host_tier_bytes(units)
+        host = mm.tier_states(sizes, per_unit, c)[Tier.HOST]
+        work = mm.pool_minimum(sizes, per_unit, c, cuda)
         if host + work > p.host_budget:
             raise UsageError(
                 f"host budget {format_size(p.host_budget)} is too small: host-tier states take "

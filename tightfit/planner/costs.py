@@ -4,17 +4,16 @@ Why one file: the search (`search.py`) compares placements only through `predict
 draws it and the benchmark checks it against measurement. Every assumption about how the engine spends memory and
 time is written once, here; docs/PLANNER.md explains the model in prose.
 
-[Note: bytes per state] For a unit with N parameters (n trainable), compute dtype of c bytes:
-  params N*c; master n*4 (none when compute is fp32 and master shares the params' tier: the same tensor);
-  grads n*4 (fp32, accumulated across micro-batches); optim n*8 (Adam exp_avg + exp_avg_sq, fp32).
+[Note: memory] The bytes are the memory model's (`tightfit/offload/memory_model.py`, [Note: phases] and [Note: the
+pool] there), the same functions the engine's wrap-time refusal calls; this file adds what only the planner knows:
+the activations its meta-device trace measured, and the pool capacity it hands the engine (what the schedule needs,
+cut to the host room the budgets leave). The engine's own budgets are set to the predicted figures
+(`engine_budgets`), so its meters hold the plan to them.
 
-[Note: device peak] resident states on the device tier + the live window of streamed parameters
-(prefetch_depth + 2 blocks, or all streamed blocks when fewer are, + the root unit) + autograd gradients not yet
-shipped (the root's and two blocks') + activations (with checkpointing: unit inputs, plus one unit's recomputed
-activations) + the transient working set of backward. All but the activations are what the engine itself counts against `device_budget`.
-
-[Note: host peak] resident host states + staging: on CUDA, `staging_buffers` pinned buffers of the largest
-streamed unit; for NVMe-resident states, read/write buffers for the unit being updated and the one prefetched.
+[Note: process RSS] On a CPU-only machine the device tier is the same RAM: the process holds its floor (the torch
+runtime, the data set, whatever it held before the engine; `HardwareProfile.runtime_rss`, which `tightfit train`
+replaces by its own measurement) + the device (states, materialised units, gradients in flight, activations) +
+the host tier + the pool, all at once in backward. With CUDA the process holds the floor + host tier + pool.
 
 [Note: overlap] See `step_time`: streams that use different hardware run concurrently; on a CPU-only machine
 compute, copies and the CPU optimizer share the cores and add up, only the disk runs beside them.
@@ -23,9 +22,10 @@ compute, copies and the CPU optimizer share the cores and add up, only the disk 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from tightfit.offload.placement import ROOT_UNIT, Placement, State, Tier
+from tightfit.offload import memory_model as mm
+from tightfit.offload.placement import Placement, State, Tier
 from tightfit.planner.hardware import HardwareProfile
 from tightfit.planner.model_profile import ModelProfile, UnitProfile, Work
 
@@ -53,7 +53,8 @@ class Prediction:
     breakdown: dict[str, dict[str, int]] = field(default_factory=dict)
     """Tier -> component ("states", "window", "activations", "staging", ...) -> bytes at the peak."""
     runtime_rss: int = 0
-    """Fixed RSS of the torch runtime, added to host (and CPU device) bytes when comparing with a process's RSS."""
+    """The process's floor: the torch runtime (the probe's fresh process), or what `tightfit train` measured its own
+    process to hold before the engine (the data set included). Added to host (and CPU device) bytes for its RSS."""
     compute_s: float = 0.0
     """Forward + backward (+ recomputation) time of all micro-batches on the compute device."""
     copy_s: float = 0.0
@@ -73,29 +74,34 @@ class Prediction:
     tokens_per_s: float = 0.0
 
     def rss(self, cuda: bool) -> int:
-        """Predicted peak RSS of the training process: runtime + host tier (+ device tier on a CPU-only machine)."""
+        """Predicted peak RSS of the training process ([Note: process RSS]): floor + host tier and pool (+ the
+        device on a CPU-only machine: the same RAM, at its peak in backward with the pool full)."""
         return self.runtime_rss + self.peak.get("host", 0) + (0 if cuda else self.peak.get("device", 0))
 
 
+def unit_sizes(profile: ModelProfile) -> list[mm.UnitSize]:
+    """The memory model's view of the profile's units (the engine's flat sizes, padding included)."""
+    return [mm.UnitSize(u.name, u.numel, u.trainable) for u in profile.units]
+
+
 def state_bytes(u: UnitProfile, state: State, placement: Placement, shape: TrainShape) -> int:
-    """Bytes `state` of unit `u` occupies on its tier ([Note: bytes per state])."""
-    up = placement.of(u.name)
-    if state is State.PARAMS:
-        return u.numel * shape.compute_bytes
-    if state is State.MASTER:
-        aliased = shape.compute_bytes == 4 and up.master == up.params
-        return 0 if aliased else u.numel * 4
-    if state is State.GRADS:
-        return u.trainable * 4
-    return u.trainable * 8
+    """Bytes `state` of unit `u` occupies on its tier ([Note: bytes per state] in memory_model.py)."""
+    return mm.state_bytes(mm.UnitSize(u.name, u.numel, u.trainable), state, placement.of(u.name),
+                          shape.compute_bytes)
 
 
 def act_bytes(profile: ModelProfile, checkpointed: set[str]) -> int:
     """Peak activation bytes when the units in `checkpointed` recompute their forward in backward."""
+    return activations(profile, checkpointed).peak
+
+
+def activations(profile: ModelProfile, checkpointed: set[str]) -> mm.Activations:
+    """Activations of one micro-batch from the trace: saved until backward (a checkpointed unit keeps its input),
+    and the backward peak (+ the largest checkpointed unit's recomputation + the transient beyond what is saved)."""
     ck = [u for u in profile.units if u.name in checkpointed and u.checkpointable]
     saved = sum(u.act_saved for u in profile.units if u not in ck) + sum(u.act_input for u in ck)
     recompute = max((u.act_recompute or u.act_saved for u in ck), default=0)
-    return saved + recompute + profile.act_transient
+    return mm.Activations(saved=saved, peak=saved + recompute + profile.act_transient)
 
 
 def stream_unit_bytes(profile: ModelProfile, placement: Placement, shape: TrainShape) -> int:
@@ -109,77 +115,33 @@ def _optimizer_on_device(placement: Placement, name: str) -> bool:
     return up.master == up.grads == up.optim == Tier.DEVICE
 
 
+def shares_ram(placement: Placement, hw: HardwareProfile) -> bool:
+    """Device and host tiers draw on one RAM budget: a CPU-only machine whose device tier has no budget of its own
+    (the search's placements until `engine_budgets` gives it one)."""
+    return not hw.cuda and placement.device_budget is None
+
+
+def step_memory(profile: ModelProfile, placement: Placement, hw: HardwareProfile,
+                shape: TrainShape) -> mm.StepMemory:
+    """Bytes per phase and tier of `placement` ([Note: memory]). The pool is what the schedule needs, cut to the
+    host room the budgets leave: the host budget less the host tier (and, when the RAM is shared, less the device
+    at its peak), never below one working set."""
+    units, c = unit_sizes(profile), shape.compute_bytes
+    act = activations(profile, set(placement.checkpoint_units))
+    room = None
+    if placement.host_budget is not None:
+        room = placement.host_budget - mm.tier_states(units, placement, c)[Tier.HOST]
+        if shares_ram(placement, hw):
+            room -= sum(mm.device_parts(units, placement, c, "backward").values()) + act.peak
+    pool = mm.pool_bytes(units, placement, c, hw.cuda, room)
+    return mm.step_memory(units, placement, c, hw.cuda, act, pool)
+
+
 def memory(profile: ModelProfile, placement: Placement, hw: HardwareProfile,
            shape: TrainShape) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
-    """Peak bytes per tier and their breakdown ([Note: device peak], [Note: host peak])."""
-    parts: dict[str, dict[str, int]] = {t.value: {"states": 0} for t in Tier}
-    for u in profile.units:
-        for s in State:
-            parts[placement.of(u.name).tier(s).value]["states"] += state_bytes(u, s, placement, shape)
-    c = shape.compute_bytes
-    streamed = [u for u in profile.units if placement.of(u.name).params != Tier.DEVICE]
-    blocks = [u.numel * c for u in streamed if u.checkpointable or u.name != ROOT_UNIT]
-    root = [u.numel * c for u in streamed if u.name == ROOT_UNIT]
-    dev = parts["device"]
-    # The engine keeps the root unit materialised from forward start to its gradients; in backward the running
-    # block, `prefetch_depth` prefetched ones and the previous block (released when its gradients are shipped,
-    # after its input-gradient hook, i.e. once the running block has started). Only streamed blocks take a slot:
-    # when fewer than `prefetch_depth + 2` are streamed (the rest resident), the window holds just those.
-    dev["window"] = min(placement.prefetch_depth + 2, len(blocks)) * max(blocks, default=0) + sum(root)
-    off = [u for u in profile.units if u.trainable and placement.of(u.name).grads != Tier.DEVICE]
-    # autograd's param.grads (compute dtype), counted by the engine from a unit's backward start until shipped:
-    # the root's (charged when backward starts, shipped last), the running block's and the previous block's
-    # (its gradients are shipped once its input-gradient hook has fired, after the next block has started).
-    root_g = sum(u.trainable * c for u in profile.units if u.name == ROOT_UNIT)
-    dev["grads in flight"] = root_g + 2 * max((u.trainable * c for u in profile.units if u.name != ROOT_UNIT),
-                                              default=0)
-    dev["activations"] = act_bytes(profile, set(placement.checkpoint_units))
-    host = parts["host"]
-    pool = 0
-    # fp32 pack buffers of gradients leaving the device, reused per size (the root's differs). On a CPU-only
-    # machine host-tier gradients are added in place (same memory), so only NVMe-bound gradients are packed.
-    packed = [u for u in off if hw.cuda or placement.of(u.name).grads == Tier.NVME]
-    if any(u.name != ROOT_UNIT for u in packed):
-        pool += 2 * max(u.trainable * 4 for u in packed if u.name != ROOT_UNIT)
-    pool += sum(u.trainable * 4 for u in packed if u.name == ROOT_UNIT)
-    opt_sets = []
-    for u in profile.units:
-        up = placement.of(u.name)
-        if not u.trainable:
-            continue
-        on_nvme = [s for s in (State.MASTER, State.GRADS, State.OPTIM) if up.tier(s) == Tier.NVME]
-        if hw.cuda and not (up.master == up.grads == up.optim == Tier.DEVICE):
-            on_nvme = [s for s in (State.MASTER, State.GRADS, State.OPTIM) if up.tier(s) != Tier.HOST]
-        if on_nvme:
-            ws = sum(u.numel * 4 if s is State.MASTER else state_bytes(u, s, placement, shape) for s in on_nvme)
-            if up.params == Tier.NVME and state_bytes(u, State.MASTER, placement, shape):
-                ws += u.numel * c  # cast buffer for the refreshed compute copy
-            opt_sets.append((u.name, ws))
-    if opt_sets:  # the unit being stepped + `prefetch_depth` read ahead (write-backs reuse their buffers)
-        block_ws = [w for n, w in opt_sets if n != ROOT_UNIT]
-        pool += (placement.prefetch_depth + 1) * max(block_ws, default=0) + sum(
-            w for n, w in opt_sets if n == ROOT_UNIT)
-    if hw.cuda and any(placement.of(u.name).params == Tier.NVME for u in streamed):
-        pool += (placement.prefetch_depth + 1) * max(blocks + root)  # pinned staging for disk -> GPU fetches
-    if placement.host_budget is not None:  # the engine's pool blocks instead of growing past the budget
-        pool = min(pool, max(0, placement.host_budget - parts["host"]["states"]))
-    # ... but one unit's optimizer working set must fit (the engine refuses a budget without it).
-    pool = max(pool, staged_working_set(profile, placement, hw, shape))
-    host["buffers"] = pool
-    peak = {t: sum(v.values()) for t, v in parts.items()}
-    return peak, parts
-
-
-def staged_working_set(profile: ModelProfile, placement: Placement, hw: HardwareProfile, shape: TrainShape) -> int:
-    """Host bytes of the largest optimizer step that goes through pool buffers (fp32 master, grads and moments plus
-    the compute copy), as the engine reserves it: units with a state on NVMe, or on CUDA split across tiers."""
-    out = 0
-    for u in profile.units:
-        up = placement.of(u.name)
-        tiers = {up.master, up.grads, up.optim}
-        if Tier.NVME in tiers or (hw.cuda and Tier.DEVICE in tiers and len(tiers) > 1):
-            out = max(out, 4 * u.numel + 12 * u.trainable + u.numel * shape.compute_bytes)
-    return out
+    """Peak bytes per tier and their components in the phase of each peak ([Note: memory])."""
+    sm = step_memory(profile, placement, hw, shape)
+    return {t.value: sm.peak(t.value) for t in Tier}, {t.value: sm.peak_parts(t.value) for t in Tier}
 
 
 def engine_device_bytes(breakdown: dict[str, dict[str, int]]) -> int:
@@ -187,6 +149,20 @@ def engine_device_bytes(breakdown: dict[str, dict[str, int]]) -> int:
     autograd gradients not yet shipped (everything but activations)."""
     d = breakdown.get("device", {})
     return d.get("states", 0) + d.get("window", 0) + d.get("grads in flight", 0)
+
+
+def engine_budgets(placement: Placement, pred: "Prediction") -> Placement:
+    """`placement` with the budgets its engine enforces set to the predicted figures: the device budget to the
+    engine's own count at its peak, the host budget to host tier + pool. The engine never prefetches past its
+    device budget and its pool never grows past its host budget, so the prediction is the bound ([Note: the pool]
+    in memory_model.py); any smaller figure would be refused at wrap time or not fit a step.
+
+    Except the device budget of a tiled placement, which stays what the search gave it: tiles and leaves of a tiled
+    block are units of their own, and those that take one input (q, k and v projections; tiles split along the
+    output) all stay materialised in backward until that input's gradient is complete, more than the model's two
+    overlapping units (the tiling test's engine peaked at 9.1 MiB against 7.2 MiB predicted)."""
+    device = placement.device_budget if placement.tiled_linears else engine_device_bytes(pred.breakdown)
+    return replace(placement, device_budget=device, host_budget=pred.peak["host"])
 
 
 def work_time(w: Work, hw: HardwareProfile) -> float:

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field, replace
 
 from tightfit.errors import UsageError
 from tightfit.offload.placement import ROOT_UNIT, Placement, State, Tier, UnitPlacement
-from tightfit.planner.costs import Prediction, TrainShape, act_bytes, memory, predict, units_per_window
+from tightfit.planner.costs import (Prediction, TrainShape, act_bytes, engine_budgets, memory, predict,
+                                   units_per_window)
 from tightfit.planner.hardware import GiB, HardwareProfile
 from tightfit.planner.model_profile import ModelProfile, UnitProfile, Work
 from tightfit.planner.unit_size import joined_reason, small_block_groups
@@ -83,6 +84,8 @@ def budgets_from(memory_cfg, hw: HardwareProfile) -> Budgets:
         device, src["device"] = None, "machine (shared with host RAM)"
     if memory_cfg.cpu_mem is not None:
         host, src["host"] = parse_size(memory_cfg.cpu_mem, "--cpu-mem"), "--cpu-mem"
+        if not hw.cuda:  # the device is this RAM: --cpu-mem bounds the whole process ([Note: process RSS], costs.py)
+            host = max(0, host - hw.runtime_rss - (device or 0))
     else:
         host = max(0, hw.host_available - hw.runtime_rss - host_headroom(hw))
         if not hw.cuda and device is not None:
@@ -174,7 +177,7 @@ def fixed(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainSh
         pred = predict(profile, p, hw, shape)
     for t, need, have in violations(pred, b):
         reasons.append(f"warning: {t} needs {format_size(need)}, budget {format_size(have)}: this run may not fit")
-    return SearchResult(p, pred, profile, reasons)
+    return SearchResult(engine_budgets(p, pred), pred, profile, reasons)
 
 
 def _finish(p: Placement, profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainShape) -> Placement:
@@ -221,7 +224,7 @@ def _search(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: Train
     pred = predict(profile, everything, hw, shape)
     if not violations(pred, b):
         reasons.append("everything fits on the device tier: no offload")
-        return SearchResult(everything, pred, profile, reasons)
+        return SearchResult(engine_budgets(everything, pred), pred, profile, reasons)
 
     dev_room = b.device if b.device is not None else b.host
     stream_min = _min_streaming(profile, shape)
@@ -253,7 +256,7 @@ def _search(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: Train
         # The engine's default unit policy does not descend into a block, so tiles inside a block are not units
         # it knows by name: name only real units in the placement (tiles follow the default placement).
         p = replace(p, units={k: v for k, v in p.units.items() if ".tiles." not in k})
-    return SearchResult(p, pred, profile, reasons)
+    return SearchResult(engine_budgets(p, pred), pred, profile, reasons)
 
 
 def _min_streaming(profile: ModelProfile, shape: TrainShape) -> int:

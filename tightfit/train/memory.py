@@ -7,6 +7,7 @@ the loop never tests which one it has.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Iterator, Protocol
 
 import psutil
@@ -45,6 +46,46 @@ class MemorySetup(Protocol):
 
 def _rss() -> int:
     return psutil.Process().memory_info().rss
+
+
+def _rss_high_water() -> int:
+    """The process's RSS high-water mark since it started (the kernel's VmHWM, what `time -v` reports): the real
+    peak, not a sample; the RSS now where the kernel does not say."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return _rss()
+
+
+def process_floor(model: nn.Module) -> int:
+    """Bytes this process holds apart from the engine's: its RSS now, after the runtime has warmed up as in the
+    probe's runtime figure (planner and engine imported, one tiny training step), less the model's own tensors in
+    RAM (wrapping replaces them by the tiers', which the plan counts). It includes what the probe's fresh process
+    lacks: the data set (byte-level text held as int64 tokens: 8 bytes per token), the tokenizer, the loop's state.
+    [Note: process RSS] in tightfit/planner/costs.py."""
+    import tightfit
+    import tightfit.planner  # noqa: F401 - what the probe's figure includes
+    from tightfit.models.gpt import GPT, GPTConfig
+    from tightfit.offload import engine_of
+    from tightfit.optim import AdamW
+    from tightfit.planner.model_profile import profile_model
+
+    with torch.device("meta"):
+        profile_model(GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16)), 2, 16)  # the trace's imports
+    tiny = tightfit.wrap(GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16)),
+                         tightfit.Placement.everywhere("host"), device="cpu")
+    x = torch.zeros(2, 16, dtype=torch.long)
+    tiny(x, x).backward()
+    AdamW(tiny.parameters()).step()
+    engine_of(tiny).close()
+    del tiny
+    own = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]
+              if t.device.type == "cpu")
+    return max(0, _rss() - own)
 
 
 class _Stepping:
@@ -115,7 +156,7 @@ class PlainMemory(_Stepping):
 
     def memory_in_use(self) -> dict[str, int]:
         rss = _rss()
-        self._peak_rss = max(self._peak_rss, rss)
+        self._peak_rss = max(self._peak_rss, rss, _rss_high_water())
         if self.device.type == "cuda":
             return {"device": torch.cuda.memory_allocated(self.device), "host": rss}
         return {"host": rss}
@@ -183,7 +224,7 @@ class OffloadMemory(_Stepping):
     def memory_in_use(self) -> dict[str, int]:
         r = self.engine.memory_report()
         rss = _rss()
-        self._peak_rss = max(self._peak_rss, rss)
+        self._peak_rss = max(self._peak_rss, rss, _rss_high_water())
         return {"device": r["device"]["in_use"], "host": r["host"]["tier"] + r["host"]["staging"],
                 "nvme": r["nvme"]["bytes"], "rss": rss}
 
@@ -209,9 +250,14 @@ def setup_memory(model: nn.Module, cfg: Config, device: torch.device, dtype: tor
     """Pick how the run holds its model: plain PyTorch (--offload none), or the offload engine with the plan."""
     if cfg.memory.offload == "none":
         return PlainMemory(model, cfg, device, dtype)
+    from tightfit.config import parse_nvme
     from tightfit.planner import make_plan
+    from tightfit.planner.probe import load_or_probe
 
-    return OffloadMemory(model, cfg, device, dtype, make_plan(model, cfg))
+    # The plan's floor is this process's, measured now (the probe's is a fresh process without the data set).
+    hw = load_or_probe(parse_nvme(cfg.memory.nvme)[0] if cfg.memory.nvme else None)
+    hw = replace(hw, runtime_rss=max(hw.runtime_rss, process_floor(model)))
+    return OffloadMemory(model, cfg, device, dtype, make_plan(model, cfg, hw))
 
 
 __all__ = ["MemorySetup", "OffloadMemory", "PlainMemory", "param_groups", "setup_memory"]

@@ -1,0 +1,101 @@
+"""The memory model's arithmetic against budgets computed by hand, phase by phase (as FSDP2's memory tests do).
+
+A small model: a root unit of 1000 elements and three blocks of 400, all trainable; fp32 compute (c = 4) unless
+said otherwise. Every expected figure is written out from [Note: bytes per state] and [Note: phases] in
+tightfit/offload/memory_model.py, not computed by the code under test.
+"""
+
+from __future__ import annotations
+
+from tightfit.offload import memory_model as mm
+from tightfit.offload.placement import Placement, Tier, UnitPlacement
+
+ROOT, BLOCK = 1000, 400
+UNITS = [mm.UnitSize("root", ROOT, ROOT)] + [mm.UnitSize(f"blocks.{i}", BLOCK, BLOCK) for i in range(3)]
+ALL = ROOT + 3 * BLOCK  # 2200 elements
+
+
+def test_everything_on_the_device():
+    p = Placement.everywhere(Tier.DEVICE, prefetch_depth=1)
+    sm = mm.step_memory(UNITS, p, 4, cuda=False, act=mm.Activations(saved=500, peak=800))
+    # params 4 B + master 0 (fp32 on the params' tier: one tensor) + grads 4 B + moments 8 B per element.
+    states = 16 * ALL
+    assert sm.phases["forward"]["device"] == {"states": states, "window": 0, "grads in flight": 0, "activations": 500}
+    # Backward: autograd's grads of the root and of two blocks (compute dtype) until added to the device tier.
+    assert sm.phases["backward"]["device"] == {"states": states, "window": 0,
+                                               "grads in flight": 4 * ROOT + 2 * 4 * BLOCK, "activations": 800}
+    assert sm.phases["step"]["device"] == {"states": states, "window": 0, "grads in flight": 0, "activations": 0}
+    assert sm.peak("host") == 0 and sm.peak("nvme") == 0  # nothing staged: no pool
+    assert sm.peak("device") == states + 4 * ROOT + 8 * BLOCK + 800
+    assert sm.engine_device() == states + 4 * ROOT + 8 * BLOCK
+    # A CPU-only machine: the device is the process's RAM, on top of its floor.
+    assert mm.process_bytes(sm, cuda=False, floor=10_000) == 10_000 + sm.peak("device")
+    assert mm.process_bytes(sm, cuda=True, floor=10_000) == 10_000
+
+
+def test_streamed_params_on_host_optimizer_on_nvme():
+    up = UnitPlacement(params=Tier.HOST, master=Tier.NVME, grads=Tier.NVME, optim=Tier.NVME)
+    p = Placement(default=up, prefetch_depth=1)
+    sm = mm.step_memory(UNITS, p, 4, cuda=False)
+    # Window: the root (materialised forward start -> its grads) + running + 1 prefetched block in forward,
+    # + the previous block in backward (released once its grads are shipped, after the running one started).
+    assert sm.phases["forward"]["device"]["window"] == 4 * ROOT + 2 * 4 * BLOCK
+    assert sm.phases["backward"]["device"]["window"] == 4 * ROOT + 3 * 4 * BLOCK
+    assert sm.phases["backward"]["device"]["grads in flight"] == 4 * ROOT + 2 * 4 * BLOCK
+    assert sm.phases["step"]["device"]["window"] == 0
+    # Host tier: the fp32 params (master is separate: it lives on NVMe). NVMe: master 4 + grads 4 + moments 8.
+    assert sm.phases["backward"]["host"]["states"] == 4 * ALL
+    assert sm.peak("nvme") == 16 * ALL
+    # Pool ([Note: the pool]): NVMe-bound grads leave a CPU device through fp32 packs (the root's + two blocks');
+    # no params on NVMe, so no fetch staging; the root's optimizer working set + (depth + 1) blocks', each
+    # 4 (master) + 12 (grads, moments) + 4 (refreshed compute copy) bytes per element.
+    packs = 4 * ROOT + 2 * 4 * BLOCK
+    optim = 20 * ROOT + 2 * 20 * BLOCK
+    assert mm.pool_parts(UNITS, p, 4, cuda=False) == {"grad packs": packs, "fetch staging": 0, "optimizer": optim}
+    assert all(sm.phases[ph]["host"]["buffers"] == packs + optim for ph in mm.PHASES)  # allocated once, kept
+    assert mm.process_bytes(sm, cuda=False, floor=0) == (4 * ALL + packs + optim
+                                                          + 2 * 4 * ROOT + 3 * 4 * BLOCK + 2 * 4 * BLOCK)
+
+
+def test_minimum_is_backward_without_prefetch():
+    up = UnitPlacement(params=Tier.HOST, master=Tier.HOST, grads=Tier.HOST, optim=Tier.HOST)
+    p = Placement(default=up, prefetch_depth=3)
+    # What `check_budgets` refuses below: the root + two blocks computing, with their grads.
+    assert mm.device_minimum(UNITS, p, 4) == {"states": 0, "window": 4 * ROOT + 2 * 4 * BLOCK,
+                                              "grads in flight": 4 * ROOT + 2 * 4 * BLOCK}
+    # Depth 3 would want 5 block slots; only 3 blocks are streamed.
+    assert mm.device_parts(UNITS, p, 4, "backward")["window"] == 4 * ROOT + 3 * 4 * BLOCK
+    # Everything in host memory on a CPU device: stepped in place, gradients added in place: no pool at all.
+    assert mm.pool_minimum(UNITS, p, 4, cuda=False) == 0
+    assert sum(mm.pool_parts(UNITS, p, 4, cuda=False).values()) == 0
+    # With a GPU every gradient leaves the device through a pack; master, grads and moments all on the host are
+    # stepped in place there (not split between tiers), so the packs are all the pool holds.
+    assert mm.pool_parts(UNITS, p, 4, cuda=True) == {"grad packs": 4 * ROOT + 2 * 4 * BLOCK, "fetch staging": 0,
+                                                     "optimizer": 0}
+
+
+def test_resident_units_take_no_window_slot_and_bf16_keeps_a_master():
+    on_dev = UnitPlacement.all_on(Tier.DEVICE)
+    nvme = UnitPlacement.all_on(Tier.NVME)
+    p = Placement(default=nvme, units={"root": on_dev, "blocks.0": on_dev}, prefetch_depth=2)
+    c = 2  # bf16 compute: params 2 B, a separate fp32 master 4 B
+    parts = mm.device_parts(UNITS, p, c, "backward")
+    assert parts["states"] == (2 + 4 + 4 + 8) * (ROOT + BLOCK)
+    assert parts["window"] == 2 * (2 * BLOCK)  # two streamed blocks: fewer than depth + 2 slots
+    assert parts["grads in flight"] == 2 * ROOT + 2 * 2 * BLOCK
+    # Pool: NVMe grads packed (two blocks' fp32), params fetched from NVMe through staging (running + 2
+    # prefetched), and (depth + 1) working sets of 4 + 12 + 2 bytes per element.
+    assert mm.pool_parts(UNITS, p, c, cuda=False) == {"grad packs": 2 * 4 * BLOCK, "fetch staging": 3 * 2 * BLOCK,
+                                                      "optimizer": 3 * 18 * BLOCK}
+    assert mm.state_bytes(UNITS[1], mm.State.MASTER, nvme, c) == 4 * BLOCK
+
+
+def test_pool_is_cut_to_the_room_but_never_below_one_working_set():
+    p = Placement.everywhere(Tier.NVME, prefetch_depth=1)
+    need = sum(mm.pool_parts(UNITS, p, 4, cuda=False).values())
+    one = 20 * ROOT  # the root's working set is the largest
+    assert mm.pool_minimum(UNITS, p, 4, cuda=False) == one
+    assert mm.pool_bytes(UNITS, p, 4, cuda=False) == need
+    assert mm.pool_bytes(UNITS, p, 4, cuda=False, room=need + 1) == need
+    assert mm.pool_bytes(UNITS, p, 4, cuda=False, room=one + 5) == one + 5
+    assert mm.pool_bytes(UNITS, p, 4, cuda=False, room=10) == one

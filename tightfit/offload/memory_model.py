@@ -1,0 +1,240 @@
+"""The memory of a training step under a placement: bytes per tier in each phase, from per-unit sizes.
+
+Why one module: the engine refuses budgets that cannot hold a step (`budget_checks.check_budgets`, at wrap time)
+and the planner predicts peaks and chooses the budgets it hands the engine (`tightfit/planner/costs.py`). Both call
+the functions below, so the bytes that decide a refusal are the bytes the plan printed. It is arithmetic over
+`UnitSize`s and a `Placement`, nothing else: no torch, no model, no measurement.
+
+[Note: bytes per state] For a unit with N elements in its flat buffer (padding included), n of them trainable,
+compute dtype of c bytes:
+  params N*c; master N*4 (none when c is 4 and master shares the params' tier: one tensor, `flat_unit.py`);
+  grads n*4 (fp32, accumulated over micro-batches); optim n*8 (Adam's two moments, fp32).
+While a unit computes its backward, autograd's `param.grad`s add n*c on the device until they are shipped.
+
+[Note: phases] The engine meters the device (device-tier states + materialised units + `param.grad`s not yet
+shipped) and bounds its host buffer pool; the model follows the same three things through a step:
+- forward: the root unit (materialised from forward start to its gradients) + the running block + `depth`
+  prefetched ones; at its end the first `depth` units of backward stay materialised (the reuse distance).
+- backward: the root + the running block + `depth` prefetched + the previous block (released once its gradients
+  are shipped, which is after the running block has started: two units overlap), with the `param.grad`s of the
+  root and of those two blocks. This is the device peak.
+- step: device-tier states only; the optimizer's buffers come from the pool.
+Streamed blocks are those whose params are not on the device tier; fewer than `depth + 2` of them take fewer slots.
+The smallest budget the schedule can live with is the backward phase at depth 0 (prefetches are optional: the
+engine starts one only when it fits): `check_budgets` refuses anything below it.
+
+[Note: the pool] Every host buffer of a transfer or an optimizer step comes from one pool whose capacity is the host
+budget less the host tier (`staging.py`). The pool keeps what it allocated (idle buffers are reused, dropped only
+for another size), and what the engine holds ahead (preloaded moments, kept fetch buffers, held gradients) is taken
+whenever the pool has room, so over a few steps the pool grows to its capacity: its predicted bytes *are* its
+capacity. The planner therefore sizes the capacity (`pool_bytes`) and hands the engine host budget = host tier +
+that, instead of all the RAM it has. A capacity holds:
+- fp32 packs of gradients leaving the device (a CUDA device, or NVMe-bound gradients on a CPU device): two per
+  block size (the running block's and the previous one's), one for the root;
+- staging for params fetched from NVMe: the running block and `depth` prefetched;
+- optimizer working sets of units whose step goes through buffers (a state on NVMe; on CUDA, states split between
+  device and host): the one stepped + `depth` read ahead, each the engine's reservation `step_bytes`;
+and never less than one working set, which the engine requires (`pool_minimum`).
+
+Activations are the model's: the engine does not meter them. The planner passes its measured figures
+(`Activations`) and the model adds them to the device in forward and backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tightfit.offload.placement import ROOT_UNIT, Placement, State, Tier, UnitPlacement
+
+PHASES = ("forward", "backward", "step")
+
+
+@dataclass(frozen=True)
+class UnitSize:
+    """What the memory model needs of one unit."""
+
+    name: str
+    """Unit name ("root", "blocks.3", "blocks.0-3")."""
+    numel: int
+    """Elements of the unit's flat buffer, padding included (all its parameters)."""
+    trainable: int
+    """Elements of its trainable prefix: these have gradients and Adam moments."""
+
+    @property
+    def is_root(self) -> bool:
+        return self.name == ROOT_UNIT
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Activation bytes of one micro-batch on the device (the planner's meta-device trace measures them)."""
+
+    saved: int = 0
+    """Kept from forward to backward (a checkpointed unit keeps its input only): the device at forward's end."""
+    peak: int = 0
+    """The most live at once, in backward: saved + one checkpointed unit's recomputation + gradients of
+    activations and the running op's temporaries."""
+
+
+# ---- per unit ([Note: bytes per state]) --------------------------------------------------------------------------
+
+def state_bytes(u: UnitSize, state: State, up: UnitPlacement, c: int) -> int:
+    """Bytes `state` of unit `u` occupies on its tier (c: bytes per compute element)."""
+    if state is State.PARAMS:
+        return u.numel * c
+    if state is State.MASTER:
+        return 0 if (c == 4 and up.master == up.params) else u.numel * 4
+    if state is State.GRADS:
+        return u.trainable * 4
+    return u.trainable * 8
+
+
+def params_bytes(u: UnitSize, c: int) -> int:
+    """A materialised unit's flat buffer on the device."""
+    return u.numel * c
+
+
+def autograd_grad_bytes(u: UnitSize, c: int) -> int:
+    """The `param.grad`s autograd makes for the unit in one backward (compute dtype), until shipped."""
+    return u.trainable * c
+
+
+def step_bytes(u: UnitSize, c: int) -> int:
+    """Pool bytes one unit's optimizer step may take: fp32 master, gradients and moments, and the compute copy
+    refreshed from the master. The engine reserves this much per unit it steps or reads ahead."""
+    return 4 * u.numel + 12 * u.trainable + u.numel * c
+
+
+def steps_through_pool(up: UnitPlacement, cuda: bool) -> bool:
+    """Does the unit's optimizer step go through pool buffers? States on NVMe always; on CUDA, states split
+    between the device and host tiers (the step runs on the CPU and its device states are copied)."""
+    tiers = {up.master, up.grads, up.optim}
+    return Tier.NVME in tiers or (cuda and Tier.DEVICE in tiers and len(tiers) > 1)
+
+
+def packs_grads(up: UnitPlacement, cuda: bool) -> bool:
+    """Do the unit's gradients leave the device through a pool buffer? On CUDA whenever their tier is not the
+    device; on a CPU device only for NVMe (host-tier gradients are added in place, the same memory)."""
+    return up.grads == Tier.NVME or (cuda and up.grads != Tier.DEVICE)
+
+
+# ---- per tier ----------------------------------------------------------------------------------------------------
+
+def tier_states(units: list[UnitSize], p: Placement, c: int) -> dict[Tier, int]:
+    """Bytes of every unit's states on each tier."""
+    out = dict.fromkeys(Tier, 0)
+    for u in units:
+        up = p.of(u.name)
+        for s in State:
+            out[up.tier(s)] += state_bytes(u, s, up, c)
+    return out
+
+
+def _split(units: list[UnitSize]) -> tuple[list[UnitSize], list[UnitSize]]:
+    return [u for u in units if u.is_root], [u for u in units if not u.is_root]
+
+
+def device_parts(units: list[UnitSize], p: Placement, c: int, phase: str = "backward",
+                 depth: int | None = None) -> dict[str, int]:
+    """What the engine counts on the device in `phase` ([Note: phases]): "states", "window" (materialised units'
+    params) and "grads in flight" (autograd's, not yet shipped). `depth`: prefetch depth (the placement's if None)."""
+    depth = p.prefetch_depth if depth is None else depth
+    roots, blocks = _split(units)
+    streamed = [u for u in blocks if p.of(u.name).params != Tier.DEVICE]
+    block = max((params_bytes(u, c) for u in streamed), default=0)
+    root = sum(params_bytes(u, c) for u in roots if p.of(u.name).params != Tier.DEVICE)
+    slots = {"forward": depth + 1, "backward": depth + 2, "step": 0}[phase]
+    parts = {"states": tier_states(units, p, c)[Tier.DEVICE],
+             "window": (root + min(slots, len(streamed)) * block) if phase != "step" else 0,
+             "grads in flight": 0}
+    if phase == "backward":
+        with_grads = [autograd_grad_bytes(u, c) for u in blocks if u.trainable]
+        parts["grads in flight"] = (sum(autograd_grad_bytes(u, c) for u in roots)
+                                    + min(2, len(with_grads)) * max(with_grads, default=0))
+    return parts
+
+
+def device_minimum(units: list[UnitSize], p: Placement, c: int) -> dict[str, int]:
+    """The smallest device budget the schedule can live with: the backward phase without prefetching."""
+    return device_parts(units, p, c, "backward", depth=0)
+
+
+def pool_minimum(units: list[UnitSize], p: Placement, c: int, cuda: bool) -> int:
+    """The smallest pool the engine accepts: one unit's optimizer working set, for units stepped through it."""
+    return max((step_bytes(u, c) for u in units if u.trainable and steps_through_pool(p.of(u.name), cuda)),
+               default=0)
+
+
+def pool_parts(units: list[UnitSize], p: Placement, c: int, cuda: bool,
+               depth: int | None = None) -> dict[str, int]:
+    """What a pool needs for the schedule at prefetch `depth` to run without waiting for buffers ([Note: the pool]):
+    "grad packs", "fetch staging" and "optimizer"."""
+    depth = p.prefetch_depth if depth is None else depth
+    roots, blocks = _split(units)
+    packed = [u for u in units if u.trainable and packs_grads(p.of(u.name), cuda)]
+    packs = sum(4 * u.trainable for u in packed if u.is_root)
+    packs += 2 * max((4 * u.trainable for u in packed if not u.is_root), default=0)
+    from_disk = [u for u in units if p.of(u.name).params == Tier.NVME]
+    staging = sum(params_bytes(u, c) for u in from_disk if u.is_root)
+    staging += (depth + 1) * max((params_bytes(u, c) for u in from_disk if not u.is_root), default=0)
+    stepped = [u for u in units if u.trainable and steps_through_pool(p.of(u.name), cuda)]
+    optim = sum(step_bytes(u, c) for u in stepped if u.is_root)
+    optim += (depth + 1) * max((step_bytes(u, c) for u in stepped if not u.is_root), default=0)
+    return {"grad packs": packs, "fetch staging": staging, "optimizer": optim}
+
+
+def pool_bytes(units: list[UnitSize], p: Placement, c: int, cuda: bool, room: int | None = None,
+               depth: int | None = None) -> int:
+    """The pool capacity a plan gives the engine: what the schedule needs (`pool_parts`), cut to `room` (the
+    host bytes left; the engine then waits for buffers instead of growing), but never below `pool_minimum`."""
+    want = sum(pool_parts(units, p, c, cuda, depth).values())
+    if room is not None:
+        want = min(want, max(0, room))
+    return max(want, pool_minimum(units, p, c, cuda))
+
+
+@dataclass
+class StepMemory:
+    """Bytes per phase, per tier, per component ([Note: phases]). Tiers: "device", "host", "nvme"."""
+
+    phases: dict[str, dict[str, dict[str, int]]]
+    """phase -> tier -> component -> bytes."""
+
+    def at(self, phase: str, tier: str) -> int:
+        return sum(self.phases[phase][tier].values())
+
+    def peak(self, tier: str) -> int:
+        return max(self.at(ph, tier) for ph in PHASES)
+
+    def peak_parts(self, tier: str) -> dict[str, int]:
+        """The components of `tier` in the phase of its peak."""
+        phase = max(PHASES, key=lambda ph: self.at(ph, tier))
+        return dict(self.phases[phase][tier])
+
+    def engine_device(self) -> int:
+        """The engine's own device count at its peak (everything but activations)."""
+        return max(self.at(ph, "device") - self.phases[ph]["device"].get("activations", 0) for ph in PHASES)
+
+
+def step_memory(units: list[UnitSize], p: Placement, c: int, cuda: bool, act: Activations | None = None,
+                pool: int | None = None) -> StepMemory:
+    """Bytes of every phase of one step of `units` under `p` ([Note: phases]). `pool`: the pool's capacity
+    (default: `pool_bytes` with no room limit); it is allocated from the first step on, so it counts in every
+    phase. `act`: activations, counted on the device in forward (saved) and backward (peak)."""
+    act = act or Activations()
+    states = tier_states(units, p, c)
+    pool = pool_bytes(units, p, c, cuda) if pool is None else pool
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for phase in PHASES:
+        dev = device_parts(units, p, c, phase)
+        dev["activations"] = {"forward": act.saved, "backward": act.peak, "step": 0}[phase]
+        out[phase] = {"device": dev, "host": {"states": states[Tier.HOST], "buffers": pool},
+                      "nvme": {"states": states[Tier.NVME]}}
+    return StepMemory(out)
+
+
+def process_bytes(mem: StepMemory, cuda: bool, floor: int) -> int:
+    """Peak RSS of the training process: its floor (the runtime, the data, ...) + the host tier and pool, + on a
+    CPU-only machine the device (it is the same RAM), taken phase by phase."""
+    tiers = ("host",) if cuda else ("host", "device")
+    return floor + max(sum(mem.at(ph, t) for t in tiers) for ph in PHASES)
