@@ -95,7 +95,7 @@ class Plan:
         peaks = ", ".join(f"{t} {format_size(pr.peak.get(t, 0))}/{self._budget_text(t)}" for t in TIERS
                           if pr.peak.get(t, 0) or t != "nvme")
         lines = [f"plan ({self.mode}): {len(self.profile.units)} units x 4 states: {where}",
-                 f"  predicted peak: {peaks}",
+                 f"  predicted peak: {peaks}, process RSS {format_size(pr.rss(self.hardware.cuda))}",
                  f"  predicted step: {pr.step_s * 1e3:.0f} ms ({pr.tokens_per_s:,.0f} tokens/s), "
                  f"bottleneck: {pr.bottleneck}"]
         extras = []
@@ -128,7 +128,7 @@ class Plan:
             lines.append(f"{t:<8}{format_size(tb[t]):>12}{format_size(pr.peak.get(t, 0)):>16}"
                          f"{self._budget_text(t):>14}   {parts}")
         if not self.hardware.cuda:
-            lines.append(f"predicted RSS (runtime {format_size(pr.runtime_rss)} + host + CPU device): "
+            lines.append(f"predicted RSS (process floor {format_size(pr.runtime_rss)} + host + CPU device): "
                          f"{format_size(pr.rss(False))}")
         lines.append("")
         lines.append(f"schedule: prefetch depth {p.prefetch_depth}, "
