@@ -42,7 +42,8 @@ from tightfit.offload.budget_checks import check_budgets, host_tier_bytes
 from tightfit.offload.flat_unit import MASTER, PARAMS, GradsState, OffloadUnit, ParamsState
 from tightfit.offload.grad_ship import ship_grads
 from tightfit.offload.hooks import queue_end_of_backward, register_hooks, remove_hooks
-from tightfit.offload.optim_step import discard_preload, preload
+from tightfit.offload.host_cache import HostCache
+from tightfit.offload.optim_step import preload
 from tightfit.offload.placement import ROOT_UNIT, Placement, State, Tier
 from tightfit.offload.schedule import Phase, Schedule
 from tightfit.offload.movers import CpuMover, CudaMover, Transfer, strict_from_env
@@ -144,15 +145,14 @@ class OffloadEngine:
                                                chunk_bytes=disk.chunk_bytes if disk else None)
         self.units: dict[str, OffloadUnit] = {
             s.name: OffloadUnit(s, placement.of(s.name), self.stores, compute_dtype, device) for s in specs}
-        # Pool bytes that preloads and held gradients for a step after backward leave free: the largest unit's
-        # working set. Whatever of a unit was not loaded ahead, its step can then take (once the buffers of transfers
-        # in flight are back), and each stepped unit returns its own buffers for the next ([Note: staging memory]).
-        self.step_reserve = max(u.step_bytes for u in self.units.values())
         check_budgets(self.units, placement, device)
 
         # [Note: staging memory] in staging.py: every transfer and optimizer working buffer comes from this pool.
         self.pool.capacity = (None if placement.host_budget is None
                               else placement.host_budget - host_tier_bytes(self.units))
+        # What is held ahead of (or past) a transfer, for every unit: one cache, one admission rule that keeps the
+        # largest unit's step working set free beside it ([Note: host cache admission], host_cache.py).
+        self.cache = HostCache(self.pool, reserve=max(u.step_bytes for u in self.units.values()))
         # Gradient worker: accumulates gradients that left the device into their host/disk tier, one unit after
         # another, overlapping the backward of the units after. One thread keeps micro-batches of a unit in order.
         # Shut down by `close`.
@@ -228,19 +228,8 @@ class OffloadEngine:
             unit.store[State.PARAMS].save(unit.name, PARAMS, master.to(self.compute_dtype)).result()
         if unit.on_device and not unit.resident:
             self.release(unit)  # the device copy is stale
-        discard_preload(self, unit)  # so are a master loaded ahead for a step and a fetch's staging copy
-        self.drop_fresh_params(unit)  # and a step's
-
-    def drop_kept_master(self, unit: OffloadUnit) -> None:
-        if unit.kept_master is not None:
-            self.pool.give(unit.kept_master)
-            unit.kept_master = None
-
-    def drop_fresh_params(self, unit: OffloadUnit) -> None:
-        if unit.fresh_params is not None:
-            buf, write = unit.fresh_params
-            unit.fresh_params = None
-            self.pool.give_after(write, buf)
+        unit.version += 1  # and so is every cached copy
+        self.cache.drop(unit.name)
 
     def keeps_fresh(self, unit: OffloadUnit) -> bool:
         """Should the step of `unit` keep its updated params in memory for the next forward's fetch?
@@ -248,9 +237,9 @@ class OffloadEngine:
         Yes for the first units of the next forward (they are stepped last, and read again right away), when the
         device is the CPU, the params are the fp32 master, and the pool has room for two working sets."""
         if (self.device.type != "cpu" or unit.master_entry != PARAMS or unit.resident
-                or unit.fresh_params is not None or unit.name not in self.schedule.first(Phase.FORWARD)):
+                or unit.name not in self.schedule.first(Phase.FORWARD)):
             return False
-        return self.pool.has_room(2 * unit.optim_bytes)
+        return self.cache.admit(4 * unit.spec.numel)
 
     def keeps_master(self, unit: OffloadUnit) -> bool:
         """Should a params fetch of `unit` starting now keep its staging buffer for the unit's optimizer step?
@@ -259,10 +248,10 @@ class OffloadEngine:
         from the fetch] in flat_unit.py) and the step would otherwise read them from disk again; and only while
         the pool has room for two working sets, so kept buffers cannot starve the step thread that frees them."""
         if (self.phase != Phase.BACKWARD or self.early_step is None or not unit.trainable
-                or unit.master_entry != PARAMS or unit.kept_master is not None
+                or unit.master_entry != PARAMS or self.cache.holds(unit.name, PARAMS, unit.version)
                 or unit.store[State.MASTER].tensor(unit.name, PARAMS) is not None):
             return False
-        return self.pool.has_room(2 * unit.optim_bytes)
+        return self.cache.admit(4 * unit.spec.numel)
 
     def steps_in_flat(self, unit: OffloadUnit) -> bool:
         """Does the root unit's optimizer step run in place on its materialised params (CPU, fp32 master)?"""
@@ -334,8 +323,8 @@ class OffloadEngine:
                     f"{unit.name!r} ({format_size(unit.compute_bytes)}; "
                     f"{format_size(self.device_in_use)} in use); raise --gpu-mem or lower prefetch_depth")
             self._charge(unit.compute_bytes)
-            unit.start_fetch(self.mover, keep_master=self.keeps_master(unit))
-        unit.finish_fetch(self.mover)
+            unit.start_fetch(self.mover, self.cache, keep_master=self.keeps_master(unit))
+        unit.finish_fetch(self.mover, self.cache)
         self._time("params_wait_s", t0)
 
     def _evict_idle(self, keep: OffloadUnit) -> None:
@@ -351,7 +340,7 @@ class OffloadEngine:
             if unit.resident or unit.on_device or not self._fits(unit.compute_bytes):
                 continue
             self._charge(unit.compute_bytes)
-            unit.start_fetch(self.mover, keep_master=self.keeps_master(unit))
+            unit.start_fetch(self.mover, self.cache, keep_master=self.keeps_master(unit))
 
     def release(self, unit: OffloadUnit) -> None:
         self._active.discard(unit.name)
@@ -538,11 +527,9 @@ class OffloadEngine:
         self.wait_grads()
         self.wait_early_steps()
         for unit in self.units.values():
-            discard_preload(self, unit)
-            self.drop_kept_master(unit)
-            if unit.held_grads is not None:
-                self.pool.give(unit.held_grads)
-                unit.held_grads = None
+            # What was held for a step (gradients, master and moments loaded ahead) goes; params stay for the next
+            # forward (a step's updated params, or a fetch's copy of values no step changed).
+            self.cache.drop(unit.name, keep=(PARAMS,))
             unit.has_grad = [False] * len(unit.trainable)
             unit.grad_norms = [None] * len(unit.trainable)
             unit.grads_to(GradsState.EMPTY)
@@ -608,19 +595,19 @@ class OffloadEngine:
             return
         self._closed = True
         self._finalizer.detach()
-        self.wait_grads()
-        self.wait_early_steps()
-        self.wait_writes()
-        remove_hooks(self, self._handles)
-        for unit in self.units.values():
-            self.drop_kept_master(unit)
-            self.drop_fresh_params(unit)
-        self.grad_worker.shutdown(wait=True)
-        self.step_worker.shutdown(wait=True)
-        self.mover.close()
-        for store in self.stores.values():
-            store.close()
-        self.pool.clear()
-        model = self.model
-        if model is not None:
-            _ENGINES.pop(model, None)
+        try:  # a failed gradient, step or write-back is raised, after everything below is freed all the same
+            self.wait_grads()
+            self.wait_early_steps()
+            self.wait_writes()
+        finally:
+            remove_hooks(self, self._handles)
+            self.cache.clear()
+            self.grad_worker.shutdown(wait=True)
+            self.step_worker.shutdown(wait=True)
+            self.mover.close()
+            for store in self.stores.values():
+                store.close()
+            self.pool.clear()
+            model = self.model
+            if model is not None:
+                _ENGINES.pop(model, None)

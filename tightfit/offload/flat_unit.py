@@ -22,8 +22,9 @@ from enum import Enum
 
 import torch
 
+from tightfit.offload.host_cache import Held
 from tightfit.offload.placement import State, Tier, UnitPlacement
-from tightfit.offload.tiers import TierStore
+from tightfit.offload.tiers import TierStore, done_future
 from tightfit.offload.units import UnitSpec
 
 
@@ -56,7 +57,7 @@ class ParamsState(str, Enum):
 class GradsState(str, Enum):
     """A unit's accumulated gradients between two optimizer steps. Transitions (asserted, `_grads_to`):
     EMPTY | STORED | HELD -> SHIPPING (a backward's gradients leave the device; micro-batches may overlap) ->
-    STORED (on their tier) or HELD (final gradients kept in a pool buffer for the step, `held_grads`);
+    STORED (on their tier) or HELD (final gradients kept for the step in the host cache, host_cache.py);
     EMPTY | STORED -> STORED directly when the tier is addressable where they were computed; and any state at rest
     -> EMPTY (consumed by the step, or zero_grad)."""
 
@@ -110,15 +111,13 @@ class OffloadUnit:
         # step; the next forward's compute waits on it (engine.materialise).
         self.refresh = None
         # [Note: master from the fetch] With fp32 compute the params *are* the master values. A backward fetch from
-        # disk reads them into a staging buffer anyway; when the unit is about to be stepped, that buffer is kept
-        # (`kept_master`, a pool buffer) and becomes the step's master buffer instead of reading the same bytes
-        # from disk a second time. The root unit stays materialised between steps instead (`master_in_flat`): its
-        # step runs in place on `flat` itself, which the next forward uses as is, and `flat_write` is that step's
-        # write-back of `flat` (the storage must outlive it).
-        self.kept_master: torch.Tensor | None = None
-        # The other direction: a unit among the first of the next forward keeps the buffer its step just updated
-        # (the new params, on their way to disk) as (buffer, its write-back); the forward fetch copies from it.
-        self.fresh_params: tuple[torch.Tensor, Future] | None = None
+        # disk reads them into a staging buffer anyway; when the unit is about to be stepped, that buffer is kept in
+        # the engine's host cache (host_cache.py, entry "params") and becomes the step's master buffer instead of
+        # reading the same bytes from disk a second time; the other way round, a step's updated params on their way
+        # to disk stay there for the next forward's fetch. The root unit stays materialised between steps instead
+        # (`master_in_flat`): its step runs in place on `flat` itself, which the next forward uses as is, and
+        # `flat_write` is that step's write-back of `flat` (the storage must outlive it).
+        self.version = 0  # +1 per optimizer step of the unit and per new values written: what cached copies hold
         self.master_in_flat = False
         self.flat_write: Future | None = None
         # Gradient bookkeeping (main thread). `got` : trainable slot indices whose grad arrived in this backward.
@@ -132,11 +131,6 @@ class OffloadUnit:
         # loss-scaler overflow checks) and the pending accumulation of this unit (serialises micro-batches).
         self.grad_norms: list[torch.Tensor | None] = [None] * len(self.trainable)
         self.grad_pending: Future | None = None
-        # Final gradients kept in a pool buffer for a step during backward instead of written to disk (engine).
-        self.held_grads: torch.Tensor | None = None
-        # Master and moments loading for a step during backward, started at the unit's backward start
-        # (optim_step.preload); consumed by the step thread, or returned by `discard_preload`.
-        self.preloaded = None
         # Per trainable slot, Adam's step count (a float32 scalar, as torch.optim.AdamW keeps it). Host memory.
         self.steps: list[torch.Tensor | None] = [None] * len(self.trainable)
 
@@ -206,25 +200,27 @@ class OffloadUnit:
                 self._shipping += 1
             self.grads_state = new
 
-    def start_fetch(self, mover, keep_master: bool = False) -> None:
-        """Allocate the flat buffer and start copying the params in. keep_master: keep the staging buffer the bytes
-        pass through as `kept_master` (see the note in __init__)."""
+    def start_fetch(self, mover, cache, keep_master: bool = False) -> None:
+        """Allocate the flat buffer and start copying the params in: from a copy in the host cache when it holds
+        this version (no disk read), else from the params tier. keep_master: keep the staging buffer the bytes pass
+        through in the cache (see the note in __init__)."""
         self._params_to(ParamsState.FETCHING)
         self.flat.untyped_storage().resize_(self.compute_bytes)
-        if self.fresh_params is not None:  # updated by the step that just ran: no disk read
-            buf, write = self.fresh_params
-            self.fresh_params = None
-            self.fetch = mover.copy_in(buf, self.flat_io, after=write)
+        held = cache.take(self.name, PARAMS, self.version) if self.master_entry == PARAMS else None
+        if held is not None:
+            if held.ready is not None:  # a master preloaded for a step that did not come: its read first
+                held.ready.result()
+            self.fetch = mover.copy_in(held.buf, self.flat_io, after=held.reading or done_future())
         else:
             self.fetch = mover.fetch(self.store[State.PARAMS], self.name, PARAMS, self.flat_io,
                                      keep_staging=keep_master)
 
-    def finish_fetch(self, mover) -> None:
+    def finish_fetch(self, mover, cache) -> None:
         kept = mover.wait(self.fetch)
         self.fetch = None
         self._params_to(ParamsState.READY)
         if kept is not None:
-            self.kept_master = kept
+            cache.put(self.name, PARAMS, Held(kept, self.version))
 
     def free(self, mover) -> None:
         """Drop the device copy (params are never modified in place by compute, so nothing is written back).

@@ -7,8 +7,8 @@ memcpy on a copy thread) and the engine's gradient worker adds them to the host 
 NVMe, while backward goes on. Accumulation is `old + new` in fp32, the same bits as torch's `param.grad += new`.
 The worker records each parameter's gradient norm as it goes (clipping and overflow checks need no second pass
 over the disk). When the optimizer has declared that a step follows this backward (`step_during_backward`,
-`preload_during_backward`), a unit's final packed gradients go straight to its step (`OffloadUnit.held_grads`)
-instead of to disk and back.
+`preload_during_backward`), a unit's final packed gradients go straight to its step through the host cache
+(host_cache.py) instead of to disk and back.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tightfit.offload.flat_unit import GRADS, GradsState, OffloadUnit
+from tightfit.offload.host_cache import Held
 from tightfit.offload.placement import State
 
 if TYPE_CHECKING:
@@ -56,20 +57,16 @@ def ship_grads(engine: OffloadEngine, unit: OffloadUnit):
     packed = engine.mover.pack_grads([((slot.offset, slot.shape), g) for _, slot, g in pairs], unit.spec.train_numel,
                                      pairs[0][2].dtype)
     unit.grads_to(GradsState.SHIPPING)
-    # When a step follows this backward (declared by the optimizer), the unit's final gradients stay in the packed
-    # buffer for it instead of making a round trip to disk, while the pool keeps `hold` bytes free beside them.
-    hold = None
-    if engine.early_step is not None:
-        hold = unit.optim_bytes  # the step thread frees each unit's buffers as the backward goes on
-    elif engine.preload_step:
-        hold = engine.step_reserve  # everything held waits for the step after backward (optim_step.preload)
+    # When a step follows this backward (declared by the optimizer), the unit's final gradients stay in the host
+    # cache for it instead of making a round trip to disk, as far as the cache admits them.
+    hold = engine.early_step is not None or engine.preload_step
     unit.grad_pending = engine.grad_worker.submit(_accumulate_off_device, engine, unit, packed, unit.grad_pending,
                                                   new, had, hold)
     return packed
 
 
 def _accumulate_off_device(engine: OffloadEngine, unit: OffloadUnit, packed, previous: Future | None,
-                           new: set[int], had: list[bool], hold: int | None = None) -> None:
+                           new: set[int], had: list[bool], hold: bool = False) -> None:
     """Grad worker: add a packed host copy of new gradients into the unit's host or disk gradient entry."""
     t0 = time.perf_counter()
     if previous is not None:
@@ -92,8 +89,9 @@ def _accumulate_off_device(engine: OffloadEngine, unit: OffloadUnit, packed, pre
         _record_norms(unit, acc)
     else:  # disk: read-modify-write through the packed buffer
         if any(had):
-            if unit.held_grads is not None:  # the last micro-batch was declared, and was not: they are here
-                old, unit.held_grads = unit.held_grads, None
+            held = engine.cache.take(unit.name, GRADS, unit.version)
+            if held is not None:  # the last micro-batch was declared, and was not: they are here
+                old = held.buf
             else:
                 old = engine.pool.take(unit.spec.train_numel, torch.float32)
                 store.load(unit.name, GRADS, old).result()
@@ -104,10 +102,9 @@ def _accumulate_off_device(engine: OffloadEngine, unit: OffloadUnit, packed, pre
                     slot.view(buf).copy_(slot.view(old))
             engine.pool.give(old)
         _record_norms(unit, buf)
-        # Hold only while the pool keeps room for a step's working set, else held buffers could starve the
-        # step that is the only one to free them.
-        if hold is not None and engine.pool.has_room(hold):
-            unit.held_grads = buf
+        # [Note: host cache admission]: held only while a step's working set stays free beside them.
+        if hold and engine.cache.admit(buf.numel() * buf.element_size()):
+            engine.cache.put(unit.name, GRADS, Held(buf, unit.version, only_copy=True))
             unit.grads_to(GradsState.HELD)
             engine._time("grad_accumulate_s", t0)
             return

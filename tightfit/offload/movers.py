@@ -451,7 +451,27 @@ class CudaMover:
         return t
 
     def copy_in(self, src: torch.Tensor, dst: torch.Tensor, after: Future) -> Transfer:
-        raise NotImplementedError("fresh params are kept only when the device is the CPU (engine.keeps_fresh)")
+        """As CpuMover.copy_in: `src` is a page-locked pool buffer; the copy is issued now, after the compute
+        stream's work so far (earlier users of `dst`), and `src` goes back once copied and `after` is done."""
+        t = Transfer()
+        users = self._event()
+        users.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.device(self.device), torch.cuda.stream(self.h2d):
+            self.h2d.wait_event(users)
+            dst.copy_(src, non_blocking=True)
+            ev = self._event()
+            ev.record(self.h2d)
+        t.event = ev
+        t.issued.set_result(None)
+        self.stats["bytes_to_device"] += dst.numel() * dst.element_size()
+        box = [src]
+
+        def complete() -> None:
+            self.pool.give_after(after, box.pop())
+            t.done.set_result(None)
+
+        self.completions.add(ev, complete)
+        return t
 
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> Future:
         return self.copier.submit(dst.copy_, src)

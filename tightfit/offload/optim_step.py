@@ -29,6 +29,7 @@ from concurrent.futures import Future
 import torch
 
 from tightfit.offload.flat_unit import EXP_AVG, EXP_AVG_SQ, GRADS, MASTER, PARAMS, GradsState, OffloadUnit, ParamsState
+from tightfit.offload.host_cache import Held
 from tightfit.offload.placement import State, Tier
 from tightfit.offload.tiers import done_future
 
@@ -54,81 +55,79 @@ def _step_device(engine, unit: OffloadUnit) -> torch.device:
     return torch.device("cpu")
 
 
-def _take(engine, unit: OffloadUnit, numel: int, dtype: torch.dtype, stepping: bool) -> torch.Tensor:
-    """A pool buffer for `unit`'s step. `stepping` (not a preload): when the pool is short, first give up what other
-    units hold ahead of their own steps: their preloads and kept fetch buffers. Those units are stepped after this
-    one (in backward order, or later in `step_units`), so waiting for them to return their buffers would never end
-    (seen: a step during backward under a 48 MiB host budget hung, with the next unit's preload holding the room
-    the step needed). They load for themselves when their turn comes."""
+def _take(engine, unit: OffloadUnit, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A pool buffer for `unit`'s step. When the pool is short, what the host cache holds for other units
+    goes first ([Note: host cache admission]): they are stepped after this one, so waiting for them would never
+    end. They load for themselves when their turn comes."""
     need = numel * dtype.itemsize
-    if stepping and not engine.pool.has_room(need):
-        for other in list(engine.units.values()):
-            if other is not unit and (other.preloaded is not None or other.kept_master is not None):
-                discard_preload(engine, other)  # also drops its kept master
-                if engine.pool.has_room(need):
-                    break
+    if not engine.pool.has_room(need):
+        engine.cache.evict_others(unit.name, need)
     return engine.pool.take(numel, dtype)
 
 
-def _prepare(engine, unit: OffloadUnit, grads: bool = True, into: _Loaded | None = None,
-             stepping: bool = True) -> _Loaded:
-    """Find or start loading the unit's master, gradients (unless `grads` is False) and moments where the step
-    runs; entries already in `into` (a preload) are kept. `stepping`: for the step itself, not a preload."""
+def _entries(unit: OffloadUnit, grads: bool = True) -> list[tuple[State, str, int]]:
+    """(state, entry, numel) of what a step of the unit works on."""
+    out = [(State.MASTER, unit.master_entry, unit.spec.numel)]
+    if grads:
+        out.append((State.GRADS, GRADS, unit.spec.train_numel))
+    return out + [(State.OPTIM, EXP_AVG, unit.spec.train_numel), (State.OPTIM, EXP_AVG_SQ, unit.spec.train_numel)]
+
+
+def _prepare(engine, unit: OffloadUnit) -> _Loaded:
+    """Find or start loading the unit's master, gradients and moments where the step runs: stepped in place where
+    addressable, else from the host cache when it holds them (loaded ahead, held, kept from a fetch), else into
+    pool buffers from their tier."""
     where = _step_device(engine, unit)
-    work = into or _Loaded(unit)
-    fresh_moments = unit.moments_empty
-    for state, entry, numel in ((State.MASTER, unit.master_entry, unit.spec.numel),
-                                (State.GRADS, GRADS, unit.spec.train_numel),
-                                (State.OPTIM, EXP_AVG, unit.spec.train_numel),
-                                (State.OPTIM, EXP_AVG_SQ, unit.spec.train_numel)):
-        if entry in work.tensors or (state == State.GRADS and not grads):
+    work = _Loaded(unit)
+    for state, entry, numel in _entries(unit):
+        if state == State.MASTER and _master_in_flat(engine, unit, work):
             continue
-        if state == State.GRADS and unit.held_grads is not None:  # kept in memory for a step during backward
-            work.tensors[entry] = work.borrowed[entry] = unit.held_grads
-            unit.held_grads = None
+        held = engine.cache.take(unit.name, entry, unit.version)
+        if held is not None:
+            work.tensors[entry] = work.borrowed[entry] = held.buf
+            work.loads += held.pending()  # a load still filling it; a write-back still reading what the step changes
             continue
-        if state == State.MASTER and _master_from_memory(engine, unit, work, stepping):
+        if state == State.MASTER and _master_from_flat(engine, unit, work):
             continue
         store = unit.store[state]
         t = store.tensor(unit.name, entry)
         if t is not None and t.device == where:
             work.tensors[entry] = t  # stepped in place
-            if state == State.OPTIM and fresh_moments:
+            if state == State.OPTIM and unit.moments_empty:
                 t.zero_()
             continue
-        buf = _take(engine, unit, numel, torch.float32, stepping)
+        buf = _take(engine, unit, numel)
         work.tensors[entry] = work.borrowed[entry] = buf
-        if state == State.OPTIM and fresh_moments:
+        if state == State.OPTIM and unit.moments_empty:
             buf.zero_()  # torch.optim.AdamW starts its moments at zero; nothing to read
         else:
             work.loads.append(store.load(unit.name, entry, buf))
     return work
 
 
-def _master_from_memory(engine, unit: OffloadUnit, work: _Loaded, stepping: bool) -> bool:
-    """Put the unit's fp32 master into `work` from a copy already in memory, if there is one ([Note: master from
-    the fetch], flat_unit.py); False: it must be read from its tier. The copies, best first:
-    the root's materialised params (stepped in place), the staging buffer of the unit's backward fetch, and the
-    flat buffer of a unit still materialised on the CPU (kept from forward for its backward: a memcpy)."""
-    if unit.master_entry != PARAMS:  # a separate fp32 master: no compute copy holds its values
+def _master_in_flat(engine, unit: OffloadUnit, work: _Loaded) -> bool:
+    """The root's materialised params are its master ([Note: master from the fetch], flat_unit.py): stepped in
+    place there, and the next forward uses them as they are."""
+    if unit.master_entry != PARAMS or not (unit.master_in_flat or engine.steps_in_flat(unit)):
         return False
-    if unit.master_in_flat or engine.steps_in_flat(unit):
-        if unit.flat_write is not None:
-            unit.flat_write.result()  # the previous step's write-back still reads `flat`
-        work.tensors[PARAMS] = unit.flat_io
-        work.in_flat = True
-        return True
-    if unit.kept_master is not None:
-        work.tensors[PARAMS] = work.borrowed[PARAMS] = unit.kept_master
-        unit.kept_master = None
-        return True
-    if (unit.params_state == ParamsState.READY and unit.flat.device.type == "cpu"
-            and unit.store[State.MASTER].tensor(unit.name, PARAMS) is None):
-        buf = _take(engine, unit, unit.spec.numel, torch.float32, stepping)
-        buf.copy_(unit.flat_io)
-        work.tensors[PARAMS] = work.borrowed[PARAMS] = buf
-        return True
-    return False
+    engine.cache.drop(unit.name, keep=tuple(e for _, e, _ in _entries(unit) if e != PARAMS))
+    if unit.flat_write is not None:
+        unit.flat_write.result()  # the previous step's write-back still reads `flat`
+    work.tensors[PARAMS] = unit.flat_io
+    work.in_flat = True
+    return True
+
+
+def _master_from_flat(engine, unit: OffloadUnit, work: _Loaded) -> bool:
+    """A unit still materialised on the CPU (kept from forward for its backward) copies its master from its flat
+    buffer (a memcpy) instead of reading it from its tier."""
+    if (unit.master_entry != PARAMS or unit.params_state != ParamsState.READY or unit.flat.device.type != "cpu"
+            or unit.store[State.MASTER].tensor(unit.name, PARAMS) is not None):
+        return False
+    buf = _take(engine, unit, unit.spec.numel)
+    buf.copy_(unit.flat_io)
+    work.tensors[PARAMS] = work.borrowed[PARAMS] = buf
+    return True
 
 
 class Multipliers:
@@ -167,6 +166,7 @@ def _step(unit: OffloadUnit, work: _Loaded, groups: list[tuple[dict, list[int]]]
                             [s.view(v) for s in slots], [], steps, amsgrad=False, lr=group["lr"],
                             beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
                             maximize=False)
+    unit.version += 1  # new values: cached copies of the old ones are stale
 
 
 def _write_back(engine, work: _Loaded) -> list[Future]:
@@ -178,8 +178,8 @@ def _write_back(engine, work: _Loaded) -> list[Future]:
         if buf is None:
             continue
         fut = unit.store[state].save(unit.name, entry, buf)
-        if entry == PARAMS and engine.keeps_fresh(unit):
-            unit.fresh_params = (buf, fut)  # the next forward copies from it ([Note: master from the fetch])
+        if entry == PARAMS and engine.keeps_fresh(unit):  # the next forward copies from it (host_cache.py)
+            engine.cache.put(unit.name, PARAMS, Held(buf, unit.version, reading=fut))
             buf = None
         writes.append((fut, buf))
     if work.in_flat:  # stepped in place on the materialised params: they go back to their tier from there
@@ -193,13 +193,13 @@ def _write_back(engine, work: _Loaded) -> list[Future]:
         if target is not None and target.device == master.device and not unit.resident:
             target.copy_(master)  # the host tier's compute copy, cast in place
         elif target is not None and unit.resident:
-            cast = _take(engine, unit, unit.spec.numel, unit.compute_dtype, stepping=True)
+            cast = _take(engine, unit, unit.spec.numel, unit.compute_dtype)
             cast.copy_(master)  # cast on the host, where the master is
             # The device copy the next forward computes with: uploaded asynchronously, and the forward waits on it
             # (engine.materialise); the mover returns `cast` to the pool once copied.
             unit.refresh = engine.mover.copy_in(cast, target, after=done_future())
         else:
-            cast = _take(engine, unit, unit.spec.numel, unit.compute_dtype, stepping=True)
+            cast = _take(engine, unit, unit.spec.numel, unit.compute_dtype)
             cast.copy_(master)
             writes.append((unit.store[State.PARAMS].save(unit.name, PARAMS, cast), cast))
     futures = []
@@ -217,8 +217,7 @@ def step_one(engine, unit: OffloadUnit, groups: list[tuple[dict, list[int]]],
     Used for the step that overlaps backward: called on the engine's step thread as soon as the unit's gradients
     of the last micro-batch have landed, while the main thread runs the backward of the units before it."""
     t0 = time.perf_counter()
-    work = _prepare(engine, unit, into=unit.preloaded)
-    unit.preloaded = None
+    work = _prepare(engine, unit)
     for f in work.loads:
         f.result()
     t1 = time.perf_counter()
@@ -235,33 +234,38 @@ def step_one(engine, unit: OffloadUnit, groups: list[tuple[dict, list[int]]],
 
 
 def preload(engine, unit: OffloadUnit) -> None:
-    """Start loading the master and moments of a unit whose backward starts now, for the step that follows.
+    """Start loading the master and moments of a unit whose backward starts now, into the host cache, for the step
+    that follows.
 
     Main thread, at the unit's backward start: the loads then run under the backward compute. For a step during
     backward the step thread finds them done when the unit's gradients land; for a step after backward
-    (`step_units`) only the gradients are left to read. Skipped when the pool has no room right now (the step loads
-    them itself then): the backward must never wait for a buffer here.
-
-    For a step after backward, what is loaded (or held: gradients, grad_ship.py) waits for that step, so
-    `engine.step_reserve` stays free beside it. The step during backward frees each unit's buffers as the backward
-    goes on, and needs no such reserve."""
-    if not unit.trainable or unit.preloaded is not None:
+    (`step_units`) only the gradients are left to read. Each entry only as far as the cache admits it now: the
+    backward never waits for a buffer here, and the step loads for itself what was not admitted."""
+    if not unit.trainable:
         return
-    reserve = 0 if engine.early_step is not None else engine.step_reserve
-    if not engine.pool.has_room(unit.step_bytes + reserve):
-        return
-    unit.preloaded = _prepare(engine, unit, grads=False, stepping=False)
-
-
-def discard_preload(engine, unit: OffloadUnit) -> None:
-    """Return the buffers of a preload that no step used (e.g. its parameters are in no optimizer)."""
-    work, unit.preloaded = unit.preloaded, None
-    if work is not None:
-        for f in work.loads:
-            f.result()
-        for buf in work.borrowed.values():
-            engine.pool.give(buf)
-    engine.drop_kept_master(unit)
+    where = _step_device(engine, unit)
+    for state, entry, numel in _entries(unit, grads=False):
+        if engine.cache.holds(unit.name, entry, unit.version):
+            continue
+        if state == State.MASTER and unit.master_entry == PARAMS and (unit.master_in_flat
+                                                                      or engine.steps_in_flat(unit)):
+            continue  # stepped in place on the materialised params
+        store = unit.store[state]
+        t = store.tensor(unit.name, entry)
+        if t is not None and t.device == where:
+            continue  # stepped in place on its tier
+        if not engine.cache.admit(numel * 4):
+            return
+        buf = engine.pool.take(numel, torch.float32)
+        ready = None
+        if state == State.OPTIM and unit.moments_empty:
+            buf.zero_()
+        elif (state == State.MASTER and unit.master_entry == PARAMS and unit.params_state == ParamsState.READY
+              and unit.flat.device.type == "cpu"):
+            buf.copy_(unit.flat_io)  # kept from forward for its backward: its params are the master
+        else:
+            ready = store.load(unit.name, entry, buf)
+        engine.cache.put(unit.name, entry, Held(buf, unit.version, ready=ready))
 
 
 def step_units(engine, work: list[Work], grad_scales: Multipliers) -> None:
@@ -275,7 +279,6 @@ def step_units(engine, work: list[Work], grad_scales: Multipliers) -> None:
     if work:
         engine.release_all()  # a materialised copy would go stale
     io_wait = compute = 0.0
-    writes: list[Future] = []
     depth = max(1, engine.placement.prefetch_depth)
     ahead: deque[_Loaded] = deque()  # prepared units, loads in flight, in `work` order
     nxt = 0  # index in `work` of the next unit to prepare
@@ -287,11 +290,10 @@ def step_units(engine, work: list[Work], grad_scales: Multipliers) -> None:
         nonlocal nxt
         while nxt < len(work) and len(ahead) < depth:
             unit = work[nxt][0]
-            need = unit.step_bytes if unit.preloaded is None else 4 * unit.spec.train_numel  # just the gradients
+            need = unit.step_bytes - engine.cache.held_bytes(unit.name)  # a preload during backward is used as is
             if (ahead or not may_wait) and not engine.pool.has_room(need):
                 return
-            ahead.append(_prepare(engine, unit, into=unit.preloaded))  # a preload during backward is used as is
-            unit.preloaded = None
+            ahead.append(_prepare(engine, unit))
             nxt += 1
     for unit, groups in work:
         read_ahead(may_wait=True)
@@ -304,13 +306,12 @@ def step_units(engine, work: list[Work], grad_scales: Multipliers) -> None:
         t0 = time.perf_counter()
         _step(unit, current, groups, grad_scales)
         compute += time.perf_counter() - t0
-        # Keep only writes still running: a finished future holds its source tensor as its result, which would
-        # keep a buffer the pool may already have dropped alive until the end of the step.
-        writes = [f for f in writes if not f.done()] + _write_back(engine, current)
+        # Tracked at once, not awaited: the tracker forgets a finished write (its future holds its source tensor)
+        # and keeps the error of a failed one for `check`.
+        engine.writes.add(_write_back(engine, current))
         del current
         unit.moments_empty = False
-    engine.writes.check()  # a write-back of the previous step failed: its entry is stale, stop here
-    engine.writes.add(writes)  # not waited for: later loads of these entries are ordered after them
+    engine.writes.check()  # a write-back failed: its entry is stale, stop here
     engine.zero_grad()
     engine._timers["optimizer_s"] = engine._timers.get("optimizer_s", 0.0) + compute
     engine._timers["optimizer_io_wait_s"] = engine._timers.get("optimizer_io_wait_s", 0.0) + io_wait
