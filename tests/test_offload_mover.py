@@ -21,7 +21,7 @@ from tightfit.offload.engine import engine_of
 from tightfit.offload.movers import CpuMover, MoverContractError
 from tightfit.offload.schedule import Phase
 from tightfit.offload.staging import BufferPool, HostAllocator, RegisteredAllocator
-from tightfit.offload.tiers import DiskStore, MemoryStore
+from tightfit.offload.tiers import MemoryStore
 
 
 def _unit_sizes():
@@ -94,7 +94,7 @@ def test_strict_pool_poisons_what_it_lends_and_takes_back():
     assert torch.isnan(view).all(), "a buffer given back reads as NaN through any view kept by mistake"
 
 
-# ---- finding 1: evicting a unit whose fetch is in flight --------------------------------------------------------------
+# ---- finding 1: evicting a unit whose fetch is in flight -------------------------------------------------------
 
 def test_evicting_a_unit_whose_fetch_is_in_flight_cancels_the_copy(tmp_path):
     """Finding 1. Under a device budget of 2 root units + 4 blocks, prefetch depth 2, every state on NVMe and the
@@ -352,3 +352,18 @@ def test_cross_device_store_copies_run_on_the_copier():
     assert calls == [] and torch.equal(store.tensor("u", "master"), torch.ones(8)), "same memory: a plain copy"
     store.load("u", "master", torch.empty(8, device="meta")).result()
     assert calls == [(torch.device("meta"), torch.device("cpu"))]
+
+
+def test_refreshing_resident_params_needs_no_staging_on_one_memory():
+    """bf16 params on the device tier, fp32 master and moments on the host tier of a CPU machine: the step casts the
+    new master into the device copy in place; a host budget with nothing left for staging (what the planner gives
+    such a placement) must do (a staging buffer for the cast once made it fail)."""
+    from tightfit import UnitPlacement
+    from tightfit.offload.budget_checks import host_tier_bytes
+
+    unit = UnitPlacement(params=Tier.DEVICE, master=Tier.HOST, grads=Tier.HOST, optim=Tier.HOST)
+    probe = tightfit.wrap(tiny_gpt(), Placement(default=unit), compute_dtype=torch.bfloat16)
+    host = host_tier_bytes(engine_of(probe).units)
+    engine_of(probe).close()
+    losses = train(tiny_gpt, Placement(default=unit, host_budget=host), steps=3, compute_dtype=torch.bfloat16)[0]
+    assert losses == train(tiny_gpt, Placement(default=unit), steps=3, compute_dtype=torch.bfloat16)[0]

@@ -190,13 +190,13 @@ def _write_back(engine, work: _Loaded) -> list[Future]:
     if unit.master_entry == MASTER:  # separate compute copy: refresh it from the new master values
         master = work.tensors[MASTER]
         target = unit.store[State.PARAMS].tensor(unit.name, PARAMS)
-        if target is not None and target.device == master.device and not unit.resident:
-            target.copy_(master)  # the host tier's compute copy, cast in place
-        elif target is not None and unit.resident:
+        if target is not None and (target.device == master.device or not engine.pool.has_room(unit.compute_bytes)):
+            target.copy_(master)  # one memory (the host tier; a CPU device): cast in place. Or no room: a plain copy
+        elif target is not None:
             cast = _take(engine, unit, unit.spec.numel, unit.compute_dtype)
             cast.copy_(master)  # cast on the host, where the master is
-            # The device copy the next forward computes with: uploaded asynchronously, and the forward waits on it
-            # (engine.materialise); the mover returns `cast` to the pool once copied.
+            # The device copy the next forward computes with: uploaded asynchronously from a page-locked buffer, and
+            # the forward waits on it (engine.materialise); the mover returns `cast` to the pool once copied.
             unit.refresh = engine.mover.copy_in(cast, target, after=done_future())
         else:
             cast = _take(engine, unit, unit.spec.numel, unit.compute_dtype)
