@@ -393,21 +393,24 @@ class CudaMover:
                 t.issued.set_result(None)
                 t.done.set_result(None)
                 return
-            with torch.cuda.device(self.device), torch.cuda.stream(self.h2d):
-                self.h2d.wait_event(alloc)
-                dst.copy_(src, non_blocking=True)
-                ev = self._event()
-                ev.record(self.h2d)
-            t.event = ev
-            t.issued.set_result(None)
-        self.stats["bytes_to_device"] += dst.numel() * dst.element_size()
+            self._upload(t, dst, src, alloc)
 
         def complete() -> None:
             if staging is not None:
                 self.pool.give(staging)
             t.done.set_result(None)
 
-        self.completions.add(ev, complete)
+        self.completions.add(t.event, complete)
+
+    def _upload(self, t: Transfer, dst: torch.Tensor, src: torch.Tensor, after_event) -> None:
+        """Issue `dst <- src` on the h2d stream after `after_event`; record its event on `t`, mark `t` issued."""
+        with torch.cuda.device(self.device), torch.cuda.stream(self.h2d):
+            self.h2d.wait_event(after_event)
+            dst.copy_(src, non_blocking=True)
+            t.event = self._event()
+            t.event.record(self.h2d)
+        t.issued.set_result(None)
+        self.stats["bytes_to_device"] += dst.numel() * dst.element_size()
 
     def wait(self, t: Transfer) -> None:
         t.issued.result()  # a disk read still running: host memory, not the GPU
@@ -456,21 +459,14 @@ class CudaMover:
         t = Transfer()
         users = self._event()
         users.record(torch.cuda.current_stream(self.device))
-        with torch.cuda.device(self.device), torch.cuda.stream(self.h2d):
-            self.h2d.wait_event(users)
-            dst.copy_(src, non_blocking=True)
-            ev = self._event()
-            ev.record(self.h2d)
-        t.event = ev
-        t.issued.set_result(None)
-        self.stats["bytes_to_device"] += dst.numel() * dst.element_size()
+        self._upload(t, dst, src, users)
         box = [src]
 
         def complete() -> None:
             self.pool.give_after(after, box.pop())
             t.done.set_result(None)
 
-        self.completions.add(ev, complete)
+        self.completions.add(t.event, complete)
         return t
 
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> Future:
