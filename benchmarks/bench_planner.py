@@ -28,18 +28,19 @@ SIZES = {"small": (4, 256, 4), "medium": (6, 384, 6), "large": (8, 512, 8)}  # n
 MICRO_BATCH, SEQ_LEN = 8, 128
 
 
-def budgets(setting: str, states: int, act: int, staging: int, nvme_dir: str) -> dict:
+def budgets(setting: str, states: int, act: int, staging: int, nvme_dir: str, floor: int) -> dict:
     """Budgets of each setting, as fractions of the model's own needs (so every size exercises the same regime).
 
-    `staging`: one unit's optimizer working set, which the engine requires in host memory once NVMe is used."""
+    `staging`: one unit's optimizer working set, which the engine requires in host memory once NVMe is used.
+    `floor`: the process's runtime RSS; on this CPU-only machine --cpu-mem bounds the whole process, so it holds
+    the floor and the --gpu-mem "device" besides the host share."""
     if setting == "all-in-memory":
         return {}
     if setting == "host-limited":  # device: activations + a third of the states; host: a third; rest to NVMe
-        return {"gpu_mem": str(int(act * 1.3 + states * 0.35)), "cpu_mem": str(int(states * 0.35 + 3 * staging)),
-                "nvme": nvme_dir}
-    # NVMe-heavy: a small device and host share (host room for 4 optimizer working sets), the rest on NVMe.
-    return {"gpu_mem": str(int(act * 1.3 + states * 0.12)), "cpu_mem": str(int(states * 0.12 + 4 * staging)),
-            "nvme": nvme_dir}
+        device, host = int(act * 1.3 + states * 0.35), int(states * 0.35 + 3 * staging)
+    else:  # NVMe-heavy: a small device and host share (host room for 4 optimizer working sets), the rest on NVMe
+        device, host = int(act * 1.3 + states * 0.12), int(states * 0.12 + 4 * staging)
+    return {"gpu_mem": str(device), "cpu_mem": str(floor + device + host), "nvme": nvme_dir}
 
 
 def run_case(size: str, setting: str, steps: int, nvme_dir: str) -> dict:
@@ -71,7 +72,7 @@ def run_case(size: str, setting: str, steps: int, nvme_dir: str) -> dict:
     states = sum(probe.tier_bytes().values())
     act = act_bytes(probe.profile, set())
     staging = max(20 * u.numel for u in probe.profile.units)
-    for k, v in budgets(setting, states, act, staging, nvme_dir).items():
+    for k, v in budgets(setting, states, act, staging, nvme_dir, hw.runtime_rss).items():
         setattr(cfg.memory, k, v)
     plan = make_plan(meta, cfg, hw)
 

@@ -1,0 +1,191 @@
+"""Benchmark (issue 15): a 3B Llama trained with its states on NVMe; the plan's peak RSS and step time against the
+process's own.
+
+    python benchmarks/bench_3b.py --cpu-mem 12GiB --dir /tmp/tf3b          # the issue's case, ~15 min
+    python benchmarks/bench_3b.py --size 1b --cpu-mem 5GiB --dir /tmp/tf1b  # the same mismatch, scaled down
+    python benchmarks/bench_3b.py --size tiny --cpu-mem 1GiB                # a smoke run (~1 min)
+
+What it does: writes a config-only Hugging Face folder (LlamaConfig; random init, unit by unit, never whole in
+RAM), runs `tightfit train --model hf:FOLDER --micro-batch 1 --seq-len 128 --nvme SWAP --log-interval 1` as a
+subprocess (plus `--cpu-mem`, `--offload` when given), samples the child's RSS every 20 ms, and once `--steps`
+steps are done interrupts it (SIGINT: the trainer closes its engine, which deletes the swap files) before the end
+of run checkpoint, which for 3B parameters would write another ~38 GB. Reported:
+- predicted: the plan's process RSS (the line `tightfit train` prints) and step time;
+- measured: the child's RSS high-water mark (the kernel's VmHWM, read just before the interrupt: every allocation
+  counts, however short; the 20 ms samples give the time of the peak) and the median wall time of the steps after
+  the first (from metrics.jsonl; the first includes the engine recording its order and the first disk reads);
+- the engine's own meters at the peak sample (device in use, host tier + pool), and CPU pressure from
+  /proc/pressure/cpu over the run (other processes on a shared machine slow the steps; PSI "some" says how much).
+
+Disk: the swap folder holds 16 bytes per parameter (51 GB for 3B); `--dir` must have that free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+GiB = 1024**3
+
+SIZES = {
+    # open_llama_3b's shape (the issue's case): 3.43 B parameters, 26 blocks of 124 M.
+    "3b": dict(hidden_size=3200, intermediate_size=8640, num_hidden_layers=26, num_attention_heads=32,
+               num_key_value_heads=32, vocab_size=32000),
+    # TinyLlama's block width with full attention heads, vocab 32000: 1.3 B parameters, 22 blocks of 50 M.
+    "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+               num_key_value_heads=32, vocab_size=32000),
+    "tiny": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
+                 num_key_value_heads=8, vocab_size=32000),
+}
+
+
+def write_config(folder: str, size: str) -> None:
+    os.makedirs(folder, exist_ok=True)
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "max_position_embeddings": 2048,
+           "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 1,
+           "eos_token_id": 2, "torch_dtype": "float32", **SIZES[size]}
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+
+
+def _psi_some_us() -> int | None:
+    try:
+        with open("/proc/pressure/cpu") as f:
+            return int(re.search(r"some .*total=(\d+)", f.read()).group(1))
+    except (OSError, AttributeError):
+        return None
+
+
+def _vm_hwm(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _bytes(text: str) -> int:
+    from tightfit.utils.sizes import parse_size
+
+    return parse_size(text.replace(" ", ""), "size")
+
+
+def run(args) -> dict:
+    import psutil
+
+    model_dir, swap, out = (os.path.join(args.dir, x) for x in ("model", "swap", "out"))
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(swap, ignore_errors=True)
+    write_config(model_dir, args.size)
+    cmd = [sys.executable, "-c", "import sys; from tightfit.cli import main; sys.exit(main(sys.argv[1:]))",
+           "train", "--model", f"hf:{model_dir}", "--micro-batch", "1", "--seq-len", "128", "--nvme", swap,
+           "--steps", "1000", "--log-interval", "1", "--eval-interval", "1000", "--eval-batches", "1",
+           "--out-dir", out]
+    if args.cpu_mem:
+        cmd += ["--cpu-mem", args.cpu_mem]
+    if args.offload:
+        cmd += ["--offload", args.offload]
+    print("$", " ".join(cmd[3:]), flush=True)
+    psi0, t0 = _psi_some_us(), time.time()
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = psutil.Process(child.pid)
+    samples: list[tuple[float, int]] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            try:
+                samples.append((time.time() - t0, proc.memory_info().rss))
+            except psutil.Error:
+                return
+            time.sleep(0.02)
+
+    threading.Thread(target=sample, daemon=True).start()
+    lines, steps_seen, hwm = [], 0, None
+    for line in child.stdout:
+        lines.append(line.rstrip())
+        print(f"  [{time.time() - t0:7.1f}s] {line.rstrip()}", flush=True)
+        if line.startswith("step "):
+            steps_seen += 1
+            if steps_seen >= args.steps:
+                hwm = _vm_hwm(child.pid)
+                child.send_signal(signal.SIGINT)  # the trainer closes its engine (swap files go), no checkpoint
+                break
+    try:
+        child.wait(timeout=600)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+    stop.set()
+    wall = time.time() - t0
+    psi1 = _psi_some_us()
+    shutil.rmtree(swap, ignore_errors=True)
+
+    text = "\n".join(lines)
+    res: dict = {"size": args.size, "cpu_mem": args.cpu_mem, "offload": args.offload or "auto",
+                 "steps_done": steps_seen, "returncode": child.returncode, "wall_s": round(wall, 1)}
+    m = re.search(r"predicted peak: (.*)", text)
+    res["plan_peaks"] = m.group(1) if m else None
+    m = re.search(r"process RSS ([\d.]+ [KMGT]?i?B)", text)
+    res["predicted_rss"] = _bytes(m.group(1)) if m else None
+    m = re.search(r"predicted step: ([\d,]+) ms", text)
+    res["predicted_step_s"] = float(m.group(1).replace(",", "")) / 1e3 if m else None
+    res["measured_rss_hwm"] = hwm
+    res["measured_rss_sampled"] = max((r for _, r in samples), default=None)
+    peak_t = max(samples, key=lambda s: s[1])[0] if samples else None
+    res["peak_at_s"] = round(peak_t, 1) if peak_t is not None else None
+    metrics = os.path.join(out, "metrics.jsonl")
+    recs = []
+    if os.path.exists(metrics):
+        with open(metrics) as f:
+            recs = [json.loads(x) for x in f if '"train"' in x]
+    elapsed = [r["elapsed_s"] for r in recs]
+    step_s = [b - a for a, b in zip(elapsed, elapsed[1:])]
+    res["step_times_s"] = [round(elapsed[0], 1)] + [round(s, 1) for s in step_s] if elapsed else []
+    res["measured_step_s"] = statistics.median(step_s) if step_s else None
+    res["engine_memory_last"] = recs[-1]["memory"] if recs else None
+    if psi0 is not None and psi1 is not None:
+        res["cpu_pressure_some"] = round((psi1 - psi0) / 1e6 / wall, 3)  # fraction of the run with a task waiting
+    return res
+
+
+def report(res: dict) -> None:
+    g = lambda b: f"{b / GiB:.2f} GiB" if b else "-"  # noqa: E731
+    print("\nresult:", json.dumps(res))
+    pr, meas = res["predicted_rss"], res["measured_rss_hwm"] or res["measured_rss_sampled"]
+    if pr and meas:
+        print(f"peak RSS: predicted {g(pr)}, measured {g(meas)} (VmHWM; sampled {g(res['measured_rss_sampled'])} "
+              f"at {res['peak_at_s']} s): {(pr - meas) / meas * 100:+.0f}%")
+    ps, ms = res["predicted_step_s"], res["measured_step_s"]
+    if ps and ms:
+        print(f"step time: predicted {ps:.1f} s, measured {ms:.1f} s (median of steps 2..{res['steps_done']}): "
+              f"{(ps - ms) / ms * 100:+.0f}%")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", choices=sorted(SIZES), default="3b")
+    ap.add_argument("--cpu-mem", default=None, help="the trainer's --cpu-mem (default: none, the machine's RAM)")
+    ap.add_argument("--offload", default=None, help="the trainer's --offload (default: auto)")
+    ap.add_argument("--steps", type=int, default=4, help="optimizer steps to measure (the first is warm-up)")
+    ap.add_argument("--dir", default="/tmp/tightfit-bench-3b", help="folder for the config, swap and run")
+    args = ap.parse_args()
+    os.makedirs(args.dir, exist_ok=True)
+    report(run(args))
+
+
+if __name__ == "__main__":
+    main()
