@@ -23,6 +23,7 @@ Disk: the swap folder holds 16 bytes per parameter (51 GB for 3B); `--dir` must 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -153,7 +154,7 @@ def run(args) -> dict:
         with open(metrics) as f:
             recs = [json.loads(x) for x in f if '"train"' in x]
     elapsed = [r["elapsed_s"] for r in recs]
-    step_s = [b - a for a, b in zip(elapsed, elapsed[1:])]
+    step_s = [b - a for a, b in itertools.pairwise(elapsed)]
     res["step_times_s"] = [round(elapsed[0], 1)] + [round(s, 1) for s in step_s] if elapsed else []
     res["measured_step_s"] = statistics.median(step_s) if step_s else None
     res["engine_memory_last"] = recs[-1]["memory"] if recs else None
@@ -162,13 +163,16 @@ def run(args) -> dict:
     return res
 
 
+def _gib(b: int | None) -> str:
+    return f"{b / GiB:.2f} GiB" if b else "-"
+
+
 def report(res: dict) -> None:
-    g = lambda b: f"{b / GiB:.2f} GiB" if b else "-"  # noqa: E731
     print("\nresult:", json.dumps(res))
     pr, meas = res["predicted_rss"], res["measured_rss_hwm"] or res["measured_rss_sampled"]
     if pr and meas:
-        print(f"peak RSS: predicted {g(pr)}, measured {g(meas)} (VmHWM; sampled {g(res['measured_rss_sampled'])} "
-              f"at {res['peak_at_s']} s): {(pr - meas) / meas * 100:+.0f}%")
+        print(f"peak RSS: predicted {_gib(pr)}, measured {_gib(meas)} (VmHWM; sampled "
+              f"{_gib(res['measured_rss_sampled'])} at {res['peak_at_s']} s): {(pr - meas) / meas * 100:+.0f}%")
     ps, ms = res["predicted_step_s"], res["measured_step_s"]
     if ps and ms:
         print(f"step time: predicted {ps:.1f} s, measured {ms:.1f} s (median of steps 2..{res['steps_done']}): "

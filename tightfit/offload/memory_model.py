@@ -170,7 +170,6 @@ def pool_parts(units: list[UnitSize], p: Placement, c: int, cuda: bool,
     """What a pool needs for the schedule at prefetch `depth` to run without waiting for buffers ([Note: the pool]):
     "grad packs", "fetch staging" and "optimizer"."""
     depth = p.prefetch_depth if depth is None else depth
-    roots, blocks = _split(units)
     packed = [u for u in units if u.trainable and packs_grads(p.of(u.name), cuda)]
     packs = sum(4 * u.trainable for u in packed if u.is_root)
     packs += 2 * max((4 * u.trainable for u in packed if not u.is_root), default=0)

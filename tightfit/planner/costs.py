@@ -151,7 +151,7 @@ def engine_device_bytes(breakdown: dict[str, dict[str, int]]) -> int:
     return d.get("states", 0) + d.get("window", 0) + d.get("grads in flight", 0)
 
 
-def engine_budgets(placement: Placement, pred: "Prediction") -> Placement:
+def engine_budgets(placement: Placement, pred: Prediction) -> Placement:
     """`placement` with the budgets its engine enforces set to the predicted figures: the device budget to the
     engine's own count at its peak, the host budget to host tier + pool. The engine never prefetches past its
     device budget and its pool never grows past its host budget, so the prediction is the bound ([Note: the pool]
