@@ -80,7 +80,8 @@ class TrainConfig:
 @dataclass
 class MemoryConfig:
     gpu_mem: str | None = _f(None, "device memory budget, e.g. 8GiB (default: what the device has, less headroom)")
-    cpu_mem: str | None = _f(None, "host memory budget, e.g. 16GiB (default: available RAM, less headroom); without a GPU it bounds the whole process")
+    cpu_mem: str | None = _f(None, "host memory budget, e.g. 16GiB (default: available RAM, less headroom); "
+                                   "without a GPU it bounds the whole process")
     nvme: str | None = _f(None, "swap folder for the NVMe tier, optionally with a size: PATH[:SIZE]")
     offload: str = _f("auto", "offload: auto (planner decides), none (plain PyTorch), or a tier for every state",
                       ("auto", "none", "device", "host", "nvme"))
