@@ -15,6 +15,7 @@ import sys
 from tightfit import __version__
 from tightfit.config import Config, add_config_args, config_from_args
 from tightfit.errors import UsageError
+from tightfit.utils.huge_pages import enable_before_torch as enable_huge_pages_before_torch
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -75,6 +76,7 @@ def _cmd_plan(cfg: Config, as_json: bool) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    enable_huge_pages_before_torch()  # [Note: first touch] (utils/huge_pages.py): before anything imports torch
     args = _parser().parse_args(argv)
     try:
         if args.command == "env":
