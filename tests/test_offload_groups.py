@@ -44,7 +44,7 @@ def test_group_blocks_joins_consecutive_siblings_with_equal_key():
     assert group_blocks(blocks[:3], 1) == {"b.0": ["b.0"], "b.1": ["b.1"], "b.2": ["b.2"]}
 
 
-def test_find_units_groups_only_the_default_policy():
+def test_find_units_groups_the_default_and_an_explicit_policy():
     model = tiny_gpt()
     specs = find_units(model, min_bytes=BLOCK + 1)
     assert [(s.name, [p for p, _ in s.members]) for s in specs] == [
@@ -52,9 +52,9 @@ def test_find_units_groups_only_the_default_policy():
     owned = [slot.name for s in specs for slot in s.slots]
     assert sorted(owned) == sorted(n for n, _ in model.named_parameters())
     assert {slot.name.split(".")[1] for slot in specs[1].slots} == {"0", "1"}
-    # An explicit policy is taken as given.
+    # An explicit policy's blocks are grouped the same way (issue 16: min_bytes did nothing with a unit list).
     assert [s.name for s in find_units(model, ["blocks.*"], min_bytes=BLOCK + 1)] == [
-        "root", "blocks.0", "blocks.1", "blocks.2"]
+        "root", "blocks.0-1", "blocks.2"]
 
 
 @pytest.mark.parametrize("early", [False, True])

@@ -3,6 +3,7 @@
 Public entry points:
 - `tightfit.wrap(model, placement_or_budget, ...)`: stream a model's states across GPU, CPU and NVMe inside an
   ordinary `loss.backward(); opt.step()` loop (see tightfit/offload/).
+- `tightfit.units(model, units=None)`: the unit names wrapping would make, to write a Placement's per-unit entries.
 - `tightfit train` / `tightfit plan` / `tightfit env`: the command line (tightfit/cli.py).
 """
 
@@ -19,6 +20,10 @@ def __getattr__(name: str):
         from tightfit.offload.wrap import wrap
 
         return wrap
+    if name == "units":
+        from tightfit.offload.units import unit_names
+
+        return unit_names
     if name == "optim":
         import importlib
 

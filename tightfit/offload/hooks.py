@@ -54,11 +54,24 @@ def on_grads_of_all(tensors: list[torch.Tensor], fn) -> None:
         t.register_hook(hook)
 
 
-def _checkpointed(forward):
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+"""Names Hugging Face layers give the key/value cache they update during forward (they differ by model/version)."""
+
+
+def _checkpointed(forward, module):
     @functools.wraps(forward)
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
+        # A layer that writes a key/value cache in forward would write it again in the recomputation (T5's decoder:
+        # torch's CheckpointError, a different number of saved tensors). As Hugging Face's own gradient
+        # checkpointing does (GradientCheckpointingLayer), the checkpointed call runs without the cache.
+        if kwargs.get("use_cache"):
+            kwargs["use_cache"] = False
+        if not getattr(module, "_can_checkpoint_with_cache", False):
+            for name in _CACHE_KWARGS:
+                if kwargs.get(name) is not None:
+                    kwargs[name] = None
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     return run
@@ -115,7 +128,7 @@ def register_hooks(engine) -> list:
 
     for name in engine.placement.checkpoint_units:
         for module in engine.units[name].spec.modules:
-            module.forward = _checkpointed(module.forward)
+            module.forward = _checkpointed(module.forward, module)
     return handles
 
 

@@ -13,14 +13,15 @@ Unit policy (first match wins, walking the module tree top-down, never descendin
 Every parameter that belongs to no chosen module, or that is shared between two units (tied weights), goes to the
 `ROOT_UNIT` unit.
 
-[Note: grouped blocks] With `min_bytes`, the default policy joins consecutive blocks of one ModuleList into a unit
-of at least that many bytes of fp32 parameters, named after its first and last index ("blocks.0-3"). Why: a unit
-is the engine's transfer size, and a disk reaches its bandwidth only on large requests issued together; a model
-of many small blocks (7 MB each) moves them in lone bursts the disk serves at ~0.75 of its sequential speed, and
-28 MB units at ~0.9 (benchmarks/RESULTS.md, "Batch H"). The price is device memory: two units compute at once
-in backward, so the device budget must hold two groups. The members must run in index order (a block stack's
-`for block in self.blocks`): the hooks materialise the unit at its first member's forward and release it after
-the last member's. A `group_key` keeps blocks apart whose placement or checkpointing differ.
+[Note: grouped blocks] With `min_bytes`, consecutive chosen blocks of one ModuleList (chosen by the default policy
+or an explicit one) are joined into a unit of at least that many bytes of fp32 parameters, named after its first
+and last index ("blocks.0-3"). Why: a unit is the engine's transfer size, and a disk reaches its bandwidth only on
+large requests issued together; a model of many small blocks (7 MB each) moves them in lone bursts the disk serves
+at ~0.75 of its sequential speed, and 28 MB units at ~0.9 (benchmarks/RESULTS.md, "Batch H"). The price is device
+memory: two units compute at once in backward, so the device budget must hold two groups. The members must run in
+index order (a block stack's `for block in self.blocks`): the hooks materialise the unit at its first member's
+forward and release it after the last member's. A `group_key` keeps blocks apart whose placement or checkpointing
+differ.
 
 Layout of a unit's flat buffer (elements, one dtype): trainable parameters first, each starting at a multiple of
 `ALIGN` elements, then frozen ones. Gradients and optimizer moments cover only the trainable prefix
@@ -172,12 +173,14 @@ def find_units(model: nn.Module, policy: UnitPolicy = None, *, min_bytes: int | 
                group_key: Callable[[str], object] = lambda path: None) -> list[UnitSpec]:
     """Group `model`'s parameters into units and lay each unit out. The root unit comes first.
 
-    min_bytes: join consecutive blocks of the default policy into units of at least this many bytes of fp32
-    parameters; blocks whose `group_key(path)` differ stay apart ([Note: grouped blocks])."""
+    min_bytes: join consecutive blocks into units of at least this many bytes of fp32 parameters; blocks whose
+    `group_key(path)` differ stay apart ([Note: grouped blocks]). It applies to whichever modules `policy` chose
+    (the default's blocks, or an explicit list's): only consecutive siblings of one list ("layers.3", "layers.4")
+    are ever joined, so units an explicit list names apart from each other stay apart."""
     modules = _choose_modules(model, policy)
-    if min_bytes and policy is None:
+    if min_bytes:
         # Sizes as the planner sees them (its profile's units are these ungrouped specs): the same groups result.
-        sizes = [(s.name, 4 * s.numel) for s in find_units(model) if not s.is_root]
+        sizes = [(s.name, 4 * s.numel) for s in find_units(model, policy) if not s.is_root]
         members = {name: [(path, modules[path]) for path in paths]
                    for name, paths in group_blocks(sizes, min_bytes, group_key).items()}
     else:
@@ -221,3 +224,11 @@ def find_units(model: nn.Module, policy: UnitPolicy = None, *, min_bytes: int | 
         spec.train_numel = _round_up(spec.train_numel) if spec.train_numel else 0
     # A unit with no parameters (e.g. a parameter-free block) is dropped; the root unit always stays.
     return [s for s in specs.values() if s.slots or s.is_root]
+
+
+def unit_names(model: nn.Module, units: UnitPolicy = None, *, min_unit_bytes: int | None = None) -> list[str]:
+    """The names of the units `tightfit.wrap(model, placement, units=units)` would make, in the order the engine
+    keeps them (`ROOT_UNIT` first, then module-tree order): the names a `Placement`'s per-unit entries and
+    `checkpoint_units` take. Exported as `tightfit.units`. Works on a model on the meta device (nothing is
+    allocated). `min_unit_bytes`: as `Placement.min_unit_bytes`, the grouped names ("layers.0-3")."""
+    return [s.name for s in find_units(model, units, min_bytes=min_unit_bytes)]

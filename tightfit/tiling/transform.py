@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from tightfit.errors import UsageError
 from tightfit.offload.units import is_repeated_block
-from tightfit.tiling.linear import LinearTile, TiledLinear
+from tightfit.tiling.linear import LinearTile, TiledLinear, linear_features
 from tightfit.utils.sizes import parse_size
 
 
@@ -88,7 +88,7 @@ def plan_tiles(in_f: int, out_f: int, dtype_bytes: int, max_tile_bytes: int) -> 
         n += 1
 
 
-def _linear_bytes(linear: nn.Linear) -> int:
+def _linear_bytes(linear: nn.Module) -> int:
     """Parameter + gradient bytes of a Linear (gradients share the parameters' dtype)."""
     return 2 * sum(p.numel() * p.element_size() for p in linear.parameters(recurse=False))
 
@@ -100,8 +100,10 @@ def tile_linears(
 ) -> dict[str, int]:
     """Replace Linears of `model` by TiledLinears, in place; return {module path: number of tiles} of each one.
 
+    "Linear" here means an `nn.Linear` or a Hugging Face `Conv1D` (GPT-2's layers: a Linear with its weight stored
+    transposed, tiled with `transposed=True` so its checkpoint keys keep their [in, out] layout).
     - `tiles`: module path -> tile count (as in `Placement.tiled_linears`; grid from `grid_for_count`) or an explicit
-      (in_splits, out_splits). Each path must name an `nn.Linear`, else UsageError.
+      (in_splits, out_splits). Each path must name an `nn.Linear` or `Conv1D`, else UsageError.
     - `max_tile_bytes` (bytes or a size such as "256MiB"): every other `nn.Linear` whose parameters + gradient exceed
       it is tiled with `plan_tiles`. Linears whose weight is shared with another module (tied embeddings) are left
       alone here, since tiling would untie them; listing one in `tiles` is an error.
@@ -121,27 +123,29 @@ def tile_linears(
         for p in m.parameters(recurse=False):
             owners[id(p)] = owners.get(id(p), 0) + 1
 
-    def tied(lin: nn.Linear) -> bool:
+    def tied(lin: nn.Module) -> bool:
         return any(owners[id(p)] > 1 for p in lin.parameters(recurse=False))
 
     grids: dict[str, tuple[int, int]] = {}
     for path, spec in tiles.items():
         lin = modules.get(path)
-        if not isinstance(lin, nn.Linear):
+        feats = None if lin is None else linear_features(lin)
+        if feats is None:
             found = "no such module" if lin is None else f"a {type(lin).__name__}"
-            raise UsageError(f"tile_linears: {path!r} is {found}, not an nn.Linear")
+            raise UsageError(f"tile_linears: {path!r} is {found}, not an nn.Linear or Conv1D")
         if tied(lin):
             raise UsageError(f"tile_linears: {path!r} shares its weight with another module (tied); cannot tile it")
         if isinstance(spec, tuple):
             in_s, out_s = spec
         else:
-            in_s, out_s = grid_for_count(spec, lin.in_features, lin.out_features)
+            in_s, out_s = grid_for_count(spec, *feats)
         grids[path] = (in_s, out_s)
     if limit is not None:
         for path, lin in modules.items():
-            if path in grids or not isinstance(lin, nn.Linear) or tied(lin) or _linear_bytes(lin) <= limit:
+            feats = linear_features(lin)
+            if path in grids or feats is None or tied(lin) or _linear_bytes(lin) <= limit:
                 continue
-            grids[path] = plan_tiles(lin.in_features, lin.out_features, lin.weight.element_size(), limit)
+            grids[path] = plan_tiles(*feats, lin.weight.element_size(), limit)
 
     replaced = {}
     for path, (in_s, out_s) in grids.items():
