@@ -26,6 +26,7 @@ from tightfit.offload.host_cache import Held
 from tightfit.offload.placement import State, Tier, UnitPlacement
 from tightfit.offload.tiers import TierStore, done_future
 from tightfit.offload.units import UnitSpec
+from tightfit.utils import huge_pages
 
 
 class Where(str, Enum):
@@ -214,6 +215,7 @@ class OffloadUnit:
         else:
             self.fetch = mover.fetch(self.store[State.PARAMS], self.name, PARAMS, self.flat_io,
                                      keep_staging=keep_master)
+        huge_pages.advise(self.flat_io)  # [Note: first touch]: the copy below is this memory's first write
 
     def finish_fetch(self, mover, cache) -> None:
         kept = mover.wait(self.fetch)

@@ -28,3 +28,43 @@ def enable_before_torch() -> bool:
     if "torch" not in sys.modules:
         os.environ.setdefault(ENV, "1")
     return os.environ.get(ENV) == "1"
+
+
+_MADV_HUGEPAGE = 14
+_ADVISE_MIN = 32 << 20  # glibc serves this and more from a fresh mmap of its own, so the advice touches no heap
+_libc = None
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[", 1)[1].split("]", 1)[0]
+    except (OSError, IndexError):
+        return "never"
+
+
+_ADVISABLE = sys.platform.startswith("linux") and _thp_mode() == "madvise"
+
+
+def advise(t) -> None:
+    """Advise huge pages for a CPU tensor's storage about to be written for the first time (the flat buffer a fetch
+    re-allocates), in a process where torch's allocator does not already (a user's own process, [Note: first
+    touch]) and whose environment does not choose (`THP_MEM_ALLOC_ENABLE=0` keeps them off). Page-aligned interior
+    only; a no-op below 32 MiB, off Linux, or unless the kernel's mode is `madvise`."""
+    global _libc
+    if not _ADVISABLE or os.environ.get(ENV) is not None or t.device.type != "cpu":  # "1": torch does it; "0": no
+        return
+    nbytes = t.untyped_storage().nbytes()
+    if nbytes < _ADVISE_MIN:
+        return
+    if _libc is None:
+        import ctypes
+
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = 4096
+    start = t.untyped_storage().data_ptr()
+    first = (start + page - 1) // page * page
+    last = (start + nbytes) // page * page
+    if last > first:
+        _libc.madvise(first, last - first, _MADV_HUGEPAGE)  # advice only: a failure changes nothing but speed
