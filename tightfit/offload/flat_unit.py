@@ -207,6 +207,7 @@ class OffloadUnit:
         through in the cache (see the note in __init__)."""
         self._params_to(ParamsState.FETCHING)
         self.flat.untyped_storage().resize_(self.compute_bytes)
+        huge_pages.advise(self.flat_io)  # [Note: first touch]: the copy below is this memory's first write
         held = cache.take(self.name, PARAMS, self.version) if self.master_entry == PARAMS else None
         if held is not None:
             if held.ready is not None:  # a master preloaded for a step that did not come: its read first
@@ -215,7 +216,6 @@ class OffloadUnit:
         else:
             self.fetch = mover.fetch(self.store[State.PARAMS], self.name, PARAMS, self.flat_io,
                                      keep_staging=keep_master)
-        huge_pages.advise(self.flat_io)  # [Note: first touch]: the copy below is this memory's first write
 
     def finish_fetch(self, mover, cache) -> None:
         kept = mover.wait(self.fetch)
