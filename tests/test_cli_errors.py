@@ -51,7 +51,7 @@ def test_empty_data_folder(tiny_args, tmp_path, capsys):
 @pytest.fixture
 def trained_run(tiny_args, tmp_path):
     assert main(["train", *tiny_args, "--steps", "3"]) == 0
-    return tmp_path / "run" / "checkpoint.safetensors"
+    return tmp_path / "run" / "checkpoints" / "step-00000003" / "root.safetensors"  # one shard of the checkpoint
 
 
 def test_checkpoint_from_a_different_model(tiny_args, trained_run, capsys):
@@ -68,7 +68,7 @@ def test_truncated_checkpoint(tiny_args, trained_run, capsys):
     before = _digest(trained_run)
     capsys.readouterr()
     assert main(["train", *tiny_args, "--steps", "6", "--resume"]) == 2
-    assert "checkpoint.safetensors" in _error_line(capsys)
+    assert "root.safetensors" in _error_line(capsys)
     assert _digest(trained_run) == before
 
 
@@ -76,7 +76,7 @@ def test_corrupt_checkpoint(tiny_args, trained_run, capsys):
     trained_run.write_bytes(b"garbage" * 100)
     capsys.readouterr()
     assert main(["train", *tiny_args, "--steps", "6", "--resume"]) == 2
-    assert "checkpoint.safetensors" in _error_line(capsys)
+    assert "root.safetensors" in _error_line(capsys)
 
 
 def test_fresh_run_refuses_to_overwrite_a_checkpoint(tiny_args, trained_run, capsys):

@@ -6,13 +6,13 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from tightfit.cli import main
+from tightfit.train.checkpoint import read_all
 
 
 def _weights(run_dir):
-    return {k: v for k, v in load_file(run_dir / "checkpoint.safetensors").items() if not k.startswith("rng.")}
+    return {k: v for k, v in read_all(run_dir).items() if not k.startswith("rng.")}
 
 
 def test_training_lowers_the_loss_and_logs(tiny_args, tmp_path, capsys):

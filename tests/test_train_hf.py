@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from tightfit.train.checkpoint import read_all
 
 from tightfit.cli import main
 
@@ -26,7 +26,7 @@ def _run(tiny_args, out_dir, *extra):
     i = tiny_args.index("--out-dir")
     args = tiny_args[: i + 1] + [str(out_dir)] + tiny_args[i + 2:]
     assert main(["train", *args, "--steps", "4", *extra]) == 0
-    return {k: v for k, v in load_file(out_dir / "checkpoint.safetensors").items() if k.startswith("model.")}
+    return {k: v for k, v in read_all(out_dir).items() if k.startswith("model.")}
 
 
 def test_hf_model_plain_and_streamed_to_nvme_agree_and_export(tiny_args, tmp_path, llama_folder):

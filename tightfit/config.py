@@ -66,6 +66,8 @@ class TrainConfig:
     eval_batches: int = _f(8, "held-out batches per evaluation (fixed, the same every time)")
     log_interval: int = _f(50, "print progress every N steps")
     save_interval: int = _f(0, "write a checkpoint every N steps (0: only at the end)")
+    keep_checkpoints: int = _f(1, "checkpoints kept in --out-dir/checkpoints, the newest (an old one is removed only "
+                                  "after a new one is committed)")
     out_dir: str = _f("runs/default", "folder for checkpoints and metrics.jsonl")
     resume: bool = _f(False, "continue from the checkpoint in --out-dir")
     export_hf: str | None = _f(None, "at the end, also save the model to this folder in the Hugging Face layout")
@@ -231,7 +233,7 @@ def validate(cfg: Config) -> None:
                 "eval_interval": t.eval_interval, "eval_batches": t.eval_batches, "log_interval": t.log_interval,
                 "n_layer": cfg.model.n_layer, "n_head": cfg.model.n_head, "n_embd": cfg.model.n_embd,
                 "nproc_per_node": cfg.parallel.nproc_per_node, "nnodes": cfg.parallel.nnodes,
-                "pp_microbatches": cfg.parallel.pp_microbatches}
+                "pp_microbatches": cfg.parallel.pp_microbatches, "keep_checkpoints": t.keep_checkpoints}
     for name, value in positive.items():
         if value <= 0:
             raise UsageError(f"{flag_name(name)}: must be a positive integer, got {value}")

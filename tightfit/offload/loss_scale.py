@@ -76,3 +76,30 @@ class LossScaler:
         self.scale_value = float(d["scale"])
         self._clean_steps = int(d["clean_steps"])
         self.skipped_steps = int(d.get("skipped_steps", 0))
+
+
+def scaler_state(scaler) -> dict | None:
+    """The loss scaler's state for a checkpoint, the same for tightfit's LossScaler and torch's GradScaler (a plain
+    run's), so an fp16 run resumes exactly under either placement: {"scale", "growth_tracker"} (clean steps since
+    the last change). None without a scaler (bf16, fp32)."""
+    if scaler is None:
+        return None
+    if isinstance(scaler, LossScaler):
+        return {"scale": float(scaler.scale_value), "growth_tracker": int(scaler._clean_steps)}
+    d = scaler.state_dict()  # torch.amp.GradScaler
+    if not d:  # a disabled GradScaler has no state
+        return None
+    return {"scale": float(d["scale"]), "growth_tracker": int(d["_growth_tracker"])}
+
+
+def load_scaler_state(scaler, state: dict | None) -> None:
+    """Restore what `scaler_state` saved (validated by the checkpoint loader); nothing without either."""
+    if scaler is None or state is None:
+        return
+    if isinstance(scaler, LossScaler):
+        scaler.scale_value = float(state["scale"])
+        scaler._clean_steps = int(state["growth_tracker"])
+        return
+    d = scaler.state_dict()
+    if d:
+        scaler.load_state_dict({**d, "scale": float(state["scale"]), "_growth_tracker": int(state["growth_tracker"])})

@@ -11,7 +11,14 @@ by one can be resumed by the other. Keys (values are CPU tensors):
 Why streamed: an offloaded model's state does not fit in memory at once. `export_state` yields one tensor at a time,
 reading a unit's states from their tiers only when its turn comes; `import_state` pulls tensors through a
 `get(key)` callable (e.g. a safetensors file's `get_tensor`) one unit at a time. `get` raises KeyError for a
-missing key; missing optimizer keys mean "fresh optimizer state", a missing model key is an error.
+missing key; missing optimizer keys mean "fresh optimizer state", a missing model key is an error, and a value of
+another shape is an error too (never broadcast into a parameter). `export_groups` yields the same tensors a unit at
+a time (the engine's units; a plain model grouped the same way), each tensor a fresh copy the caller owns: a
+checkpoint writer holds them while training goes on (train/checkpoint_writer.py).
+
+`trainable_only=True` limits both to the parameters with `requires_grad` (and their moments): the state an optimizer
+changes. Frozen parameters (a LoRA fine-tune's base weights) never change in training, so a resumable checkpoint
+need not carry them again (tightfit/integrations/hf_trainer.py writes its optimizer file this way).
 """
 
 from __future__ import annotations
@@ -26,69 +33,98 @@ from tightfit.offload.aligned import aligned_empty
 from tightfit.offload.engine import _ENGINES, OffloadEngine
 from tightfit.offload.flat_unit import EXP_AVG, EXP_AVG_SQ, OffloadUnit
 from tightfit.offload.placement import State
+from tightfit.offload.units import find_units
 
 _MOMENTS = (EXP_AVG, EXP_AVG_SQ)
 
 
-def export_state(model: nn.Module, opt: torch.optim.Optimizer | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def export_state(model: nn.Module, opt: torch.optim.Optimizer | None = None, *,
+                 trainable_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (key, CPU tensor) for the model's parameters and, if `opt` is given, its AdamW state."""
+    for _, items in export_groups(model, opt, trainable_only=trainable_only):
+        yield from items
+
+
+def export_groups(model: nn.Module, opt: torch.optim.Optimizer | None = None, *, trainable_only: bool = False
+                  ) -> Iterator[tuple[str, list[tuple[str, torch.Tensor]]]]:
+    """What `export_state` yields, one unit at a time: (unit name, [(key, CPU tensor), ...]), fresh copies."""
     engine = _ENGINES.get(model)
     if engine is None:
-        yield from _export_plain(model, opt)
+        yield from _export_plain(model, opt, trainable_only)
     else:
-        yield from _export_wrapped(engine, opt is not None)
+        yield from _export_wrapped(engine, opt is not None, trainable_only)
 
 
-def import_state(model: nn.Module, opt: torch.optim.Optimizer | None, get: Callable[[str], torch.Tensor]) -> None:
-    """Load what `export_state` wrote (from a plain or a wrapped run) into `model` and, if given, `opt`."""
+def import_state(model: nn.Module, opt: torch.optim.Optimizer | None, get: Callable[[str], torch.Tensor], *,
+                 trainable_only: bool = False) -> None:
+    """Load what `export_state` wrote (from a plain or a wrapped run) into `model` and, if given, `opt`.
+    trainable_only: only parameters with requires_grad are read; frozen ones keep their values."""
     engine = _ENGINES.get(model)
     if engine is None:
-        _import_plain(model, opt, get)
+        _import_plain(model, opt, get, trainable_only)
     else:
-        _import_wrapped(engine, opt is not None, get)
+        _import_wrapped(engine, opt is not None, get, trainable_only)
 
 
-def _model_value(get, name: str) -> torch.Tensor:
+def _checked(key: str, value: torch.Tensor, shape) -> torch.Tensor:
+    """`value` if it has `shape`; a copy_ would broadcast a scalar into a whole parameter."""
+    if tuple(value.shape) != tuple(shape):
+        raise UsageError(f"checkpoint value {key} has shape {list(value.shape)}, the model {list(shape)}; was it "
+                         "written for another model?")
+    return value
+
+
+def _model_value(get, name: str, shape) -> torch.Tensor:
     try:
-        return get(f"model.{name}")
+        return _checked(f"model.{name}", get(f"model.{name}"), shape)
     except KeyError:
         raise UsageError(f"checkpoint has no value for parameter {name!r} (key model.{name}); was it written for "
                          "another model?") from None
 
 
-def _optim_values(get, name: str) -> dict[str, torch.Tensor] | None:
+def _optim_values(get, name: str, shape) -> dict[str, torch.Tensor] | None:
     try:
-        return {k: get(f"optim.{name}.{k}") for k in (*_MOMENTS, "step")}
+        values = {k: get(f"optim.{name}.{k}") for k in (*_MOMENTS, "step")}
     except KeyError:
         return None
+    for k in _MOMENTS:
+        _checked(f"optim.{name}.{k}", values[k], shape)
+    _checked(f"optim.{name}.step", values["step"].reshape(()) if values["step"].numel() == 1 else values["step"], ())
+    return values
 
 
 # ---- plain model + torch optimizer ----------------------------------------------------------------------------
 
-def _export_plain(model, opt):
-    names = {}
-    for name, p in model.named_parameters():
-        names[id(p)] = name
-        yield f"model.{name}", p.detach().cpu()
-    if opt is None:
-        return
-    for group in opt.param_groups:
-        for p in group["params"]:
-            st = opt.state.get(p)
-            if st and id(p) in names:
-                for k in (*_MOMENTS, "step"):
-                    yield f"optim.{names[id(p)]}.{k}", torch.as_tensor(st[k], dtype=torch.float32).detach().cpu()
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True)
 
 
-def _import_plain(model, opt, get):
+def _export_plain(model, opt, trainable_only=False):
+    """Grouped as the engine groups the model's units (`find_units`), so a plain run's shards match a wrapped one's."""
     params = dict(model.named_parameters())
+    stepped = {id(p) for g in opt.param_groups for p in g["params"] if opt.state.get(p)} if opt is not None else set()
+    for spec in find_units(model):
+        slots = [s for s in spec.slots if params[s.name].requires_grad or not trainable_only]
+        items = [(f"model.{s.name}", _copy(params[s.name])) for s in slots]
+        for s in slots:
+            p = params[s.name]
+            if id(p) in stepped:
+                st = opt.state[p]
+                items += [(f"optim.{s.name}.{k}", _copy(torch.as_tensor(st[k], dtype=torch.float32)))
+                          for k in (*_MOMENTS, "step")]
+        if items:
+            yield spec.name, items
+
+
+def _import_plain(model, opt, get, trainable_only=False):
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad or not trainable_only}
     with torch.no_grad():
         for name, p in params.items():
-            p.copy_(_model_value(get, name))
+            p.copy_(_model_value(get, name, p.shape))
     if opt is None:
         return
     for name, p in params.items():
-        values = _optim_values(get, name)
+        values = _optim_values(get, name, p.shape)
         if values is not None and any(p is q for g in opt.param_groups for q in g["params"]):
             opt.state[p] = {"step": values["step"].to(torch.float32).clone(),
                             **{k: values[k].to(p.device, p.dtype).clone() for k in _MOMENTS}}
@@ -105,37 +141,40 @@ def _read_moments(unit: OffloadUnit) -> dict[str, torch.Tensor]:
     return out
 
 
-def _export_wrapped(engine: OffloadEngine, with_optim: bool):
+def _export_wrapped(engine: OffloadEngine, with_optim: bool, trainable_only: bool = False):
     engine.wait_grads()
     engine.wait_early_steps()
     engine.wait_writes()  # the stores would order the reads after them; this surfaces a failed write here
     for unit in engine.units.values():
-        master = engine.read_master(unit)
-        for slot in unit.spec.slots:
-            yield f"model.{slot.name}", slot.view(master).clone()
-        del master
-        if not with_optim or unit.moments_empty:
+        if trainable_only and not unit.trainable:
             continue
-        moments = _read_moments(unit)
-        for i, slot in enumerate(unit.trainable):
-            if unit.steps[i] is None:
-                continue
-            for entry in _MOMENTS:
-                yield f"optim.{slot.name}.{entry}", slot.view(moments[entry]).clone()
-            yield f"optim.{slot.name}.step", unit.steps[i].detach().cpu().clone()
+        master = engine.read_master(unit)
+        items = [(f"model.{slot.name}", slot.view(master).clone())
+                 for slot in (unit.trainable if trainable_only else unit.spec.slots)]
+        del master
+        if with_optim and not unit.moments_empty:
+            moments = _read_moments(unit)
+            for i, slot in enumerate(unit.trainable):
+                if unit.steps[i] is None:
+                    continue
+                items += [(f"optim.{slot.name}.{entry}", slot.view(moments[entry]).clone()) for entry in _MOMENTS]
+                items.append((f"optim.{slot.name}.step", unit.steps[i].detach().cpu().clone()))
+        yield unit.name, items
 
 
-def _import_wrapped(engine: OffloadEngine, with_optim: bool, get):
+def _import_wrapped(engine: OffloadEngine, with_optim: bool, get, trainable_only: bool = False):
     engine.zero_grad()
     for unit in engine.units.values():
-        master = aligned_empty(unit.spec.numel, torch.float32)
-        master.zero_()
-        for slot in unit.spec.slots:
-            value = _model_value(get, slot.name)
-            if tuple(value.shape) != tuple(slot.shape):
-                raise UsageError(f"checkpoint value model.{slot.name} has shape {tuple(value.shape)}, the model "
-                                 f"{tuple(slot.shape)}")
-            slot.view(master).copy_(value)
+        if trainable_only and not unit.trainable:
+            continue
+        if trainable_only:  # frozen slots keep their values: start from the current ones
+            engine.wait_writes()
+            master = engine.read_master(unit)
+        else:
+            master = aligned_empty(unit.spec.numel, torch.float32)
+            master.zero_()
+        for slot in (unit.trainable if trainable_only else unit.spec.slots):
+            slot.view(master).copy_(_model_value(get, slot.name, slot.shape))
         engine.write_master(unit, master)
         del master
         if not with_optim or not unit.trainable:
@@ -143,7 +182,7 @@ def _import_wrapped(engine: OffloadEngine, with_optim: bool, get):
         moments = {e: torch.zeros(unit.spec.train_numel, dtype=torch.float32) for e in _MOMENTS}
         found = False
         for i, slot in enumerate(unit.trainable):
-            values = _optim_values(get, slot.name)
+            values = _optim_values(get, slot.name, slot.shape)
             unit.steps[i] = None
             if values is None:
                 continue

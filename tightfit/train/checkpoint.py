@@ -1,107 +1,315 @@
-"""Training checkpoints as one safetensors file: weights, optimizer state, step, RNG states, data position, config.
+"""Training checkpoints: a folder of safetensors shards (one per unit) committed by an index, checked on load.
 
-Why one safetensors file: it opens with any safetensors reader (no pickle, so a checkpoint from someone else
-cannot run code), tensors stream in and out one at a time (offloaded models never gather in RAM), and the
-non-tensor facts (step, config, tightfit version, the model's parameter signature) ride in the header's string
-metadata. Tensor keys are the same for plain and offloaded runs ("model.<param>", "optim.<param>.exp_avg", ...),
-so a checkpoint written with one placement resumes under another.
+Why this shape (docs/CHECKPOINTS.md):
+- *safetensors, no pickle*: a checkpoint from someone else cannot run code; any safetensors reader opens a shard.
+- *one shard per unit, written in the background* (checkpoint_writer.py): an offloaded model's state streams out a
+  unit at a time and the step after a save does not wait for the disk; peak extra disk is one checkpoint.
+- *committed by an index*: `index.json` is written last, so a kill leaves the previous checkpoint intact and
+  the new one either complete or a leftover removed at the next start.
+- *nothing non-finite*: the writer checks every tensor before it commits; a diverged run keeps its last good one.
+- *checked before use*: the index's metadata (types and ranges), every shard's header (names, dtypes, shapes,
+  offsets), every tensor against the model being trained (not against the file's own claims), and the RNG states'
+  sizes are checked before anything is written to a tier; each tensor's bytes against the CRC-32 in the index as
+  it is read. Every failure is one line naming the file.
 
-Resume is bit-exact: the model and optimizer tensors, torch's RNG state and the data generator's state (the data
-position) are restored, and the learning-rate schedule is a pure function of the step.
+Tensor keys are the same for plain and offloaded runs ("model.<param>", "optim.<param>.exp_avg", ...: state_io.py),
+so a checkpoint written with one placement resumes under another. Resume is bit-exact: model and optimizer
+tensors, torch's RNG, the data generator's state (the data position) and the fp16 loss scaler's state are restored,
+and the learning-rate schedule is a pure function of the step.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+import math
+import re
+import zlib
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 
 from tightfit import __version__
 from tightfit.errors import UsageError
-from tightfit.utils.safetensors_io import StreamingWriter, open_checked
+from tightfit.models.hf_safetensors import TensorEntry, TensorReader, read_header
+from tightfit.train.checkpoint_writer import INDEX, CheckpointWriter, committed
+from tightfit.utils.safetensors_format import CODE_TO_DTYPE
+from tightfit.utils.safetensors_io import tensor_bytes
 
-FORMAT = "tightfit-checkpoint/1"
-CHECKPOINT_NAME = "checkpoint.safetensors"
+FORMAT = "tightfit-checkpoint/2"
+CHECKPOINT_NAME = "checkpoints"
+"""The folder in --out-dir that holds the checkpoints (checkpoint_writer.py describes its layout)."""
 RNG_TORCH = "rng.torch"
 RNG_DATA = "rng.data"
 RNG_CUDA = "rng.cuda"
+RNG_GROUP = "rng"
+_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def model_signature(named_shapes: Iterable[tuple[str, tuple[int, ...]]]) -> str:
-    """A short hash of parameter names and shapes: equal iff the checkpoint fits the model."""
+    """A short hash of parameter names and shapes, recorded for people and tools (loading checks each tensor)."""
     h = hashlib.sha256()
     for name, shape in sorted(named_shapes):
         h.update(f"{name}:{list(shape)};".encode())
     return h.hexdigest()[:16]
 
 
+def group_of_key(key: str) -> str:
+    """The shard a tensor key goes to when its writer does not group by unit (a gathered scale-out state): the
+    parameter's module path up to its first numbered component ("blocks.3"), else "root" - the engine's default
+    units for a stack of blocks."""
+    name = key.split(".", 1)[1] if "." in key else key
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return "root"
+
+
+# ---- opening and checking -------------------------------------------------------------------------------------
+
+def _bad(path: Path, what: str) -> UsageError:
+    return UsageError(f"--resume: {path} {what}; the checkpoint is damaged or was not written by tightfit - delete "
+                      "that folder to resume from an older checkpoint, or use another --out-dir")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_scaler(path: Path, s) -> dict | None:
+    if s is None:
+        return None
+    if (not isinstance(s, dict) or not isinstance(s.get("scale"), (int, float)) or isinstance(s.get("scale"), bool)
+            or not (math.isfinite(s["scale"]) and s["scale"] > 0) or not _is_int(s.get("growth_tracker"))
+            or s["growth_tracker"] < 0):
+        raise _bad(path / INDEX, f"has a bad loss_scaler entry {s!r} (needs a finite scale > 0 and a growth_tracker "
+                                 ">= 0)")
+    return s
+
+
 @dataclass
 class Checkpoint:
-    """An opened checkpoint: its metadata, and its tensors read on demand."""
+    """An opened, checked checkpoint folder: its metadata, and its tensors read (and CRC-checked) on demand."""
 
     path: Path
     step: int
     config: dict
     signature: str
     shapes: dict[str, list[int]]
-    _handle: object
+    dtypes: dict[str, torch.dtype]
+    loss_scaler: dict | None = None
+    entries: dict[str, TensorEntry] = field(default_factory=dict)
+    crcs: dict[str, int] = field(default_factory=dict)
+    _reader: TensorReader = field(default_factory=TensorReader)
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor `name`; KeyError when absent (state_io decides whether that is an error, e.g. a checkpoint
-        saved without optimizer moments resumes with fresh ones)."""
-        if name not in self.shapes:
+        saved without optimizer moments resumes with fresh ones). UsageError when its bytes fail their CRC."""
+        if name not in self.entries:
             raise KeyError(name)
-        return self._handle.get_tensor(name)
+        t = self._reader.read(self.entries[name])
+        if zlib.crc32(tensor_bytes(t)) != self.crcs[name]:
+            raise UsageError(f"--resume: {self.entries[name].file}: tensor {name!r} fails its checksum (bit rot or a "
+                             "modified file); delete that checkpoint folder to resume from an older one")
+        return t
 
     def rng_states(self) -> dict[str, torch.Tensor]:
-        return {k: self.get(k) for k in (RNG_TORCH, RNG_DATA, RNG_CUDA) if k in self.shapes}
+        return {k: self.get(k) for k in (RNG_TORCH, RNG_DATA, RNG_CUDA) if k in self.entries}
+
+    def close(self) -> None:
+        self._reader.close()
 
 
-def save_checkpoint(path: Path, tensors: Iterable[tuple[str, torch.Tensor]], *, step: int, config: dict,
-                    signature: str, rng: dict[str, torch.Tensor]) -> Path:
-    """Write atomically: the previous checkpoint at `path` survives any failure."""
-    with StreamingWriter(path, flag="--out-dir") as w:
-        for name, t in tensors:
-            w.add(name, t)
-        for name, t in rng.items():
-            w.add(name, t)
-        return w.close({"format": FORMAT, "step": str(step), "config": json.dumps(config),
-                        "signature": signature, "tightfit_version": __version__})
+def latest(out_dir: Path) -> Path | None:
+    """The newest committed checkpoint folder of a run, or None. `out_dir`: the run's --out-dir, or its
+    checkpoints folder."""
+    root = out_dir if out_dir.name == CHECKPOINT_NAME else out_dir / CHECKPOINT_NAME
+    found = committed(root)
+    return found[-1][1] if found else None
 
 
 def load_checkpoint(path: Path, flag: str = "--resume") -> Checkpoint:
-    handle = open_checked(path, flag, "checkpoint")
-    meta = handle.metadata() or {}
-    if meta.get("format") != FORMAT:
-        raise UsageError(f"{flag}: {path} is a safetensors file but not a tightfit checkpoint "
-                         f"(format {meta.get('format')!r}); point --out-dir at a tightfit run")
+    """Open and check the newest checkpoint under `path` (--out-dir, its checkpoints folder, or one step folder).
+
+    Checks everything that does not need the model ([Note: what loading checks] in docs/CHECKPOINTS.md); the
+    model's side is `check_compatible`. Raises a one-line UsageError naming the file."""
+    path = Path(path)
+    folder = path if (path / INDEX).is_file() else latest(path)
+    if folder is None:
+        raise UsageError(f"{flag}: no checkpoint in {path} (the folder does not exist or holds no committed "
+                         "checkpoint); drop --resume to start fresh")
     try:
-        step = int(meta["step"])
-        config = json.loads(meta["config"])
-    except (KeyError, ValueError):
-        raise UsageError(f"{flag}: {path} has damaged metadata; use another checkpoint") from None
-    shapes = {k: list(handle.get_slice(k).get_shape()) for k in handle.keys()}
-    return Checkpoint(path=path, step=step, config=config, signature=meta.get("signature", ""), shapes=shapes,
-                      _handle=handle)
+        index = json.loads((folder / INDEX).read_text())
+    except (OSError, ValueError) as e:
+        raise _bad(folder / INDEX, f"is not readable JSON ({e})") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise UsageError(f"{flag}: {folder / INDEX} is not a tightfit checkpoint index (format "
+                         f"{index.get('format') if isinstance(index, dict) else None!r}, expected {FORMAT})")
+    step, config, signature = index.get("step"), index.get("config"), index.get("signature", "")
+    if not _is_int(step) or step < 0:
+        raise _bad(folder / INDEX, f"has step {step!r} (needs an integer >= 0)")
+    if not isinstance(config, dict) or not isinstance(signature, str):
+        raise _bad(folder / INDEX, "has no config object or signature string")
+    scaler = _check_scaler(folder, index.get("loss_scaler"))
+    weight_map, tensors = index.get("weight_map"), index.get("tensors")
+    if (not isinstance(weight_map, dict) or not isinstance(tensors, dict) or set(weight_map) != set(tensors)):
+        raise _bad(folder / INDEX, "has no matching weight_map and tensors objects")
+    shapes, dtypes, crcs = {}, {}, {}
+    for key, info in tensors.items():
+        ok = (isinstance(info, dict) and info.get("dtype") in CODE_TO_DTYPE and isinstance(info.get("shape"), list)
+              and all(_is_int(s) and s >= 0 for s in info["shape"]) and _is_int(info.get("crc32")))
+        if not ok:
+            raise _bad(folder / INDEX, f"has a bad entry for tensor {key!r}: {info!r}")
+        shapes[key], dtypes[key], crcs[key] = info["shape"], CODE_TO_DTYPE[info["dtype"]], info["crc32"]
+    entries = _read_shards(folder, weight_map, shapes, dtypes)
+    _check_rng(folder, shapes, dtypes)
+    return Checkpoint(path=folder, step=step, config=config, signature=signature, shapes=shapes, dtypes=dtypes,
+                      loss_scaler=scaler, entries=entries, crcs=crcs)
+
+
+def _read_shards(folder: Path, weight_map: dict, shapes: dict, dtypes: dict) -> dict[str, TensorEntry]:
+    """Every shard's header (offsets checked as safetensors does), each tensor where the index says, as it says."""
+    entries = {}
+    for file in sorted(set(weight_map.values())):
+        if not isinstance(file, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+\.safetensors", file):
+            raise _bad(folder / INDEX, f"names a shard {file!r} that is not a plain file name")
+        if not (folder / file).is_file():
+            raise _bad(folder / file, "is missing (the index names it)")
+        in_file, _ = read_header(folder / file)
+        keys = {k for k, f in weight_map.items() if f == file}
+        if set(in_file) != keys:
+            extra = sorted(set(in_file) ^ keys)
+            raise _bad(folder / file, f"does not hold what the index says (e.g. {extra[0]!r})")
+        for k in keys:
+            e = in_file[k]
+            if list(e.shape) != shapes[k] or e.dtype != dtypes[k]:
+                raise _bad(folder / file, f"stores {k!r} as {e.dtype} {list(e.shape)}, the index says "
+                                          f"{dtypes[k]} {shapes[k]}")
+            entries[k] = e
+    return entries
+
+
+def _check_rng(folder: Path, shapes: dict, dtypes: dict) -> None:
+    """The RNG states are present and have the sizes this torch uses (a wrong size would fail deep in torch)."""
+    want = {RNG_TORCH: list(torch.get_rng_state().shape), RNG_DATA: list(torch.Generator().get_state().shape)}
+    if torch.cuda.is_available() and RNG_CUDA in shapes:
+        want[RNG_CUDA] = list(torch.cuda.get_rng_state().shape)
+    for key, shape in want.items():
+        if key not in shapes:
+            raise _bad(folder, f"has no {key} (the RNG state a bit-exact resume needs)")
+        if shapes[key] != shape or dtypes[key] != torch.uint8:
+            raise _bad(folder, f"has {key} of {dtypes[key]} {shapes[key]}; this torch's is uint8 {shape}")
 
 
 def check_compatible(ckpt: Checkpoint, named_shapes: list[tuple[str, tuple[int, ...]]]) -> None:
-    """Refuse a checkpoint whose parameters do not match the model, naming the first difference."""
-    if ckpt.signature == model_signature(named_shapes):
-        return
+    """Refuse a checkpoint whose tensors do not fit the model being trained, naming the first difference: every
+    parameter's weights (fp32, its shape), each optimizer entry for a parameter of the model (moments of its shape,
+    a scalar step, all three or none), nothing else. Checked against the model, not the file's own signature."""
     ours = {f"model.{n}": list(s) for n, s in named_shapes}
-    theirs = {k: v for k, v in ckpt.shapes.items() if k.startswith("model.")}
-    for name in sorted(set(ours) | set(theirs)):
-        if ours.get(name) != theirs.get(name):
+    for key, shape in ours.items():
+        theirs = ckpt.shapes.get(key)
+        if theirs != shape:
             raise UsageError(
-                f"--resume: {ckpt.path} was written by a different model ({name[6:]}: checkpoint "
-                f"{theirs.get(name, 'absent')}, model {ours.get(name, 'absent')}); use the same model flags "
-                "or another --out-dir")
-    raise UsageError(f"--resume: {ckpt.path} does not match this model; use another --out-dir")
+                f"--resume: {ckpt.path} was written by a different model ({key[6:]}: checkpoint "
+                f"{theirs if theirs is not None else 'absent'}, model {shape}); use the same model flags or another "
+                "--out-dir")
+        if ckpt.dtypes[key] != torch.float32:
+            raise _bad(ckpt.path, f"stores {key} as {ckpt.dtypes[key]} (weights are float32)")
+    params = {n: list(s) for n, s in named_shapes}
+    rng = {RNG_TORCH, RNG_DATA, RNG_CUDA}
+    for key in ckpt.shapes:
+        if key in ours or key in rng:
+            continue
+        m = re.fullmatch(r"optim\.(.+)\.(exp_avg|exp_avg_sq|step)", key)
+        if m is None or m.group(1) not in params:
+            raise UsageError(f"--resume: {ckpt.path} was written by a different model (it holds {key!r}, which "
+                             "this model has no place for); use the same model flags or another --out-dir")
+        name, entry = m.groups()
+        want = [] if entry == "step" else params[name]
+        if ckpt.shapes[key] != want or ckpt.dtypes[key] != torch.float32:
+            raise _bad(ckpt.path, f"stores {key} as {ckpt.dtypes[key]} {ckpt.shapes[key]}; the model needs "
+                                  f"torch.float32 {want}")
+        missing = [e for e in (*_MOMENTS, "step") if f"optim.{name}.{e}" not in ckpt.shapes]
+        if missing:
+            raise _bad(ckpt.path, f"has optimizer state for {name} without optim.{name}.{missing[0]}")
+
+
+RESUME_SETTINGS = {"model": None, "data": None, "optim": None,
+                   "train": ("steps", "micro_batch", "seq_len", "grad_accum", "seed", "precision")}
+"""Settings whose change on --resume alters the run (schedule, data, numerics): a notice names each. The others
+(intervals, --out-dir, --stop-at, memory placement, threads) are free to change."""
+
+
+def changed_settings(saved: dict, now: dict) -> list[str]:
+    """'--lr 0.004 -> 0.001' for each setting of RESUME_SETTINGS that differs from the checkpoint's config."""
+    from tightfit.config import flag_name
+
+    out = []
+    for section, names in RESUME_SETTINGS.items():
+        old, new = saved.get(section), now.get(section, {})
+        if not isinstance(old, dict):
+            continue
+        for name in names or new:
+            if name in old and old[name] != new.get(name):
+                out.append(f"{flag_name(name)} {old[name]!r} -> {new.get(name)!r}")
+    return out
+
+
+# ---- saving ---------------------------------------------------------------------------------------------------
+
+def index_fields(*, step: int, config: dict, signature: str, loss_scaler: dict | None = None) -> dict:
+    """The index's metadata ([Note: commit] in checkpoint_writer.py writes it last)."""
+    return {"format": FORMAT, "step": int(step), "config": config, "signature": signature,
+            "tightfit_version": __version__, "loss_scaler": loss_scaler}
+
+
+def start_save(root: Path, groups: Iterable[tuple[str, list[tuple[str, torch.Tensor]]]], *, step: int, config: dict,
+               signature: str, rng: dict[str, torch.Tensor], loss_scaler: dict | None = None,
+               keep: int = 1) -> CheckpointWriter:
+    """Hand every group to a background writer and return it: once this returns, the caller may change the
+    model (the groups are its own copies); `wait()` on the writer gives the committed folder."""
+    writer = CheckpointWriter(Path(root), step, keep=keep)
+    try:
+        for group, items in groups:
+            writer.put(group, items)
+        writer.put(RNG_GROUP, [(k, v.detach().cpu().clone()) for k, v in rng.items()])
+    except BaseException:
+        writer.abort()
+        raise
+    writer.close(index_fields(step=step, config=config, signature=signature, loss_scaler=loss_scaler))
+    return writer
+
+
+def group_by_key(tensors: Iterable[tuple[str, torch.Tensor]]):
+    """(group, items) from a flat (key, tensor) stream, consecutive keys of one group together (`group_of_key`)."""
+    group, items = None, []
+    for key, t in tensors:
+        g = group_of_key(key)
+        if items and g != group:
+            yield group, items
+            items = []
+        group = g
+        items.append((key, t))
+    if items:
+        yield group, items
+
+
+def save_checkpoint(root: Path, tensors: Iterable[tuple[str, torch.Tensor]], *, step: int, config: dict,
+                    signature: str, rng: dict[str, torch.Tensor], loss_scaler: dict | None = None,
+                    keep: int = 1) -> Path:
+    """Write a checkpoint from a flat (key, tensor) stream and wait for its commit. `root`: the checkpoints folder
+    (<out-dir>/checkpoints). UsageError when a tensor is non-finite or the disk fails; the previous one survives."""
+    writer = start_save(Path(root), group_by_key(tensors), step=step, config=config, signature=signature, rng=rng,
+                        loss_scaler=loss_scaler, keep=keep)
+    path = writer.wait()
+    if path is None:
+        nf = writer.non_finite
+        raise UsageError(f"training diverged: checkpoint tensor {nf.key} holds {nf.what} at step {step}; nothing was "
+                         f"saved for step {step}, the previous checkpoint in {root} is kept")
+    return path
 
 
 def capture_rng(data_generator: torch.Generator) -> dict[str, torch.Tensor]:
@@ -118,4 +326,11 @@ def restore_rng(states: dict[str, torch.Tensor], data_generator: torch.Generator
         torch.cuda.set_rng_state(states[RNG_CUDA])
 
 
-StateGetter = Callable[[str], torch.Tensor]
+def read_all(out_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the newest checkpoint of a run, checked (for tests and inspection; a large model's would
+    not fit in memory at once)."""
+    c = load_checkpoint(Path(out_dir))
+    try:
+        return {k: c.get(k) for k in c.entries}
+    finally:
+        c.close()

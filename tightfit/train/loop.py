@@ -18,7 +18,11 @@ import torch
 
 from tightfit.config import Config, compute_device_type, precision_name
 from tightfit.errors import UsageError
+from tightfit.offload.loss_scale import load_scaler_state, scaler_state
+from tightfit.offload.state_io import export_groups
 from tightfit.train import checkpoint as ckpt
+from tightfit.train.checkpoint_writer import check_room, checkpoint_bytes, clean_leftovers
+from tightfit.train.divergence import describe_key, diverged
 from tightfit.train.data import TokenDataset, data_generator, load_tokens
 from tightfit.train.memory import MemorySetup, setup_memory
 from tightfit.train.progress import Progress, format_duration
@@ -119,8 +123,8 @@ def train(cfg: Config, *, quiet: bool = False) -> Summary:
     device = resolve_device(cfg)
     dtype = resolve_precision(cfg, device)
     out_dir = Path(t.out_dir)
-    ckpt_path = out_dir / ckpt.CHECKPOINT_NAME
-    if not t.resume and ckpt_path.exists():
+    ckpt_root = out_dir / ckpt.CHECKPOINT_NAME
+    if not t.resume and ckpt.latest(out_dir) is not None:
         raise UsageError(f"--out-dir: {out_dir} already holds a checkpoint; pass --resume to continue it, "
                          "or choose another --out-dir")
 
@@ -139,11 +143,13 @@ def train(cfg: Config, *, quiet: bool = False) -> Summary:
         raise UsageError("--export-hf: only Hugging Face models (--model hf:PATH) can be exported in that layout; "
                          "the reference GPT's weights are in the checkpoint")
     # load_checkpoint refuses a missing, truncated or foreign file with a one-line --resume error.
-    resume_from = ckpt.load_checkpoint(ckpt_path) if t.resume else None
+    # Every tensor's name, shape and dtype is checked against this model, and the metadata, before any is loaded.
+    resume_from = ckpt.load_checkpoint(out_dir) if t.resume else None
     if resume_from is not None:
         ckpt.check_compatible(resume_from, [(n, tuple(p.shape)) for n, p in model.named_parameters()])
 
     mem: MemorySetup = setup_memory(model, cfg, device, dtype)
+    pending = None  # the checkpoint being written (a CheckpointWriter), if any
     try:
         model, opt = mem.model, mem.optimizer
         say = (lambda s: None) if quiet else (lambda s: print(s, flush=True))
@@ -151,11 +157,16 @@ def train(cfg: Config, *, quiet: bool = False) -> Summary:
 
         gen = data_generator(t.seed)
         start_step = 0
+        scaler = getattr(mem, "scaler", None)  # fp16 only: its state is part of a checkpoint
         if resume_from is not None:
             mem.import_state(resume_from.get)
             ckpt.restore_rng(resume_from.rng_states(), gen)
+            load_scaler_state(scaler, resume_from.loss_scaler)
             start_step = resume_from.step
-            say(f"resumed from {ckpt_path} at step {start_step}")
+            say(f"resumed from {resume_from.path} at step {start_step}")
+            changed = ckpt.changed_settings(resume_from.config, cfg.to_dict())
+            if changed:
+                say(f"notice: resuming with settings changed since the checkpoint: {', '.join(changed)}")
         elif stream_weights:
             from tightfit.models.hf_load import HFCheckpoint
             from tightfit.models.hf_wrap import checkpoint_values
@@ -166,6 +177,13 @@ def train(cfg: Config, *, quiet: bool = False) -> Summary:
             raise UsageError(f"--steps: the checkpoint is already at step {start_step}; ask for more than that")
 
         out_dir.mkdir(parents=True, exist_ok=True)
+        removed = clean_leftovers(ckpt_root)
+        if removed:
+            say(f"removed what an interrupted save left in {ckpt_root}: {', '.join(removed)}")
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        need, free = check_room(out_dir, checkpoint_bytes(mem.named_shapes(), trainable))
+        say(f"checkpoint: {format_size(need)} per save in {ckpt_root} ({format_size(free)} free now, keeping "
+            f"{t.keep_checkpoints})")
         val_batches = dataset.val_batches(t.eval_batches, t.micro_batch, seed=t.seed + 1)
         tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum
         progress = Progress(t.steps, start_step, tokens_per_step, out_dir / "metrics.jsonl", mem.memory_in_use,
@@ -174,10 +192,29 @@ def train(cfg: Config, *, quiet: bool = False) -> Summary:
         say(f"training {sum(p.numel() for p in model.parameters()):,} parameters on {device} ({str(dtype)[6:]}), "
             f"{len(dataset.train):,} train / {len(dataset.val):,} val tokens, {tokens_per_step:,} tokens per step")
 
-        def save(step: int) -> Path:
-            return ckpt.save_checkpoint(ckpt_path, mem.export_state(), step=step, config=cfg.to_dict(),
-                                        signature=ckpt.model_signature(mem.named_shapes()),
-                                        rng=ckpt.capture_rng(gen))
+        # The save in progress: its writer thread finishes it while training goes on (checkpoint_writer.py).
+        last_good = None  # (step, folder) of the newest committed checkpoint
+        if resume_from is not None:
+            last_good = (resume_from.step, resume_from.path)
+
+        def settle() -> None:
+            """Wait for the save in progress; a non-finite tensor in it is the run's divergence."""
+            nonlocal pending, last_good
+            if pending is None:
+                return
+            writer, pending = pending, None
+            path = writer.wait()
+            if path is None:
+                nf = writer.non_finite
+                raise diverged(writer.step, f"{describe_key(nf.key)} became {nf.what}", last_good)
+            last_good = (writer.step, path)
+
+        def save(step: int) -> None:
+            nonlocal pending
+            settle()  # one save at a time: its memory and disk are what the plan counted
+            pending = ckpt.start_save(ckpt_root, export_groups(model, opt), step=step, config=cfg.to_dict(),
+                                      signature=ckpt.model_signature(mem.named_shapes()), rng=ckpt.capture_rng(gen),
+                                      loss_scaler=scaler_state(scaler), keep=t.keep_checkpoints)
 
         t_start = time.perf_counter()
         step, loss_val, val_loss, grad_norm = start_step, float("nan"), float("nan"), None
@@ -195,8 +232,15 @@ def train(cfg: Config, *, quiet: bool = False) -> Summary:
             grad_norm = mem.clip_and_step(o.grad_clip)
             step += 1
             loss_val = loss_sum.item()
-            if not math.isfinite(loss_val):
-                raise UsageError(f"--lr: the loss became {loss_val} at step {step}; lower --lr or raise --warmup-steps")
+            # An fp16 scaler skips a step whose gradients overflowed (its norm is inf then): not a divergence.
+            bad = (f"the loss became {loss_val}" if not math.isfinite(loss_val) else
+                   f"the gradient norm became {grad_norm}" if grad_norm is not None and scaler is None
+                   and not math.isfinite(grad_norm) else None)
+            if bad:
+                settle()  # a save in flight commits (the last good one) or names what diverged first
+                raise diverged(step, bad, last_good)
+            if pending is not None and pending.done():
+                settle()
             if step % t.log_interval == 0 or step == t.steps:
                 progress.step(step, loss_val, lr, grad_norm)
             if step % t.eval_interval == 0 or step == t.steps:
@@ -217,7 +261,9 @@ def train(cfg: Config, *, quiet: bool = False) -> Summary:
                 break
 
         seconds = time.perf_counter() - t_start
-        path = save(step)
+        save(step)
+        settle()
+        path = last_good[1]
         if t.export_hf:
             export_hf(model, mem, t.export_hf)
             say(f"exported the model in the Hugging Face layout to {t.export_hf}")
@@ -236,6 +282,9 @@ def train(cfg: Config, *, quiet: bool = False) -> Summary:
             say(comparison)
     except BaseException:
         with contextlib.suppress(Exception):  # the error in flight is the one to report
+            if pending is not None:
+                pending.abort()
+        with contextlib.suppress(Exception):
             mem.close()
         raise
     mem.close()  # stops the engine's threads and removes its swap files (the checkpoint has the state)
