@@ -20,6 +20,7 @@ only the hyperparameters.
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Iterable
 
 import torch
@@ -53,6 +54,8 @@ class AdamW(torch.optim.Optimizer):
             raise UsageError("tightfit.optim.AdamW: parameters come from several wrapped models; use one optimizer "
                              "per model")
         self.engine: OffloadEngine = engines.pop()
+        self._backwards_seen = self.engine.backwards  # the engine's backward count at the last step / zero_grad
+        self._warned_no_grads = False
         # Multipliers applied to the gradients inside the next step (loss-scale inverse, clip coefficient).
         self._grad_scales: list[torch.Tensor] = []
 
@@ -95,10 +98,25 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        stepped_early = bool(self.engine._early_steps)
         self.engine.wait_early_steps()  # units stepped during backward (step_during_backward)
-        step_units(self.engine, self._work(), Multipliers(self._grad_scales))
+        work = self._work()
+        if not work and not stepped_early:
+            self._warn_no_grads()
+        step_units(self.engine, work, Multipliers(self._grad_scales))
         self._grad_scales = []
+        self._backwards_seen = self.engine.backwards
         return loss
+
+    def _warn_no_grads(self) -> None:
+        """Warn (once per optimizer) about a step after a backward that left it no gradient: something between the
+        two dropped them (`model.zero_grad()`), or the backward reached none of this optimizer's parameters."""
+        if self.engine.backwards == self._backwards_seen or self._warned_no_grads:
+            return
+        self._warned_no_grads = True
+        warnings.warn("tightfit.optim.AdamW.step(): the backward since the last step left no gradient for this "
+                      "optimizer's parameters, so nothing was updated; were they dropped before the step "
+                      "(model.zero_grad() / p.grad = None), or does the loss not depend on them?", stacklevel=3)
 
     def step_during_backward(self) -> None:
         """Step each unit during the coming backward, as soon as its gradients are complete.
@@ -134,6 +152,7 @@ class AdamW(torch.optim.Optimizer):
         """Drop accumulated gradients (they live in the engine's grads tier; `param.grad` is always None)."""
         self.engine.zero_grad()
         self._grad_scales = []
+        self._backwards_seen = self.engine.backwards
 
     def scale_grads_(self, factor: torch.Tensor | float) -> None:
         """Multiply every gradient by `factor` inside the next step (used by the loss scaler's unscale)."""

@@ -91,7 +91,8 @@ def save_hf_model(model: nn.Module, folder: str | Path, *, max_shard_size: int |
 
     dtype: store floating tensors in this dtype (default: the dtype each tensor has in the model).
     tensors: where the values come from (default: the model's own tensors or, for a model wrapped by
-        `tightfit.wrap`, the engine's fp32 master weights, streamed from their tiers by `export_state`). Names are state_dict names, after
+        `tightfit.wrap`, the engine's fp32 master weights, streamed from their tiers a unit at a time by
+        `tightfit.offload.module_state.iter_state_dict`). Names are state_dict names, after
         removing `strip_prefix` (the engine's `export_state` yields "model.<name>": pass strip_prefix="model.");
         names that are not model tensors (optimizer moments) are skipped; every saved tensor must arrive.
     The model's shapes and dtypes plan the files, so its parameters may live anywhere (even on meta) when
@@ -107,11 +108,11 @@ def save_hf_model(model: nn.Module, folder: str | Path, *, max_shard_size: int |
         raise UsageError(f"max_shard_size: must be positive, got {max_shard_size!r}")
 
     if tensors is None and _is_wrapped(model):
-        from tightfit.offload.state_io import export_state
+        from tightfit.offload.module_state import iter_state_dict
 
         # The parameters of a wrapped model are compute-dtype views that are empty between uses; the values to
-        # save are the fp32 masters, one unit at a time from whichever tier holds them.
-        tensors, strip_prefix, dtype = export_state(model), "model.", dtype or torch.float32
+        # save are the fp32 masters, one unit at a time from whichever tier holds them (what state_dict() gives).
+        tensors, dtype = iter_state_dict(model), dtype or torch.float32
     kept = saved_names(model)
     slots = {s.names[0]: s for s in model_slots(model)}
     specs = []
@@ -129,12 +130,14 @@ def save_hf_model(model: nn.Module, folder: str | Path, *, max_shard_size: int |
             w = ShardWriter(tmp / file, shard)
             writers.update({s.name: w for s in shard})
         source = tensors if tensors is not None else _model_tensors(model, kept.values())
+        written = set()
         for name, t in source:
             if strip_prefix and name.startswith(strip_prefix):
                 name = name[len(strip_prefix):]
             name = kept.get(name)
-            if name is not None:
+            if name is not None and name not in written:  # a tied tensor arrives under each of its names
                 writers[name].write(name, t)
+                written.add(name)
         for w in {id(w): w for w in writers.values()}.values():
             w.close()
         if len(files) > 1:

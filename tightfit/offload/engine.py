@@ -182,6 +182,8 @@ class OffloadEngine:
         self._timers: dict[str, float] = {}
         self._warned_autocast = False
         self._t_step = None
+        self.backwards = 0  # backward passes finished (the optimizer warns when one left it nothing to step)
+        self.on_close: list = []  # callables run first by `close` (module_state.attach's removal)
 
         for unit in self.units.values():
             self._initialise(unit)
@@ -511,6 +513,7 @@ class OffloadEngine:
         self.schedule.end(Phase.BACKWARD)
         self.phase = Phase.IDLE
         self._in_backward = False
+        self.backwards += 1
         self._time("backward_s", self._t_bwd)
 
     # ---- gradients -------------------------------------------------------------------------------------------
@@ -600,14 +603,18 @@ class OffloadEngine:
             self.wait_early_steps()
             self.wait_writes()
         finally:
-            remove_hooks(self, self._handles)
-            self.cache.clear()
-            self.grad_worker.shutdown(wait=True)
-            self.step_worker.shutdown(wait=True)
-            self.mover.close()
-            for store in self.stores.values():
-                store.close()
-            self.pool.clear()
-            model = self.model
-            if model is not None:
-                _ENGINES.pop(model, None)
+            try:
+                for fn in self.on_close:
+                    fn()
+            finally:
+                remove_hooks(self, self._handles)
+                self.cache.clear()
+                self.grad_worker.shutdown(wait=True)
+                self.step_worker.shutdown(wait=True)
+                self.mover.close()
+                for store in self.stores.values():
+                    store.close()
+                self.pool.clear()
+                model = self.model
+                if model is not None:
+                    _ENGINES.pop(model, None)

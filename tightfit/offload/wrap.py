@@ -19,14 +19,15 @@ import torch.nn as nn
 
 from tightfit.errors import UsageError
 from tightfit.offload.engine import OffloadEngine
+from tightfit.offload.module_state import attach
 from tightfit.offload.nvme import DiskTuning
 from tightfit.offload.placement import Placement
 from tightfit.offload.units import UnitPolicy
 
 
-def wrap(model: nn.Module, placement: Placement, *, compute_dtype: torch.dtype = torch.float32,
+def wrap(model: nn.Module, placement: Placement | None = None, *, compute_dtype: torch.dtype = torch.float32,
          device: torch.device | str | None = None, units: UnitPolicy = None,
-         disk: DiskTuning | None = None) -> nn.Module:
+         disk: DiskTuning | None = None, **budgets) -> nn.Module:
     """Offload `model`'s training states as `placement` says; returns `model` itself.
 
     compute_dtype: dtype of the parameters during forward/backward (fp32 master weights are kept regardless).
@@ -37,10 +38,15 @@ def wrap(model: nn.Module, placement: Placement, *, compute_dtype: torch.dtype =
         overrides the NVMe tier's I/O threads and largest transfer, which it otherwise takes from `tightfit probe`'s
         measurement of the swap folder's disk (8 threads and 4 MiB where none was made; [Note: disk tuning]).
     Use `tightfit.offload.engine_of(model)` for memory reports and timings.
+    Without a placement the planner decides: `wrap(model, gpu_mem=..., cpu_mem=..., nvme=..., micro_batch=...,
+    seq_len=...)`, or `wrap(model, tightfit.plan(model, ...))` (tightfit/planner/from_python.py).
     """
     if not isinstance(placement, Placement):
-        raise UsageError(f"wrap: expected a tightfit.Placement, got {type(placement).__name__}; build one with "
-                         "Placement.everywhere('device') or the planner")
+        from tightfit.planner.from_python import wrap as wrap_planned
+
+        return wrap_planned(model, placement, device=device, disk=disk, units=units, **budgets)
+    if budgets:
+        raise UsageError(f"wrap: {', '.join(budgets)}: budgets plan a placement; this one carries its own")
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(device)
@@ -48,5 +54,6 @@ def wrap(model: nn.Module, placement: Placement, *, compute_dtype: torch.dtype =
         device = torch.device("cuda", torch.cuda.current_device())
     if device.type not in ("cpu", "cuda"):
         raise UsageError(f"wrap(device=...): only cpu and cuda are supported, got {device}")
-    OffloadEngine(model, placement, compute_dtype, device, units, disk=disk)
+    engine = OffloadEngine(model, placement, compute_dtype, device, units, disk=disk)
+    attach(model, engine)  # state_dict / load_state_dict through the tiers, parameter reads (module_state.py)
     return model
