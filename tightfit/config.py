@@ -106,6 +106,8 @@ class ParallelConfig:
     pp: int = _f(0, "pipeline-parallel degree (0: chosen by the strategy)")
     pp_schedule: str = _f("1f1b", "pipeline schedule", ("gpipe", "1f1b"))
     pp_microbatches: int = _f(4, "pipeline micro-batches per step")
+    dist_timeout: float = _f(120.0, "seconds a rank waits in a collective for the others before it stops with "
+                                    "one line naming the collective")
 
 
 @dataclass
@@ -243,6 +245,8 @@ def validate(cfg: Config) -> None:
     for name, value in non_negative.items():
         if value < 0:
             raise UsageError(f"{flag_name(name)}: must not be negative, got {value}")
+    if not cfg.parallel.dist_timeout > 0:
+        raise UsageError(f"--dist-timeout: must be a positive number of seconds, got {cfg.parallel.dist_timeout}")
     if not (0.0 < o.lr < 10.0):
         raise UsageError(f"--lr: must be in (0, 10), got {o.lr}")
     if not (0.0 <= o.min_lr <= o.lr):

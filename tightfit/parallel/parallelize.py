@@ -132,6 +132,20 @@ class ParallelModel:
             return torch.stack(losses).mean() if self.has_loss else torch.tensor(float("nan"))
         finally:
             self.module.train(was_training)
+            self._reshard()
+
+    def _reshard(self) -> None:
+        """Return every FSDP2 group to its sharded parameters, as a training step's backward leaves them.
+
+        Why: a forward without backward leaves the groups that do not reshard after forward (the root always,
+        every group under zero2) holding unsharded plain tensors as the module's parameters. The checkpoint
+        gather would then read those (and miss their optimizer moments, keyed on the sharded parameters), and
+        the next backward could not free their storage once a writer had taken a view of it."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in self.module.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
 
     def global_loss(self, local_loss: torch.Tensor | float, weight: float = 1.0) -> float:
         """Weighted mean of the loss-holding ranks' `local_loss`, the same on every rank (one all-reduce).

@@ -16,7 +16,12 @@ Each rank:
 A rank that dies: under torchrun the agent sees the exit and terminates the other workers within its monitor
 interval (`--monitor-interval 1`, `--max-restarts 0`). Without torchrun, gloo raises in the survivors as soon as
 the dead peer's socket closes, and a hung peer is bounded by the process-group timeout (`--dist-timeout`, 120 s);
-`run_distributed` turns either into one line naming this rank and the cause, and exits with status 1.
+`run_distributed` turns either into one line naming this rank, the collective it was waiting in (`collective`
+labels each phase: setup, a training step, an evaluation, a checkpoint gather, the --max-time vote) and why (no
+answer within the timeout, or the peer's connection closed), and exits with status 1.
+
+Any split: every collective phase runs the same number of collective calls on every rank, whatever the number of
+batches each rank is dealt (evaluation pads a rank's share with uncounted passes; see `evaluate`).
 """
 
 from __future__ import annotations
@@ -26,14 +31,14 @@ import os
 import subprocess
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from tightfit.errors import UsageError
-from tightfit.parallel.mesh import DEFAULT_TIMEOUT_S, build_mesh, init_distributed, shutdown
+from tightfit.parallel.mesh import build_mesh, init_distributed, shutdown
 from tightfit.parallel.parallelize import make_optimizer, parallelize
 from tightfit.parallel.plan import ParallelPlan, plan_from_config
 
@@ -43,6 +48,31 @@ MONITOR_INTERVAL_S = 1
 
 class RankLostError(RuntimeError):
     """A collective failed because another rank died, hung past the timeout, or the network broke."""
+
+
+_WHERE = ["setup (process group and device mesh)"]
+"""The collective phase this rank is in. Invariant: left as it is when a phase raises, so the failure report
+(`run_distributed`) names the phase the rank stopped waiting in."""
+
+
+@contextmanager
+def collective(what: str):
+    """Label the collective calls made inside the block (for the one-line report when a peer is lost)."""
+    _WHERE[0] = what
+    yield
+    _WHERE[0] = "between collectives"
+
+
+def lost_contact_message(rank: int, where: str, error: BaseException, timeout_s: float) -> str:
+    """One line: this rank, the collective it stopped waiting in, and why."""
+    text = str(error).strip()
+    first = text.splitlines()[0][:200] if text else type(error).__name__
+    lowered = f"{type(error).__name__} {text}".lower()
+    if "timed out" in lowered or "timeout" in lowered:
+        why = f"no answer from the other ranks within --dist-timeout {timeout_s:g}s"
+    else:
+        why = "another rank's connection closed (it died or was killed)"
+    return f"rank {rank}: lost contact with another rank in {where}: {why} ({first}); stopping"
 
 
 def launch(cfg, argv: list[str]) -> int:
@@ -91,17 +121,18 @@ def resolve_plan(cfg, world_size: int, model: torch.nn.Module, log) -> ParallelP
                    pp_microbatches=max(cfg.parallel.pp_microbatches, choice.plan.pp_microbatches))
 
 
-def run_distributed(cfg, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
+def run_distributed(cfg, timeout_s: float | None = None) -> dict:
     """One rank of a distributed `tightfit train`. Returns a summary dict (the same on every rank)."""
+    timeout_s = cfg.parallel.dist_timeout if timeout_s is None else timeout_s
+    _WHERE[0] = "setup (process group and device mesh)"
     env = init_distributed(timeout_s=timeout_s, device=cfg.train.device)
     try:
         return _train(cfg, env)
     except (RuntimeError, dist.DistError) as e:
         if isinstance(e, UsageError) or not _is_comm_failure(e):
             raise
-        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-        print(f"tightfit: error: rank {env.rank}: lost contact with another rank ({first}); stopping",
-              file=sys.stderr, flush=True)
+        print(f"tightfit: error: {lost_contact_message(env.rank, _WHERE[0], e, timeout_s)}", file=sys.stderr,
+              flush=True)
         os._exit(1)  # the process group is broken: destroying it could block on the dead peer
     finally:
         shutdown()
@@ -194,45 +225,56 @@ def _train(cfg, env) -> dict:
     # them at the per-rank batch size, which the schedule can split into micro-batches).
     val = dataset.val_batches(t.eval_batches, per_rank if plan.dims.pp > 1 else t.micro_batch, seed=t.seed + 1)
     mine = val[dp_rank::plan.dims.dp]
+    # Invariant: every rank runs the same number of forward passes (ceil(batches / dp)), whatever the split: a
+    # forward is collective under zero3 (all-gathers), tp and pp. A rank dealt fewer batches runs its missing
+    # passes on val[0] and does not count them (weight 0), so the mean is over the real batches only.
+    rounds = -(-len(val) // plan.dims.dp)
 
-    def evaluate() -> float:
-        total = sum(float(pm.eval_loss(x.to(env.device), y.to(env.device))) for x, y in mine)
-        return pm.global_loss(total / max(1, len(mine)), weight=len(mine))
+    def evaluate(at: int) -> float:
+        with collective(f"evaluation at step {at}"):
+            total = 0.0
+            for i in range(rounds):
+                x, y = mine[i] if i < len(mine) else val[0]
+                loss = pm.eval_loss(x.to(env.device), y.to(env.device))
+                total += float(loss) if i < len(mine) else 0.0
+            return pm.global_loss(total / max(1, len(mine)), weight=len(mine))
 
     step, loss, val_loss, t0 = start_step, float("nan"), float("nan"), time.perf_counter()
     while step < t.steps:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
         batches = draw_step()
-        parts = []
-        for i, (x, y) in enumerate(batches):  # gradients reduced over dp once, in the last backward
-            with autocast():
-                parts.append(pm.forward_backward(x.to(env.device), y.to(env.device), 1.0 / len(batches),
-                                                 sync=i == len(batches) - 1))
-        local = torch.stack(parts).mean()
-        norm = pm.clip_grad_norm_(o.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        with collective(f"training step {step + 1} (forward, backward, gradient reduction, loss all-reduce)"):
+            parts = []
+            for i, (x, y) in enumerate(batches):  # gradients reduced over dp once, in the last backward
+                with autocast():
+                    parts.append(pm.forward_backward(x.to(env.device), y.to(env.device), 1.0 / len(batches),
+                                                     sync=i == len(batches) - 1))
+            local = torch.stack(parts).mean()
+            norm = pm.clip_grad_norm_(o.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            loss = pm.global_loss(local)
         step += 1
-        loss = pm.global_loss(local)
         if not math.isfinite(loss):
             raise UsageError(f"--lr: the loss became {loss} at step {step}; lower --lr or raise --warmup-steps")
         if step % t.log_interval == 0 or step == t.steps:
             progress.step(step, loss, opt.param_groups[0]["lr"], norm)
         if step % t.eval_interval == 0 or step == t.steps:
-            val_loss = evaluate()  # collective: every rank evaluates
+            val_loss = evaluate(step)  # collective: every rank evaluates
             progress.eval(step, val_loss)
         if t.save_interval and step % t.save_interval == 0 and step < t.steps:
             _save(pm, opt, env, ckpt_path, step, cfg, gen)
         stop = ""
         if t.stop_at and t.stop_at <= step < t.steps:
             stop = f"--stop-at {t.stop_at} reached"
-        elif t.max_time and _any_rank(time.perf_counter() - t0 > t.max_time):  # clocks differ: decide together
+        elif t.max_time and _any_rank(time.perf_counter() - t0 > t.max_time,  # clocks differ: decide together
+                                      f"the --max-time vote after step {step}"):
             stop = f"--max-time {t.max_time:g}s reached at step {step}"
         if stop:
             say(f"{stop}; continue with --resume", flush=True)
             if step % t.eval_interval:
-                val_loss = evaluate()
+                val_loss = evaluate(step)
                 progress.eval(step, val_loss)
             break
     path, full = _save(pm, opt, env, ckpt_path, step, cfg, gen)
@@ -245,7 +287,8 @@ def _train(cfg, env) -> dict:
         save_hf_model(build_meta_model(cfg), t.export_hf, tensors=full.items(), strip_prefix="model.")
         say(f"exported the model in the Hugging Face layout to {t.export_hf}")
     if t.export_hf:
-        dist.barrier()
+        with collective("the barrier after rank 0 exported the Hugging Face folder"):
+            dist.barrier()
     summary = {"steps": step - start_step, "final_step": step, "train_loss": loss, "val_loss": val_loss,
                "seconds": seconds, "strategy": plan.name, "mesh": list(plan.dims.shape())}
     progress.log({"kind": "summary", **summary})
@@ -263,12 +306,13 @@ def _memory(device: torch.device) -> dict[str, int]:
     return {"rss": psutil.Process().memory_info().rss}
 
 
-def _any_rank(flag: bool) -> bool:
+def _any_rank(flag: bool, what: str) -> bool:
     """True on every rank if it is true on any (one tiny all-reduce): a decision all ranks must take together."""
     t = torch.tensor([1.0 if flag else 0.0])
     if torch.cuda.is_available() and dist.get_backend() == "nccl":
         t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    with collective(what):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
 
 
@@ -278,11 +322,13 @@ def _save(pm, opt, env, path: Path, step: int, cfg, gen) -> tuple[Path | None, d
     from tightfit.parallel.state import gather_full_state
     from tightfit.train import checkpoint as ckpt
 
-    full = gather_full_state(pm, opt)  # collective; None off rank 0
+    with collective(f"the checkpoint gather at step {step}"):
+        full = gather_full_state(pm, opt)  # collective; None off rank 0
     out = None
     if env.rank == 0:
         shapes = [(k[len("model."):], tuple(t.shape)) for k, t in full.items() if k.startswith("model.")]
         out = ckpt.save_checkpoint(path, sorted(full.items()), step=step, config=cfg.to_dict(),
                                    signature=ckpt.model_signature(shapes), rng=ckpt.capture_rng(gen))
-    dist.barrier()
+    with collective(f"the barrier after rank 0 wrote the checkpoint of step {step}"):
+        dist.barrier()
     return out, full
