@@ -107,6 +107,10 @@ def _weight_entries(folder: Path) -> dict[str, TensorEntry]:
     if shards:
         raise UsageError(f"{folder}: has sharded weights ({shards[0].name}, ...) but no {INDEX_NAME}; copy the index "
                          "file too")
+    others = sorted(p.name for p in folder.glob("*.safetensors"))
+    if others:  # weights under another name: training them from a random init without a word would be worse
+        raise UsageError(f"{folder}: has {others[0]}{' and more' if len(others) > 1 else ''} but no {SINGLE_NAME} or "
+                         f"{INDEX_NAME}; rename the weights file to {SINGLE_NAME} (or write an index for shards)")
     pickles = sorted(p.name for p in folder.iterdir() if p.suffix in _PICKLE_SUFFIXES)
     if pickles:
         raise UsageError(f"{folder}: weights only as pickle ({pickles[0]}); tightfit never loads pickles (unpickling "

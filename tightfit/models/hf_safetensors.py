@@ -79,7 +79,25 @@ def read_header(file: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
             raise UsageError(f"{file}: tensor {name!r} has byte range [{begin}, {end}) that does not match its "
                              f"shape {list(shape)} and dtype, or lies past the end of the file; the file is corrupt")
         entries[name] = TensorEntry(name, file, dtype, shape, begin, end)
+    _check_offsets(file, entries, base, size)
     return entries, meta
+
+
+def _check_offsets(file: Path, entries: dict[str, TensorEntry], base: int, size: int) -> None:
+    """The data section is the tensors back to back, as the safetensors library validates it: sorted by offset,
+    each begins where the one before ends (no overlap: two names sharing bytes; no gap: bytes no tensor owns), the
+    first at the data section's start, the last at the file's end. A crafted or damaged header fails here, before
+    a byte of data is read."""
+    pos = base
+    for e in sorted(entries.values(), key=lambda e: (e.begin, e.end)):
+        if e.begin != pos:
+            what = "overlaps the tensor before it" if e.begin < pos else f"leaves a gap of {e.begin - pos} bytes"
+            raise UsageError(f"{file}: tensor {e.name!r} at byte {e.begin - base} of the data {what}; the header "
+                             "is corrupt or crafted, re-export the file with safetensors")
+        pos = e.end
+    if pos != size:
+        raise UsageError(f"{file}: the tensors end at byte {pos} but the file has {size}; the file is truncated, "
+                         "padded or corrupt, re-export it with safetensors")
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
