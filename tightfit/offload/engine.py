@@ -224,10 +224,14 @@ class OffloadEngine:
         unit.bind()
 
     def write_master(self, unit: OffloadUnit, master: torch.Tensor) -> None:
-        """Store fp32 master values (a host tensor of the unit's flat size) and the compute params cast from them."""
-        unit.store[State.MASTER].save(unit.name, unit.master_entry, master).result()
+        """Store fp32 master values (a host tensor of the unit's flat size) and the compute params cast from them.
+        A separate master keeps only the trainable prefix ([Note: frozen parameters] in flat_unit.py)."""
         if unit.master_entry == MASTER:
+            if unit.master_numel:
+                unit.store[State.MASTER].save(unit.name, MASTER, master[:unit.master_numel]).result()
             unit.store[State.PARAMS].save(unit.name, PARAMS, master.to(self.compute_dtype)).result()
+        else:
+            unit.store[State.MASTER].save(unit.name, PARAMS, master).result()
         if unit.on_device and not unit.resident:
             self.release(unit)  # the device copy is stale
         unit.version += 1  # and so is every cached copy
@@ -264,7 +268,13 @@ class OffloadEngine:
     def read_master(self, unit: OffloadUnit) -> torch.Tensor:
         """The unit's fp32 master values as a new host tensor."""
         out = aligned_empty(unit.spec.numel, torch.float32)
-        unit.store[State.MASTER].load(unit.name, unit.master_entry, out).result()
+        if unit.master_entry == MASTER and unit.master_numel < unit.spec.numel:  # frozen tail: the compute copy
+            params = aligned_empty(unit.spec.numel, self.compute_dtype)
+            unit.store[State.PARAMS].load(unit.name, PARAMS, params).result()
+            out.copy_(params)
+            del params
+        if unit.master_numel:
+            unit.store[State.MASTER].load(unit.name, unit.master_entry, out[:unit.master_numel]).result()
         return out
 
     # ---- device memory ---------------------------------------------------------------------------------------
@@ -581,7 +591,7 @@ class OffloadEngine:
 
     @staticmethod
     def unit_report(unit: OffloadUnit) -> dict:
-        sizes = {State.PARAMS: unit.compute_bytes, State.MASTER: 0 if unit.master_entry == PARAMS else 4 * unit.spec.numel,
+        sizes = {State.PARAMS: unit.compute_bytes, State.MASTER: 0 if unit.master_entry == PARAMS else 4 * unit.master_numel,
                  State.GRADS: 4 * unit.spec.train_numel, State.OPTIM: 8 * unit.spec.train_numel}
         return {"numel": unit.spec.numel, "trainable_numel": unit.spec.train_numel,
                 "states": {s.value: {"tier": unit.placement.tier(s).value, "where": unit.where[s].value,

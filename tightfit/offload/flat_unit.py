@@ -142,8 +142,8 @@ class OffloadUnit:
         n, nt = self.spec.numel, self.spec.train_numel
         out: dict[Tier, dict[str, tuple[int, torch.dtype]]] = {}
         out.setdefault(self.placement.params, {})[PARAMS] = (n, self.compute_dtype)
-        if self.master_entry == MASTER:
-            out.setdefault(self.placement.master, {})[MASTER] = (n, torch.float32)
+        if self.master_entry == MASTER and nt:
+            out.setdefault(self.placement.master, {})[MASTER] = (nt, torch.float32)
         if nt:
             out.setdefault(self.placement.grads, {})[GRADS] = (nt, torch.float32)
             out.setdefault(self.placement.optim, {})[EXP_AVG] = (nt, torch.float32)
@@ -151,9 +151,17 @@ class OffloadUnit:
         return out
 
     @property
+    def master_numel(self) -> int:
+        """Elements of the fp32 master a step works on. [Note: frozen parameters] A separate master (MASTER)
+        covers only the trainable prefix `[0, train_numel)`: frozen parameters are kept once, in the compute dtype,
+        in PARAMS, with no master, gradient or moments. When the params *are* the master (PARAMS), the step reads
+        the whole flat buffer, frozen tail included, and writes it back unchanged."""
+        return self.spec.numel if self.master_entry == PARAMS else self.spec.train_numel
+
+    @property
     def optim_bytes(self) -> int:
         """fp32 bytes of the unit's optimizer state in a step: master, gradients and the two moments."""
-        return 4 * self.spec.numel + 12 * self.spec.train_numel
+        return 4 * self.master_numel + 12 * self.spec.train_numel
 
     @property
     def step_bytes(self) -> int:

@@ -7,7 +7,8 @@ the functions below, so the bytes that decide a refusal are the bytes the plan p
 
 [Note: bytes per state] For a unit with N elements in its flat buffer (padding included), n of them trainable,
 compute dtype of c bytes:
-  params N*c; master N*4 (none when c is 4 and master shares the params' tier: one tensor, `flat_unit.py`);
+  params N*c; master n*4 (frozen parameters have none; and no master at all when c is 4 and it shares the
+  params' tier: one tensor, `flat_unit.py`);
   grads n*4 (fp32, accumulated over micro-batches); optim n*8 (Adam's two moments, fp32).
 While a unit computes its backward, autograd's `param.grad`s add n*c on the device until they are shipped.
 
@@ -83,7 +84,7 @@ def state_bytes(u: UnitSize, state: State, up: UnitPlacement, c: int) -> int:
     if state is State.PARAMS:
         return u.numel * c
     if state is State.MASTER:
-        return 0 if (c == 4 and up.master == up.params) else u.numel * 4
+        return 0 if (c == 4 and up.master == up.params) else u.trainable * 4  # frozen: no master
     if state is State.GRADS:
         return u.trainable * 4
     return u.trainable * 8

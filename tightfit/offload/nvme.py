@@ -215,8 +215,12 @@ class NvmeStore:
     def create(
         self, file: str, tensors: dict[str, tuple[tuple[int, ...], torch.dtype]], *, align: bool = True
     ) -> None:
-        """Preallocate `<folder>/<file>.safetensors` holding `tensors` (all zeros), replacing any file of that name.
+        """Preallocate `<folder>/<file>.safetensors` holding `tensors` (all zeros), replacing the file of that name
+        this store created, if any.
 
+        [Note: owned files] The store removes and overwrites only files it created itself: a file of that name
+        that it did not create (the user's, another writer's, a symlink) is refused with a UsageError and left
+        untouched, and the file is built with O_EXCL | O_NOFOLLOW (never through a planted name or link).
         align=False packs tensors without padding entries (smaller header, a file for other tools); only tensors
         that happen to land on a 4096 boundary then use O_DIRECT. If the budget or the disk cannot take the file,
         a UsageError is raised before anything changes; a file being replaced counts as freed for both checks.
@@ -226,10 +230,14 @@ class NvmeStore:
         path = self.path(file)
         header, entries, size = plan_layout(tensors, DIRECT_ALIGN if align else 1)
         with self._layout_lock:
+            with self._lock:
+                mine = file in self._files and self._files[file].owned
+            if not mine and os.path.lexists(path):
+                raise UsageError(f"--nvme: {path} already exists and was not written by this run; tightfit leaves "
+                                 "it untouched: move it away or point --nvme at another folder")
             self._check_room(file, path, size)
-            # Checks passed: the old file goes first, so its blocks are free for the new one.
-            self._drop(file, unlink=False)
-            path.unlink(missing_ok=True)
+            # Checks passed: the old file (ours) goes first, so its blocks are free for the new one.
+            self._drop(file, unlink=mine)
             self._preallocate(path, header, size)
             self._open(file, path, entries, size, owned=True)
 
@@ -373,9 +381,14 @@ class NvmeStore:
             raise UsageError(self._full_msg(path.name, f"needs {format_size(size)} but {format_size(free)} is free"))
 
     def _preallocate(self, path: Path, header: bytes, size: int) -> None:
-        """Write `header` and reserve `size` bytes under a temporary name, then rename: valid, or not there."""
+        """Write `header` and reserve `size` bytes under a temporary name, then link it to `path`: valid, or not
+        there. Both names are created exclusively ([Note: owned files]): nothing at either is overwritten."""
         tmp = path.with_name(path.name + ".partial")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        except FileExistsError:
+            raise UsageError(f"--nvme: {tmp} is in the way (a file or symlink tightfit did not create here); it is "
+                             "left untouched: move it away or point --nvme at another folder") from None
         try:
             _pwrite_all(fd, memoryview(header), 0)
             try:
@@ -391,7 +404,19 @@ class NvmeStore:
                 raise UsageError(self._full_msg(path.name, f"needs {format_size(size)}: disk full")) from None
             raise
         os.close(fd)
-        os.replace(tmp, path)
+        try:
+            os.link(tmp, path, follow_symlinks=False)  # fails if anything took the name meanwhile: never replaced
+        except FileExistsError:
+            tmp.unlink()
+            raise UsageError(f"--nvme: {path} appeared while this run created it (another writer in the swap "
+                             "folder?); it is left untouched: point --nvme at a folder only this run uses") from None
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK):
+                tmp.unlink()
+                raise
+            os.rename(tmp, path)  # a filesystem without hard links: checked free above, under this run's lock
+        else:
+            tmp.unlink()
 
     def _full_msg(self, name: str, what: str) -> str:
         return (
@@ -400,11 +425,12 @@ class NvmeStore:
         )
 
     def _open(self, file: str, path: Path, entries: dict[str, Entry], size: int, owned: bool) -> None:
-        fd = os.open(path, os.O_RDWR)
+        nofollow = os.O_NOFOLLOW if owned else 0  # a file it created is never reached through a link
+        fd = os.open(path, os.O_RDWR | nofollow)
         dfd = None
         if self.direct:
             try:
-                dfd = os.open(path, os.O_RDWR | _O_DIRECT)
+                dfd = os.open(path, os.O_RDWR | _O_DIRECT | nofollow)
             except OSError as e:
                 if e.errno != errno.EINVAL:  # EINVAL: the filesystem has no O_DIRECT; anything else is real
                     os.close(fd)

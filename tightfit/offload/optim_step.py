@@ -67,7 +67,7 @@ def _take(engine, unit: OffloadUnit, numel: int, dtype: torch.dtype = torch.floa
 
 def _entries(unit: OffloadUnit, grads: bool = True) -> list[tuple[State, str, int]]:
     """(state, entry, numel) of what a step of the unit works on."""
-    out = [(State.MASTER, unit.master_entry, unit.spec.numel)]
+    out = [(State.MASTER, unit.master_entry, unit.master_numel)]
     if grads:
         out.append((State.GRADS, GRADS, unit.spec.train_numel))
     return out + [(State.OPTIM, EXP_AVG, unit.spec.train_numel), (State.OPTIM, EXP_AVG_SQ, unit.spec.train_numel)]
@@ -188,19 +188,25 @@ def _write_back(engine, work: _Loaded) -> list[Future]:
     if GRADS in work.borrowed:
         engine.pool.give(work.borrowed[GRADS])  # gradients are consumed by the step; nothing to write
     if unit.master_entry == MASTER:  # separate compute copy: refresh it from the new master values
+        # The master is the trainable prefix only; the frozen tail of the compute copy never changes
+        # ([Note: frozen parameters] in flat_unit.py).
         master = work.tensors[MASTER]
+        nt = unit.master_numel
         target = unit.store[State.PARAMS].tensor(unit.name, PARAMS)
         if target is not None and (target.device == master.device or not engine.pool.has_room(unit.compute_bytes)):
-            target.copy_(master)  # one memory (the host tier; a CPU device): cast in place. Or no room: a plain copy
+            target[:nt].copy_(master)  # one memory (the host tier; a CPU device): cast in place. Or no room: a copy
         elif target is not None:
-            cast = _take(engine, unit, unit.spec.numel, unit.compute_dtype)
+            target = target[:nt]
+            cast = _take(engine, unit, nt, unit.compute_dtype)
             cast.copy_(master)  # cast on the host, where the master is
             # The device copy the next forward computes with: uploaded asynchronously from a page-locked buffer, and
             # the forward waits on it (engine.materialise); the mover returns `cast` to the pool once copied.
             unit.refresh = engine.mover.copy_in(cast, target, after=done_future())
         else:
             cast = _take(engine, unit, unit.spec.numel, unit.compute_dtype)
-            cast.copy_(master)
+            if nt < unit.spec.numel:  # the entry is saved whole: read the frozen tail first (compute dtype)
+                unit.store[State.PARAMS].load(unit.name, PARAMS, cast).result()
+            cast[:nt].copy_(master)
             writes.append((unit.store[State.PARAMS].save(unit.name, PARAMS, cast), cast))
     futures = []
     for fut, buf in writes:

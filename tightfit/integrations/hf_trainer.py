@@ -1,0 +1,227 @@
+"""`TightfitTrainer`: the Hugging Face `transformers.Trainer`, over a model whose states tightfit offloads.
+
+The change to an existing Trainer script is two lines, the import and the class:
+
+    from tightfit.integrations.hf_trainer import TightfitTrainer
+    trainer = TightfitTrainer(model=model, args=args, train_dataset=ds,
+                              placement=tightfit.Placement.everywhere("nvme", nvme_dir="/mnt/swap"))
+    trainer.train()                                   # or trainer.train(resume_from_checkpoint=True)
+
+A model already wrapped with `tightfit.wrap` is taken as is (no `placement`). A `peft` model (LoRA) works the same:
+its frozen base weights get no master, gradient or moments, only the adapters do.
+
+Why a subclass and not a callback: the places where a stock Trainer goes wrong over a wrapped model are methods,
+not events, and each is silent:
+- clipping and the logged `grad_norm`. Trainer clips with `accelerator.clip_grad_norm_(model.parameters(), ...)`,
+  i.e. over `param.grad`; a wrapped model's gradients live in the engine's tiers (`param.grad` stays None), so that
+  clips nothing and reports 0. `_clip_grad_norm` / `_get_grad_norm` here use `tightfit.optim.AdamW.clip_grad_norm_`,
+  the same formula as torch's (coefficient max_norm / (norm + 1e-6), at most 1) over the norms the engine took
+  as the gradients were accumulated.
+- the optimizer. A `torch.optim` optimizer steps nothing here; `create_optimizer` builds `tightfit.optim.AdamW`
+  with Trainer's own parameter groups (no weight decay on biases and norms) and `TrainingArguments`' learning
+  rate, betas, epsilon and weight decay. LR schedulers work unchanged (they edit `param_groups[i]["lr"]`).
+- checkpoints. Trainer pickles `optimizer.state_dict()` into optimizer.pt; the state of a wrapped model is in the
+  tiers and pickles are never written here. The optimizer goes to `optimizer.safetensors` (see optim_file.py),
+  the scheduler to `scheduler.json`, and the model is saved by `save_hf_model` (streamed from the tiers, a folder
+  `from_pretrained` reads) or, for a peft model, by peft's own `save_pretrained` given the adapters' fp32 values.
+  `train(resume_from_checkpoint=...)` is Trainer's own resume: it finds the folder, restores the step, the data
+  position and the RNG, and calls the two loaders overridden here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import transformers
+
+import tightfit
+from tightfit.errors import UsageError
+from tightfit.integrations.optim_file import OPTIMIZER_FILE, load_optimizer, save_optimizer
+from tightfit.offload.engine import _ENGINES
+from tightfit.optim import AdamW
+from tightfit.utils.safetensors_io import fsync_dir
+
+SCHEDULER_FILE = "scheduler.json"
+TRAINING_ARGS_FILE = "training_args.json"
+# TrainingArguments(optim=...) values tightfit.optim.AdamW serves with the same math (fused is what it runs).
+_ADAMW = ("adamw_torch", "adamw_torch_fused")
+
+
+def _is_peft(model: torch.nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def tightfit_optimizer(opt: torch.optim.Optimizer | None) -> AdamW:
+    """The `tightfit.optim.AdamW` inside `opt` (accelerate wraps it in an `AcceleratedOptimizer`)."""
+    inner = opt
+    while inner is not None and not isinstance(inner, AdamW) and hasattr(inner, "optimizer"):
+        inner = inner.optimizer
+    if not isinstance(inner, AdamW):
+        raise UsageError(f"TightfitTrainer: the optimizer is {type(inner).__name__}, which cannot step a wrapped "
+                         "model; pass optimizers=(tightfit.optim.AdamW(model.parameters(), ...), scheduler) or "
+                         "leave optimizers unset")
+    return inner
+
+
+class TightfitTrainer(transformers.Trainer):
+    """`transformers.Trainer` over a wrapped model; every other argument is Trainer's.
+
+    placement: wrap `model` with this `tightfit.Placement` first (leave it None for a model already wrapped).
+    compute_dtype: the dtype forward/backward compute in (fp32 master weights are kept); with
+        `TrainingArguments(bf16=True)` it defaults to torch.bfloat16, else float32. Only used with `placement`.
+    units: which modules are units (see `tightfit.wrap`); only used with `placement`.
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None, args: transformers.TrainingArguments | None = None,
+                 *more, placement: tightfit.Placement | None = None, compute_dtype: torch.dtype | None = None,
+                 units=None, **kwargs) -> None:
+        if model is None:
+            raise UsageError("TightfitTrainer: pass model=...; model_init is not supported (the model is wrapped "
+                             "once, before training)")
+        if args is None:
+            args = transformers.TrainingArguments(output_dir="trainer_output")
+        if args.fp16:
+            raise UsageError("TightfitTrainer: TrainingArguments(fp16=True) unscales param.grad, which a wrapped "
+                             "model does not have; use bf16=True, or compute_dtype=torch.float16 without fp16")
+        wrapped = model in _ENGINES
+        if placement is not None:
+            if wrapped:
+                raise UsageError("TightfitTrainer: the model is already wrapped; drop placement=... (or pass the "
+                                 "unwrapped model)")
+            if compute_dtype is None:
+                compute_dtype = torch.bfloat16 if args.bf16 else torch.float32
+            tightfit.wrap(model, placement, compute_dtype=compute_dtype, device=args.device, units=units)
+        elif not wrapped:
+            raise UsageError("TightfitTrainer: the model is not wrapped; pass placement=tightfit.Placement..."
+                             " or call tightfit.wrap(model, ...) first")
+        engine = _ENGINES[model]
+        if engine.device.type != args.device.type:
+            raise UsageError(f"TightfitTrainer: the model was wrapped for {engine.device} but TrainingArguments "
+                             f"train on {args.device}; wrap with device=args.device (or set use_cpu)")
+        super().__init__(model, args, *more, **kwargs)
+        if self.optimizer is not None:
+            tightfit_optimizer(self.optimizer)  # refuse a torch optimizer now, not after a silent epoch
+
+    # ---- the model stays where the engine put it -------------------------------------------------------------
+
+    def _move_model_to_device(self, model, device) -> None:
+        """The engine placed every state when the model was wrapped (buffers on its device, parameters in their
+        tiers); moving the module again would only touch storage-less views."""
+
+    # ---- optimizer, clipping, grad_norm ---------------------------------------------------------------------
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is None:
+            if self.optimizer_cls_and_kwargs is not None:
+                if self.optimizer_cls_and_kwargs[0] is not AdamW:
+                    raise UsageError("TightfitTrainer: optimizer_cls_and_kwargs must name tightfit.optim.AdamW")
+            elif self.args.optim not in _ADAMW:
+                raise UsageError(f"TightfitTrainer: TrainingArguments(optim={str(self.args.optim)!r}) is not "
+                                 "available for a wrapped model; use optim='adamw_torch_fused' (tightfit.optim.AdamW)")
+            else:
+                self.optimizer_cls_and_kwargs = (AdamW, {"lr": self.args.learning_rate, "eps": self.args.adam_epsilon,
+                                                         "betas": (self.args.adam_beta1, self.args.adam_beta2)})
+        return super().create_optimizer(model)
+
+    def _clip_grad_norm(self, model):
+        """Clip to `max_grad_norm` inside the coming step; the norm before clipping (what Trainer logs)."""
+        return tightfit_optimizer(self.optimizer).clip_grad_norm_(self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        """The global 2-norm of the accumulated gradients (`max_grad_norm=0`: nothing clipped, the norm logged)."""
+        if grad_norm is None:
+            norms = tightfit_optimizer(self.optimizer).grad_norms()
+            grad_norm = float(torch.linalg.vector_norm(torch.stack(norms), 2.0)) if norms else 0.0
+        return grad_norm
+
+    # ---- checkpoints ---------------------------------------------------------------------------------------
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Save the model as `from_pretrained` (or peft's `PeftModel.from_pretrained`) reads it, streamed from the
+        tiers; the training arguments as JSON (Trainer pickles them)."""
+        if self.model not in _ENGINES:
+            return super()._save(output_dir, state_dict)
+        if not self.args.should_save:
+            return
+        out = Path(output_dir if output_dir is not None else self.args.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        if _is_peft(self.model):
+            # peft saves what `get_peft_model_state_dict` picks from the state dict it is given: the adapters, all
+            # trainable. Their fp32 masters are read from the tiers; the frozen base is never gathered.
+            from tightfit.offload.state_io import export_state
+
+            values = {k.removeprefix("model."): v for k, v in export_state(self.model, trainable_only=True)}
+            self.model.save_pretrained(out, state_dict=values, safe_serialization=True)
+        elif isinstance(self.model, transformers.PreTrainedModel):
+            from tightfit.models.hf_save import save_hf_model
+
+            save_hf_model(self.model, out)
+        else:
+            raise UsageError(f"TightfitTrainer: cannot save a {type(self.model).__name__}; the model must be a "
+                             "transformers PreTrainedModel or a peft PeftModel")
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(out)
+        _write_json(out / TRAINING_ARGS_FILE, json.loads(self.args.to_json_string()))
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self.args.should_save:
+            return
+        save_optimizer(self.model, tightfit_optimizer(self.optimizer), Path(output_dir) / OPTIMIZER_FILE)
+        _write_json(Path(output_dir) / SCHEDULER_FILE, _scheduler_state(self.lr_scheduler))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        folder = Path(checkpoint)
+        if not (folder / OPTIMIZER_FILE).is_file():
+            if (folder / transformers.trainer.OPTIMIZER_NAME).is_file():
+                raise UsageError(f"resume_from_checkpoint: {folder} holds a pickled optimizer.pt (a stock Trainer's); "
+                                 "tightfit never unpickles: resume from a TightfitTrainer checkpoint, or start fresh")
+            return  # saved with save_only_model: fresh optimizer state, as Trainer does
+        load_optimizer(self.model, tightfit_optimizer(self.optimizer), folder / OPTIMIZER_FILE)
+        sched = folder / SCHEDULER_FILE
+        if sched.is_file():
+            self.lr_scheduler.load_state_dict(json.loads(sched.read_text()))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """Model weights on resume: the optimizer file holds every trainable parameter's fp32 master (loaded with
+        it, exact even where the saved model is in a lower dtype) and frozen parameters never changed, so with that
+        file there is nothing to read here. Without it (save_only_model), the saved model is loaded."""
+        if self.model in _ENGINES and (Path(resume_from_checkpoint) / OPTIMIZER_FILE).is_file():
+            return
+        if self.model in _ENGINES and not _is_peft(self.model):
+            from tightfit.models.hf_load import HFCheckpoint
+            from tightfit.models.hf_wrap import fill_wrapped
+
+            fill_wrapped(self.model, HFCheckpoint.open(resume_from_checkpoint))
+            return
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+
+def _scheduler_state(scheduler) -> dict:
+    """The LR scheduler's `state_dict()` as JSON (Trainer's schedulers hold numbers and lists only)."""
+    state = scheduler.state_dict()
+    try:
+        json.dumps(state)
+    except TypeError:
+        raise UsageError(f"TightfitTrainer: the LR scheduler {type(scheduler).__name__} keeps state that is not "
+                         "plain numbers (e.g. a callable object); use one of Trainer's lr_scheduler_type values") from None
+    return state
+
+
+def _write_json(path: Path, value) -> None:
+    """Atomically: the previous file survives a failed write."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(value, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
