@@ -77,6 +77,17 @@ def _vm_hwm(pid: int) -> int | None:
     return None
 
 
+def _faults_and_cpu(pid: int) -> tuple[int, float] | None:
+    """The child's minor page faults and CPU seconds (user + system, all threads) so far, from /proc/PID/stat."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[7]), (int(fields[11]) + int(fields[12])) / tick  # minflt, utime + stime
+
+
 def _bytes(text: str) -> int:
     from tightfit.utils.sizes import parse_size
 
@@ -115,12 +126,13 @@ def run(args) -> dict:
             time.sleep(0.02)
 
     threading.Thread(target=sample, daemon=True).start()
-    lines, steps_seen, hwm = [], 0, None
+    lines, steps_seen, hwm, at_steps = [], 0, None, []
     for line in child.stdout:
         lines.append(line.rstrip())
         print(f"  [{time.time() - t0:7.1f}s] {line.rstrip()}", flush=True)
         if line.startswith("step "):
             steps_seen += 1
+            at_steps.append(_faults_and_cpu(child.pid))
             if steps_seen >= args.steps:
                 hwm = _vm_hwm(child.pid)
                 child.send_signal(signal.SIGINT)  # the trainer closes its engine (swap files go), no checkpoint
@@ -157,6 +169,12 @@ def run(args) -> dict:
     step_s = [b - a for a, b in itertools.pairwise(elapsed)]
     res["step_times_s"] = [round(elapsed[0], 1)] + [round(s, 1) for s in step_s] if elapsed else []
     res["measured_step_s"] = statistics.median(step_s) if step_s else None
+    # Per step after the first: minor page faults (each a first touch of a 4 KiB page, or of a 2 MiB one with
+    # transparent huge pages) and CPU seconds; both count work, not waiting, so load on the machine moves them little.
+    per = [(b[0] - a[0], b[1] - a[1]) for a, b in itertools.pairwise(at_steps) if a and b]
+    res["minflt_per_step"] = statistics.median(f for f, _ in per) if per else None
+    res["cpu_s_per_step"] = round(statistics.median(c for _, c in per), 1) if per else None
+    res["thp_env"] = os.environ.get("THP_MEM_ALLOC_ENABLE")
     res["engine_memory_last"] = recs[-1]["memory"] if recs else None
     if psi0 is not None and psi1 is not None:
         res["cpu_pressure_some"] = round((psi1 - psi0) / 1e6 / wall, 3)  # fraction of the run with a task waiting
@@ -177,6 +195,8 @@ def report(res: dict) -> None:
     if ps and ms:
         print(f"step time: predicted {ps:.1f} s, measured {ms:.1f} s (median of steps 2..{res['steps_done']}): "
               f"{(ps - ms) / ms * 100:+.0f}%")
+    if res.get("minflt_per_step") is not None:
+        print(f"per step: {res['minflt_per_step']:,.0f} minor page faults, {res['cpu_s_per_step']} CPU s")
 
 
 def main() -> None:
