@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from offload_helpers import SEQ, VOCAB, batch, hf_gpt2, max_rel_diff, one_torch_thread, train  # noqa: F401
+from offload_helpers import VOCAB, batch, hf_gpt2, max_rel_diff, one_torch_thread, train  # noqa: F401
 from transformers import T5Config, T5ForConditionalGeneration
 from transformers.pytorch_utils import Conv1D
 

@@ -77,6 +77,10 @@ class TrainConfig:
     device: str = _f("auto", "where to compute", ("auto", "cpu", "cuda"))
     precision: str = _f("auto", "compute precision (auto: bf16 on CUDA, fp32 on CPU)", ("auto", "fp32", "bf16", "fp16"))
     threads: int = _f(0, "CPU threads for torch (0: torch's default)")
+    tensorboard: str = _f("auto", "metrics to TensorBoard in --out-dir/tensorboard (auto: when it is installed)",
+                          ("auto", "on", "off"))
+    profile: str | None = _f(None, "write a measured Chrome trace of 3 real steps (torch.profiler, with the engine's "
+                                   "copies and disk I/O) to this folder, beside the plan's simulated one")
 
 
 @dataclass
@@ -270,6 +274,10 @@ def validate(cfg: Config) -> None:
             parse_size(value, flag_name(name))
     if cfg.memory.nvme is not None:
         parse_nvme(cfg.memory.nvme)
+    if cfg.train.tensorboard == "on":
+        from tightfit.train.tensorboard import require
+
+        require()
 
 
 def compute_device_type(cfg: Config, cuda_available: bool) -> str:

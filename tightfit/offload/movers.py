@@ -42,6 +42,7 @@ import torch
 
 from tightfit.offload.staging import BufferPool
 from tightfit.offload.tiers import TierStore
+from tightfit.utils import ranges
 
 
 class MoverContractError(AssertionError):
@@ -144,7 +145,8 @@ class CpuMover:
     def wait(self, t: Transfer) -> torch.Tensor | None:
         """Order the compute after `t` (here: the host waits for it); the staging buffer it kept, or None."""
         self._raise_violations()
-        t.done.result()
+        with ranges.span("tightfit::wait"):  # compute blocked on a copy: what the profile shows as exposed
+            t.done.result()
         self._raise_violations()
         kept, t.kept = t.kept, None
         return kept
@@ -187,7 +189,7 @@ class CpuMover:
                 _region(buf, view).copy_(g)
 
         touches = [buf, *(g for _, g in grads)]
-        self._run(t, pack, touches, [_span(x) for x in touches], result=lambda: buf)
+        self._run(t, pack, touches, [_span(x) for x in touches], result=lambda: buf, label="tightfit::pack_grads")
         return t
 
     def copy_in(self, src: torch.Tensor, dst: torch.Tensor, after: Future) -> Transfer:
@@ -201,7 +203,8 @@ class CpuMover:
         def finish() -> None:
             self.pool.give_after(after, box.pop())  # the write-back `after` reads it too
 
-        self._run(t, copy, [dst, src], [_span(dst), _span(src)], on_done=finish, on_cancel=finish)
+        self._run(t, copy, [dst, src], [_span(dst), _span(src)], on_done=finish, on_cancel=finish,
+                  label="tightfit::copy_in")
         return t
 
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> Future:
@@ -232,10 +235,10 @@ class CpuMover:
             if staging is not None:
                 self.pool.give(staging)
 
-        self._run(t, copy, [dst, src], [span, _span(src)], on_done=finish, on_cancel=dropped)
+        self._run(t, copy, [dst, src], [span, _span(src)], on_done=finish, on_cancel=dropped, label="tightfit::fetch")
 
     def _run(self, t: Transfer, fn, touches: list[torch.Tensor], spans: list[tuple[int, int]], result=None,
-             on_done=None, on_cancel=None) -> None:
+             on_done=None, on_cancel=None, label: str = "tightfit::copy") -> None:
         """Run `fn` on a copy thread (late, in strict mode), unless `t` is cancelled before it starts. `spans`: each
         touched tensor's storage (address, bytes) when the transfer was started; a copy whose buffer has changed
         since fails (always: copying into freed memory would not fail, it would corrupt)."""
@@ -259,7 +262,8 @@ class CpuMover:
                 t.running = True
             try:
                 self._check_alive(touches, spans)
-                fn()
+                with ranges.span(label):  # a profiler range (--profile), free otherwise
+                    fn()
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the transfer
                 self._forget(t)
                 if on_cancel is not None:
@@ -404,7 +408,7 @@ class CudaMover:
 
     def _upload(self, t: Transfer, dst: torch.Tensor, src: torch.Tensor, after_event) -> None:
         """Issue `dst <- src` on the h2d stream after `after_event`; record its event on `t`, mark `t` issued."""
-        with torch.cuda.device(self.device), torch.cuda.stream(self.h2d):
+        with torch.cuda.device(self.device), torch.cuda.stream(self.h2d), ranges.span("tightfit::upload"):
             self.h2d.wait_event(after_event)
             dst.copy_(src, non_blocking=True)
             t.event = self._event()
@@ -438,7 +442,7 @@ class CudaMover:
         t = Transfer()
         produced = self._event()
         produced.record(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.d2h):
+        with torch.cuda.stream(self.d2h), ranges.span("tightfit::pack_grads"):
             self.d2h.wait_event(produced)
             for view, g in grads:
                 _region(buf, view).copy_(g, non_blocking=True)

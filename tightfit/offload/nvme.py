@@ -63,7 +63,11 @@ from tightfit.errors import UsageError
 from tightfit.offload.aligned import DIRECT_ALIGN, byte_view
 from tightfit.offload.io_queue import LOAD, WRITE, IoQueue
 from tightfit.offload.safetensors_file import Entry, is_padding, plan_layout, read_layout
+from tightfit.utils import ranges
 from tightfit.utils.sizes import format_size
+
+_RANGES = {"read": "tightfit::nvme read", "write": "tightfit::nvme write"}
+"""Profiler range names, built once: a transfer formats no string when nobody profiles."""
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the platform has none (macOS): every transfer is buffered
 _FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -549,6 +553,12 @@ class NvmeStore:
         return min(self.chunk_bytes, max(DIRECT_ALIGN, -(-size // DIRECT_ALIGN) * DIRECT_ALIGN))
 
     def _io(self, kind: str, f: _File, name: str, off: int, buf: memoryview, direct: bool) -> None:
+        """One transfer on an I/O thread; a profiler range "tightfit::nvme read|write <tensor>" while `--profile`
+        records (tightfit/utils/ranges.py), nothing otherwise."""
+        with ranges.span(_RANGES[kind], name):
+            self._transfer(kind, f, name, off, buf, direct)
+
+    def _transfer(self, kind: str, f: _File, name: str, off: int, buf: memoryview, direct: bool) -> None:
         """Run one transfer on an I/O thread (the GIL is released inside pwrite/preadv)."""
         with self._lock:
             self._account(time.perf_counter(), kind, +1)

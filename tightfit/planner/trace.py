@@ -11,8 +11,10 @@ Resources: on CUDA the GPU, the two PCIe directions, the disk and the CPU (optim
 CPU-only machine compute, copies and the optimizer share one "cpu" resource and only the disk runs beside it.
 
 Files written to the folder: `plan_trace.json` (Chrome trace events), `memory_timeline.json` (time, bytes per
-tier), and `memory_timeline.png` when matplotlib is importable. Measured engine events, when given, are added to
-the trace as a second process so prediction and measurement sit side by side.
+tier), and, when matplotlib is installed (`pip install tightfit[plot]`), `memory_timeline.png` and `plan.png` (the
+placement: each unit's four states coloured by tier, its size, which units are checkpointed or tiled). Measured
+engine events, when given, are added to the trace as a second process so prediction and measurement sit side by
+side; `tightfit train --profile DIR` writes a torch.profiler trace of real steps beside these files.
 """
 
 from __future__ import annotations
@@ -182,19 +184,73 @@ def write_trace(plan: Plan, folder: str | Path, measured: list[dict] | None = No
     budgets = {t: plan.budgets.get(t) for t in TIERS}
     out[1].write_text(json.dumps({"step_s": tl.step_s, "budgets": budgets,
                                   "samples": [{"t": t, **m} for t, m in tl.memory]}))
-    png = _plot(tl, plan, folder / "memory_timeline.png")
-    if png:
-        out.append(png)
+    for png in (_plot(tl, plan, folder / "memory_timeline.png"), _plot_plan(plan, folder / "plan.png")):
+        if png:
+            out.append(png)
     return out
 
 
-def _plot(tl: Timeline, plan: Plan, path: Path) -> Path | None:
+def _pyplot():
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def _save(fig, plt, path: Path) -> Path:
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    tmp.replace(path)  # atomic: a viewer never opens half a file
+    return path
+
+
+_TIER_COLOURS = {Tier.DEVICE: "#4c72b0", Tier.HOST: "#55a868", Tier.NVME: "#c44e52"}
+
+
+def _plot_plan(plan: Plan, path: Path) -> Path | None:
+    """The placement as a grid: one row per unit (forward order), one column per state, coloured by tier."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    from matplotlib.patches import Patch
+
+    p, units = plan.placement, plan.profile.units
+    states = list(State)
+    fig, ax = plt.subplots(figsize=(8, max(2.5, 0.28 * len(units) + 1.5)))
+    for row, u in enumerate(units):
+        up = p.of(u.name)
+        for col, s in enumerate(states):
+            ax.add_patch(plt.Rectangle((col, row), 0.95, 0.9, color=_TIER_COLOURS[up.tier(s)]))
+        notes = [f"{u.numel * 4 / 2**20:,.1f} MiB fp32"]
+        if u.name in p.checkpoint_units:
+            notes.append("checkpointed")
+        tiled = [k for k in p.tiled_linears if k == u.name or k.startswith(u.name + ".")]
+        if tiled:
+            notes.append(f"{len(tiled)} tiled")
+        ax.text(len(states) + 0.1, row + 0.45, ", ".join(notes), va="center", fontsize=8)
+    ax.set_xlim(0, len(states) + 3)
+    ax.set_ylim(len(units), 0)
+    ax.set_xticks([i + 0.475 for i in range(len(states))], [s.value for s in states])
+    ax.set_yticks([i + 0.45 for i in range(len(units))], [u.name for u in units], fontsize=8)
+    ax.tick_params(length=0)
+    for side in ax.spines.values():
+        side.set_visible(False)
+    ax.legend(handles=[Patch(color=c, label=t.value) for t, c in _TIER_COLOURS.items()], loc="upper right",
+              fontsize=8)
+    ax.set_title(f"plan: where each unit's states live (--offload {plan.mode}, predicted step "
+                 f"{plan.prediction.step_s * 1e3:,.1f} ms)", fontsize=10)
+    return _save(fig, plt, path)
+
+
+def _plot(tl: Timeline, plan: Plan, path: Path) -> Path | None:
+    plt = _pyplot()
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(9, 4))
     ts = [t * 1e3 for t, _ in tl.memory]
@@ -209,7 +265,4 @@ def _plot(tl: Timeline, plan: Plan, path: Path) -> Path | None:
     ax.set_ylabel("MiB")
     ax.set_title("predicted memory per tier over one step (dashed: budgets)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(fig, plt, path)

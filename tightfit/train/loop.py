@@ -26,6 +26,7 @@ from tightfit.train.divergence import describe_key, diverged
 from tightfit.train.data import TokenDataset, data_generator, load_tokens
 from tightfit.train.memory import MemorySetup, setup_memory
 from tightfit.train.progress import Progress, format_duration
+from tightfit.train.tensorboard import open_sink
 from tightfit.utils.sizes import format_size
 
 
@@ -150,6 +151,7 @@ def train(cfg: Config, *, quiet: bool = False) -> Summary:
 
     mem: MemorySetup = setup_memory(model, cfg, device, dtype)
     pending = None  # the checkpoint being written (a CheckpointWriter), if any
+    profiler = None  # --profile DIR: records a few steps (profiling.py)
     try:
         model, opt = mem.model, mem.optimizer
         say = (lambda s: None) if quiet else (lambda s: print(s, flush=True))
@@ -186,8 +188,9 @@ def train(cfg: Config, *, quiet: bool = False) -> Summary:
             f"{t.keep_checkpoints})")
         val_batches = dataset.val_batches(t.eval_batches, t.micro_batch, seed=t.seed + 1)
         tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum
+        tensorboard = open_sink(t.tensorboard, out_dir) if not quiet else None
         progress = Progress(t.steps, start_step, tokens_per_step, out_dir / "metrics.jsonl", mem.memory_in_use,
-                            enabled=not quiet)
+                            enabled=not quiet, sinks=[tensorboard] if tensorboard else [])
         autocast = ((lambda: torch.autocast(device.type, dtype=dtype)) if dtype != torch.float32 else nullcontext)
         say(f"training {sum(p.numel() for p in model.parameters()):,} parameters on {device} ({str(dtype)[6:]}), "
             f"{len(dataset.train):,} train / {len(dataset.val):,} val tokens, {tokens_per_step:,} tokens per step")
@@ -216,6 +219,10 @@ def train(cfg: Config, *, quiet: bool = False) -> Summary:
                                       signature=ckpt.model_signature(mem.named_shapes()), rng=ckpt.capture_rng(gen),
                                       loss_scaler=scaler_state(scaler), keep=t.keep_checkpoints)
 
+        if t.profile:
+            from tightfit.train.profiling import StepProfiler
+
+            profiler = StepProfiler(t.profile, plan=getattr(mem, "plan", None), cuda=device.type == "cuda")
         t_start = time.perf_counter()
         step, loss_val, val_loss, grad_norm = start_step, float("nan"), float("nan"), None
         while step < t.steps:
@@ -241,6 +248,9 @@ def train(cfg: Config, *, quiet: bool = False) -> Summary:
                 raise diverged(step, bad, last_good)
             if pending is not None and pending.done():
                 settle()
+            progress.tick(step, loss_val)  # the status line on a terminal; nothing otherwise
+            if profiler is not None:
+                profiler.step()
             if step % t.log_interval == 0 or step == t.steps:
                 progress.step(step, loss_val, lr, grad_norm)
             if step % t.eval_interval == 0 or step == t.steps:
@@ -261,6 +271,9 @@ def train(cfg: Config, *, quiet: bool = False) -> Summary:
                 break
 
         seconds = time.perf_counter() - t_start
+        progress.close()
+        if profiler is not None:
+            say(f"profile: {', '.join(str(f) for f in profiler.close())}")
         save(step)
         settle()
         path = last_good[1]
@@ -280,7 +293,16 @@ def train(cfg: Config, *, quiet: bool = False) -> Summary:
         comparison = mem.compare_with_plan(seconds / max(1, summary.steps_done))
         if comparison:
             say(comparison)
+        if not quiet:
+            from tightfit.train.pictures import plot_run
+
+            png = plot_run(out_dir)  # with matplotlib: loss and memory per tier over the run
+            if png:
+                say(f"picture of the run: {png}")
     except BaseException:
+        if profiler is not None:
+            with contextlib.suppress(Exception):
+                profiler.close()
         with contextlib.suppress(Exception):  # the error in flight is the one to report
             if pending is not None:
                 pending.abort()

@@ -1,19 +1,31 @@
 """Progress of a long job: step, loss, tokens/s, memory per tier, ETA — printed, and logged as JSON lines.
 
 Why separate from the loop: the loop decides *when* to report; this file decides *what* a person sees and what
-goes to metrics.jsonl, so both stay short. Memory per tier comes from a callable the trainer supplies (the
-offload engine knows its tiers; a plain run reports the device and the process RSS).
+goes to metrics.jsonl (and to any sink, such as TensorBoard: tensorboard.py), so all stay short and agree. Memory
+per tier comes from a callable the trainer supplies (the offload engine knows its tiers; a plain run reports the
+device and the process RSS).
+
+Two displays of the same figures:
+- every report (`step`, once per --log-interval) prints a permanent line and writes one record;
+- on a terminal (the stream is a TTY), `tick` after every step redraws one status line in place with a bar
+  (`\\r`, at most `BAR_HZ` times a second, so a fast loop pays a clock read per step and nothing more). Not on a
+  terminal (a log file, CI), `tick` returns at once and only the permanent lines are printed: no control
+  characters in logs.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Callable
 
 from tightfit.utils.sizes import format_size
+
+BAR_HZ = 4.0
+"""Status-line redraws per second at most (each reads the memory counters once)."""
 
 
 def format_duration(seconds: float) -> str:
@@ -23,11 +35,23 @@ def format_duration(seconds: float) -> str:
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
 
 
+def _is_tty(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
 class Progress:
-    """Prints one line per report and appends every record to `metrics.jsonl`."""
+    """Prints one line per report, appends every record to `metrics.jsonl` and hands it to each sink.
+
+    sinks: objects with `write(record)` and `close()` (tensorboard.TensorBoardSink).
+    bar: draw the in-place status line in `tick`; None: when `stream` is a terminal.
+    """
 
     def __init__(self, total_steps: int, start_step: int, tokens_per_step: int, metrics_path: Path | None,
-                 memory: Callable[[], dict[str, int]], enabled: bool = True, stream=None) -> None:
+                 memory: Callable[[], dict[str, int]], enabled: bool = True, stream=None, sinks=(),
+                 bar: bool | None = None) -> None:
         self.total = total_steps
         self.start_step = start_step
         self.tokens_per_step = tokens_per_step
@@ -35,19 +59,30 @@ class Progress:
         self.enabled = enabled
         self.stream = stream or sys.stdout
         self.metrics_path = metrics_path
+        self.sinks = list(sinks) if enabled else []
+        self.bar = enabled and (_is_tty(self.stream) if bar is None else bar)
         self.t0 = time.perf_counter()
         self._last_t = self.t0
         self._last_step = start_step
+        self._drawn_at = 0.0  # when the status line was last drawn (perf_counter); 0: never
+        self._bar_shown = False  # a status line is on screen (a permanent line must clear it first)
 
     def log(self, record: dict) -> None:
         record = {"time": round(time.time(), 3), **record}
         if self.enabled and self.metrics_path is not None:
             with open(self.metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+        for sink in self.sinks:
+            sink.write(record)
 
     def say(self, text: str) -> None:
         if self.enabled:
+            self._clear_bar()
             print(text, file=self.stream, flush=True)
+
+    def _eta(self, step: int, now: float) -> float:
+        done = step - self.start_step
+        return (now - self.t0) / done * (self.total - step) if done else 0.0
 
     def step(self, step: int, loss: float, lr: float, grad_norm: float | None) -> None:
         """Report after optimizer step `step` (1-based count of steps done)."""
@@ -55,17 +90,52 @@ class Progress:
         dt = max(now - self._last_t, 1e-9)
         tok_s = (step - self._last_step) * self.tokens_per_step / dt
         elapsed = now - self.t0
-        done = step - self.start_step
-        eta = elapsed / done * (self.total - step) if done else 0.0
+        eta = self._eta(step, now)
         mem = self.memory()
         self._last_t, self._last_step = now, step
-        mem_text = " ".join(f"{tier} {format_size(b)}" for tier, b in mem.items())
         width = len(str(self.total))
         self.say(f"step {step:>{width}}/{self.total} | loss {loss:.4f} | lr {lr:.2e} | {tok_s:,.0f} tok/s | "
-                 f"mem {mem_text} | ETA {format_duration(eta)}")
+                 f"mem {_mem_text(mem)} | ETA {format_duration(eta)}")
         self.log({"kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                   "tokens_per_s": tok_s, "memory": mem, "elapsed_s": elapsed})
+
+    def tick(self, step: int, loss: float) -> None:
+        """After every optimizer step: redraw the status line on a terminal (throttled); nothing otherwise."""
+        if not self.bar:
+            return
+        now = time.perf_counter()
+        if now - self._drawn_at < 1.0 / BAR_HZ and step != self.total:
+            return
+        self._drawn_at = now
+        done = step - self.start_step
+        tok_s = done * self.tokens_per_step / max(now - self.t0, 1e-9)
+        frac = step / self.total if self.total else 1.0
+        cols = shutil.get_terminal_size((100, 20)).columns
+        text = (f"{frac:4.0%} {step}/{self.total} | loss {loss:.4f} | {tok_s:,.0f} tok/s | "
+                f"mem {_mem_text(self.memory())} | ETA {format_duration(self._eta(step, now))}")
+        room = max(10, min(40, cols - len(text) - 4))
+        filled = int(room * frac)
+        line = f"[{'#' * filled}{'.' * (room - filled)}] {text}"[: max(cols - 1, 20)]
+        self.stream.write("\r" + line + "\x1b[K")  # \x1b[K: erase what a longer previous line left
+        self.stream.flush()
+        self._bar_shown = True
+
+    def _clear_bar(self) -> None:
+        if self._bar_shown:
+            self.stream.write("\r\x1b[K")
+            self._bar_shown = False
 
     def eval(self, step: int, val_loss: float) -> None:
         self.say(f"eval step {step}: val loss {val_loss:.4f} nats/token")
         self.log({"kind": "eval", "step": step, "val_loss": val_loss})
+
+    def close(self) -> None:
+        """Leave the terminal on a fresh line and close the sinks (flushes TensorBoard's event file)."""
+        self._clear_bar()
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
+
+
+def _mem_text(mem: dict[str, int]) -> str:
+    return " ".join(f"{tier} {format_size(b)}" for tier, b in mem.items())
