@@ -46,13 +46,24 @@ def plot_run(folder: str | Path) -> Path | None:
         ax_loss.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", label="val loss")
     ax_loss.set_ylabel("loss (nats/token)")
     ax_loss.legend()
-    tiers = sorted({t for r in train for t in r.get("memory", {})})
-    for tier in tiers:
-        ax_mem.plot([r["step"] for r in train], [r["memory"].get(tier, 0) / 2**20 for r in train], label=tier)
+    steps = [r["step"] for r in train]
+    tiers = list(dict.fromkeys(t for r in train for t in r.get("memory", {})))  # in the order Progress reports
+    # The process RSS (offloaded runs report it beside the tiers) includes the runtime's hundreds of MiB: on its
+    # own axis, so the tiers' MiB stay readable.
+    for tier in (t for t in tiers if t != "rss"):
+        ax_mem.plot(steps, [r["memory"].get(tier, 0) / 2**20 for r in train], label=tier)
     ax_mem.set_xlabel("step")
     ax_mem.set_ylabel("MiB in use")
     ax_mem.set_title("measured memory per tier at each report")
-    ax_mem.legend()
+    handles, labels = ax_mem.get_legend_handles_labels()
+    if "rss" in tiers:
+        ax_rss = ax_mem.twinx()
+        ax_rss.plot(steps, [r["memory"]["rss"] / 2**20 for r in train], "k--", label="process RSS (right)")
+        ax_rss.set_ylabel("process RSS (MiB)")
+        ax_rss.set_ylim(bottom=0)
+        more_h, more_l = ax_rss.get_legend_handles_labels()
+        handles, labels = handles + more_h, labels + more_l
+    ax_mem.legend(handles, labels)
     fig.tight_layout()
     path = folder / PNG_NAME
     tmp = path.with_name(path.name + ".tmp.png")
