@@ -106,7 +106,8 @@ def test_checkpoint_resume_through_trainer(tmp_path):
     ckpt = tmp_path / "run" / "checkpoint-3"
     files = {p.name for p in ckpt.iterdir()}
     assert {"optimizer.safetensors", "scheduler.json", "model.safetensors", "config.json"} <= files
-    assert "optimizer.pt" not in files and "scheduler.pt" not in files and "training_args.bin" not in files
+    assert {"rng_state.safetensors", "training_args.json", "trainer_state.json"} <= files
+    assert not [f for f in files if f.endswith((".pt", ".pth", ".bin"))]  # no pickle anywhere
     engine_of(full.model).close()
 
     resumed = TightfitTrainer(model=llama(), args=args(tmp_path / "run2", **kw), train_dataset=data,
@@ -160,3 +161,20 @@ def test_refusals(tmp_path):
     with pytest.raises(UsageError, match="never unpickles"):
         TightfitTrainer(model=model, args=args(tmp_path / "e"), train_dataset=data).train(
             resume_from_checkpoint=str(stock_ckpt / "checkpoint-1"))
+
+
+def test_rng_state_round_trip(tmp_path):
+    import random
+
+    import numpy as np
+
+    from tightfit.integrations.rng_file import load_rng, save_rng
+
+    random.seed(3), np.random.seed(3), torch.manual_seed(3)
+    random.random(), np.random.standard_normal(), torch.rand(5)  # a cached Gaussian, positions mid-stream
+    save_rng(tmp_path / "rng.safetensors")
+    first = (random.random(), random.gauss(0, 1), np.random.standard_normal(3).tolist(), torch.rand(4).tolist())
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    load_rng(tmp_path / "rng.safetensors")
+    again = (random.random(), random.gauss(0, 1), np.random.standard_normal(3).tolist(), torch.rand(4).tolist())
+    assert again == first

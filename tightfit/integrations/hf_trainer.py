@@ -21,8 +21,9 @@ not events, and each is silent:
   with Trainer's own parameter groups (no weight decay on biases and norms) and `TrainingArguments`' learning
   rate, betas, epsilon and weight decay. LR schedulers work unchanged (they edit `param_groups[i]["lr"]`).
 - checkpoints. Trainer pickles `optimizer.state_dict()` into optimizer.pt; the state of a wrapped model is in the
-  tiers and pickles are never written here. The optimizer goes to `optimizer.safetensors` (see optim_file.py),
-  the scheduler to `scheduler.json`, and the model is saved by `save_hf_model` (streamed from the tiers, a folder
+  tiers, and pickles are never written here. The optimizer goes to `optimizer.safetensors` (optim_file.py), the
+  scheduler to `scheduler.json`, the RNG states to `rng_state.safetensors` (rng_file.py), the training arguments
+  to `training_args.json`, and the model is saved by `save_hf_model` (streamed from the tiers, a folder
   `from_pretrained` reads) or, for a peft model, by peft's own `save_pretrained` given the adapters' fp32 values.
   `train(resume_from_checkpoint=...)` is Trainer's own resume: it finds the folder, restores the step, the data
   position and the RNG, and calls the two loaders overridden here.
@@ -40,6 +41,7 @@ import transformers
 import tightfit
 from tightfit.errors import UsageError
 from tightfit.integrations.optim_file import OPTIMIZER_FILE, load_optimizer, save_optimizer
+from tightfit.integrations.rng_file import RNG_FILE, load_rng, save_rng
 from tightfit.offload.engine import _ENGINES
 from tightfit.optim import AdamW
 from tightfit.utils.safetensors_io import fsync_dir
@@ -87,6 +89,9 @@ class TightfitTrainer(transformers.Trainer):
                              "once, before training)")
         if args is None:
             args = transformers.TrainingArguments(output_dir="trainer_output")
+        if args.world_size > 1:
+            raise UsageError("TightfitTrainer: one process only (the engine offloads one model replica); launch "
+                             "without torchrun/accelerate launch, or use tightfit's own parallel training")
         if args.fp16:
             raise UsageError("TightfitTrainer: TrainingArguments(fp16=True) unscales param.grad, which a wrapped "
                              "model does not have; use bf16=True, or compute_dtype=torch.float16 without fp16")
@@ -189,6 +194,13 @@ class TightfitTrainer(transformers.Trainer):
         sched = folder / SCHEDULER_FILE
         if sched.is_file():
             self.lr_scheduler.load_state_dict(json.loads(sched.read_text()))
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        save_rng(Path(output_dir) / RNG_FILE)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        if checkpoint is not None and (Path(checkpoint) / RNG_FILE).is_file():
+            load_rng(Path(checkpoint) / RNG_FILE)  # else: none saved, as Trainer goes on without one
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """Model weights on resume: the optimizer file holds every trainable parameter's fp32 master (loaded with
