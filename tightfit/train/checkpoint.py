@@ -124,10 +124,9 @@ class Checkpoint:
 
 
 def latest(out_dir: Path) -> Path | None:
-    """The newest committed checkpoint folder of a run, or None. `out_dir`: the run's --out-dir, or its
-    checkpoints folder."""
-    root = out_dir if out_dir.name == CHECKPOINT_NAME else out_dir / CHECKPOINT_NAME
-    found = committed(root)
+    """The newest committed checkpoint folder of a run, or None. `out_dir`: the run's --out-dir, or a folder of
+    checkpoints (its `checkpoints` folder)."""
+    found = committed(out_dir) or committed(out_dir / CHECKPOINT_NAME)
     return found[-1][1] if found else None
 
 

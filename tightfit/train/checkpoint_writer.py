@@ -288,15 +288,16 @@ class CheckpointWriter:
 
 def checkpoint_bytes(named_shapes: list[tuple[str, tuple[int, ...]]], trainable: set[str]) -> int:
     """Bytes one checkpoint of this model takes: fp32 weights, two fp32 moments and a step count per trainable
-    parameter, plus headers, index and RNG states (a generous 4 KiB per tensor covers them)."""
+    parameter, plus what is not tensor data: RNG states and the index's fixed part (64 KiB), a shard header and
+    index entry per tensor (512 bytes covers a name of ~300 characters)."""
     total = 64 << 10
     for name, shape in named_shapes:
         n = 1
         for s in shape:
             n *= int(s)
-        total += 4 * n + 4096
+        total += 4 * n + 512
         if name in trainable:
-            total += 8 * n + 3 * 4096 + 4
+            total += 8 * n + 4 + 3 * 512
     return total
 
 

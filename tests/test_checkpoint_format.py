@@ -1,0 +1,196 @@
+"""Checkpoints that scale: shards written in the background with bounded memory, committed by the index, leftovers
+of a killed save cleaned at the next start, the disk a checkpoint needs checked before training, kill -9 safe."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from tightfit.cli import main
+from tightfit.errors import UsageError
+from tightfit.train import checkpoint as ckpt
+from tightfit.train import checkpoint_writer as cw
+
+RNG = {ckpt.RNG_TORCH: torch.get_rng_state(), ckpt.RNG_DATA: torch.Generator().get_state()}
+
+
+def _groups(n=3, numel=1024):
+    return [(f"blocks.{i}", [(f"model.blocks.{i}.w", torch.full((numel,), float(i)))]) for i in range(n)]
+
+
+def test_save_returns_before_the_disk_is_written(tmp_path, monkeypatch):
+    """The step after a save does not wait for the disk: start_save returns with the shards still being written."""
+    release = threading.Event()
+    real = cw.write_shard
+
+    def slow(path, items, metadata=None):
+        release.wait(30)
+        return real(path, items, metadata)
+
+    monkeypatch.setattr(cw, "write_shard", slow)
+    t0 = time.perf_counter()
+    writer = ckpt.start_save(tmp_path / "c", _groups(), step=1, config={}, signature="", rng=RNG)
+    assert time.perf_counter() - t0 < 5 and not writer.done()
+    assert ckpt.latest(tmp_path / "c") is None  # nothing committed yet
+    release.set()
+    folder = writer.wait()
+    assert folder == tmp_path / "c" / "step-00000001" and ckpt.latest(tmp_path / "c") == folder
+    assert torch.equal(ckpt.read_all(folder)["model.blocks.2.w"], torch.full((1024,), 2.0))
+
+
+def test_queue_bounds_the_memory_held(tmp_path, monkeypatch):
+    """`put` blocks while the groups waiting for the disk exceed queue_bytes (one group always passes)."""
+    release = threading.Event()
+    real = cw.write_shard
+    monkeypatch.setattr(cw, "write_shard", lambda *a: (release.wait(30), real(*a))[1])
+    writer = cw.CheckpointWriter(tmp_path / "c", 1, keep=1, queue_bytes=6000)
+    writer.put("a", [("model.a", torch.zeros(1024))])  # 4 KiB: taken by the writer thread, held until written
+    done = threading.Event()
+    threading.Thread(target=lambda: (writer.put("b", [("model.b", torch.zeros(1024))]), done.set())).start()
+    assert not done.wait(0.5)  # 8 KiB would be queued: waits for the disk
+    release.set()
+    assert done.wait(10)
+    writer.close(ckpt.index_fields(step=1, config={}, signature=""))
+    assert writer.wait() is not None
+
+
+def test_failed_save_keeps_the_previous_checkpoint_and_leaves_nothing(tmp_path, monkeypatch):
+    root = tmp_path / "c"
+    first = ckpt.save_checkpoint(root, [("model.w", torch.ones(4))], step=1, config={}, signature="", rng=RNG)
+    calls = []
+    real = cw.write_shard
+
+    def full_disk(path, items, metadata=None):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, items, metadata)
+
+    monkeypatch.setattr(cw, "write_shard", full_disk)
+    writer = ckpt.start_save(root, _groups(), step=2, config={}, signature="", rng=RNG)
+    with pytest.raises(UsageError, match="No space left on device.*previous checkpoint is untouched"):
+        writer.wait()
+    assert sorted(p.name for p in root.iterdir()) == [first.name]
+    assert torch.equal(ckpt.read_all(first)["model.w"], torch.ones(4))
+
+
+def test_non_finite_tensor_is_never_committed(tmp_path):
+    root = tmp_path / "c"
+    ckpt.save_checkpoint(root, [("model.w", torch.ones(4))], step=1, config={}, signature="", rng=RNG)
+    bad = [("model.w", torch.tensor([1.0, float("nan"), 2.0, 3.0]))]
+    with pytest.raises(UsageError, match="model.w holds nan at step 2.*previous checkpoint"):
+        ckpt.save_checkpoint(root, bad, step=2, config={}, signature="", rng=RNG)
+    assert [s for s, _ in cw.committed(root)] == [1]
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000001"]
+
+
+def test_leftovers_of_a_killed_save_are_cleaned_at_the_next_start(tiny_args, tmp_path, capsys):
+    assert main(["train", *tiny_args, "--steps", "3", "--offload", "none"]) == 0
+    root = tmp_path / "run" / "checkpoints"
+    (root / ".partial-step-00000009-4242").mkdir()
+    (root / ".partial-step-00000009-4242" / "blocks.0.safetensors").write_bytes(b"x" * 100)
+    (root / "step-00000007").mkdir()  # a checkpoint whose removal was cut short: its index went first
+    (root / "step-00000007" / "root.safetensors").write_bytes(b"x")
+    (root / "notes.txt").write_text("mine")  # not tightfit's: never touched
+    (root / "step-mine").mkdir()
+    capsys.readouterr()
+    assert main(["train", *tiny_args, "--steps", "5", "--resume", "--offload", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "removed what an interrupted save left" in out and ".partial-step-00000009-4242" in out
+    assert "step-00000007" in out
+    assert sorted(p.name for p in root.iterdir()) == ["notes.txt", "step-00000005", "step-mine"]
+
+
+def test_a_run_whose_checkpoint_cannot_fit_is_refused_before_training(tiny_args, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cw, "free_bytes", lambda path: 100 << 10)
+    assert main(["train", *tiny_args, "--steps", "3", "--offload", "none"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tightfit: error: --out-dir: a checkpoint of this model needs ")
+    assert re.search(r"needs [0-9.]+ KiB but .* has 100.0 KiB free", err) and len(err.splitlines()) == 1
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_checkpoint_size_estimate_covers_what_is_written(tiny_args, tmp_path):
+    assert main(["train", *tiny_args, "--steps", "2", "--offload", "none"]) == 0
+    folder = ckpt.latest(tmp_path / "run")
+    written = sum(p.stat().st_size for p in folder.iterdir())
+    from tightfit.models.gpt import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32))
+    shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    need = cw.checkpoint_bytes(shapes, {n for n, _ in shapes})
+    assert written <= need < written + (128 << 10)
+
+
+def _run_cli(args, timeout=120):
+    return subprocess.Popen([sys.executable, "-m", "tightfit.cli", "train", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _kill_trials(tiny_args, tmp_path, trials, seed):
+    """Train 8 steps saving every step, kill -9 at a random moment, then resume until done: every final result
+    is bit-identical to the uninterrupted run's, no checkpoint is corrupt, nothing is left over."""
+    def args_for(out):
+        i = tiny_args.index("--out-dir")
+        return tiny_args[: i + 1] + [str(out)] + tiny_args[i + 2:] + ["--steps", "8", "--save-interval", "1",
+                                                                      "--offload", "none"]
+    ref_dir = tmp_path / "ref"
+    assert main(["train", *args_for(ref_dir)]) == 0
+    ref = ckpt.read_all(ref_dir)
+    rnd = random.Random(seed)
+    for trial in range(trials):
+        out = tmp_path / f"t{trial}"
+        proc = _run_cli(args_for(out))
+        time.sleep(rnd.uniform(2.0, 6.0))  # the CLI imports torch first (~2 s): kills land in training and saves
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        root = out / "checkpoints"
+        for _, folder in cw.committed(root):  # every committed checkpoint is complete and passes its checks
+            ckpt.read_all(folder)
+        resume = ["--resume"] if cw.committed(root) else []
+        proc = subprocess.run([sys.executable, "-m", "tightfit.cli", "train", *args_for(out), *resume],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        got = ckpt.read_all(out)
+        assert got.keys() == ref.keys()
+        assert all(torch.equal(got[k], ref[k]) for k in ref), f"trial {trial}"
+        assert not [p for p in root.iterdir() if p.name.startswith(".partial")]
+
+
+def test_kill_during_training_and_saves_then_resume_is_exact(tiny_args, tmp_path):
+    _kill_trials(tiny_args, tmp_path, trials=1, seed=0)
+
+
+@pytest.mark.slow
+def test_kill_trials_many(tiny_args, tmp_path):
+    _kill_trials(tiny_args, tmp_path, trials=20, seed=1)
+
+
+def test_resume_under_another_placement_from_a_plain_run_matches(tiny_args, tmp_path):
+    """Shards are per unit with the same keys whoever wrote them: a plain checkpoint resumes on NVMe and back."""
+    i = tiny_args.index("--out-dir")
+
+    def at(name):
+        return tiny_args[: i + 1] + [str(tmp_path / name)] + tiny_args[i + 2:] + ["--steps", "6"]
+    swap = ["--nvme", str(tmp_path / "swap")]
+    assert main(["train", *at("plain"), "--offload", "none"]) == 0
+    assert main(["train", *at("mixed"), "--stop-at", "2", "--offload", "none"]) == 0
+    assert main(["train", *at("mixed"), "--stop-at", "4", "--resume", "--offload", "nvme", *swap]) == 0
+    assert main(["train", *at("mixed"), "--resume", "--offload", "host"]) == 0
+    ref, got = ckpt.read_all(tmp_path / "plain"), ckpt.read_all(tmp_path / "mixed")
+    assert ref.keys() == got.keys()
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-6, atol=0, msg=k)
+    names = sorted(p.name for p in ckpt.latest(tmp_path / "mixed").iterdir())
+    assert names == sorted(p.name for p in ckpt.latest(tmp_path / "plain").iterdir())
+    assert "blocks.0.safetensors" in names and "root.safetensors" in names and "index.json" in names
