@@ -163,3 +163,23 @@ def test_min_unit_bytes_groups_an_explicit_unit_list():
     from tightfit.offload import engine_of
 
     assert sorted(engine_of(got[1]).units) == sorted(grouped)
+
+
+def test_the_planner_tiles_gpt2_conv1d_layers_when_a_block_does_not_fit():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tightfit.config import Config
+    from tightfit.planner import HardwareProfile, make_plan
+    from tightfit.planner.hardware import GiB
+
+    # Blocks of 12.6M parameters (50 MiB fp32; c_fc and c_proj 16 MiB each) cannot stream through 60 MiB.
+    with torch.device("meta"):
+        m = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=16, n_embd=1024, n_layer=2, n_head=8))
+    c = Config()
+    c.memory.gpu_mem, c.memory.cpu_mem, c.memory.checkpointing = "60MiB", "64GiB", "on"
+    c.train.micro_batch, c.train.seq_len = 1, 16
+    plan = make_plan(m, c, HardwareProfile.synthetic(host_available=200 * GiB, host_total=256 * GiB))
+    tiled = plan.placement.tiled_linears
+    assert tiled and all(p.startswith("transformer.h.") for p in tiled), tiled
+    assert tile_linears(m, tiles=tiled) == tiled  # what the trainer applies before wrapping
+    assert all(isinstance(m.get_submodule(p), TiledLinear) and m.get_submodule(p).transposed for p in tiled)

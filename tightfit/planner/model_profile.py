@@ -30,6 +30,7 @@ from torch.utils.flop_counter import flop_registry
 
 from tightfit.offload.placement import ROOT_UNIT
 from tightfit.offload.units import find_units
+from tightfit.tiling.linear import linear_features
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -77,7 +78,7 @@ class UnitProfile:
     trainable: int
     """Parameters with requires_grad (only these get gradients, master weights and Adam moments)."""
     largest_linear: tuple[str, int, int] | None
-    """(module path, in_features, out_features) of the unit's largest nn.Linear, for the tiling decision."""
+    """(module path, in_features, out_features) of the unit's largest Linear (or Conv1D), for the tiling decision."""
     act_saved: int
     """Bytes autograd keeps from this unit's forward until its backward (no checkpointing)."""
     act_input: int
@@ -89,7 +90,7 @@ class UnitProfile:
     checkpointable: bool = True
     """The unit is one module call (a block); the root unit's leftovers are not."""
     linears: list[tuple[str, int, int]] = field(default_factory=list)
-    """Every nn.Linear of the unit, largest first: the candidates for tiling."""
+    """Every nn.Linear and Hugging Face Conv1D of the unit, largest first: the candidates for tiling."""
     act_recompute: int = 0
     """Bytes one recomputation of the checkpointed unit holds, when less than `act_saved`: a group of blocks
     recomputes block by block ([Note: grouped blocks] in units.py). 0: `act_saved`."""
@@ -348,9 +349,10 @@ def profile_model(model: nn.Module, micro_batch: int, seq_len: int, compute_dtyp
     names = list(unit_mods)
     linears: dict[str, list[tuple[str, int, int]]] = {}
     for mpath, mod in model.named_modules():
-        if isinstance(mod, nn.Linear):
+        feats = linear_features(mod)  # an nn.Linear, or a Hugging Face Conv1D (GPT-2's layers): both can be tiled
+        if feats is not None:
             u = _unit_of_param(mpath + ".weight", names)
-            linears.setdefault(u, []).append((mpath, mod.in_features, mod.out_features))
+            linears.setdefault(u, []).append((mpath, *feats))
     for lst in linears.values():
         lst.sort(key=lambda x: -x[1] * x[2])
 

@@ -103,7 +103,8 @@ def tile_linears(
     "Linear" here means an `nn.Linear` or a Hugging Face `Conv1D` (GPT-2's layers: a Linear with its weight stored
     transposed, tiled with `transposed=True` so its checkpoint keys keep their [in, out] layout).
     - `tiles`: module path -> tile count (as in `Placement.tiled_linears`; grid from `grid_for_count`) or an explicit
-      (in_splits, out_splits). Each path must name an `nn.Linear` or `Conv1D`, else UsageError.
+      (in_splits, out_splits). Each path must name an `nn.Linear` or `Conv1D`, else UsageError. A count of 1 makes
+      a one-tile TiledLinear: the layer moves as a unit of its own (`tile_units`), uncut.
     - `max_tile_bytes` (bytes or a size such as "256MiB"): every other `nn.Linear` whose parameters + gradient exceed
       it is tiled with `plan_tiles`. Linears whose weight is shared with another module (tied embeddings) are left
       alone here, since tiling would untie them; listing one in `tiles` is an error.
@@ -149,8 +150,9 @@ def tile_linears(
 
     replaced = {}
     for path, (in_s, out_s) in grids.items():
-        if in_s * out_s == 1:
-            continue
+        # A count of 1 (only ever asked for explicitly: `max_tile_bytes` picks layers that do not fit) still replaces
+        # the layer, by a one-tile TiledLinear: `tile_units` then makes it a unit of its own, which is what the
+        # planner counted when it split a too-large block by taking a Linear off whole (search.py, `_tile`).
         parent_path, _, name = path.rpartition(".")
         parent = modules[parent_path] if parent_path else model
         tiled = TiledLinear.from_linear(modules[path], in_splits=in_s, out_splits=out_s)
