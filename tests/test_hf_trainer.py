@@ -178,3 +178,23 @@ def test_rng_state_round_trip(tmp_path):
     load_rng(tmp_path / "rng.safetensors")
     again = (random.random(), random.gauss(0, 1), np.random.standard_normal(3).tolist(), torch.rand(4).tolist())
     assert again == first
+
+
+@pytest.mark.slow
+def test_example_trainer_lora_runs(tmp_path):
+    """examples/finetune_hf_trainer_lora.py end to end, a few steps (a fresh interpreter: slow on a loaded machine)."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "examples" / "finetune_hf_trainer_lora.py"), "--steps", "4",
+                           "--out", str(tmp_path / "out")], cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = re.search(r"last loss (\S+) \(unbroken run (\S+)\)", proc.stdout)
+    assert resumed and resumed.group(1) == resumed.group(2)
+    assert "same logits (max relative difference 0.0e+00)" in proc.stdout
+    assert (tmp_path / "out" / "adapters" / "adapter_model.safetensors").is_file()

@@ -2,13 +2,15 @@
 
 The change to an existing Trainer script is two lines, the import and the class:
 
-    from tightfit.integrations.hf_trainer import TightfitTrainer
+    from tightfit.integrations.hf_trainer import Placement, TightfitTrainer
     trainer = TightfitTrainer(model=model, args=args, train_dataset=ds,
-                              placement=tightfit.Placement.everywhere("nvme", nvme_dir="/mnt/swap"))
+                              placement=Placement.everywhere("nvme", nvme_dir="/mnt/swap"))
     trainer.train()                                   # or trainer.train(resume_from_checkpoint=True)
 
-A model already wrapped with `tightfit.wrap` is taken as is (no `placement`). A `peft` model (LoRA) works the same:
-its frozen base weights get no master, gradient or moments, only the adapters do.
+A model already wrapped with `tightfit.wrap` is taken as is (no `placement`): that is the way to let the planner
+choose, `tightfit.wrap(model, gpu_mem=..., cpu_mem=..., nvme=..., micro_batch=..., seq_len=...)`. A `peft` model
+(LoRA) works the same: its frozen base weights are kept once, in the compute dtype, with no master, gradient or
+moments; only the adapters have those.
 
 Why a subclass and not a callback: the places where a stock Trainer goes wrong over a wrapped model are methods,
 not events, and each is silent:
@@ -43,8 +45,11 @@ from tightfit.errors import UsageError
 from tightfit.integrations.optim_file import OPTIMIZER_FILE, load_optimizer, save_optimizer
 from tightfit.integrations.rng_file import RNG_FILE, load_rng, save_rng
 from tightfit.offload.engine import _ENGINES
+from tightfit.offload.placement import Placement
 from tightfit.optim import AdamW
 from tightfit.utils.safetensors_io import fsync_dir
+
+__all__ = ["Placement", "TightfitTrainer", "tightfit_optimizer"]
 
 SCHEDULER_FILE = "scheduler.json"
 TRAINING_ARGS_FILE = "training_args.json"
@@ -82,7 +87,7 @@ class TightfitTrainer(transformers.Trainer):
     """
 
     def __init__(self, model: torch.nn.Module | None = None, args: transformers.TrainingArguments | None = None,
-                 *more, placement: tightfit.Placement | None = None, compute_dtype: torch.dtype | None = None,
+                 *more, placement: Placement | None = None, compute_dtype: torch.dtype | None = None,
                  units=None, **kwargs) -> None:
         if model is None:
             raise UsageError("TightfitTrainer: pass model=...; model_init is not supported (the model is wrapped "
