@@ -267,3 +267,26 @@ def test_torch_clip_grad_norm_is_refused_and_zero_grad_drops_gradients(tmp_path)
         warnings.simplefilter("error")
         opt.step()  # gradients reached it: no warning
     assert not torch.equal(model.state_dict()["head.weight"], before["head.weight"])
+
+
+@pytest.mark.parametrize("build", [hf_gpt2, hf_llama], ids=["gpt2-tied", "llama"])
+def test_save_pretrained_streams_a_deferred_state_dict(build, tmp_path):
+    """save_pretrained over `deferred_state_dict` reads each unit's master when its shard is written, not before."""
+    transformers = pytest.importorskip("transformers")
+    from tightfit.offload import engine_of
+    from tightfit.offload.module_state import deferred_state_dict
+
+    _, model, _ = train(build, placement("nvme", tmp_path), steps=2)
+    engine = engine_of(model)
+    reads = []
+    read_master = engine.read_master
+    engine.read_master = lambda unit: reads.append(unit.name) or read_master(unit)
+    sd = deferred_state_dict(model)
+    assert list(sd) == list(plain(build).state_dict()) and reads == []  # keys only, nothing read yet
+    model.save_pretrained(tmp_path / "hf", state_dict=sd, max_shard_size="20KB")
+    assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) > 2
+    assert sorted(set(reads)) == sorted(engine.units) and len(reads) <= len(engine.units) + 1  # the root: twice
+    x, _ = batch(4)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        assert torch.equal(back(input_ids=x).logits, model(input_ids=x).logits)

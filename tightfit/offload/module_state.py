@@ -9,8 +9,10 @@ storage ([Note: flat buffer and storage resizing], flat_unit.py). So, on every m
   training truth, whatever the compute dtype), read from the master's tier (device, host or NVMe), one unit at a
   time: a unit's master is read once, and each parameter's entry is its own CPU tensor (tied names share one), so
   safetensors and `save_pretrained` see no false sharing. Keys are torch's own; buffers are left as torch puts them.
-  The dict holds the whole model in fp32: for a model larger than host memory use the streaming `iter_state_dict`
-  (one unit at a time; `tightfit.models.hf_save.save_hf_model` writes a Hugging Face folder from it).
+  The dict holds the whole model in fp32. For a model larger than host memory: `iter_state_dict` streams the same
+  keys and values one unit at a time (`tightfit.models.hf_save.save_hf_model` writes a Hugging Face folder from it),
+  and `deferred_state_dict` gives torch's keys with `Deferred` placeholders read when used, so that transformers'
+  `save_pretrained(folder, state_dict=deferred_state_dict(model))` holds one shard at a time.
 - `load_state_dict()`: a pre-hook *stages* each unit whose parameters are in the given dict: its fp32 master is
   read into a host buffer and the unit's parameters are pointed at views of it, so torch's own `_load_from_state_dict`
   copies the values in with its shape checks and strict / missing / unexpected semantics unchanged. A post-hook
@@ -62,6 +64,7 @@ class ModuleState:
         self._master: tuple[str, int, torch.Tensor] | None = None
         self._params: tuple[str, int, torch.Tensor] | None = None
         self._tied: dict[int, tuple[int, torch.Tensor]] = {}  # id(param) -> (version, value) within one state_dict
+        self._deferring = False  # within `deferred_state_dict`: placeholders instead of values
         self._handles: list = []
 
     # ---- shared by both sides --------------------------------------------------------------------------------
@@ -99,14 +102,22 @@ class ModuleState:
     # ---- state_dict ------------------------------------------------------------------------------------------
 
     def value(self, p: nn.Parameter) -> torch.Tensor:
-        """A new CPU tensor with the fp32 master values of wrapped parameter `p` (one per parameter per call)."""
+        """A new CPU tensor with the fp32 master values of wrapped parameter `p` (within one state_dict() call, one
+        per parameter: its tied names share it). In a deferred state dict, a `Deferred` placeholder instead."""
         info = info_of(p)
         cached = self._tied.get(id(p))
         if cached is not None and cached[0] == info.unit.version:
             return cached[1]
-        out = info.slot.view(self.master_of(info.unit)).clone()
+        if self._deferring:
+            out = Deferred.of(self, p)
+        else:
+            out = self.read_value(p)
         self._tied[id(p)] = (info.unit.version, out)
         return out
+
+    def read_value(self, p: nn.Parameter) -> torch.Tensor:
+        info = info_of(p)
+        return info.slot.view(self.master_of(info.unit)).clone()
 
     def _on_state_dict_pre(self, module, prefix, keep_vars) -> None:
         if getattr(_local, "depth", 0) == 0:
@@ -244,6 +255,53 @@ class ModuleState:
             self._handles.clear()
             wrapped_param.uninstall(list(self.engine.units.values()))
             self.drop_caches()
+
+
+class Deferred(torch.Tensor):
+    """A state-dict value not read yet: a meta tensor of the parameter's shape and fp32 that reads the parameter's
+    master from its tier when anything but its metadata is asked of it (`.contiguous()`, which `save_pretrained` calls
+    per shard, or any other op, applied to the value read). Holds the parameter, not its values."""
+
+    @staticmethod
+    def of(state: "ModuleState", p: nn.Parameter) -> "Deferred":
+        with bypass():
+            meta = torch.empty(p.shape, dtype=torch.float32, device="meta")
+        out = meta.as_subclass(Deferred)
+        out._source = (state, p)  # this placeholder's own attribute; nothing is stored on the parameter
+        return out
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in ("__get__", "__set__") or name in wrapped_param._METADATA or name in ("__repr__", "nbytes"):
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+
+        def real(a):
+            if isinstance(a, Deferred):
+                state, p = a._source
+                return state.read_value(p)
+            if isinstance(a, (list, tuple)):
+                return type(a)(real(x) for x in a)
+            return a
+
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*real(tuple(args)), **{k: real(v) for k, v in kwargs.items()})
+
+
+def deferred_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """`model.state_dict()` with every wrapped parameter's value a `Deferred` placeholder, read from its tier (one
+    unit at a time) only when used: for `model.save_pretrained(folder, state_dict=deferred_state_dict(model))`,
+    which then holds one shard in memory, not the model. Torch's keys (and any module's own state-dict hooks)."""
+    state = _STATES.get(model)
+    if state is None:
+        return model.state_dict()
+    state._deferring = True
+    try:
+        return model.state_dict()
+    finally:
+        state._deferring = False
 
 
 def attach(model: nn.Module, engine) -> ModuleState:
