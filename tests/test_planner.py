@@ -28,7 +28,8 @@ def meta_gpt(n_layer=4, n_embd=256, n_head=4, vocab=256) -> GPT:
 
 def cfg(**memory) -> Config:
     c = Config()
-    c.train.micro_batch, c.train.seq_len = 8, 128
+    # fp32 whatever the profile: a GPU profile's plan computes on its GPU (bf16 under --precision auto).
+    c.train.micro_batch, c.train.seq_len, c.train.precision = 8, 128, "fp32"
     for k, v in memory.items():
         setattr(c.memory, k, v)
     return c

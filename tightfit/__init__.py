@@ -2,7 +2,10 @@
 
 Public entry points:
 - `tightfit.wrap(model, placement_or_budget, ...)`: stream a model's states across GPU, CPU and NVMe inside an
-  ordinary `loss.backward(); opt.step()` loop (see tightfit/offload/).
+  ordinary `loss.backward(); opt.step()` loop (see tightfit/offload/). Budgets instead of a placement
+  (`gpu_mem=..., cpu_mem=..., nvme=..., micro_batch=..., seq_len=...`) plan one and apply it.
+- `tightfit.plan(model, gpu_mem=..., cpu_mem=..., nvme=..., micro_batch=..., seq_len=...)`: the `Plan` to inspect
+  first (`plan.table()`), then `tightfit.wrap(model, plan)` (tightfit/planner/from_python.py).
 - `tightfit.units(model, units=None)`: the unit names wrapping would make, to write a Placement's per-unit entries.
 - `tightfit train` / `tightfit plan` / `tightfit env`: the command line (tightfit/cli.py).
 """
@@ -20,6 +23,10 @@ def __getattr__(name: str):
         from tightfit.offload.wrap import wrap
 
         return wrap
+    if name == "plan":
+        from tightfit.planner.from_python import plan
+
+        return plan
     if name == "units":
         from tightfit.offload.units import unit_names
 

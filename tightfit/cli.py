@@ -29,9 +29,14 @@ def _parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="show where each state would live, predicted memory and step time")
     add_config_args(plan)
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("--hardware", metavar="FILE|NAME", default=None,
+                      help="plan for another machine: a profile file (JSON or TOML, e.g. from `tightfit probe --out`) "
+                           "or a named profile: gpu24-pcie4, gpu40-pcie4, gpu80-pcie5 (docs/PLANNER.md)")
 
     probe = sub.add_parser("probe", help="measure this machine's bandwidths and throughputs (cached for planning)")
     probe.add_argument("--nvme", default=None, help="swap folder whose disk to measure (default: the cache folder)")
+    probe.add_argument("--out", metavar="FILE.json", default=None,
+                       help="also write the profile to this file, for `tightfit plan --hardware FILE` elsewhere")
 
     env = sub.add_parser("env", help="torch version, devices and memory, host RAM, free disk")
     env.add_argument("--nvme", default=None, help="swap folder whose free space to report")
@@ -59,8 +64,11 @@ def _cmd_train(cfg: Config, argv: list[str]) -> int:
     return 0
 
 
-def _cmd_plan(cfg: Config, as_json: bool) -> int:
+def _cmd_plan(cfg: Config, as_json: bool, hardware: str | None = None) -> int:
     if _world_size(cfg) > 1:
+        if hardware:
+            raise UsageError("--hardware: plans one process; for --nproc-per-node/--nnodes use --gpu-mem and "
+                             "--interconnect")
         from tightfit.parallel.whatif import what_if
 
         report = what_if(cfg)
@@ -69,7 +77,12 @@ def _cmd_plan(cfg: Config, as_json: bool) -> int:
     from tightfit.planner import make_plan
     from tightfit.train.loop import build_meta_model
 
-    plan = make_plan(build_meta_model(cfg), cfg)
+    hw = None
+    if hardware:
+        from tightfit.planner.hardware_file import load_hardware
+
+        hw = load_hardware(hardware)
+    plan = make_plan(build_meta_model(cfg), cfg, hw, what_if=hw is not None)
     print(plan.to_json() if as_json else plan.table())
     return 0
 
@@ -88,12 +101,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "probe":
             from tightfit.planner.probe import run_probe
 
-            print(run_probe(args.nvme))
+            hw = run_probe(args.nvme)
+            print(hw)
+            if args.out:
+                from tightfit.planner.hardware_file import save_hardware
+
+                print(f"  profile written to {save_hardware(hw, args.out)}")
             return 0
         cfg = config_from_args(args)
         if args.command == "train":
             return _cmd_train(cfg, argv)
-        return _cmd_plan(cfg, args.json)
+        return _cmd_plan(cfg, args.json, args.hardware)
     except UsageError as e:
         print(f"tightfit: error: {e}", file=sys.stderr)
         return e.exit_code

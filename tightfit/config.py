@@ -295,13 +295,13 @@ def precision_name(cfg: Config, device_type: str) -> str:
     return p
 
 
-def parse_nvme(spec: str) -> tuple[str, int | None]:
-    """'PATH[:SIZE]' -> (path, bytes or None)."""
+def parse_nvme(spec: str, flag: str = "--nvme") -> tuple[str, int | None]:
+    """'PATH[:SIZE]' -> (path, bytes or None); errors name `flag` (the keyword `nvme` when called from Python)."""
     from tightfit.utils.sizes import parse_size
 
     path, sep, size = spec.rpartition(":") if ":" in spec else (spec, "", "")
     if not sep:
         path, size = spec, ""
     if not path:
-        raise UsageError("--nvme: give a folder, optionally with a size: PATH[:SIZE]")
-    return path, (parse_size(size, "--nvme") if size else None)
+        raise UsageError(f"{flag}: give a folder, optionally with a size: PATH[:SIZE]")
+    return path, (parse_size(size, flag) if size else None)

@@ -25,9 +25,9 @@ from tightfit.offload.placement import Placement
 from tightfit.offload.units import UnitPolicy
 
 
-def wrap(model: nn.Module, placement: Placement, *, compute_dtype: torch.dtype = torch.float32,
+def wrap(model: nn.Module, placement: Placement | None = None, *, compute_dtype: torch.dtype = torch.float32,
          device: torch.device | str | None = None, units: UnitPolicy = None,
-         disk: DiskTuning | None = None) -> nn.Module:
+         disk: DiskTuning | None = None, **budgets) -> nn.Module:
     """Offload `model`'s training states as `placement` says; returns `model` itself.
 
     compute_dtype: dtype of the parameters during forward/backward (fp32 master weights are kept regardless).
@@ -38,10 +38,15 @@ def wrap(model: nn.Module, placement: Placement, *, compute_dtype: torch.dtype =
         overrides the NVMe tier's I/O threads and largest transfer, which it otherwise takes from `tightfit probe`'s
         measurement of the swap folder's disk (8 threads and 4 MiB where none was made; [Note: disk tuning]).
     Use `tightfit.offload.engine_of(model)` for memory reports and timings.
+    Without a placement the planner decides: `wrap(model, gpu_mem=..., cpu_mem=..., nvme=..., micro_batch=...,
+    seq_len=...)`, or `wrap(model, tightfit.plan(model, ...))` (tightfit/planner/from_python.py).
     """
     if not isinstance(placement, Placement):
-        raise UsageError(f"wrap: expected a tightfit.Placement, got {type(placement).__name__}; build one with "
-                         "Placement.everywhere('device') or the planner")
+        from tightfit.planner.from_python import wrap as wrap_planned
+
+        return wrap_planned(model, placement, device=device, disk=disk, units=units, **budgets)
+    if budgets:
+        raise UsageError(f"wrap: {', '.join(budgets)}: budgets plan a placement; this one carries its own")
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(device)

@@ -73,6 +73,11 @@ class Prediction:
     """Bytes per step: "h2d", "d2h", "nvme_read", "nvme_write"."""
     tokens_per_s: float = 0.0
 
+    @property
+    def engine_device(self) -> int:
+        """What the engine itself meters on the device at its peak (everything but activations)."""
+        return engine_device_bytes(self.breakdown)
+
     def rss(self, cuda: bool) -> int:
         """Predicted peak RSS of the training process ([Note: process RSS]): floor + host tier and pool (+ the
         device on a CPU-only machine: the same RAM, at its peak in backward with the pool full)."""
@@ -161,7 +166,7 @@ def engine_budgets(placement: Placement, pred: Prediction) -> Placement:
     block are units of their own, and those that take one input (q, k and v projections; tiles split along the
     output) all stay materialised in backward until that input's gradient is complete, more than the model's two
     overlapping units (the tiling test's engine peaked at 9.1 MiB against 7.2 MiB predicted)."""
-    device = placement.device_budget if placement.tiled_linears else engine_device_bytes(pred.breakdown)
+    device = placement.device_budget if placement.tiled_linears else pred.engine_device
     return replace(placement, device_budget=device, host_budget=pred.peak["host"])
 
 

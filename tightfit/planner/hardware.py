@@ -74,7 +74,9 @@ class HardwareProfile:
     threads: int = 1
     """torch intra-op threads during the measurements."""
     measured_at: float = 0.0
-    """Unix time of the measurement (0: synthetic)."""
+    """Unix time of the measurement (0: synthetic, or a profile stated by hand)."""
+    assumptions: list[str] = field(default_factory=list)
+    """What a hand-written or named profile assumes rather than measured (the plan prints these)."""
 
     def matmul_rate(self, size: int) -> float:
         """FLOP/s for a matmul of problem size `size`: log-linear interpolation between measured sizes."""

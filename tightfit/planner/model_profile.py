@@ -162,6 +162,19 @@ class ModelProfile:
                 max(q.act_recompute or q.act_saved for q in parts)))
         return replace(self, units=units)
 
+    def with_micro_batch(self, micro_batch: int) -> "ModelProfile":
+        """This profile at another micro-batch: activations and work scale with the sequences, the op count and
+        the parameters do not (what the planner checks a suggested --micro-batch with, without tracing again)."""
+        f = micro_batch / self.micro_batch
+
+        def scaled(w: Work) -> Work:
+            return Work({k: v * f for k, v in w.gemm_flops.items()}, w.mem_bytes * f, w.n_ops)
+
+        units = [replace(u, act_saved=int(u.act_saved * f), act_input=int(u.act_input * f),
+                         act_recompute=int(u.act_recompute * f), fwd=scaled(u.fwd), bwd=scaled(u.bwd))
+                 for u in self.units]
+        return replace(self, units=units, micro_batch=micro_batch, act_peak=int(self.act_peak * f))
+
     @classmethod
     def from_dict(cls, d: dict) -> "ModelProfile":
         d = dict(d)

@@ -12,7 +12,7 @@ import json
 from dataclasses import asdict, dataclass
 
 from tightfit.offload.placement import Placement, State
-from tightfit.planner.costs import Prediction, TrainShape, engine_device_bytes, state_bytes
+from tightfit.planner.costs import Prediction, TrainShape, state_bytes
 from tightfit.planner.hardware import HardwareProfile
 from tightfit.planner.model_profile import ModelProfile
 from tightfit.utils.sizes import format_size
@@ -83,6 +83,23 @@ class Plan:
             return "-"
         return "none" if b is None else format_size(b)
 
+    def figures(self) -> list[tuple[str, str, float, bool]]:
+        """Every predicted figure the plan states, each computed once: (label, the key of `compare`'s measured
+        dict, value, is bytes). `summary`, `table` and `compare` all print these, so the figure a run is compared
+        with is the figure it was promised (the summary once printed the device peak with activations, 3.9 MiB,
+        where the comparison showed the engine's own count, 1.0 MiB, under a similar name)."""
+        pr = self.prediction
+        return [("device peak", "device_peak", pr.peak.get("device", 0), True),
+                ("device (engine)", "device_engine_peak", pr.engine_device, True),
+                ("host peak", "host_peak", pr.peak.get("host", 0), True),
+                ("nvme peak", "nvme_peak", pr.peak.get("nvme", 0), True),
+                ("process RSS", "rss_peak", pr.rss(self.hardware.cuda), True),
+                ("step time", "step_s", pr.step_s, False)]
+
+    def _figure(self, key: str) -> str:
+        _, _, value, is_bytes = next(f for f in self.figures() if f[1] == key)
+        return format_size(value) if is_bytes else f"{value * 1e3:.1f} ms"
+
     def summary(self) -> str:
         """A few lines for `tightfit train` to print before training."""
         p, pr = self.placement, self.prediction
@@ -92,11 +109,13 @@ class Plan:
                 t = p.of(u.name).tier(s).value
                 counts[t] = counts.get(t, 0) + 1
         where = ", ".join(f"{n} on {t}" for t, n in counts.items())
-        peaks = ", ".join(f"{t} {format_size(pr.peak.get(t, 0))}/{self._budget_text(t)}" for t in TIERS
+        peaks = ", ".join(f"{t} {self._figure(t + '_peak')}/{self._budget_text(t)}" for t in TIERS
                           if pr.peak.get(t, 0) or t != "nvme")
         lines = [f"plan ({self.mode}): {len(self.profile.units)} units x 4 states: {where}",
-                 f"  predicted peak: {peaks}, process RSS {format_size(pr.rss(self.hardware.cuda))}",
-                 f"  predicted step: {pr.step_s * 1e3:.0f} ms ({pr.tokens_per_s:,.0f} tokens/s), "
+                 f"  predicted peak: {peaks}, process RSS {self._figure('rss_peak')}",
+                 f"  device: the engine's own {self._figure('device_engine_peak')} + activations "
+                 f"{format_size(pr.breakdown.get('device', {}).get('activations', 0))}",
+                 f"  predicted step: {self._figure('step_s')} ({pr.tokens_per_s:,.0f} tokens/s), "
                  f"bottleneck: {pr.bottleneck}"]
         extras = []
         if p.checkpoint_units:
@@ -148,6 +167,7 @@ class Plan:
             lines += [f"- {r}" for r in self.reasons]
         if not self.profile.measured:
             lines.append(f"- note: {self.profile.note}")
+        lines += [f"- assumed: {a}" for a in self.hardware.assumptions]
         return "\n".join(lines)
 
     def compare(self, measured: dict) -> str:
@@ -158,18 +178,14 @@ class Plan:
         (host tier + buffer pool), "nvme_peak", "rss_peak" (bytes) and "step_s" (seconds per optimizer step).
         "rss_peak" is compared with runtime + host (+ CPU device) bytes.
         """
-        pr = self.prediction
-        pairs = [(f"{t} peak", pr.peak.get(t, 0), measured.get(f"{t}_peak"), True) for t in TIERS]
-        pairs.insert(1, ("device (engine)", engine_device_bytes(pr.breakdown), measured.get("device_engine_peak"), True))
-        pairs.append(("process RSS", pr.rss(self.hardware.cuda), measured.get("rss_peak"), True))
-        pairs.append(("step time", pr.step_s, measured.get("step_s"), False))
         lines = ["predicted vs measured:"]
-        for name, pred, meas, is_bytes in pairs:
+        for name, key, pred, is_bytes in self.figures():
+            meas = measured.get(key)
             if meas is None:
                 continue
             fmt = format_size if is_bytes else (lambda s: f"{s * 1e3:.1f} ms")
             err = (pred - meas) / meas * 100 if meas else 0.0
-            lines.append(f"  {name:<12} predicted {fmt(pred):>10}  measured {fmt(meas):>10}  ({err:+.0f}%)")
+            lines.append(f"  {name:<12} predicted {self._figure(key):>10}  measured {fmt(meas):>10}  ({err:+.0f}%)")
         return "\n".join(lines)
 
     def over_budget(self) -> list[str]:

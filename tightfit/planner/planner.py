@@ -10,44 +10,52 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from tightfit.errors import UsageError
 from tightfit.offload.placement import Tier
 from tightfit.planner.costs import TrainShape
 from tightfit.planner.hardware import HardwareProfile, current
 from tightfit.planner.model_profile import DTYPE_BYTES, profile_model
+from tightfit.planner.named_profiles import PROFILES
+from tightfit.planner.naming import CLI, Naming
 from tightfit.planner.plan import Plan
 from tightfit.planner.search import budgets_from, fixed, search
 
 
-def make_plan(model: nn.Module, cfg, hardware: HardwareProfile | None = None) -> Plan:
+def make_plan(model: nn.Module, cfg, hardware: HardwareProfile | None = None, names: Naming = CLI,
+              what_if: bool = False) -> Plan:
     """Plan where every state of `model` (which may live on the meta device) goes, and predict the result.
 
     `hardware`: a profile to plan for (tests, what-ifs); None reads this machine's cached profile (probing it
-    once if there is none) with capacities re-read now. Raises UsageError when no placement fits.
+    once if there is none) with capacities re-read now. `what_if`: `hardware` describes another machine (a
+    `--hardware` file or named profile): nothing of this machine is read into it. `names`: how messages name the
+    settings (CLI flags, or the keyword arguments of `tightfit.plan`). Raises UsageError when no placement fits.
     """
-    from tightfit.config import compute_device_type, parse_nvme, precision_name
+    from tightfit.config import parse_nvme, precision_name
 
-    nvme_dir = parse_nvme(cfg.memory.nvme)[0] if cfg.memory.nvme else None
+    nvme_dir = parse_nvme(cfg.memory.nvme, names.of("nvme"))[0] if cfg.memory.nvme else None
+    given = hardware is not None
     if hardware is None:
         from tightfit.planner.probe import load_or_probe
 
         hardware = load_or_probe(nvme_dir)
-    elif nvme_dir and hardware.nvme_free == 0 and hardware.measured_at:
+    elif nvme_dir and hardware.nvme_free == 0 and hardware.measured_at and not what_if:
         hardware = current(hardware, nvme_dir)
-    cuda = hardware.cuda and compute_device_type(cfg, torch.cuda.is_available()) == "cuda"
+    cuda = _computes_on_cuda(cfg.train.device, hardware, given, names)
     dtype = precision_name(cfg, "cuda" if cuda else "cpu")
-    budgets = budgets_from(cfg.memory, hardware)
+    budgets = budgets_from(cfg.memory, hardware, names)
     profile = profile_model(model, cfg.train.micro_batch, cfg.train.seq_len, dtype, cuda)
     shape = TrainShape(compute_bytes=DTYPE_BYTES[dtype], grad_accum=cfg.train.grad_accum,
                        tokens_per_micro=cfg.train.micro_batch * cfg.train.seq_len,
                        grad_clip=cfg.optim.grad_clip > 0)
     mode = cfg.memory.offload
     if mode == "auto":
-        res = search(profile, hardware, budgets, shape, cfg.memory.checkpointing)
+        res = search(profile, hardware, budgets, shape, cfg.memory.checkpointing, names)
     elif mode == "none":
-        res = fixed(profile, hardware, budgets, shape, Tier.DEVICE, cfg.memory.checkpointing, "--offload none "
-                    "(plain PyTorch)")
+        res = fixed(profile, hardware, budgets, shape, Tier.DEVICE, cfg.memory.checkpointing,
+                    f"{names.set('offload', 'none')} (plain PyTorch)", names)
     else:
-        res = fixed(profile, hardware, budgets, shape, Tier(mode), cfg.memory.checkpointing, f"--offload {mode}")
+        res = fixed(profile, hardware, budgets, shape, Tier(mode), cfg.memory.checkpointing,
+                    names.set("offload", mode), names)
     plan = Plan(res.placement, res.prediction,
                 {"device": budgets.device, "host": budgets.host, "nvme": budgets.nvme if budgets.nvme_dir else None},
                 budgets.source, res.reasons, mode, shape, res.profile, hardware, budgets.shared)
@@ -56,3 +64,21 @@ def make_plan(model: nn.Module, cfg, hardware: HardwareProfile | None = None) ->
 
         write_trace(plan, cfg.memory.trace)
     return plan
+
+
+def _computes_on_cuda(device: str, hw: HardwareProfile, given: bool, names: Naming) -> bool:
+    """Does the plan compute on a CUDA GPU? --device, with auto meaning the planned machine's GPU when it has one.
+    A device the planned machine lacks is refused, never ignored: --device cuda on a machine without a GPU names
+    the way to plan for one (--hardware)."""
+    if device == "auto":
+        return hw.cuda if given else (hw.cuda and torch.cuda.is_available())
+    if device == "cuda" and not hw.cuda:
+        if given:
+            raise UsageError(f"{names.set('device', 'cuda')}: the hardware planned for ({hw.device_name}) has no "
+                             "CUDA GPU; plan for one with a GPU profile")
+        raise UsageError(f"{names.set('device', 'cuda')}: this machine has no CUDA GPU; to plan for one, add "
+                         f"{names.set('hardware', 'FILE')} or a named profile ({', '.join(PROFILES)})")
+    if device == "cpu" and hw.cuda and given:
+        raise UsageError(f"{names.set('device', 'cpu')}: the hardware planned for is a GPU ({hw.device_name}) whose "
+                         "speeds are the GPU's; plan CPU compute with a CPU profile (tightfit probe on that machine)")
+    return device == "cuda"

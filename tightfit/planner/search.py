@@ -28,11 +28,18 @@ from tightfit.planner.costs import (Prediction, TrainShape, act_bytes, engine_bu
                                    units_per_window)
 from tightfit.planner.hardware import GiB, HardwareProfile
 from tightfit.planner.model_profile import ModelProfile, UnitProfile, Work
+from tightfit.planner.naming import CLI, Naming
 from tightfit.planner.unit_size import joined_reason, small_block_groups
-from tightfit.utils.sizes import format_size
+from tightfit.utils.sizes import format_size, parse_size
 
-_GROUPS: dict[str, tuple[State, ...]] = {"params": (State.PARAMS,), "grads": (State.GRADS,),
-                                         "optimizer": (State.MASTER, State.OPTIM)}
+
+def _groups(shape: TrainShape) -> dict[str, tuple[State, ...]]:
+    """The states the search moves together. With fp32 compute the master *is* the compute parameters when both
+    share a tier (one tensor, [Note: bytes per state] in memory_model.py), so the master follows the parameters:
+    moving it apart would add an identical fp32 copy (params on host + master on NVMe: 20 B/param, not 16)."""
+    if shape.compute_bytes == 4:
+        return {"params": (State.PARAMS, State.MASTER), "grads": (State.GRADS,), "optimizer": (State.OPTIM,)}
+    return {"params": (State.PARAMS,), "grads": (State.GRADS,), "optimizer": (State.MASTER, State.OPTIM)}
 
 
 @dataclass
@@ -48,7 +55,10 @@ class Budgets:
     nvme_dir: str | None = None
     """The swap folder (--nvme PATH)."""
     source: dict[str, str] = field(default_factory=dict)
-    """Tier -> the flag that set it ("--gpu-mem") or "machine"."""
+    """Tier -> the setting that set it ("--gpu-mem", "gpu_mem") or "machine"."""
+    given: dict[str, int | None] = field(default_factory=dict)
+    """The byte figures the user gave, by key ("gpu_mem", "cpu_mem", "nvme"; None: not given): what a message
+    suggesting another figure re-derives the budgets from (`with_given`)."""
 
     @property
     def shared(self) -> bool:
@@ -70,20 +80,33 @@ def device_headroom(hw: HardwareProfile) -> int:
     return max(512 * 2**20, int(hw.gpu_total * 0.08))
 
 
-def budgets_from(memory_cfg, hw: HardwareProfile) -> Budgets:
-    """Budgets from --gpu-mem / --cpu-mem / --nvme, or from the machine with headroom."""
+def budgets_from(memory_cfg, hw: HardwareProfile, names: Naming = CLI) -> Budgets:
+    """Budgets from --gpu-mem / --cpu-mem / --nvme (or their keyword arguments), or from the machine."""
     from tightfit.config import parse_nvme
-    from tightfit.utils.sizes import parse_size
 
+    gpu = parse_size(memory_cfg.gpu_mem, names.of("gpu_mem")) if memory_cfg.gpu_mem is not None else None
+    cpu = parse_size(memory_cfg.cpu_mem, names.of("cpu_mem")) if memory_cfg.cpu_mem is not None else None
+    nvme_dir, nvme_size = parse_nvme(memory_cfg.nvme, names.of("nvme")) if memory_cfg.nvme is not None else (None,
+                                                                                                          None)
+    if nvme_dir and nvme_size is None and hw.nvme_free <= 0:
+        raise UsageError(f"{names.of('nvme')}: the hardware profile states no free space for {nvme_dir} "
+                         f"(nvme_free); give a size: {names.set('nvme', nvme_dir + ':SIZE')}")
+    return derive_budgets(hw, names, gpu_mem=gpu, cpu_mem=cpu, nvme=nvme_size, nvme_dir=nvme_dir)
+
+
+def derive_budgets(hw: HardwareProfile, names: Naming, gpu_mem: int | None, cpu_mem: int | None, nvme: int | None,
+                   nvme_dir: str | None) -> Budgets:
+    """Budgets from the byte figures given (None: the machine's, less headroom). The one statement of how a
+    figure becomes a budget, so a suggested figure is checked by planning with exactly what the user would get."""
     src: dict[str, str] = {}
-    if memory_cfg.gpu_mem is not None:
-        device, src["device"] = parse_size(memory_cfg.gpu_mem, "--gpu-mem"), "--gpu-mem"
+    if gpu_mem is not None:
+        device, src["device"] = gpu_mem, names.of("gpu_mem")
     elif hw.cuda:
         device, src["device"] = max(0, hw.gpu_free - device_headroom(hw)), "machine"
     else:
         device, src["device"] = None, "machine (shared with host RAM)"
-    if memory_cfg.cpu_mem is not None:
-        host, src["host"] = parse_size(memory_cfg.cpu_mem, "--cpu-mem"), "--cpu-mem"
+    if cpu_mem is not None:
+        host, src["host"] = cpu_mem, names.of("cpu_mem")
         if not hw.cuda:  # the device is this RAM: --cpu-mem bounds the whole process ([Note: process RSS], costs.py)
             host = max(0, host - hw.runtime_rss - (device or 0))
     else:
@@ -91,16 +114,31 @@ def budgets_from(memory_cfg, hw: HardwareProfile) -> Budgets:
         if not hw.cuda and device is not None:
             host = max(0, host - device)  # a CPU "device" budget comes out of the same RAM
         src["host"] = "machine"
-    nvme_dir, nvme = None, 0
-    if memory_cfg.nvme is not None:
-        nvme_dir, size = parse_nvme(memory_cfg.nvme)
-        nvme = size if size is not None else int(hw.nvme_free * 0.95)
-        src["nvme"] = "--nvme" if size is not None else "--nvme (free space)"
-    return Budgets(device, host, nvme, nvme_dir, src)
+    nvme_bytes = 0
+    if nvme_dir is not None:
+        nvme_bytes = nvme if nvme is not None else int(hw.nvme_free * 0.95)
+        src["nvme"] = names.of("nvme") if nvme is not None else f"{names.of('nvme')} (free space)"
+    return Budgets(device, host, nvme_bytes, nvme_dir, src, {"gpu_mem": gpu_mem, "cpu_mem": cpu_mem, "nvme": nvme})
+
+
+def with_given(b: Budgets, hw: HardwareProfile, names: Naming, key: str, value: int) -> Budgets:
+    """`b` as it would be had the user given `value` for `key` ("gpu_mem", "cpu_mem" or "nvme")."""
+    given = {**b.given, key: value}
+    return derive_budgets(hw, names, given.get("gpu_mem"), given.get("cpu_mem"), given.get("nvme"),
+                          b.nvme_dir or ("<nvme>" if key == "nvme" else None))
 
 
 class Infeasible(UsageError):
     """No placement fits; the message names the smallest change that does."""
+
+
+class _NoFit(Exception):
+    """Internal: the search found no placement within the budgets (`search` turns it into `Infeasible`)."""
+
+    def __init__(self, bad: tuple[str, int, int], profile: ModelProfile, placement: Placement,
+                 pred: Prediction) -> None:
+        super().__init__(bad[0])
+        self.bad, self.profile, self.placement, self.pred = bad, profile, placement, pred
 
 
 def violations(pred: Prediction, b: Budgets) -> list[tuple[str, int, int]]:
@@ -139,9 +177,9 @@ class SearchResult:
     reasons: list[str]
 
 
-def _set(placement: Placement, unit: str, group: str, tier: Tier) -> Placement:
+def _set(placement: Placement, unit: str, states: tuple[State, ...], tier: Tier) -> Placement:
     up = placement.of(unit)
-    kw = {s.value: tier for s in _GROUPS[group]}
+    kw = {s.value: tier for s in states}
     return placement.with_units(**{unit: replace(up, **kw)})
 
 
@@ -159,10 +197,10 @@ def _items(profile: ModelProfile, shape: TrainShape, ck: set[str]) -> list[tuple
 
 
 def fixed(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainShape, tier: Tier,
-          checkpointing: str, label: str) -> SearchResult:
+          checkpointing: str, label: str, names: Naming = CLI) -> SearchResult:
     """Every state on one tier (--offload device|host|nvme|none): predicted, budgets reported, not enforced."""
     if tier == Tier.NVME and not b.nvme_dir:
-        raise UsageError("--offload nvme: needs a swap folder, add --nvme PATH[:SIZE]")
+        raise UsageError(f"{names.set('offload', 'nvme')}: needs a swap folder, add {names.set('nvme', 'PATH[:SIZE]')}")
     ck = [u.name for u in profile.units if u.checkpointable] if checkpointing == "on" else []
     p = Placement.everywhere(tier, checkpoint_units=ck, nvme_dir=b.nvme_dir)
     p = _finish(p, profile, hw, b, shape)
@@ -188,9 +226,27 @@ def _finish(p: Placement, profile: ModelProfile, hw: HardwareProfile, b: Budgets
 
 
 def search(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainShape,
-           checkpointing: str = "auto") -> SearchResult:
-    """The fastest placement the budgets allow (see the module docstring for the order of decisions); searched
-    again with small blocks joined into larger units when the first answer puts them on NVMe (unit_size.py)."""
+           checkpointing: str = "auto", names: Naming = CLI) -> SearchResult:
+    """The fastest placement the budgets allow (see the module docstring for the order of decisions). Raises
+    `Infeasible` with the smallest change that fits, each figure found by planning again with it."""
+    try:
+        return _search_units(profile, hw, b, shape, checkpointing)
+    except _NoFit as nf:
+        raise Infeasible(_suggest(nf, profile, hw, b, shape, checkpointing, names)) from None
+
+
+def _fits(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainShape, checkpointing: str) -> bool:
+    try:
+        _search_units(profile, hw, b, shape, checkpointing)
+        return True
+    except _NoFit:
+        return False
+
+
+def _search_units(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainShape,
+                  checkpointing: str) -> SearchResult:
+    """The search, run again with small blocks joined into larger units when the first answer puts them on NVMe
+    (unit_size.py). Raises `_NoFit`."""
     res = _search(profile, hw, b, shape, checkpointing)
     found = small_block_groups(res.placement, res.profile)
     if found is None:
@@ -203,7 +259,7 @@ def search(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainS
     margin = 2 * max(4 * (u.numel + u.trainable) for u in grouped.units if u.name != ROOT_UNIT)
     try:
         joined = _search(grouped, hw, replace(b, host=b.host - margin), shape, checkpointing)
-    except Infeasible:
+    except _NoFit:
         joined = None
     if joined is None or not joined.placement.uses(Tier.NVME) or joined.placement.tiled_linears:
         res.reasons.append(f"units: one block each; joining them into units of {format_size(target)} for larger "
@@ -241,17 +297,18 @@ def _search(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: Train
     p = Placement.everywhere(Tier.HOST, checkpoint_units=sorted(ck), tiled_linears=tiled)
     p = _finish(p, profile, hw, b, shape)
     items = _items(profile, shape, ck)
-    p = _promote(p, items, profile, hw, b, shape)
-    p = _demote(p, items, profile, hw, b, shape)
-    p = _promote(p, items, profile, hw, b, shape)
+    groups = _groups(shape)
+    p = _promote(p, items, groups, profile, hw, b, shape)
+    p = _demote(p, items, groups, profile, hw, b, shape)
+    p = _promote(p, items, groups, profile, hw, b, shape)
     pred = predict(profile, p, hw, shape)
     while violations(pred, b) and p.prefetch_depth > 1:  # a shallower window may be what makes it fit
         p = replace(p, prefetch_depth=p.prefetch_depth - 1)
         pred = predict(profile, p, hw, shape)
     bad = violations(pred, b)
     if bad:
-        raise Infeasible(_suggest(bad[0], profile, hw, b, shape, p, pred))
-    reasons += _explain(profile, p, pred, shape)
+        raise _NoFit(bad[0], profile, p, pred)
+    reasons += _explain(profile, p, groups)
     if tiled:
         # The engine's default unit policy does not descend into a block, so tiles inside a block are not units
         # it knows by name: name only real units in the placement (tiles follow the default placement).
@@ -270,28 +327,30 @@ def _min_streaming(profile: ModelProfile, shape: TrainShape) -> int:
     return (root + root_g + 3 * block + 2 * block_g) * c
 
 
-def _promote(p, items, profile, hw, b, shape) -> Placement:
+def _promote(p, items, groups, profile, hw, b, shape) -> Placement:
     for unit, group in items:
         up = p.of(unit)
-        if up.tier(_GROUPS[group][0]) == Tier.DEVICE:
+        states = groups[group]
+        if up.tier(states[0]) == Tier.DEVICE:
             continue
-        if group == "optimizer" and up.grads != Tier.DEVICE:
-            continue  # the device optimizer needs this unit's gradients on the device too
-        trial = _set(p, unit, group, Tier.DEVICE)
+        if group == "optimizer" and (up.grads != Tier.DEVICE or (State.MASTER not in states
+                                                                 and up.master != Tier.DEVICE)):
+            continue  # the device optimizer needs this unit's gradients (and master) on the device too
+        trial = _set(p, unit, states, Tier.DEVICE)
         if _device_ok(predict_mem(profile, trial, hw, shape), b):
             p = trial
     return p
 
 
-def _demote(p, items, profile, hw, b, shape) -> Placement:
+def _demote(p, items, groups, profile, hw, b, shape) -> Placement:
     pred = predict_mem(profile, p, hw, shape)
     if _host_ok(pred, b) or not b.nvme_dir:
         return p
     for unit, group in reversed(items):
         up = p.of(unit)
-        if up.tier(_GROUPS[group][0]) != Tier.HOST:
+        if up.tier(groups[group][0]) != Tier.HOST:
             continue
-        p = _set(p, unit, group, Tier.NVME)
+        p = _set(p, unit, groups[group], Tier.NVME)
         pred = predict_mem(profile, p, hw, shape)
         if _host_ok(pred, b):
             break
@@ -341,59 +400,144 @@ def _tile(profile: ModelProfile, shape: TrainShape, room: int, reasons: list[str
     return replace(profile, units=units), tiled
 
 
-def _explain(profile: ModelProfile, p: Placement, pred: Prediction, shape: TrainShape) -> list[str]:
+def _explain(profile: ModelProfile, p: Placement, groups: dict[str, tuple[State, ...]]) -> list[str]:
     out = []
-    for group, states in _GROUPS.items():
+    for group, states in groups.items():
         tiers: dict[str, int] = {}
         for u in profile.units:
             if group != "params" and not u.trainable:
                 continue
             t = p.of(u.name).tier(states[0]).value
             tiers[t] = tiers.get(t, 0) + 1
-        out.append(f"{group}: " + ", ".join(f"{n} unit(s) on {t}" for t, n in tiers.items()))
+        label = " + ".join("optimizer" if s is State.OPTIM else s.value for s in states)
+        out.append(f"{label}: " + ", ".join(f"{n} unit(s) on {t}" for t, n in tiers.items()))
     if any(p.of(u.name).params != Tier.DEVICE for u in profile.units):
         out.append(f"prefetch depth {p.prefetch_depth}: hides one unit's fetch behind the compute before it")
     return out
 
 
-def _suggest(bad: tuple[str, int, int], profile: ModelProfile, hw: HardwareProfile, b: Budgets,
-             shape: TrainShape, p: Placement, pred: Prediction) -> str:
-    """One line: what is short, by how much, and the smallest change that fits."""
-    tier, need, have = bad
+# ---- what to change when nothing fits ----------------------------------------------------------------------------
+# [Note: true figures] Every figure a message suggests is one the planner was run with and found to fit. The
+# shortfall of the failed search is no such figure: its checkpointing, tiling, prefetch depth and pool were chosen
+# for the budget that failed, and a larger budget makes other choices (fewer checkpointed units, a deeper window, a
+# larger pool), so "needs X" read off the failed plan understated what a second run asked for, and on a CPU-only
+# machine it left out the process floor that --cpu-mem includes. Here the budget is searched instead: doubled
+# until the planner fits, then bisected to 1/1000 of the figure, and printed rounded up.
+
+def _round_up_text(n: int) -> str:
+    """`format_size(n)`, rounded up at its printed precision so that the printed figure is at least `n`."""
+    text = format_size(n)
+    while parse_size(text) < n:
+        value, unit = text.split()
+        text = f"{float(value) + 0.1:.1f} {unit}"
+    return text
+
+
+def _smallest(fits, lo: int, hi: int) -> int | None:
+    """The smallest figure in (lo, ...] for which `fits` holds, to 1/1000 (`lo` is known not to fit); None when
+    nothing up to 2^60 bytes fits."""
+    hi = max(hi, lo + 1, 1 << 20)
+    while not fits(hi):
+        if hi > 1 << 60:
+            return None
+        lo, hi = hi, hi * 2
+    while hi - lo > max(hi // 1000, 1 << 12):
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    # Printed rounded up: make sure the printed figure itself fits.
+    for _ in range(20):
+        if fits(parse_size(_round_up_text(hi))):
+            return parse_size(_round_up_text(hi))
+        hi = parse_size(_round_up_text(hi)) + (1 << 12)
+    return None
+
+
+def _figure(key: str, profile, hw, b, shape, ck, names) -> int | None:
+    """The smallest value of the byte setting `key` ("gpu_mem", "cpu_mem", "nvme") with which the planner fits."""
+    now = b.given.get(key)
+    if now is None:
+        now = {"gpu_mem": b.device or 0, "cpu_mem": b.host, "nvme": b.nvme}[key]
+    return _smallest(lambda v: _fits(profile, hw, with_given(b, hw, names, key, v), shape, ck), now, 2 * now)
+
+
+def _largest_micro_batch(profile: ModelProfile, hw, b, shape, ck) -> int | None:
+    """The largest micro-batch below the profile's with which the planner fits (activations and work scale with
+    it), or None."""
+    fits = lambda mb: _fits(profile.with_micro_batch(mb), hw, b, replace(  # noqa: E731
+        shape, tokens_per_micro=mb * profile.seq_len), ck)
+    lo, hi = 1, profile.micro_batch - 1
+    if hi < 1 or not fits(1):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _suggest(nf: _NoFit, profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainShape,
+             checkpointing: str, names: Naming) -> str:
+    """One line: what is short, by how much, and the smallest changes that fit ([Note: true figures])."""
+    tier, need, have = nf.bad
+    pred, p = nf.pred, nf.placement
     if tier == "device" or (tier == "host" and b.shared and not b.nvme_dir and
                             pred.breakdown["device"]["activations"] > have):
+        key = "cpu_mem" if b.shared else "gpu_mem"
+        figure = _figure(key, profile, hw, b, shape, checkpointing, names)
+        if figure is not None:  # the figures of the plan that fits, not of the one that failed
+            pred = _search_units(profile, hw, with_given(b, hw, names, key, figure), shape, checkpointing).prediction
+            need = pred.peak["device"] + (pred.peak["host"] if b.shared else 0)
         act = pred.breakdown["device"]["activations"]
-        other = need - act
-        flag = "--gpu-mem" if b.source.get("device") == "--gpu-mem" else ("--cpu-mem" if b.shared else "--gpu-mem")
-        msg = (f"needs {format_size(need)} device memory (activations of --micro-batch {profile.micro_batch}: "
-               f"{format_size(act)}, parameters in flight: {format_size(other)}), {format_size(have)} available")
+        msg = (f"needs {format_size(need)} device memory (activations of {names.set('micro_batch', profile.micro_batch)}"
+               f": {format_size(act)}, everything else: {format_size(need - act)}), {format_size(have)} available")
+        if b.shared:
+            msg += f" ({names.of('cpu_mem')} bounds the whole process: the process floor " \
+                   f"{format_size(hw.runtime_rss)} comes out of it)"
         options = []
-        if act > 0 and have > other:
-            mb = max(0, int(profile.micro_batch * (have - other) / act))
-            if 1 <= mb < profile.micro_batch:
-                accum = math.ceil(shape.grad_accum * profile.micro_batch / mb)
-                options.append(f"--micro-batch {mb} --grad-accum {accum}")
-        if not p.checkpoint_units:
-            options.append("--checkpointing on")
-        options.append(f"{flag} {format_size(need)}")
-        return msg + ": use " + ", or ".join(options)
+        mb = _largest_micro_batch(profile, hw, b, shape, checkpointing)
+        if mb is not None:
+            accum = math.ceil(shape.grad_accum * profile.micro_batch / mb)
+            options.append(names.join(names.set("micro_batch", mb), names.set("grad_accum", accum)))
+        if not p.checkpoint_units and checkpointing != "on" and _fits(profile, hw, b, shape, "on"):
+            options.append(names.set("checkpointing", "on"))
+        if figure is not None:
+            options.append(names.set(key, _round_up_text(figure)))
+        return msg + (": use " + ", or ".join(options) if options else ": no budget fits this model and shape")
     if tier == "host":
-        total_ram = need
-        msg = f"needs {format_size(total_ram)} host memory, {format_size(have)} available"
+        figure = _figure("cpu_mem", profile, hw, b, shape, checkpointing, names)
+        if figure is not None:  # the figures of the plan that fits, not of the one that failed
+            pred = _search_units(profile, hw, with_given(b, hw, names, "cpu_mem", figure), shape,
+                                 checkpointing).prediction
+            need = pred.peak["host"] + (pred.peak["device"] if b.shared else 0)
+        msg = f"needs {format_size(need)} host memory, {format_size(have)} available"
+        more = "" if figure is None else \
+            f" ({format_size(with_given(b, hw, names, 'cpu_mem', figure).host - b.host)} more)"
+        raise_to = "" if figure is None else names.set("cpu_mem", _round_up_text(figure))
         if not b.nvme_dir:
             spill = _nvme_need(profile, hw, b, shape)
-            return msg + f": add --nvme PATH with {format_size(spill)} free" + (
-                f", or raise --cpu-mem to {format_size(total_ram)}" if b.source.get("host") == "--cpu-mem" else "")
-        return msg + f" even with the NVMe tier: raise --cpu-mem or free RAM ({format_size(total_ram - have)} more)"
-    return (f"needs {format_size(need)} on the NVMe tier ({b.nvme_dir}), {format_size(have)} allowed: point --nvme "
-            f"at a disk with {format_size(need)} free, or raise its SIZE")
+            return (msg + f": add {names.set('nvme', 'PATH')} with {_round_up_text(spill)} free"
+                    + (f", or {raise_to}{more}" if raise_to and b.given.get("cpu_mem") is not None else "")
+                    + (f", or free RAM{more}" if raise_to and b.given.get("cpu_mem") is None else ""))
+        if not raise_to:
+            return msg + f" even with the NVMe tier: no {names.of('cpu_mem')} fits this model and shape"
+        if b.given.get("cpu_mem") is None:
+            return msg + f" even with the NVMe tier: free RAM{more}, or give {raise_to}"
+        return msg + f" even with the NVMe tier: use {raise_to}{more}"
+    figure = _figure("nvme", profile, hw, b, shape, checkpointing, names)
+    size = _round_up_text(figure if figure is not None else need)
+    return (f"needs {size} on the NVMe tier ({b.nvme_dir}), {format_size(have)} allowed: point "
+            f"{names.of('nvme')} at a disk with {size} free, or raise its SIZE")
 
 
 def _nvme_need(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainShape) -> int:
     """Swap space the plan would use if an unlimited NVMe tier were added."""
     trial = replace(b, nvme=1 << 62, nvme_dir=b.nvme_dir or "<nvme>")
     try:
-        res = search(profile, hw, trial, shape, "auto")
-        return res.prediction.peak["nvme"]
-    except UsageError:
+        return _search_units(profile, hw, trial, shape, "auto").prediction.peak["nvme"]
+    except _NoFit:
         return sum(u.trainable * 16 + u.numel * shape.compute_bytes for u in profile.units)

@@ -177,17 +177,11 @@ class OffloadMemory(_Stepping):
     def __init__(self, model: nn.Module, cfg: Config, device: torch.device, dtype: torch.dtype, plan) -> None:
         import tightfit
         from tightfit.offload import LossScaler, engine_of
+        from tightfit.planner.from_python import tile_as_planned
 
         self.plan = plan
         self.device = device
-        placement = plan.placement
-        units = None  # the engine's default: each repeated block is a unit
-        if placement.tiled_linears:
-            from tightfit.tiling import tile_linears, tile_units
-
-            tile_linears(model, tiles=placement.tiled_linears)
-            units = tile_units(model)  # each tile its own unit, fetched and released one at a time
-            placement = placement.for_units(units)
+        placement, units = tile_as_planned(model, plan)  # the plan's tiles, and its units (the one place: from_python)
         # Names and shapes as the model declares them; once wrapped, released parameters are empty views.
         self._shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
         self.model = tightfit.wrap(model, placement, compute_dtype=dtype, device=device, units=units)

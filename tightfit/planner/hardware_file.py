@@ -1,0 +1,183 @@
+"""What-if hardware: a machine described in a file, or by name, for `tightfit plan --hardware`.
+
+Why: "will a 7B model train on a 24 GiB GPU with 64 GiB of RAM and an NVMe disk?" must be answerable on a machine
+that has none of those. The planner needs only a `HardwareProfile` (capacities and speeds); this module reads one
+from a JSON or TOML file (one `tightfit probe --out FILE` wrote, or one written by hand) or from the named
+profiles in `named_profiles.py`, and validates it so a typo is one line naming the file and the field.
+
+The format (docs/PLANNER.md, "What-if hardware"): the fields of `HardwareProfile`, flat, at the top level.
+Byte figures may be numbers or sizes ("24GiB"); bandwidths numbers (bytes/s) or sizes per second ("25GB/s");
+`matmul_flops` maps a square problem size to FLOP/s ({"4096" = 1.5e14} in TOML, {"4096": 1.5e14} in JSON);
+`assumptions` is a list of sentences the plan prints under its table. A profile read from a file is used as it
+is: no capacity of this machine is read into it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+from tightfit.errors import UsageError
+from tightfit.planner.hardware import HardwareProfile, machine_key
+from tightfit.planner.naming import CLI, Naming
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+_BYTES = ("gpu_total", "gpu_free", "host_total", "host_available", "nvme_free", "nvme_chunk_bytes", "runtime_rss")
+_RATES_BPS = ("nvme_read_bw", "nvme_write_bw", "h2d_bw", "d2h_bw", "mem_bw")
+_NUMBERS = ("cpu_adam_rate", "device_adam_rate", "op_overhead_s", "measured_at")
+_INTS = ("nvme_io_threads", "threads")
+_REQUIRED = ("cuda", "device_name", "host_total", "nvme_read_bw", "nvme_write_bw", "h2d_bw", "d2h_bw", "mem_bw",
+             "cpu_adam_rate", "matmul_flops")
+"""A hand-written profile must state these; the rest have defaults (gpu_free = gpu_total, host_available =
+host_total, device_adam_rate = cpu_adam_rate without CUDA, the dataclass's defaults otherwise)."""
+
+
+def load_hardware(spec: str, names: Naming = CLI) -> HardwareProfile:
+    """The profile `spec` names: a named profile (`named_profiles.PROFILES`) or a .json / .toml file."""
+    from tightfit.planner.named_profiles import PROFILES
+
+    flag = names.of("hardware")
+    if spec in PROFILES:
+        return profile_from_dict(PROFILES[spec], f"{flag} {spec}", default_key=f"named:{spec}")
+    path = Path(spec)
+    if not path.is_file():
+        raise UsageError(f"{flag}: {spec!r} is neither a file nor a named profile; named: {', '.join(PROFILES)}")
+    text = path.read_text(errors="replace")
+    where = f"{flag} {path}"
+    try:
+        data = tomllib.loads(text) if path.suffix.lower() == ".toml" else json.loads(text)
+    except (tomllib.TOMLDecodeError, ValueError) as e:
+        kind = "TOML" if path.suffix.lower() == ".toml" else "JSON"
+        raise UsageError(f"{where}: not valid {kind} ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{where}: expected a table of profile fields at the top level")
+    if "cuda" not in data and data and all(isinstance(v, dict) and "cuda" in v for v in data.values()):
+        data = _from_cache(data, where)  # the probe's cache: profiles keyed by machine
+    return profile_from_dict(data, where, default_key=f"file:{path.name}")
+
+
+def _from_cache(entries: dict, where: str) -> dict:
+    """The one profile of a probe cache file (or this machine's, when it holds several)."""
+    if len(entries) == 1:
+        return next(iter(entries.values()))
+    if machine_key() in entries:
+        return entries[machine_key()]
+    raise UsageError(f"{where}: a probe cache with {len(entries)} machines ({', '.join(entries)}); save one with "
+                     "`tightfit probe --out FILE` on the machine to plan for")
+
+
+def _size(value, where: str, key: str, per_second: bool) -> float:
+    from tightfit.utils.sizes import parse_size
+
+    if isinstance(value, bool):
+        value = "bad"
+    if isinstance(value, str) and per_second:
+        if not value.strip().lower().endswith("/s"):
+            raise UsageError(f"{where}: field {key}: write bytes per second as a number or e.g. '25GB/s', "
+                             f"got {value!r}")
+        value = value.strip()[:-2]
+    what = "bytes per second (a number or e.g. '25GB/s')" if per_second else "bytes (a number or e.g. '24GiB')"
+    try:
+        out = parse_size(value, key)
+    except UsageError:
+        raise UsageError(f"{where}: field {key}: expected {what}, got {value!r}") from None
+    return float(out) if per_second else out
+
+
+def _number(value, where: str, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UsageError(f"{where}: field {key}: expected a number, got {value!r}")
+    return float(value)
+
+
+def profile_from_dict(data: dict, where: str, default_key: str = "file") -> HardwareProfile:
+    """Validate a profile's fields (one line per mistake, naming `where` and the field) and build it."""
+    known = {f.name for f in fields(HardwareProfile)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise UsageError(f"{where}: unknown field {unknown[0]!r}; known: {', '.join(sorted(known))}")
+    missing = [k for k in _REQUIRED if k not in data]
+    if data.get("cuda") is True and "gpu_total" not in data:
+        missing.append("gpu_total")
+    if data.get("cuda") is True and "device_adam_rate" not in data:
+        missing.append("device_adam_rate")
+    if missing:
+        raise UsageError(f"{where}: missing field {missing[0]} (a profile states at least: "
+                         f"{', '.join(_REQUIRED)}, and gpu_total and device_adam_rate for a GPU)")
+    out: dict = {}
+    for key, value in data.items():
+        if key == "cuda":
+            if not isinstance(value, bool):
+                raise UsageError(f"{where}: field cuda: expected true or false, got {value!r}")
+            out[key] = value
+        elif key in ("key", "device_name", "nvme_device"):
+            if not isinstance(value, str):
+                raise UsageError(f"{where}: field {key}: expected a string, got {value!r}")
+            out[key] = value
+        elif key == "assumptions":
+            if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+                raise UsageError(f"{where}: field assumptions: expected a list of sentences")
+            out[key] = list(value)
+        elif key == "matmul_flops":
+            out[key] = _matmul(value, where)
+        elif key in _BYTES:
+            out[key] = _size(value, where, key, per_second=False)
+        elif key in _RATES_BPS:
+            out[key] = _size(value, where, key, per_second=True)
+        elif key in _INTS:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UsageError(f"{where}: field {key}: expected a positive integer, got {value!r}")
+            out[key] = value
+        elif key in _NUMBERS:
+            out[key] = _number(value, where, key)
+    for key in (*_RATES_BPS, "cpu_adam_rate", "device_adam_rate"):
+        if key in out and out[key] <= 0:
+            raise UsageError(f"{where}: field {key}: must be positive, got {data[key]!r}")
+    if out["cuda"] and out.get("gpu_total", 0) <= 0:
+        raise UsageError(f"{where}: field gpu_total: a GPU profile needs its memory, got {data.get('gpu_total')!r}")
+    out.setdefault("key", default_key)
+    out.setdefault("gpu_total", 0)
+    out.setdefault("gpu_free", out["gpu_total"])
+    out.setdefault("host_available", out["host_total"])
+    out.setdefault("nvme_free", 0)
+    out.setdefault("device_adam_rate", out["cpu_adam_rate"])
+    if not out["cuda"] and out["gpu_total"]:
+        raise UsageError(f"{where}: field gpu_total: set cuda = true for a GPU, or leave gpu_total out")
+    return HardwareProfile(**out)
+
+
+def _matmul(value, where: str) -> dict[int, float]:
+    if not isinstance(value, dict) or not value:
+        raise UsageError(f"{where}: field matmul_flops: expected a table of square size -> FLOP/s, "
+                         'e.g. {"1024": 1.0e14, "4096": 1.5e14}')
+    out = {}
+    for k, v in value.items():
+        try:
+            size = int(k)
+        except (TypeError, ValueError):
+            size = 0
+        if size <= 0 or isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            raise UsageError(f"{where}: field matmul_flops: entry {k!r} = {v!r}: expected a positive size "
+                             "and a positive FLOP/s")
+        out[size] = float(v)
+    return out
+
+
+def save_hardware(hw: HardwareProfile, path: str) -> Path:
+    """Write `hw` as a profile file (JSON) that `load_hardware` reads back equal; atomic (a temporary file renamed
+    over the target), so a reader never sees half a profile."""
+    import os
+
+    out = Path(path)
+    if out.parent and not out.parent.is_dir():
+        raise UsageError(f"--out: folder {out.parent} does not exist")
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(hw.to_dict(), indent=2))
+    os.replace(tmp, out)
+    return out
