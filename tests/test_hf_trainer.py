@@ -152,6 +152,8 @@ def test_refusals(tmp_path):
     with pytest.raises(UsageError, match="already wrapped"):
         TightfitTrainer(model=model, args=args(tmp_path / "c"), train_dataset=data,
                         placement=tightfit.Placement.everywhere("host"))
+    with pytest.raises(UsageError, match="fp16=True"):
+        TightfitTrainer(model=model, args=args(tmp_path / "f", fp16=True), train_dataset=data)
     with pytest.raises(UsageError, match="optim='adamw_torch_fused'"):
         TightfitTrainer(model=model, args=args(tmp_path / "d", optim="sgd"), train_dataset=data).train()
     stock_ckpt = tmp_path / "stock"
