@@ -61,7 +61,7 @@ def _scalars(folder) -> dict[str, list[tuple[int, float]]]:
 
 
 def test_tensorboard_gets_the_records_metrics_jsonl_gets(tiny_args, tmp_path, capsys):
-    assert main(["train", *tiny_args, "--steps", "10", "--offload", "host", "--tensorboard", "on"]) == 0
+    assert main(["train", *tiny_args, "--steps", "10", "--offload", "host", "--tensorboard", "on", "--plot"]) == 0
     run = tmp_path / "run"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
@@ -111,7 +111,18 @@ def test_profile_records_real_steps_with_the_engines_copies_and_disk_io(tiny_arg
         assert (prof / png).read_bytes()[:8] == PNG_MAGIC, png
 
 
-def test_no_profile_leaves_no_trace(tiny_args, tmp_path):
+def test_without_the_flags_no_trace_no_picture_no_events(tiny_args, tmp_path):
     assert main(["train", *tiny_args, "--steps", "2", "--tensorboard", "off"]) == 0
     run = tmp_path / "run"
-    assert not (run / tb.FOLDER).exists() and not list(tmp_path.rglob("profile_trace.json"))
+    assert not (run / tb.FOLDER).exists() and not (run / "run.png").exists()
+    assert not list(tmp_path.rglob("profile_trace.json"))
+
+
+def test_plot_without_matplotlib_is_one_line(tiny_args, tmp_path, monkeypatch, capsys):
+    from tightfit.train import pictures
+
+    monkeypatch.setattr(pictures, "matplotlib_pyplot", lambda: None)
+    assert main(["train", *tiny_args, "--steps", "2", "--plot"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--plot" in err[0] and "pip install" in err[0]
+    assert not (tmp_path / "run").exists(), "refused before any work"

@@ -81,6 +81,7 @@ class TrainConfig:
                           ("auto", "on", "off"))
     profile: str | None = _f(None, "write a measured Chrome trace of 3 real steps (torch.profiler, with the engine's "
                                    "copies and disk I/O) to this folder, beside the plan's simulated one")
+    plot: bool = _f(False, "at the end, draw run.png in --out-dir: loss and memory per tier over the run (matplotlib)")
 
 
 @dataclass
@@ -278,6 +279,10 @@ def validate(cfg: Config) -> None:
         from tightfit.train.tensorboard import require
 
         require()
+    if cfg.train.plot:
+        from tightfit.train.pictures import require as require_matplotlib
+
+        require_matplotlib()
 
 
 def compute_device_type(cfg: Config, cuda_available: bool) -> str:

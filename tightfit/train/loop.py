@@ -293,12 +293,10 @@ def train(cfg: Config, *, quiet: bool = False) -> Summary:
         comparison = mem.compare_with_plan(seconds / max(1, summary.steps_done))
         if comparison:
             say(comparison)
-        if not quiet:
+        if t.plot:
             from tightfit.train.pictures import plot_run
 
-            png = plot_run(out_dir)  # with matplotlib: loss and memory per tier over the run
-            if png:
-                say(f"picture of the run: {png}")
+            say(f"picture of the run: {plot_run(out_dir)}")  # loss and memory per tier over the run
     except BaseException:
         if profiler is not None:
             with contextlib.suppress(Exception):

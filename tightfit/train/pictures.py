@@ -5,13 +5,17 @@ same records), so the picture can also be drawn later for any run folder (`plot_
 loop draws nothing while it trains. The plan's pictures (predicted memory over one step, where each unit's states
 live) are drawn by planner/trace.py; this is the measured side.
 
-Needs matplotlib (`pip install tightfit[plot]`); without it nothing is drawn and None is returned.
+Drawn at the end of `tightfit train --plot` (not by default: a figure costs about a second of CPU, which a short
+run, or a test suite of many, should not pay unasked). Needs matplotlib (`pip install tightfit[plot]`): `--plot`
+without it is refused before any work; `plot_run` itself returns None without it.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from tightfit.errors import UsageError
 
 PNG_NAME = "run.png"
 
@@ -26,6 +30,13 @@ def matplotlib_pyplot():
     except ImportError:
         return None
     return plt
+
+
+def require() -> None:
+    """`--plot` without matplotlib: one line, before any work (config.validate calls it)."""
+    if matplotlib_pyplot() is None:
+        raise UsageError("--plot: matplotlib is not installed; pip install 'tightfit[plot]' (or matplotlib), "
+                         "or leave out --plot")
 
 
 def plot_run(folder: str | Path) -> Path | None:
