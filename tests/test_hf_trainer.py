@@ -11,11 +11,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-import tightfit  # noqa: E402
-from tightfit.errors import UsageError  # noqa: E402
-from tightfit.integrations.hf_trainer import TightfitTrainer  # noqa: E402
-from tightfit.offload.engine import engine_of  # noqa: E402
-from tightfit.offload.state_io import export_state  # noqa: E402
+import tightfit
+from tightfit.errors import UsageError
+from tightfit.integrations.hf_trainer import TightfitTrainer
+from tightfit.offload.engine import engine_of
+from tightfit.offload.state_io import export_state
 
 VOCAB, SEQ = 128, 16
 
@@ -53,10 +53,10 @@ def dataset(n: int = 48) -> list[dict]:
     return out
 
 
-def args(folder, **kw) -> "transformers.TrainingArguments":
+def args(folder, **kw) -> transformers.TrainingArguments:
     base = dict(output_dir=str(folder), per_device_train_batch_size=4, max_steps=6, learning_rate=1e-2,
-                lr_scheduler_type="linear", warmup_steps=2, max_grad_norm=0.5, weight_decay=0.1, logging_steps=1, report_to="none",
-                use_cpu=True, save_strategy="no", seed=0, disable_tqdm=True)
+                lr_scheduler_type="linear", warmup_steps=2, max_grad_norm=0.5, weight_decay=0.1, logging_steps=1,
+                report_to="none", use_cpu=True, save_strategy="no", seed=0, disable_tqdm=True)
     return transformers.TrainingArguments(**{**base, **kw})
 
 

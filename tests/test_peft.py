@@ -10,11 +10,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-import tightfit  # noqa: E402
-from tightfit.offload.engine import engine_of  # noqa: E402
-from tightfit.offload.placement import Tier  # noqa: E402
-from tightfit.offload.state_io import export_state  # noqa: E402
-from tightfit.optim import AdamW  # noqa: E402
+import tightfit
+from tightfit.offload.engine import engine_of
+from tightfit.offload.placement import Tier
+from tightfit.offload.state_io import export_state
+from tightfit.optim import AdamW
 
 VOCAB, SEQ = 128, 16
 

@@ -229,7 +229,8 @@ def _scheduler_state(scheduler) -> dict:
         json.dumps(state)
     except TypeError:
         raise UsageError(f"TightfitTrainer: the LR scheduler {type(scheduler).__name__} keeps state that is not "
-                         "plain numbers (e.g. a callable object); use one of Trainer's lr_scheduler_type values") from None
+                         "plain numbers (e.g. a callable object); use one of Trainer's lr_scheduler_type "
+                         "values") from None
     return state
 
 

@@ -50,5 +50,5 @@ def load_rng(path: Path) -> None:
     np.random.set_state((s["numpy_kind"], handle.get_tensor("numpy").numpy().astype(np.uint32), s["numpy_pos"],
                          s["numpy_has_gauss"], s["numpy_cached_gaussian"]))
     torch.random.set_rng_state(handle.get_tensor("torch"))
-    if torch.cuda.is_available() and "cuda" in handle.keys():
+    if torch.cuda.is_available() and "cuda" in set(handle.keys()):
         torch.cuda.set_rng_state(handle.get_tensor("cuda"))

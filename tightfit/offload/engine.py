@@ -591,7 +591,8 @@ class OffloadEngine:
 
     @staticmethod
     def unit_report(unit: OffloadUnit) -> dict:
-        sizes = {State.PARAMS: unit.compute_bytes, State.MASTER: 0 if unit.master_entry == PARAMS else 4 * unit.master_numel,
+        sizes = {State.PARAMS: unit.compute_bytes,
+                 State.MASTER: 0 if unit.master_entry == PARAMS else 4 * unit.master_numel,
                  State.GRADS: 4 * unit.spec.train_numel, State.OPTIM: 8 * unit.spec.train_numel}
         return {"numel": unit.spec.numel, "trainable_numel": unit.spec.train_numel,
                 "states": {s.value: {"tier": unit.placement.tier(s).value, "where": unit.where[s].value,
