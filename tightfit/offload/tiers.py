@@ -136,9 +136,18 @@ class DiskStore(TierStore):
             from tightfit.offload.nvme import NvmeStore
         except ImportError as e:  # pragma: no cover - only while the NVMe engine is missing
             raise UsageError(f"the NVMe tier is not available in this build ({e}); place no state on nvme") from None
+        from tightfit.offload.swap_folder import SwapFolder
+
+        # The swap files live in this run's own subfolder of `folder`, under a lock on `folder` (swap_folder.py):
+        # a second run there is refused, a dead run's leftovers are cleaned, nothing else in it is touched.
+        self.swap = SwapFolder.claim(folder)
         # I/O threads and largest transfer: the probe's for this folder's disk unless given ([Note: disk tuning] in
         # nvme.py); a tensor goes as few transfers as that allows ([Note: transfer size]).
-        self.nvme = NvmeStore(folder, budget_bytes=budget_bytes, threads=threads, chunk_bytes=chunk_bytes)
+        try:
+            self.nvme = NvmeStore(self.swap.path, budget_bytes=budget_bytes, threads=threads, chunk_bytes=chunk_bytes)
+        except BaseException:
+            self.swap.release()
+            raise
         self.bytes = 0  # host bytes: none; disk usage is reported by `nvme.stats()`
         self.disk_bytes = 0
         self._files: dict[str, str] = {}
@@ -228,9 +237,16 @@ class DiskStore(TierStore):
         return self.nvme.stats()
 
     def close(self):
-        self.wait()
-        self.nvme.flush()
-        self.nvme.close()
+        """Flush and close the files, remove them and the run's subfolder, unlock the swap folder: all of it even
+        when the disk failed (a run stopped by a full swap disk leaves no swap files)."""
+        try:
+            self.wait()
+            self.nvme.flush()
+        finally:
+            try:
+                self.nvme.close()
+            finally:
+                self.swap.release()
 
 
 def _forward(src: Future, dst: Future) -> None:

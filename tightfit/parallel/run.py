@@ -84,10 +84,37 @@ def launch(cfg, argv: list[str]) -> int:
            "-m", "tightfit.cli", *argv]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default too; stated so CPU ranks do not oversubscribe
-    try:
-        return subprocess.run(cmd, env=env).returncode
-    except KeyboardInterrupt:  # torchrun forwards the signal to the workers
-        return 130
+    from tightfit.utils.run_lock import RunLock
+
+    # The launcher is the run: it holds the --out-dir lock (a second run is refused here, in one line, before any
+    # worker starts) and tells its workers so, so rank 0 does not take it again.
+    with RunLock.acquire(cfg.train.out_dir, "--out-dir"):
+        env[_LOCK_HELD_ENV] = str(Path(cfg.train.out_dir).resolve())
+        try:
+            return subprocess.run(cmd, env=env).returncode
+        except KeyboardInterrupt:  # torchrun forwards the signal to the workers
+            return 130
+
+
+_LOCK_HELD_ENV = "TIGHTFIT_OUT_DIR_LOCKED"
+"""Set by `launch` for its workers: the --out-dir whose lock the launcher holds."""
+
+
+def _lock_out_dir(cfg, env):
+    """Rank 0 locks --out-dir unless its launcher holds the lock; every rank learns whether that failed (one
+    all-reduce), so a refused run stops everywhere at once instead of leaving the others in a collective."""
+    from tightfit.utils.run_lock import RunLock
+
+    lock, refusal = None, None
+    held = os.environ.get(_LOCK_HELD_ENV) == str(Path(cfg.train.out_dir).resolve())
+    if env.rank == 0 and not held:
+        try:
+            lock = RunLock.acquire(cfg.train.out_dir, "--out-dir")
+        except UsageError as e:
+            refusal = e
+    if _any_rank(refusal is not None, "the --out-dir lock check"):
+        raise refusal or UsageError(f"--out-dir: rank 0 could not lock {cfg.train.out_dir}; see its error")
+    return lock
 
 
 def resolve_plan(cfg, world_size: int, model: torch.nn.Module, log) -> ParallelPlan:
@@ -126,7 +153,9 @@ def run_distributed(cfg, timeout_s: float | None = None) -> dict:
     timeout_s = cfg.parallel.dist_timeout if timeout_s is None else timeout_s
     _WHERE[0] = "setup (process group and device mesh)"
     env = init_distributed(timeout_s=timeout_s, device=cfg.train.device)
+    lock = None
     try:
+        lock = _lock_out_dir(cfg, env)
         return _train(cfg, env)
     except (RuntimeError, dist.DistError) as e:
         if isinstance(e, UsageError) or not _is_comm_failure(e):
@@ -135,6 +164,8 @@ def run_distributed(cfg, timeout_s: float | None = None) -> dict:
               flush=True)
         os._exit(1)  # the process group is broken: destroying it could block on the dead peer
     finally:
+        if lock is not None:
+            lock.release()
         shutdown()
 
 

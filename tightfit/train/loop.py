@@ -115,6 +115,14 @@ def export_hf(model: torch.nn.Module, mem: MemorySetup, folder: str) -> None:
 
 def train(cfg: Config, *, quiet: bool = False) -> Summary:
     """Run `tightfit train` with a validated config. Raises UsageError on bad input."""
+    from tightfit.utils.run_lock import RunLock
+
+    # One run per --out-dir (utils/run_lock.py): a second one is refused with one line naming this run's PID.
+    with RunLock.acquire(cfg.train.out_dir, "--out-dir"):
+        return _train(cfg, quiet=quiet)
+
+
+def _train(cfg: Config, *, quiet: bool) -> Summary:
     from tightfit.models.build import build_model, hf_path, model_loss
     from tightfit.models.tokenizer import get_tokenizer
 
