@@ -140,6 +140,15 @@ class TightfitTrainer(transformers.Trainer):
                                                          "betas": (self.args.adam_beta1, self.args.adam_beta2)})
         return super().create_optimizer(model)
 
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """Trainer's step; before the backward of a step's last micro-batch, each unit's master and moments start
+        loading as its backward starts (`preload_during_backward`), so the optimizer step after backward waits for
+        less. Not `step_during_backward`: Trainer reads the gradient norm after backward (it logs it), and stepped
+        units would have consumed their gradients by then. The result is the same either way."""
+        if self.accelerator.gradient_state.sync_gradients:
+            tightfit_optimizer(self.optimizer).preload_during_backward()
+        return super().training_step(model, inputs, num_items_in_batch)
+
     def _clip_grad_norm(self, model):
         """Clip to `max_grad_norm` inside the coming step; the norm before clipping (what Trainer logs)."""
         return tightfit_optimizer(self.optimizer).clip_grad_norm_(self.args.max_grad_norm)
