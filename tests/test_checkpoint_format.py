@@ -194,3 +194,37 @@ def test_resume_under_another_placement_from_a_plain_run_matches(tiny_args, tmp_
     names = sorted(p.name for p in ckpt.latest(tmp_path / "mixed").iterdir())
     assert names == sorted(p.name for p in ckpt.latest(tmp_path / "plain").iterdir())
     assert "blocks.0.safetensors" in names and "root.safetensors" in names and "index.json" in names
+
+
+def test_nvme_units_are_checkpointed_as_a_copy_of_their_swap_files(tiny_args, tmp_path, monkeypatch):
+    """With every state on NVMe no unit passes through the engine on its way to the checkpoint (its swap file's
+    byte ranges are copied in the kernel); the tensors read back equal a plain run's."""
+    import json
+
+    from safetensors import safe_open
+
+    from tightfit.offload.engine import OffloadEngine
+
+    i = tiny_args.index("--out-dir")
+
+    def at(name):
+        return tiny_args[: i + 1] + [str(tmp_path / name)] + tiny_args[i + 2:] + ["--steps", "4"]
+
+    assert main(["train", *at("plain"), "--offload", "none"]) == 0
+
+    def no_read(self, unit):
+        raise AssertionError("the checkpoint read a unit through the engine")
+
+    monkeypatch.setattr(OffloadEngine, "read_master", no_read)
+    assert main(["train", *at("nvme"), "--offload", "nvme", "--nvme", str(tmp_path / "swap")]) == 0
+    folder = ckpt.latest(tmp_path / "nvme")
+    index = json.loads((folder / cw.INDEX).read_text())
+    assert index["tensors"]["model.blocks.0.mlp.up.weight"]["entry"] == "master"
+    assert index["tensors"]["optim.blocks.0.mlp.up.weight.exp_avg"]["entry"] == "exp_avg"
+    with safe_open(folder / "blocks.0.safetensors", framework="pt") as f:  # any safetensors reader opens a shard
+        assert {"master", "exp_avg", "exp_avg_sq"} <= set(f.keys())
+    ref, got = ckpt.read_all(tmp_path / "plain"), ckpt.read_all(tmp_path / "nvme")
+    assert ref.keys() == got.keys()
+    for k in ref:
+        if not k.startswith("rng."):  # planning an offloaded run draws random numbers (a trial model)
+            torch.testing.assert_close(got[k], ref[k], rtol=1e-6, atol=0, msg=k)

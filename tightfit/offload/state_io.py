@@ -141,25 +141,37 @@ def _read_moments(unit: OffloadUnit) -> dict[str, torch.Tensor]:
     return out
 
 
-def _export_wrapped(engine: OffloadEngine, with_optim: bool, trainable_only: bool = False):
+def quiesce(engine: OffloadEngine) -> None:
+    """Wait until every state is at rest in its tier: gradients landed, steps during backward done, write-backs
+    written. The stores would order reads after the writes anyway; this surfaces a failed write here."""
     engine.wait_grads()
     engine.wait_early_steps()
-    engine.wait_writes()  # the stores would order the reads after them; this surfaces a failed write here
+    engine.wait_writes()
+
+
+def export_unit(engine: OffloadEngine, unit: OffloadUnit, with_optim: bool, trainable_only: bool = False
+                ) -> list[tuple[str, torch.Tensor]]:
+    """One unit's (key, tensor) pairs, read from its tiers into fresh host tensors (after `quiesce`)."""
+    master = engine.read_master(unit)
+    items = [(f"model.{slot.name}", slot.view(master).clone())
+             for slot in (unit.trainable if trainable_only else unit.spec.slots)]
+    del master
+    if with_optim and not unit.moments_empty:
+        moments = _read_moments(unit)
+        for i, slot in enumerate(unit.trainable):
+            if unit.steps[i] is None:
+                continue
+            items += [(f"optim.{slot.name}.{entry}", slot.view(moments[entry]).clone()) for entry in _MOMENTS]
+            items.append((f"optim.{slot.name}.step", unit.steps[i].detach().cpu().clone()))
+    return items
+
+
+def _export_wrapped(engine: OffloadEngine, with_optim: bool, trainable_only: bool = False):
+    quiesce(engine)
     for unit in engine.units.values():
         if trainable_only and not unit.trainable:
             continue
-        master = engine.read_master(unit)
-        items = [(f"model.{slot.name}", slot.view(master).clone())
-                 for slot in (unit.trainable if trainable_only else unit.spec.slots)]
-        del master
-        if with_optim and not unit.moments_empty:
-            moments = _read_moments(unit)
-            for i, slot in enumerate(unit.trainable):
-                if unit.steps[i] is None:
-                    continue
-                items += [(f"optim.{slot.name}.{entry}", slot.view(moments[entry]).clone()) for entry in _MOMENTS]
-                items.append((f"optim.{slot.name}.step", unit.steps[i].detach().cpu().clone()))
-        yield unit.name, items
+        yield unit.name, export_unit(engine, unit, with_optim, trainable_only)
 
 
 def _import_wrapped(engine: OffloadEngine, with_optim: bool, get, trainable_only: bool = False):

@@ -34,6 +34,7 @@ import torch
 from tightfit import __version__
 from tightfit.errors import UsageError
 from tightfit.models.hf_safetensors import TensorEntry, TensorReader, read_header
+from tightfit.offload.safetensors_file import is_padding
 from tightfit.train.checkpoint_writer import INDEX, CheckpointWriter, committed
 from tightfit.utils.safetensors_format import CODE_TO_DTYPE
 from tightfit.utils.safetensors_io import tensor_bytes
@@ -156,21 +157,28 @@ def load_checkpoint(path: Path, flag: str = "--resume") -> Checkpoint:
     weight_map, tensors = index.get("weight_map"), index.get("tensors")
     if (not isinstance(weight_map, dict) or not isinstance(tensors, dict) or set(weight_map) != set(tensors)):
         raise _bad(folder / INDEX, "has no matching weight_map and tensors objects")
-    shapes, dtypes, crcs = {}, {}, {}
+    shapes, dtypes, crcs, views = {}, {}, {}, {}
     for key, info in tensors.items():
         ok = (isinstance(info, dict) and info.get("dtype") in CODE_TO_DTYPE and isinstance(info.get("shape"), list)
-              and all(_is_int(s) and s >= 0 for s in info["shape"]) and _is_int(info.get("crc32")))
+              and all(_is_int(s) and s >= 0 for s in info["shape"]) and _is_int(info.get("crc32"))
+              and ("entry" not in info or (isinstance(info["entry"], str) and _is_int(info.get("offset"))
+                                           and info["offset"] >= 0)))
         if not ok:
             raise _bad(folder / INDEX, f"has a bad entry for tensor {key!r}: {info!r}")
         shapes[key], dtypes[key], crcs[key] = info["shape"], CODE_TO_DTYPE[info["dtype"]], info["crc32"]
-    entries = _read_shards(folder, weight_map, shapes, dtypes)
+        if "entry" in info:
+            views[key] = (info["entry"], info["offset"])
+    entries = _read_shards(folder, weight_map, shapes, dtypes, views)
     _check_rng(folder, shapes, dtypes)
     return Checkpoint(path=folder, step=step, config=config, signature=signature, shapes=shapes, dtypes=dtypes,
                       loss_scaler=scaler, entries=entries, crcs=crcs)
 
 
-def _read_shards(folder: Path, weight_map: dict, shapes: dict, dtypes: dict) -> dict[str, TensorEntry]:
-    """Every shard's header (offsets checked as safetensors does), each tensor where the index says, as it says."""
+def _read_shards(folder: Path, weight_map: dict, shapes: dict, dtypes: dict, views: dict
+                 ) -> dict[str, TensorEntry]:
+    """Every shard's header (offsets checked as safetensors does), each tensor where the index says, as it says:
+    a tensor of its own, or a view - a slice of a flat entry of the shard (checkpoint_swap.py) that must lie
+    inside it, in its dtype. Nothing else may be in a shard but padding (safetensors_file.py)."""
     entries = {}
     for file in sorted(set(weight_map.values())):
         if not isinstance(file, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+\.safetensors", file):
@@ -179,11 +187,20 @@ def _read_shards(folder: Path, weight_map: dict, shapes: dict, dtypes: dict) -> 
             raise _bad(folder / file, "is missing (the index names it)")
         in_file, _ = read_header(folder / file)
         keys = {k for k, f in weight_map.items() if f == file}
-        if set(in_file) != keys:
-            extra = sorted(set(in_file) ^ keys)
+        own = {k for k in keys if k not in views}
+        flat = {views[k][0] for k in keys if k in views}
+        unknown = set(in_file) - own - flat
+        if own - set(in_file) or flat - set(in_file) or any(not is_padding(n) for n in unknown):
+            extra = sorted((own | flat) ^ (set(in_file) - {n for n in unknown if is_padding(n)}))
             raise _bad(folder / file, f"does not hold what the index says (e.g. {extra[0]!r})")
         for k in keys:
-            e = in_file[k]
+            e = in_file[views[k][0] if k in views else k]
+            if k in views:
+                numel = math.prod(shapes[k])
+                begin = e.begin + views[k][1] * e.dtype.itemsize
+                if len(e.shape) != 1 or views[k][1] + numel > e.shape[0]:
+                    raise _bad(folder / file, f"has no room for view {k!r} in entry {e.name!r}")
+                e = TensorEntry(k, e.file, e.dtype, tuple(shapes[k]), begin, begin + numel * e.dtype.itemsize)
             if list(e.shape) != shapes[k] or e.dtype != dtypes[k]:
                 raise _bad(folder / file, f"stores {k!r} as {e.dtype} {list(e.shape)}, the index says "
                                           f"{dtypes[k]} {shapes[k]}")
@@ -272,8 +289,11 @@ def start_save(root: Path, groups: Iterable[tuple[str, list[tuple[str, torch.Ten
     model (the groups are its own copies); `wait()` on the writer gives the committed folder."""
     writer = CheckpointWriter(Path(root), step, keep=keep)
     try:
-        for group, items in groups:
-            writer.put(group, items)
+        for g in groups:
+            if isinstance(g, tuple):
+                writer.put(*g)
+            else:  # a unit copied from its swap files (checkpoint_swap.py)
+                writer.put_copy(g)
         writer.put(RNG_GROUP, [(k, v.detach().cpu().clone()) for k, v in rng.items()])
     except BaseException:
         writer.abort()

@@ -45,7 +45,7 @@ import torch
 
 from tightfit.errors import UsageError
 from tightfit.utils.safetensors_format import DTYPE_TO_CODE
-from tightfit.utils.safetensors_io import fsync_dir, write_shard
+from tightfit.utils.safetensors_io import crc32_of, fsync_dir, tensor_bytes, write_shard
 from tightfit.utils.sizes import format_size
 
 INDEX = "index.json"
@@ -169,6 +169,19 @@ class CheckpointWriter:
             self._queued += nbytes
             self._cv.notify_all()
 
+    def put_copy(self, copy) -> None:
+        """A unit whose states are on NVMe (checkpoint_swap.SwapCopy): its shard is copied from the swap files now,
+        on the caller's thread (the copy must be of this step's state); checked and checksummed later, on the
+        writer thread, from the copy."""
+        file = self._file_name(copy.group)
+        try:
+            copy.write(self.partial / file)
+        except OSError as e:
+            raise self._disk_error(e) from None
+        with self._cv:
+            self._queue.append((file, copy))
+            self._cv.notify_all()
+
     def close(self, fields: dict) -> None:
         """No more groups; commit with these index fields once everything queued is written."""
         with self._cv:
@@ -231,15 +244,17 @@ class CheckpointWriter:
                 if job is None:
                     self.result = self._commit()
                     break
-                file, items = job
-                nbytes = sum(t.numel() * t.element_size() for _, t in items)
-                if not self._write(file, items):
+                file, payload = job
+                if isinstance(payload, list):
+                    nbytes = sum(t.numel() * t.element_size() for _, t in payload)
+                    ok = self._write(file, payload)
+                else:
+                    nbytes, ok = 0, self._verify_copy(file, payload)
+                if not ok:
                     break
                 self._written(nbytes)
         except OSError as e:
-            self.error = UsageError(f"--out-dir: cannot write the checkpoint of step {self.step} in {self.root} "
-                                    f"({e.strerror or e}); the previous checkpoint is untouched; free space and "
-                                    "resume with --resume")
+            self.error = self._disk_error(e)
         except BaseException as e:  # a bug: reported by wait() with its traceback
             self.error = e
         finally:
@@ -251,6 +266,43 @@ class CheckpointWriter:
                 self._done.set()
                 self._cv.notify_all()
 
+    def _disk_error(self, e: OSError) -> UsageError:
+        return UsageError(f"--out-dir: cannot write the checkpoint of step {self.step} in {self.root} "
+                          f"({e.strerror or e}); the previous checkpoint is untouched; free space and resume with "
+                          "--resume")
+
+    def _record(self, key: str, file: str, t: torch.Tensor, crc: int, view: tuple[str, int] | None = None) -> None:
+        if key in self._weight_map:
+            raise ValueError(f"checkpoint tensor {key!r} written twice")
+        self._weight_map[key] = file
+        self._tensors[key] = {"dtype": DTYPE_TO_CODE[t.dtype], "shape": list(t.shape), "crc32": crc}
+        if view is not None:
+            self._tensors[key].update(entry=view[0], offset=view[1])
+        self.bytes_written += t.numel() * t.element_size()
+
+    def _verify_copy(self, file: str, copy) -> bool:
+        """Read a copied shard back a tensor at a time: finite, CRC-32, index entries as views of its entries."""
+        from tightfit.offload.safetensors_file import read_layout
+
+        entries, _ = read_layout(self.partial / file)
+        with open(self.partial / file, "rb") as f:
+            for v in copy.views:
+                t = torch.empty(v.shape, dtype=v.dtype)
+                f.seek(entries[v.entry].offset + v.offset * v.dtype.itemsize)
+                f.readinto(tensor_bytes(t))
+                what = _non_finite(t)
+                if what is not None:
+                    self.non_finite = NonFinite(v.key, what)
+                    return False
+                self._record(v.key, file, t, crc32_of(t), (v.entry, v.offset))
+        for key, t in copy.small:
+            what = _non_finite(t)
+            if what is not None:
+                self.non_finite = NonFinite(key, what)
+                return False
+            self._record(key, file, t, crc32_of(t))
+        return True
+
     def _write(self, file: str, items: list[tuple[str, torch.Tensor]]) -> bool:
         """Check, checksum and write one shard; False when a tensor is non-finite (nothing is committed)."""
         items = [(k, t.detach().cpu().contiguous()) for k, t in items]
@@ -261,11 +313,7 @@ class CheckpointWriter:
                 return False
         crcs = write_shard(self.partial / file, items)
         for key, t in items:
-            if key in self._weight_map:
-                raise ValueError(f"checkpoint tensor {key!r} written twice")
-            self._weight_map[key] = file
-            self._tensors[key] = {"dtype": DTYPE_TO_CODE[t.dtype], "shape": list(t.shape), "crc32": crcs[key]}
-            self.bytes_written += t.numel() * t.element_size()
+            self._record(key, file, t, crcs[key])
         return True
 
     def _commit(self) -> Path:

@@ -19,8 +19,8 @@ import torch
 from tightfit.config import Config, compute_device_type, precision_name
 from tightfit.errors import UsageError
 from tightfit.offload.loss_scale import load_scaler_state, scaler_state
-from tightfit.offload.state_io import export_groups
 from tightfit.train import checkpoint as ckpt
+from tightfit.train.checkpoint_swap import state_groups
 from tightfit.train.checkpoint_writer import check_room, checkpoint_bytes, clean_leftovers
 from tightfit.train.divergence import describe_key, diverged
 from tightfit.train.data import TokenDataset, data_generator, load_tokens
@@ -223,7 +223,7 @@ def _train(cfg: Config, *, quiet: bool) -> Summary:
         def save(step: int) -> None:
             nonlocal pending
             settle()  # one save at a time: its memory and disk are what the plan counted
-            pending = ckpt.start_save(ckpt_root, export_groups(model, opt), step=step, config=cfg.to_dict(),
+            pending = ckpt.start_save(ckpt_root, state_groups(model, opt), step=step, config=cfg.to_dict(),
                                       signature=ckpt.model_signature(mem.named_shapes()), rng=ckpt.capture_rng(gen),
                                       loss_scaler=scaler_state(scaler), keep=t.keep_checkpoints)
 
