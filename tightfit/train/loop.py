@@ -113,6 +113,18 @@ def export_hf(model: torch.nn.Module, mem: MemorySetup, folder: str) -> None:
     save_hf_model(model, folder, tensors=mem.export_state(), strip_prefix="model.")
 
 
+def shares_disk(cfg: Config, out_dir: Path) -> str:
+    """A note when the swap folder is on the --out-dir's filesystem: its files (already allocated when the room
+    for a checkpoint is checked) and the checkpoints share one disk."""
+    from tightfit.config import parse_nvme
+    from tightfit.offload.nvme import device_of
+
+    swap = parse_nvme(cfg.memory.nvme)[0] if cfg.memory.nvme and cfg.memory.offload != "none" else None
+    if swap is not None and device_of(swap) == device_of(out_dir):
+        return "; the --nvme swap files, already allocated, share this disk"
+    return ""
+
+
 def train(cfg: Config, *, quiet: bool = False) -> Summary:
     """Run `tightfit train` with a validated config. Raises UsageError on bad input."""
     from tightfit.utils.run_lock import RunLock
@@ -193,7 +205,7 @@ def _train(cfg: Config, *, quiet: bool) -> Summary:
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}
         need, free = check_room(out_dir, checkpoint_bytes(mem.named_shapes(), trainable))
         say(f"checkpoint: {format_size(need)} per save in {ckpt_root} ({format_size(free)} free now, keeping "
-            f"{t.keep_checkpoints})")
+            f"{t.keep_checkpoints}{shares_disk(cfg, out_dir)})")
         val_batches = dataset.val_batches(t.eval_batches, t.micro_batch, seed=t.seed + 1)
         tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum
         tensorboard = open_sink(t.tensorboard, out_dir) if not quiet else None
