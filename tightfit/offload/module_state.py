@@ -260,14 +260,15 @@ class ModuleState:
 class Deferred(torch.Tensor):
     """A state-dict value not read yet: a meta tensor of the parameter's shape and fp32 that reads the parameter's
     master from its tier when anything but its metadata is asked of it (`.contiguous()`, which `save_pretrained` calls
-    per shard, or any other op, applied to the value read). Holds the parameter, not its values."""
+    per shard, or any other op, applied to the value read). Holds the parameter until then, and the value after."""
 
     @staticmethod
     def of(state: "ModuleState", p: nn.Parameter) -> "Deferred":
         with bypass():
             meta = torch.empty(p.shape, dtype=torch.float32, device="meta")
         out = meta.as_subclass(Deferred)
-        out._source = (state, p)  # this placeholder's own attribute; nothing is stored on the parameter
+        out._source = (state, p)  # this placeholder's own attributes; nothing is stored on the parameter
+        out._value = None
         return out
 
     @classmethod
@@ -280,8 +281,12 @@ class Deferred(torch.Tensor):
 
         def real(a):
             if isinstance(a, Deferred):
-                state, p = a._source
-                return state.read_value(p)
+                # Read once per placeholder: repeated uses see one tensor (transformers compares the end pointers of
+                # tied names, `view(-1)[-1].data_ptr()`); it lives as long as the placeholder does.
+                if a._value is None:
+                    state, p = a._source
+                    a._value = state.read_value(p)
+                return a._value
             if isinstance(a, (list, tuple)):
                 return type(a)(real(x) for x in a)
             return a
