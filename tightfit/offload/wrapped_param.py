@@ -203,6 +203,9 @@ def _call(func, name, args, kwargs):
                              "model.load_state_dict(...)")
     for _, info in wrapped:
         info.state.settle()
+    if name in _REPRS:  # printed as the plain model's parameter would be, from its value
+        return _plain(func, (nn.Parameter(_value(args[0], info_of(args[0])), args[0].requires_grad), *args[1:]),
+                      kwargs)
     if all(_valid(info) for _, info in wrapped):
         return _plain(func, args, kwargs)
     if name not in _DETACHED and torch.is_grad_enabled():
@@ -245,9 +248,10 @@ def _convert(func, name, args, kwargs, wrapped):
                  "bfloat16": torch.bfloat16}[name]
     elif name == "cpu":
         device = torch.device("cpu")
-    elif name == "cuda":
+    elif name == "cuda":  # `cuda()` means the current CUDA device: the parameter's own if it is on one
         index = args[1] if len(args) > 1 else kwargs.get("device")
-        device = torch.device("cuda", torch.cuda.current_device() if index is None else torch.device(index).index)
+        index = torch.device("cuda", index).index if isinstance(index, int) else torch.device(index or "cuda").index
+        device = p.device if p.device.type == "cuda" and index in (None, p.device.index) else torch.device("cuda")
     elif name == "to":
         with DisableTorchFunctionSubclass():
             to_device, to_dtype, _, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
