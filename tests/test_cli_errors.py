@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import re
 import subprocess
 import sys
 
@@ -91,3 +93,137 @@ def test_resume_without_a_checkpoint(tiny_args, capsys):
     assert main(["train", *tiny_args, "--steps", "3", "--resume"]) == 2
     err = _error_line(capsys)
     assert "--resume" in err and "does not exist" in err
+
+
+# ---- issue 17, item 5: tracebacks that became one line (exit 2) ---------------------------------------------------
+
+def _out_dir(tiny_args, path) -> list[str]:
+    i = tiny_args.index("--out-dir") + 1
+    return [*tiny_args[:i], str(path), *tiny_args[i + 1:]]
+
+
+def test_out_dir_under_a_file(tiny_args, tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    assert main(["train", *_out_dir(tiny_args, tmp_path / "afile" / "run"), "--steps", "1"]) == 2
+    err = _error_line(capsys)
+    assert "--out-dir" in err and "is a file" in err
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/mem"), reason="needs Linux /proc")
+def test_unreadable_data_file(tiny_args, capsys):
+    # /proc/self/mem is a regular file that fails with EIO at offset 0: unreadable even for root.
+    assert main(["train", *tiny_args, "--data", "/proc/self/mem", "--steps", "1"]) == 2
+    err = _error_line(capsys)
+    assert "--data" in err and "cannot read /proc/self/mem" in err
+
+
+@pytest.mark.parametrize("offload", ["none", "host"])
+def test_beta_out_of_range_names_the_flag(tiny_args, capsys, offload):
+    assert main(["train", *tiny_args, "--beta1", "1.5", "--offload", offload]) == 2
+    assert "--beta1: must be in [0, 1)" in _error_line(capsys)
+
+
+def _tiny_hf(folder):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=32, n_embd=32, n_layer=1, n_head=2)).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("offload", ["none", "auto"])
+def test_hf_weights_whose_header_is_a_json_list(tiny_args, tmp_path, capsys, offload):
+    folder = _tiny_hf(tmp_path / "hf")
+    header = b"[1,2,3]"
+    (folder / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    capsys.readouterr()
+    assert main(["train", *tiny_args, "--model", f"hf:{folder}", "--offload", offload, "--steps", "1"]) == 2
+    err = _error_line(capsys)
+    assert "model.safetensors" in err and "not a safetensors file" in err
+
+
+def test_hf_config_with_a_field_of_the_wrong_type(tiny_args, tmp_path, capsys):
+    import json
+
+    folder = _tiny_hf(tmp_path / "hf")
+    config = json.loads((folder / "config.json").read_text())
+    config["n_embd"] = config["hidden_size"] = "x"
+    (folder / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    assert main(["train", *tiny_args, "--model", f"hf:{folder}", "--steps", "1"]) == 2
+    assert "config.json: transformers cannot read it" in _error_line(capsys)
+
+
+def test_probe_swap_folder_under_a_file(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    assert main(["probe", "--nvme", str(tmp_path / "afile" / "x")]) == 2
+    assert "--nvme" in _error_line(capsys)
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    ({"device": "gpu"}, "'gpu' is not a device"),
+    ({"device": "cuda"}, "no CUDA device"),
+    ({"disk": "threads0"}, "DiskTuning(threads=...)"),
+])
+def test_wrap_keywords(tmp_path, kwargs, needle):
+    import torch
+
+    import tightfit
+    from tightfit.errors import UsageError
+    from tightfit.offload.nvme import DiskTuning
+    from tightfit.offload.placement import Placement, Tier
+
+    if kwargs.get("device") == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    placement = Placement.everywhere(Tier.HOST)
+    if "disk" in kwargs:
+        placement = Placement.everywhere(Tier.NVME, nvme_dir=str(tmp_path / "swap"))
+        kwargs = {"disk": DiskTuning(threads=0)}
+    with pytest.raises(UsageError, match=re.escape(needle)):
+        tightfit.wrap(torch.nn.Sequential(torch.nn.Linear(4, 4)), placement, **kwargs)
+    assert not (tmp_path / "swap").exists()  # the swap folder claimed for the refused store was given back
+
+
+# ---- issue 17, item 8: what was accepted in silence -----------------------------------------------------------------
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--grad-clip", "nan"], "--grad-clip: must be a finite number"),
+    (["--max-time", "nan"], "--max-time: must be a finite number"),
+    (["--weight-decay", "inf"], "--weight-decay: must be a finite number"),
+    (["--strategy", "bogus"], "--strategy: cannot read 'bogus'"),
+    (["--offload", "none", "--nvme", "/tmp/x"], "--nvme: has no effect with --offload none"),
+    (["--offload", "none", "--cpu-mem", "1GiB"], "--cpu-mem: has no effect with --offload none"),
+])
+def test_silent_acceptance_is_refused(tiny_args, capsys, extra, needle):
+    assert main(["train", *tiny_args, *extra]) == 2
+    assert needle in _error_line(capsys)
+
+
+@pytest.mark.parametrize("toml,needle", [
+    ("[train]\nmicro_batch = true\n", "train.micro_batch (--micro-batch): expected int, got True"),
+    ("[train]\nsteps = 2.5\n", "train.steps (--steps): expected an integer, got 2.5"),
+    ("[optim]\ngrad_clip = nan\n", "optim.grad_clip (--grad-clip): must be a finite number"),
+])
+def test_toml_values_of_the_wrong_kind(tiny_args, tmp_path, capsys, toml, needle):
+    path = tmp_path / "run.toml"
+    path.write_text(toml)
+    assert main(["train", *tiny_args, "--config", str(path)]) == 2
+    assert needle in _error_line(capsys)
+
+
+def test_config_that_is_a_folder(tiny_args, tmp_path, capsys):
+    assert main(["train", *tiny_args, "--config", str(tmp_path)]) == 2
+    assert "is a folder; give the TOML file itself" in _error_line(capsys)
+
+
+def test_a_strategy_with_one_process_is_a_notice(tiny_args, capsys):
+    assert main(["plan", *tiny_args, "--strategy", "zero3"]) == 0
+    assert "--strategy zero3 applies to runs of several processes" in capsys.readouterr().err
+
+
+def test_env_names_a_swap_folder_that_does_not_exist(tmp_path, capsys):
+    assert main(["env", "--nvme", str(tmp_path / "not" / "yet")]) == 0
+    out = capsys.readouterr().out
+    assert f"free at {tmp_path} (swap folder {tmp_path / 'not' / 'yet'} does not exist yet" in out
+    (tmp_path / "afile").write_text("x")
+    assert main(["env", "--nvme", str(tmp_path / "afile" / "x")]) == 2
+    assert "--nvme" in _error_line(capsys)

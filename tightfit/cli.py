@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from tightfit import __version__
 from tightfit.config import Config, add_config_args, config_from_args
@@ -100,7 +101,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "probe":
             from tightfit.planner.probe import run_probe
+            from tightfit.utils.run_lock import check_folder_path
 
+            if args.nvme:
+                check_folder_path(Path(args.nvme), "--nvme")  # one line, not makedirs' traceback
             hw = run_probe(args.nvme)
             print(hw)
             if args.out:
@@ -109,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  profile written to {save_hardware(hw, args.out)}")
             return 0
         cfg = config_from_args(args)
+        if cfg.parallel.strategy != "auto" and _world_size(cfg) == 1 and "WORLD_SIZE" not in os.environ:
+            print(f"tightfit: note: --strategy {cfg.parallel.strategy} applies to runs of several processes; this "
+                  "one is a single process (--nproc-per-node 1), which runs no strategy", file=sys.stderr)
         if args.command == "train":
             return _cmd_train(cfg, argv)
         return _cmd_plan(cfg, args.json, args.hardware)

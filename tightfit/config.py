@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import types
 import typing
@@ -149,6 +150,20 @@ def _base_type(tp) -> type:
 
 
 def _coerce(value, tp: type, flag: str):
+    """`value` (a flag's string, or a TOML value) as `tp`. Refused rather than bent: a TOML boolean or a
+    fractional number for an integer, and a NaN or infinite float (no setting means anything with one)."""
+    if tp is not bool and isinstance(value, bool):
+        raise UsageError(f"{flag}: expected {tp.__name__}, got {value!r}")
+    if tp is int and isinstance(value, float) and not value.is_integer():
+        raise UsageError(f"{flag}: expected an integer, got {value!r}")
+    if tp is float:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise UsageError(f"{flag}: expected a number, got {value!r}") from None
+        if not math.isfinite(number):
+            raise UsageError(f"{flag}: must be a finite number, got {value!r}")
+        return number
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -217,6 +232,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
     cfg = Config()
     if getattr(args, "config", None):
         path = Path(args.config)
+        if path.is_dir():
+            raise UsageError(f"--config: {path} is a folder; give the TOML file itself")
         if not path.is_file():
             raise UsageError(f"--config: file {path} does not exist")
         try:
@@ -250,6 +267,14 @@ def validate(cfg: Config) -> None:
     for name, value in non_negative.items():
         if value < 0:
             raise UsageError(f"{flag_name(name)}: must not be negative, got {value}")
+    for name in ("beta1", "beta2"):
+        if not 0.0 <= getattr(o, name) < 1.0:
+            raise UsageError(f"{flag_name(name)}: must be in [0, 1), got {getattr(o, name)}")
+    if cfg.memory.offload == "none":
+        for name in ("nvme", "cpu_mem"):
+            if getattr(cfg.memory, name) is not None:
+                raise UsageError(f"{flag_name(name)}: has no effect with --offload none (plain PyTorch, every state "
+                                 f"on the compute device); drop it, or use --offload auto to let it shape the plan")
     if not cfg.parallel.dist_timeout > 0:
         raise UsageError(f"--dist-timeout: must be a positive number of seconds, got {cfg.parallel.dist_timeout}")
     if not (0.0 < o.lr < 10.0):
@@ -266,6 +291,13 @@ def validate(cfg: Config) -> None:
 
         p = cfg.parallel
         parse_strategy(p.strategy, world, p.tp, p.pp, p.pp_schedule, p.pp_microbatches)
+    elif cfg.parallel.strategy != "auto":  # one process runs no strategy, but a misspelt one is still an error
+        from tightfit.parallel.plan import DP_MODES
+
+        tokens = cfg.parallel.strategy.replace("+", "_").split("_")
+        if not all(t in {"dp", "ddp", "pp", "tp", *DP_MODES} for t in tokens):
+            raise UsageError(f"--strategy: cannot read {cfg.parallel.strategy!r}; use auto, or tokens dp, ddp, zero1, "
+                             "zero2, zero3, pp, tp joined by '_' (e.g. dp_pp_tp, zero1_pp)")
     # Sizes are parsed here so a bad one fails before any work starts.
     from tightfit.utils.sizes import parse_size
 

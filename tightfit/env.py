@@ -20,8 +20,14 @@ from tightfit.utils.sizes import format_size
 
 
 def environment(swap_folder: str | None = None) -> dict:
+    """What `tightfit env` reports. A swap folder that does not exist yet is measured at its nearest existing
+    parent (where it would be created), and the report says so; one under a file is a UsageError."""
+    from tightfit.utils.run_lock import check_folder_path
+
     vm = psutil.virtual_memory()
     folder = Path(swap_folder or ".").resolve()
+    if swap_folder:
+        check_folder_path(folder, "--nvme")
     probe = folder if folder.exists() else next((p for p in folder.parents if p.exists()), Path("/"))
     disk = shutil.disk_usage(probe)
     devices = []
@@ -40,6 +46,8 @@ def environment(swap_folder: str | None = None) -> dict:
         "host_ram_available": vm.available,
         "gpus": devices,
         "swap_folder": str(folder),
+        "swap_folder_exists": folder.exists(),
+        "swap_folder_measured_at": str(probe),
         "swap_folder_free": disk.free,
     }
 
@@ -56,5 +64,9 @@ def format_environment(env: dict) -> str:
             lines.append(f"gpu {g['index']}: {g['name']}, {format_size(g['free'])} free of {format_size(g['total'])}")
     else:
         lines.append("gpu:   none (the device tier is the CPU with a byte budget)")
-    lines.append(f"disk:  {format_size(env['swap_folder_free'])} free at {env['swap_folder']} (swap folder)")
+    if env.get("swap_folder_exists", True):
+        lines.append(f"disk:  {format_size(env['swap_folder_free'])} free at {env['swap_folder']} (swap folder)")
+    else:
+        lines.append(f"disk:  {format_size(env['swap_folder_free'])} free at {env['swap_folder_measured_at']} "
+                     f"(swap folder {env['swap_folder']} does not exist yet; a run would create it there)")
     return "\n".join(lines)

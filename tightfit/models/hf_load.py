@@ -73,8 +73,11 @@ class HFCheckpoint:
         transformers = _require_transformers()
         try:
             config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
-        except (ValueError, OSError, KeyError) as e:
-            raise UsageError(f"{folder / 'config.json'}: transformers cannot read it ({str(e).splitlines()[0]})") from None
+        except Exception as e:  # noqa: BLE001 - transformers and huggingface_hub raise many kinds for a bad file
+            # (ValueError, OSError, KeyError, and a strict-dataclass error for a field of the wrong type)
+            first = " ".join(line.strip() for line in str(e).strip().splitlines()[:2]) or type(e).__name__
+            raise UsageError(f"{folder / 'config.json'}: transformers cannot read it ({first}); fix that field or "
+                             "re-save the config with model.config.save_pretrained(folder)") from None
         return cls(folder, config, _weight_entries(folder))
 
 

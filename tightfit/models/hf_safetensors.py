@@ -66,6 +66,9 @@ def read_header(file: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
     except (OSError, ValueError) as e:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise UsageError(f"{file}: not a readable safetensors file ({e}); re-export it with safetensors") from None
     base = 8 + n
+    if not isinstance(header, dict):  # e.g. a JSON list: not a safetensors header, whatever the file is called
+        raise UsageError(f"{file}: not a safetensors file (its header is a JSON {type(header).__name__}, not an "
+                         "object); re-export it with safetensors")
     meta = header.pop("__metadata__", None) or {}
     entries = {}
     for name, info in header.items():

@@ -171,9 +171,10 @@ class NvmeStore:
             threads = derived.threads if threads is None else threads
             chunk_bytes = derived.chunk_bytes if chunk_bytes is None else chunk_bytes
         if threads < 1:
-            raise ValueError(f"threads must be >= 1, got {threads}")
+            raise UsageError(f"DiskTuning(threads=...): must be >= 1 (I/O requests in flight), got {threads}")
         if chunk_bytes < DIRECT_ALIGN or chunk_bytes % DIRECT_ALIGN:
-            raise ValueError(f"chunk_bytes must be a positive multiple of {DIRECT_ALIGN}, got {chunk_bytes}")
+            raise UsageError(f"DiskTuning(chunk_bytes=...): must be a positive multiple of {DIRECT_ALIGN}, got "
+                             f"{chunk_bytes}")
         self.budget_bytes = budget_bytes
         self.direct = direct and _O_DIRECT != 0
         self.threads = threads

@@ -49,11 +49,16 @@ def wrap(model: nn.Module, placement: Placement | None = None, *, compute_dtype:
         raise UsageError(f"wrap: {', '.join(budgets)}: budgets plan a placement; this one carries its own")
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):  # e.g. "gpu": torch's message lists twenty device types
+        raise UsageError(f"wrap(device=...): {device!r} is not a device; use 'cpu' or 'cuda'") from None
     if device.type not in ("cpu", "cuda"):
         raise UsageError(f"wrap(device=...): only cpu and cuda are supported, got {device}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("wrap(device=...): cuda was asked for but torch sees no CUDA device; use device='cpu'")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     engine = OffloadEngine(model, placement, compute_dtype, device, units, disk=disk)
     attach(model, engine)  # state_dict / load_state_dict through the tiers, parameter reads (module_state.py)
     return model

@@ -61,12 +61,21 @@ def load_tokens(data: str | None, tokenizer=None) -> np.ndarray:
     """The whole corpus as one token array (uint8 for bytes, int32 for a tokenizer's ids)."""
     files = corpus_files(data)
     if tokenizer is None:
-        raw = b"\n".join(f.read_bytes() for f in files)
+        raw = b"\n".join(_read(f, Path.read_bytes) for f in files)
         tokens = np.frombuffer(raw, dtype=np.uint8)
     else:
-        text = "\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
+        text = "\n".join(_read(f, lambda p: p.read_text(encoding="utf-8", errors="replace")) for f in files)
         tokens = np.asarray(tokenizer.encode(text), dtype=np.int32)
     return tokens
+
+
+def _read(path: Path, read):
+    """`read(path)`; an unreadable file is a one-line --data error."""
+    try:
+        return read(path)
+    except OSError as e:
+        raise UsageError(f"--data: cannot read {path} ({e.strerror or e}); fix its permissions or leave it out of "
+                         "--data") from None
 
 
 @dataclass

@@ -27,14 +27,19 @@ from tightfit.errors import UsageError
 LOCK_NAME = ".tightfit.lock"
 
 
-def _make_folder(folder: Path, flag: str) -> bool:
-    """Create `folder` (and parents) if missing; True when this call created it. One-line errors naming `flag`."""
-    if folder.is_dir():
-        return False
+def check_folder_path(folder: Path, flag: str) -> None:
+    """UsageError naming `flag` when `folder`, or a folder it would be created in, is a file."""
     for parent in [folder, *folder.parents]:  # a file in the way gives a clearer message than ENOTDIR
         if parent.exists() and not parent.is_dir():
             raise UsageError(f"{flag}: {parent} is a file, not a folder, so {folder} cannot be created there; "
                              f"choose another {flag}")
+
+
+def _make_folder(folder: Path, flag: str) -> bool:
+    """Create `folder` (and parents) if missing; True when this call created it. One-line errors naming `flag`."""
+    if folder.is_dir():
+        return False
+    check_folder_path(folder, flag)
     try:
         folder.mkdir(parents=True)
     except FileExistsError:
