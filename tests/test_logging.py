@@ -126,3 +126,23 @@ def test_plot_without_matplotlib_is_one_line(tiny_args, tmp_path, monkeypatch, c
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--plot" in err[0] and "pip install" in err[0]
     assert not (tmp_path / "run").exists(), "refused before any work"
+
+
+def test_an_error_clears_the_status_line_before_it_is_printed(tiny_args, monkeypatch, capsys):
+    import math
+
+    from tightfit.train import memory, progress
+
+    monkeypatch.setattr(progress, "_is_tty", lambda stream: True)  # stdout as a terminal
+    real, calls = memory.PlainMemory.clip_grad_norm, []
+
+    def clip(self, max_norm):  # the gradient norm becomes inf at step 3: the run stops with one line
+        calls.append(1)
+        return real(self, max_norm) if len(calls) < 3 else math.inf
+
+    monkeypatch.setattr(memory.PlainMemory, "clip_grad_norm", clip)
+    assert main(["train", *tiny_args, "--steps", "5", "--tensorboard", "off", "--offload", "none"]) == 2
+    out, err = capsys.readouterr()
+    assert "\r[" in out, "the status line was drawn"
+    assert out.rindex("\r\x1b[K") > out.rindex("\r["), "and cleared before the error"
+    assert "diverged at step 3" in err

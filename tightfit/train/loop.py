@@ -172,6 +172,7 @@ def _train(cfg: Config, *, quiet: bool) -> Summary:
     mem: MemorySetup = setup_memory(model, cfg, device, dtype)
     pending = None  # the checkpoint being written (a CheckpointWriter), if any
     profiler = None  # --profile DIR: records a few steps (profiling.py)
+    progress = None  # the status line and the metrics' sinks (progress.py)
     try:
         model, opt = mem.model, mem.optimizer
         say = (lambda s: None) if quiet else (lambda s: print(s, flush=True))
@@ -321,6 +322,9 @@ def _train(cfg: Config, *, quiet: bool) -> Summary:
         if profiler is not None:
             with contextlib.suppress(Exception):
                 profiler.close()
+        if progress is not None:
+            with contextlib.suppress(Exception):
+                progress.close()  # clears a terminal's status line before the error is printed, flushes TensorBoard
         with contextlib.suppress(Exception):  # the error in flight is the one to report
             if pending is not None:
                 pending.abort()
