@@ -185,6 +185,7 @@ def _train(cfg: Config, *, quiet: bool) -> Summary:
             mem.import_state(resume_from.get)
             ckpt.restore_rng(resume_from.rng_states(), gen)
             load_scaler_state(scaler, resume_from.loss_scaler)
+            resume_from.close()  # its shards' file handles
             start_step = resume_from.step
             say(f"resumed from {resume_from.path} at step {start_step}")
             changed = ckpt.changed_settings(resume_from.config, cfg.to_dict())
