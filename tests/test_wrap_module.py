@@ -212,6 +212,24 @@ def test_reading_a_parameter_outside_forward_gives_its_value(tier, tmp_path):
     assert p.shape == want["blocks.0.mlp.up.weight"].shape and p.numel() > 0 and p.requires_grad
 
 
+def test_a_materialised_parameter_is_read_through_a_copy(tmp_path):
+    """Between forward and backward the root unit is in memory, until its release: p.data must not alias it."""
+    model = wrapped(tiny_gpt, "host", tmp_path)
+    opt = AdamW(model.parameters(), lr=1e-2)
+    x, y = batch(0)
+    loss = loss_of(model, x, y)
+    p = model.get_parameter("head.weight")
+    kept = p.data
+    with pytest.raises(UsageError, match="autograd recording"):
+        (p ** 2).sum()  # an L2 term outside forward would get no gradient
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    assert kept.untyped_storage().nbytes() == kept.nbytes and torch.isfinite(kept).all()
+    with torch.no_grad():
+        assert not torch.equal(p.detach(), kept)  # the step changed the parameter, not the copy
+
+
 def test_dtype_and_device_conversions(tmp_path):
     model = wrapped(tiny_gpt, "nvme", tmp_path)
     for call in (model.half, model.double, model.bfloat16, lambda: model.to(torch.float16),

@@ -10,14 +10,15 @@ through `__torch_function__`, so the class is the one hook point. The object sta
 identity, hooks, registries; `isinstance(p, nn.Parameter)` holds); only its `__class__` changes, and `uninstall`
 gives the original back. Nothing is stored on the parameter: what it belongs to is in `_SLOTS`, keyed by identity.
 
-[Note: what a wrapped parameter answers] Inside the engine's forward/backward, and whenever the parameter's unit is
-materialised or staged (module_state.py), every call passes straight through (the cost: one Python call per torch
-function that takes a parameter). Outside, with the unit's compute copy not in memory:
+[Note: what a wrapped parameter answers] Inside the engine's forward/backward every call passes straight through
+(the cost: one Python call per torch function that takes a parameter), and so does every call outside them on a
+parameter whose storage lasts: its unit resident on the device tier, or staged for a load (module_state.py).
+Outside forward/backward, for any other parameter (released, or materialised only until its next release):
 - metadata (shape, dtype, device, requires_grad, numel, `empty_like`, ...): answered as is;
 - reads (`p.sum()`, `p.detach()`, `p.data`, `print(p)`, `p.tolist()`): computed on a copy of the parameter's
-  compute values read from its tier (the unit's `params` entry, waited for the optimizer's write-backs), on the
-  parameter's device. With autograd recording and `p.requires_grad`, a read is refused: the result could not carry
-  a gradient back to the tier, and a silently missing gradient (an L2 penalty outside forward) is worse than an
+  compute values (from the materialised buffer, or read from its tier after the optimizer's write-backs), on the
+  parameter's device; no alias of storage that a release frees is handed out. With autograd recording and
+  `p.requires_grad`, a read is refused: the result could not carry a gradient back to the tier, and a silently missing gradient (an L2 penalty outside forward) is worse than an
   error. `torch.no_grad()`, `p.detach()` and `p.data` read;
 - writes (`p.copy_(x)`, `p.zero_()`, `p[...] = x`, `out=p`) and conversions that would change the dtype or device
   (`.half()`, `.to("cuda")`, `.double()`): refused, naming what to call instead (`load_state_dict`, `wrap(...,
@@ -149,7 +150,7 @@ def _attribute(func, kind, args, kwargs):
         if kind == "__set__" and args[1] is None:
             _drop_grad(info)
         return real
-    if attr == "data" and kind == "__get__" and not _valid(info):
+    if attr == "data" and kind == "__get__" and not _stable(info):
         return _value(p, info)
     if attr == "is_leaf" and kind == "__get__":
         _refuse_foreign_optimizer()
@@ -166,6 +167,14 @@ def _valid(info: ParamInfo) -> bool:
     """Does the parameter's storage hold its values now (materialised, resident, or staged for a load)?"""
     unit = info.unit
     return unit.params_state in (ParamsState.RESIDENT, ParamsState.READY) or info.state.is_staged(unit)
+
+
+def _stable(info: ParamInfo) -> bool:
+    """Does the parameter's storage hold its values for as long as anyone may keep an alias of it (`p.data`, a view)?
+    Resident units and staged ones; a materialised unit's storage is freed at its release, so outside forward and
+    backward its parameters are read through copies."""
+    unit = info.unit
+    return unit.params_state == ParamsState.RESIDENT or info.state.is_staged(unit)
 
 
 def _writable(info: ParamInfo) -> bool:
@@ -206,16 +215,16 @@ def _call(func, name, args, kwargs):
     if name in _REPRS:  # printed as the plain model's parameter would be, from its value
         return _plain(func, (nn.Parameter(_value(args[0], info_of(args[0])), args[0].requires_grad), *args[1:]),
                       kwargs)
-    if all(_valid(info) for _, info in wrapped):
+    if all(_stable(info) for _, info in wrapped):
         return _plain(func, args, kwargs)
     if name not in _DETACHED and torch.is_grad_enabled():
         for p, info in wrapped:
-            if p.requires_grad and not _valid(info):
+            if p.requires_grad and not _stable(info):
                 raise UsageError(f"parameter {info.slot.name!r} of a wrapped model was used outside the model's "
                                  "forward with autograd recording: its values live in the offload engine's tiers "
                                  "and no gradient could reach them; compute inside the model's forward, or read "
                                  "the value under torch.no_grad() (or with p.detach())")
-    values = {id(p): _value(p, info) for p, info in wrapped if not _valid(info)}
+    values = {id(p): _value(p, info) for p, info in wrapped if not _stable(info)}
 
     def swap(a):
         if isinstance(a, (list, tuple)):
