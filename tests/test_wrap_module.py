@@ -315,3 +315,21 @@ def test_save_pretrained_streams_a_deferred_state_dict(build, tmp_path):
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     with torch.no_grad():
         assert torch.equal(back(input_ids=x).logits, model(input_ids=x).logits)
+
+
+def test_close_gives_plain_parameters_back(tmp_path):
+    class MyParameter(torch.nn.Parameter):
+        pass
+
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    model.head.weight = MyParameter(model.head.weight.detach().clone())
+    tightfit.wrap(model, placement("host", tmp_path), device="cpu")
+    assert isinstance(model.head.weight, MyParameter)  # the model's own class still answers isinstance
+    with torch.no_grad():
+        assert torch.isfinite(model.head.weight.sum())
+    from tightfit.offload import engine_of
+
+    engine_of(model).close()
+    assert type(model.head.weight) is MyParameter
+    assert all(type(p) is torch.nn.Parameter for n, p in model.named_parameters() if n != "head.weight")

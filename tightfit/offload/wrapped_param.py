@@ -380,7 +380,18 @@ def install(state, units: list[OffloadUnit]) -> None:
         for slot in unit.spec.slots:
             p = slot.param
             _SLOTS[id(p)] = ParamInfo(state, unit, slot, index.get(id(p)), type(p))
-            p.__class__ = OffloadedParameter
+            p.__class__ = _offloaded_class(type(p))
+
+
+_CLASSES: dict[type, type] = {nn.Parameter: OffloadedParameter}
+
+
+def _offloaded_class(cls: type) -> type:
+    """OffloadedParameter, or for a Parameter subclass of the model's own a class deriving from both (its
+    isinstance checks keep holding; this class's __torch_function__ comes first)."""
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"Offloaded{cls.__name__}", (OffloadedParameter, cls), {})
+    return _CLASSES[cls]
 
 
 def uninstall(units: list[OffloadUnit]) -> None:
