@@ -95,7 +95,8 @@ def test_profile_records_real_steps_with_the_engines_copies_and_disk_io(tiny_arg
     names = {e.get("name", "") for e in events}
     steps = sorted(n for n in names if n.startswith("ProfilerStep#"))
     assert len(steps) == 3, steps  # PROFILE_STEPS real steps after one warm-up step
-    for kind in ("tightfit::fetch", "tightfit::pack_grads", "tightfit::nvme read", "tightfit::nvme write"):
+    for kind in ("tightfit::fetch", "tightfit::pack_grads", "tightfit::nvme read", "tightfit::nvme write",
+                 "tightfit::adamw"):
         assert any(n.startswith(kind) for n in names), kind
     # The disk ranges ran on the engine's I/O threads, not the training thread.
     main_tid = next(e["tid"] for e in events if e.get("name", "").startswith("ProfilerStep#"))

@@ -32,6 +32,7 @@ from tightfit.offload.flat_unit import EXP_AVG, EXP_AVG_SQ, GRADS, MASTER, PARAM
 from tightfit.offload.host_cache import Held
 from tightfit.offload.placement import State, Tier
 from tightfit.offload.tiers import done_future
+from tightfit.utils import ranges
 
 Work = tuple[OffloadUnit, list[tuple[dict, list[int]]]]
 """A unit and, per parameter group, the indices (into unit.trainable) of the slots to step."""
@@ -227,7 +228,8 @@ def step_one(engine, unit: OffloadUnit, groups: list[tuple[dict, list[int]]],
     for f in work.loads:
         f.result()
     t1 = time.perf_counter()
-    _step(unit, work, groups, grad_scales)
+    with ranges.span("tightfit::adamw", unit.name):  # a profiler range (--profile), free otherwise
+        _step(unit, work, groups, grad_scales)
     t2 = time.perf_counter()
     writes = _write_back(engine, work)
     unit.moments_empty = False
@@ -310,7 +312,8 @@ def step_units(engine, work: list[Work], grad_scales: Multipliers) -> None:
         io_wait += time.perf_counter() - t0
         read_ahead(may_wait=False)  # overlaps the step of `current`, which holds its buffers until written back
         t0 = time.perf_counter()
-        _step(unit, current, groups, grad_scales)
+        with ranges.span("tightfit::adamw", unit.name):  # a profiler range (--profile), free otherwise
+            _step(unit, current, groups, grad_scales)
         compute += time.perf_counter() - t0
         # Tracked at once, not awaited: the tracker forgets a finished write (its future holds its source tensor)
         # and keeps the error of a failed one for `check`.

@@ -245,6 +245,40 @@ def _fits(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainSh
 
 def _search_units(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainShape,
                   checkpointing: str) -> SearchResult:
+    """The search; with --checkpointing auto, also with every unit checkpointed, keeping the faster. Raises
+    `_NoFit` when neither fits.
+
+    Why both: auto checkpoints only as many units as it takes for the activations to fit beside the smallest
+    streaming window, which can leave the device full of activations and every state streamed; checkpointing every
+    unit frees that room for states that then need no transfer (the 7B Llama on a 24 GiB GPU: 30.0 s -> 22.8 s
+    predicted per step, docs/PLANNER.md). The greedy fill cannot see that trade, so both are searched."""
+    try:
+        res = _search_joined(profile, hw, b, shape, checkpointing)
+    except _NoFit:
+        if checkpointing != "auto":
+            raise
+        res = None
+    everything = [u.name for u in profile.units if u.checkpointable]
+    if checkpointing != "auto" or (res is not None and (set(res.placement.checkpoint_units) >= set(everything) or
+                                                        not res.placement.checkpoint_units)):
+        return res
+    try:
+        alt = _search_joined(profile, hw, b, shape, "on")
+    except _NoFit:
+        if res is None:
+            raise
+        return res
+    if res is not None and res.prediction.step_s <= alt.prediction.step_s:
+        return res
+    alt.reasons.insert(0, f"activation checkpointing of every unit: its room on the device holds states instead"
+                          + ("" if res is None else f" ({res.prediction.step_s * 1e3:.0f} ms per step with "
+                                                    f"{len(res.placement.checkpoint_units)} checkpointed, "
+                                                    f"{alt.prediction.step_s * 1e3:.0f} ms with all)"))
+    return alt
+
+
+def _search_joined(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainShape,
+                   checkpointing: str) -> SearchResult:
     """The search, run again with small blocks joined into larger units when the first answer puts them on NVMe
     (unit_size.py). Raises `_NoFit`."""
     res = _search(profile, hw, b, shape, checkpointing)
@@ -363,10 +397,17 @@ def predict_mem(profile, p, hw, shape) -> Prediction:
     return pred
 
 
+MAX_TILES = 256
+"""The most tiles one Linear is split into; a plan that needs more does not tile it (and does not fit)."""
+
+
 def _tile(profile: ModelProfile, shape: TrainShape, room: int, reasons: list[str]):
     """Split the Linears of units too large to stream through `room` device bytes; tiles become units."""
     if _min_streaming(profile, shape) <= room:
         return profile, {}
+    if room <= 0:
+        return profile, {}  # activations alone exceed the device: no tiling fits (and tiles of 1 byte would be
+        # millions of units, which made the search of a refusal's figure [Note: true figures] run for minutes)
     from tightfit.tiling import plan_tiles
 
     # Three tiles resident (previous, running, prefetched), two with their gradients; plan_tiles' byte limit
@@ -385,6 +426,8 @@ def _tile(profile: ModelProfile, shape: TrainShape, room: int, reasons: list[str
             except UsageError:
                 continue
             n = max(1, in_s * out_s)
+            if n > MAX_TILES:
+                continue  # a room this small fits no sensible split: each tile is a transfer and a kernel launch
             if n == 1 and 2 * rest_numel * shape.compute_bytes <= max_tile:
                 break  # what is left of the unit fits as one piece
             tiled[path] = n

@@ -5,7 +5,7 @@ real step is slower than predicted needs what actually ran — the operators, an
 transfers on their own threads. This records `PROFILE_STEPS` steps with `torch.profiler` after one warm-up step
 (the first step allocates buffers and fills caches), with the engine's work as named ranges (utils/ranges.py:
 `tightfit::fetch`, `tightfit::copy_in`, `tightfit::pack_grads`, `tightfit::wait`, `tightfit::nvme read|write`,
-`tightfit::upload` on CUDA), and writes:
+`tightfit::adamw <unit>`, `tightfit::upload` on CUDA), and writes:
 
 - `DIR/profile_trace.json`: the measured trace (open in Perfetto or chrome://tracing); each step is a
   `ProfilerStep#N` range;
