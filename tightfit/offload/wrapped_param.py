@@ -87,6 +87,9 @@ def info_of(p) -> ParamInfo | None:
     return info if info is not None and info.slot.param is p else None
 
 
+_disabled = torch._C._disabled_torch_function_impl  # runs `func` with subclass dispatch off (nn.Parameter's own)
+
+
 def _plain(func, args, kwargs):
     with DisableTorchFunctionSubclass():
         return func(*args, **kwargs)
@@ -120,7 +123,15 @@ class OffloadedParameter(nn.Parameter):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        if kwargs is None:
+            kwargs = {}
+        # The hot path, every op in the model's forward: the first wrapped argument's engine is computing.
+        for a in args:
+            if isinstance(a, OffloadedParameter):
+                info = _SLOTS.get(id(a))
+                if info is not None and info.state.engine.phase is not Phase.IDLE:
+                    return _disabled(func, types, args, kwargs)
+                break
         if getattr(_local, "depth", 0):
             return _plain(func, args, kwargs)
         name = getattr(func, "__name__", "")
@@ -158,9 +169,10 @@ def _attribute(func, kind, args, kwargs):
 
 
 def _engine_busy(info: ParamInfo) -> bool:
-    """In the engine's forward or backward: the engine decides what is in memory; everything passes through."""
+    """In the engine's forward or backward (its phase; BACKWARD from the first backward hook to the end of
+    backward): the engine decides what is in memory; everything passes through."""
     engine = info.state.engine
-    return engine.phase != Phase.IDLE or engine._in_backward
+    return engine.phase is not Phase.IDLE or engine._in_backward
 
 
 def _valid(info: ParamInfo) -> bool:
