@@ -1,0 +1,198 @@
+"""What-if hardware: `tightfit plan --hardware FILE|NAME` plans for a machine this one is not.
+
+The 7B case is checked against the arithmetic in docs/PLANNER.md ("Worked example: Llama-2-7B on a 24 GiB GPU"):
+state bytes per tier, traffic per step, the bound, and the step time, each recomputed here from the parameter
+counts and the named profile's stated speeds.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from tightfit.cli import main
+from tightfit.config import Config
+from tightfit.errors import UsageError
+from tightfit.models.gpt import GPT, GPTConfig
+from tightfit.offload.placement import Tier
+from tightfit.planner import make_plan
+from tightfit.planner.hardware_file import load_hardware, save_hardware
+from tightfit.planner.named_profiles import PROFILES
+from tightfit.utils.sizes import format_size, parse_size
+
+GiB = 2**30
+
+
+def _run(capsys, *argv) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_named_profiles_load_and_state_their_assumptions():
+    for name in PROFILES:
+        hw = load_hardware(name)
+        assert hw.cuda and hw.gpu_total in (24 * GiB, 40 * GiB, 80 * GiB)
+        assert hw.assumptions and hw.nvme_free > 0 and hw.host_total >= 64 * GiB
+        assert hw.key == f"named:{name}"
+
+
+@pytest.mark.parametrize("suffix", [".json", ".toml"])
+def test_profile_file_round_trip(tmp_path, suffix):
+    hw = load_hardware("gpu40-pcie4")
+    path = tmp_path / f"hw{suffix}"
+    if suffix == ".json":
+        save_hardware(hw, str(path))  # what `tightfit probe --out` writes
+    else:
+        path.write_text('cuda = true\ndevice_name = "hand-written"\ngpu_total = "40GiB"\nhost_total = "128GiB"\n'
+                        'nvme_free = "1TiB"\nnvme_read_bw = "6GB/s"\nnvme_write_bw = 4.5e9\nh2d_bw = "25GB/s"\n'
+                        'd2h_bw = "25GB/s"\nmem_bw = "1300GB/s"\ncpu_adam_rate = 2.5e9\ndevice_adam_rate = 4e10\n'
+                        '[matmul_flops]\n"1024" = 1.7e14\n"4096" = 2.3e14\n')
+    back = load_hardware(str(path))
+    if suffix == ".json":
+        assert back == hw
+    else:
+        assert back.gpu_total == 40 * GiB and back.gpu_free == 40 * GiB and back.host_available == 128 * GiB
+        assert back.nvme_read_bw == 6e9 and back.nvme_write_bw == 4.5e9 and back.matmul_flops[4096] == 2.3e14
+
+
+def test_a_probe_cache_file_is_a_profile_file(tmp_path):
+    hw = load_hardware("gpu24-pcie4")
+    (tmp_path / "cache.json").write_text(json.dumps({"box|gpu": hw.to_dict()}))
+    assert load_hardware(str(tmp_path / "cache.json")) == hw
+
+
+@pytest.mark.parametrize("text, words", [
+    ('{"cuda": true, "device_name": "x", "gpu_totl": 1}', "unknown field 'gpu_totl'"),
+    ('{"cuda": false, "device_name": "x"}', "missing field host_total"),
+    ('{"cuda": false, "device_name": "x", "host_total": "8GiB", "nvme_read_bw": "fast", "nvme_write_bw": 1,'
+     ' "h2d_bw": 1, "d2h_bw": 1, "mem_bw": 1, "cpu_adam_rate": 1, "matmul_flops": {"1": 1}}',
+     "field nvme_read_bw: write bytes per second"),
+    ('{"cuda": false, "device_name": "x", "host_total": "8GiB", "nvme_read_bw": 1, "nvme_write_bw": 1,'
+     ' "h2d_bw": 1, "d2h_bw": -1, "mem_bw": 1, "cpu_adam_rate": 1, "matmul_flops": {"1": 1}}',
+     "field d2h_bw: expected bytes per second"),
+    ('{"cuda": false, "device_name": "x", "host_total": "8GiB", "nvme_read_bw": 1, "nvme_write_bw": 1,'
+     ' "h2d_bw": 1, "d2h_bw": 1, "mem_bw": 1, "cpu_adam_rate": 1, "matmul_flops": {"big": 1}}',
+     "field matmul_flops: entry 'big'"),
+    ("{not json", "not valid JSON"),
+])
+def test_bad_profile_files_are_one_line_errors(tmp_path, capsys, text, words):
+    path = tmp_path / "hw.json"
+    path.write_text(text)
+    rc, out, err = _run(capsys, "plan", "--hardware", str(path), "--n-layer", "2", "--n-embd", "32", "--n-head", "2")
+    assert rc == 2 and out == ""
+    assert err.count("\n") == 1 and f"--hardware {path}" in err and words in err, err
+
+
+def test_device_cuda_is_never_silently_ignored(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    rc, _, err = _run(capsys, "plan", "--device", "cuda", "--n-layer", "2", "--n-embd", "32", "--n-head", "2")
+    assert rc == 2 and "--device cuda: this machine has no CUDA GPU" in err and "--hardware" in err
+    rc, out, _ = _run(capsys, "plan", "--device", "cuda", "--hardware", "gpu24-pcie4", "--n-layer", "2",
+                      "--n-embd", "32", "--n-head", "2", "--json")
+    plan = json.loads(out)
+    assert rc == 0 and plan["profile"]["compute_dtype"] == "bf16" and plan["hardware"]["cuda"]
+
+
+def test_gpu_budget_is_kept_apart_from_host_rss():
+    """A GPU profile's device memory is the GPU's: its budget is the GPU less headroom, and the process RSS is the
+    floor + host tier + pool (it once added the GPU budget to RSS: 88 GiB predicted against 64 GiB of RAM)."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=4, n_embd=256, n_head=4, vocab_size=256))
+    cfg = Config()
+    cfg.train.micro_batch, cfg.train.seq_len, cfg.memory.cpu_mem = 8, 128, "1GiB"
+    hw = load_hardware("gpu24-pcie4")
+    plan = make_plan(model, cfg, hw, what_if=True)
+    assert plan.budgets["device"] == 24 * GiB - int(24 * GiB * 0.08) and plan.budgets["host"] == GiB
+    pr = plan.prediction
+    assert pr.peak["device"] > 0
+    assert pr.rss(True) == hw.runtime_rss + pr.peak["host"]
+    assert f"process RSS {format_size(hw.runtime_rss + pr.peak['host'])}" in plan.summary()
+
+
+def test_fp32_compute_keeps_one_fp32_copy_of_the_params():
+    """With fp32 compute the master is the params when both share a tier; the search moves them together, so a
+    unit spilled to NVMe holds 16 B per parameter (4 params/master + 4 grads + 8 moments), not 20 (an fp32 copy on
+    host beside an identical master on NVMe)."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=8, n_embd=256, n_head=4, vocab_size=256))
+    cfg = Config()
+    cfg.train.micro_batch, cfg.train.seq_len, cfg.train.precision = 4, 64, "fp32"
+    cfg.memory.gpu_mem, cfg.memory.cpu_mem, cfg.memory.nvme = "40MiB", "40MiB", "/tmp/tightfit-whatif:10GiB"
+    plan = make_plan(model, cfg, load_hardware("gpu24-pcie4"), what_if=True)
+    p = plan.placement
+    assert p.uses(Tier.NVME)
+    for u in plan.profile.units:
+        up = p.of(u.name)
+        assert up.master == up.params, f"{u.name}: master on {up.master.value}, params on {up.params.value}"
+    total = sum(plan.tier_bytes().values())
+    assert total == sum(4 * u.numel + 12 * u.trainable for u in plan.profile.units)
+
+
+# ---- the worked example of docs/PLANNER.md ------------------------------------------------------------------------
+
+LLAMA2_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+             "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+             "num_key_value_heads": 32, "vocab_size": 32000, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+             "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2}
+
+
+def _gib(text: str) -> float:
+    return parse_size(text.replace(" ", "")) / GiB
+
+
+def test_llama2_7b_on_a_24gib_gpu_matches_the_documented_arithmetic(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    folder = tmp_path / "llama-2-7b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA2_7B))
+    rc, out, err = _run(capsys, "plan", "--hardware", "gpu24-pcie4", "--model", f"hf:{folder}", "--micro-batch", "1",
+                        "--seq-len", "4096", "--nvme", "/mnt/swap")
+    assert rc == 0, err
+    hw = load_hardware("gpu24-pcie4")
+    # Parameters (docs/PLANNER.md): a block 4*h^2 (attention) + 3*h*f (MLP) + 2*h (norms); the root holds the
+    # embedding and the head (V*h each) and the final norm.
+    h, f, V, L = 4096, 11008, 32000, 32
+    block, root = 4 * h * h + 3 * h * f + 2 * h, 2 * V * h + h
+    n = root + L * block
+    assert f"{root:,}" in out and f"{block:,}" in out
+    # The plan's choices, as its reasons state them.
+    assert "params: 33 unit(s) on device" in out
+    g_dev = int(re.search(r"grads: (\d+) unit\(s\) on device", out).group(1))
+    opt_nvme = int(re.search(r"master \+ optimizer: \d+ unit\(s\) on host, (\d+) unit\(s\) on nvme", out).group(1))
+    assert (g_dev, opt_nvme) == (6, 22)
+    # State bytes per tier: params 2 B, master 4, grads 4, moments 8 per parameter (bf16 compute).
+    device = 2 * n + 4 * (root + (g_dev - 1) * block)
+    nvme = 12 * opt_nvme * block
+    host = 4 * (L + 1 - g_dev) * block + 12 * (root + (L - opt_nvme) * block)
+    assert device + host + nvme == 18 * n
+    rows = {m.group(1): m.groups()[1:] for m in re.finditer(r"^(device|host|nvme)\s+(\S+ \S+)\s+(\S+ \S+)\s+(\S+ \S+)",
+                                                             out, re.M)}
+    tiers = {t: r[0] for t, r in rows.items()}
+    for tier, want in (("device", device), ("host", host), ("nvme", nvme)):
+        assert tiers[tier] == format_size(want), (tier, tiers[tier], format_size(want))
+    # Traffic per step: every unit's updated bf16 params go up; gradients come down (bf16 from blocks whose
+    # gradients live on host, fp32 from those kept on the device for the CPU optimizer); master + moments of the
+    # NVMe blocks are read and written once.
+    h2d = 2 * n
+    d2h = 2 * (L + 1 - g_dev) * block + 4 * (root + (g_dev - 1) * block)
+    assert (f"traffic per step: host->device {format_size(h2d)}, device->host {format_size(d2h)}, "
+            f"nvme read {format_size(nvme)}, nvme write {format_size(nvme)}") in out
+    # The bound: the optimizer phase waits on the disk.
+    disk = nvme / hw.nvme_read_bw + nvme / hw.nvme_write_bw
+    cpu_adam = n / hw.cpu_adam_rate
+    assert disk > max(cpu_adam, h2d / hw.h2d_bw)
+    compute = float(re.search(r"step time terms: compute ([0-9.]+) ms", out).group(1)) / 1e3
+    assert 8 * n * 4096 / 150e12 < compute < 2 * 8 * n * 4096 / 150e12  # 8 N T FLOPs with recomputation
+    assert f"nvme {disk * 1e3:.1f} ms, optimizer {cpu_adam * 1e3:.1f} ms" in out
+    step = float(re.search(r"predicted step: ([0-9.]+) ms", out).group(1)) / 1e3
+    assert step == pytest.approx(max(compute, d2h / hw.d2h_bw) + disk, abs=1e-3)
+    assert "bottleneck: nvme" in out
+    # Budgets: the GPU's 24 GiB less 8% headroom; the host's 60 GiB available less the 3 GiB floor and 10% of RAM.
+    assert rows["device"][2] == format_size(24 * GiB - int(0.08 * 24 * GiB))
+    assert rows["host"][2] == format_size(hw.host_available - hw.runtime_rss - hw.host_total // 10)
+    assert _gib(rows["device"][1]) <= _gib(rows["device"][2]) and _gib(rows["host"][1]) <= _gib(rows["host"][2])
