@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tightfit-installed
 
-.PHONY: train test test-slow test-gpu gpu-check bench setup clean
+.PHONY: train test test-slow test-faults test-gpu gpu-check bench setup clean
 
 $(STAMP): pyproject.toml scripts/setup_env.sh
 	bash scripts/setup_env.sh $(VENV)
@@ -19,6 +19,12 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
+
+# Fault injection (issue 17): >= 20 kill -9 trials (TIGHTFIT_FAULT_TRIALS, TIGHTFIT_FAULT_SEED), full disks and a
+# read-only out-dir on a small tmpfs (as root), planted files and symlinks, two runs on one folder. `make test`
+# runs its fast subset.
+test-faults: $(STAMP)
+	$(PY) -m pytest -q tests/test_faults.py tests/test_run_lock.py -m "slow or not slow" -s
 
 # On a machine with a CUDA GPU: the engine's fidelity and memory tests on the GPU (they fail without one).
 test-gpu: $(STAMP)

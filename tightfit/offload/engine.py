@@ -185,8 +185,14 @@ class OffloadEngine:
         self.backwards = 0  # backward passes finished (the optimizer warns when one left it nothing to step)
         self.on_close: list = []  # callables run first by `close` (module_state.attach's removal)
 
-        for unit in self.units.values():
-            self._initialise(unit)
+        try:
+            for unit in self.units.values():
+                self._initialise(unit)
+        except BaseException:  # e.g. a full swap disk: a refused wrap leaves no threads, swap files or lock behind
+            for store in self.stores.values():
+                with contextlib.suppress(Exception):
+                    store.close()
+            raise
         self.device_peak = max(self.device_peak, self.device_in_use)
         budget = placement.device_budget
         if budget is not None and self.stores[Tier.DEVICE].bytes > budget:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import secrets
 import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,12 +64,17 @@ def _remove_swap_files(folder: Path) -> tuple[int, int, bool]:
 
 @dataclass
 class SwapFolder:
-    """This run's subfolder of `--nvme`; `claim` it, hand `path` to the NVMe store, `release` it at the end."""
+    """This run's subfolder of `--nvme`; `claim` it, hand `path` to the NVMe store, `release` it at the end.
+
+    Released at the latest when it is garbage-collected or the interpreter exits (weakref.finalize): an engine
+    whose construction failed after claiming it (a budget refusal, a full disk) leaves no files or lock behind."""
 
     root: Path
     path: Path
     lock: RunLock
-    _released: bool = False
+
+    def __post_init__(self) -> None:
+        self._finalizer = weakref.finalize(self, _release, self.root, self.path)
 
     @classmethod
     def claim(cls, root: str | Path, log=None) -> "SwapFolder":
@@ -102,14 +108,15 @@ class SwapFolder:
     def release(self) -> None:
         """Remove what is left of this run's swap files and its subfolder, then unlock `--nvme` if this was the
         process's last swap folder there. Idempotent."""
-        if self._released:
-            return
-        self._released = True
-        try:
-            if self.path.is_dir():
-                _remove_swap_files(self.path)
-        finally:
-            _unhold(self.root)
+        self._finalizer()  # runs `_release` once; later calls do nothing
+
+
+def _release(root: Path, path: Path) -> None:
+    try:
+        if path.is_dir():
+            _remove_swap_files(path)
+    finally:
+        _unhold(root)
 
 
 def _unhold(root: Path) -> None:
