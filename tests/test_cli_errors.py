@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -227,3 +228,11 @@ def test_env_names_a_swap_folder_that_does_not_exist(tmp_path, capsys):
     (tmp_path / "afile").write_text("x")
     assert main(["env", "--nvme", str(tmp_path / "afile" / "x")]) == 2
     assert "--nvme" in _error_line(capsys)
+
+
+def test_distributed_launch_refuses_missing_data_in_one_line(tiny_args, tmp_path):
+    args = [*tiny_args, "--data", str(tmp_path / "nowhere")]  # the last --data wins
+    proc = subprocess.run([sys.executable, "-m", "tightfit.cli", "train", *args, "--nproc-per-node", "2"],
+                          capture_output=True, text=True, timeout=120, cwd=str(Path(__file__).resolve().parent.parent))
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
+    assert "--data" in proc.stderr and not (tmp_path / "run").exists()

@@ -84,7 +84,10 @@ def launch(cfg, argv: list[str]) -> int:
            "-m", "tightfit.cli", *argv]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default too; stated so CPU ranks do not oversubscribe
+    from tightfit.train.data import corpus_files
     from tightfit.utils.run_lock import RunLock
+
+    corpus_files(cfg.data.data)  # a missing --data is one line here, not one per worker under torchrun's report
 
     # The launcher is the run: it holds the --out-dir lock (a second run is refused here, in one line, before any
     # worker starts) and tells its workers so, so rank 0 does not take it again.
