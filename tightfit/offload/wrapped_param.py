@@ -126,7 +126,7 @@ class OffloadedParameter(nn.Parameter):
         if kwargs is None:
             kwargs = {}
         # The hot path, every op in the model's forward: the first wrapped argument's engine is computing.
-        for a in args:
+        for a in (*args, *kwargs.values()) if kwargs else args:
             if isinstance(a, OffloadedParameter):
                 info = _SLOTS.get(id(a))
                 if info is not None and info.state.engine.phase is not Phase.IDLE:
