@@ -14,7 +14,7 @@ machine is shared, so nothing global is dropped):
 - raw copy: the same byte ranges (every unit's master, exp_avg and exp_avg_sq) copied by a plain read/write loop
   in 16 MiB blocks into one file, fsynced: what `cat a b c > d; sync` costs on this disk;
 - tightfit's checkpoint (`checkpoint.start_save` of `checkpoint_swap.state_groups`, as `tightfit train` saves):
-  the seconds the trainer is blocked (the kernel-side copy of each unit's ranges, copy_file_range) and the seconds
+  the seconds the trainer is blocked (the copy of each unit's ranges: checkpoint_swap.py) and the seconds
   until the checkpoint is committed (the writer thread has read the copy back for the finiteness check and CRC-32
   and written the index).
 
@@ -158,7 +158,7 @@ def main() -> None:
             path = writer.wait()
             commits.append(time.perf_counter() - t0)
             written = sum(p.stat().st_size for p in path.iterdir())
-            print(f"tightfit checkpoint: trainer blocked {blocked[-1]:.1f} s (kernel copy), committed after "
+            print(f"tightfit checkpoint: trainer blocked {blocked[-1]:.1f} s (the copy), committed after "
                   f"{commits[-1]:.1f} s (check + CRC-32 of the copy on the writer thread); {written / GB:.2f} GB on "
                   f"disk (load {loads[-1]:.1f})", flush=True)
             shutil.rmtree(path)

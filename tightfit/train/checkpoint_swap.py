@@ -2,8 +2,9 @@
 
 Why: a unit whose fp32 master and Adam moments are on the NVMe tier already has them in a safetensors file on
 disk (offload/nvme.py, 4096-aligned). Reading them through the engine into memory to write them out again moves
-every byte through the CPU twice; `os.copy_file_range` copies them inside the kernel (and shares the blocks -
-a reflink - where the filesystem can, e.g. XFS, btrfs), while the trainer waits only for that copy. Everything
+every byte through the engine twice; here the byte ranges are copied as files: by `os.copy_file_range` where the
+filesystem shares blocks (a reflink: XFS, btrfs, ...; no bytes move), else by a loop of large pread/pwrite blocks,
+as fast as a raw copy of the same bytes (`SHARES_BLOCKS`). The trainer waits only for that copy. Everything
 else a checkpoint does - the finiteness check, the CRC-32 per tensor, the index - runs on the writer thread over
 the *copy*, while training goes on (checkpoint_writer.py).
 
@@ -61,16 +62,18 @@ class SwapCopy:
     copied_bytes: int = 0
 
     def write(self, dest: Path) -> None:
-        """Header, then each range copied inside the kernel, then the small tensors; fsynced. OSError on failure."""
+        """Header, then each range copied (in the kernel where that shares blocks), then the small tensors;
+        fsynced. OSError on failure."""
         layout = {name: ((nbytes // 4,), torch.float32) for name, _, _, nbytes in self.ranges}
         layout.update({k: (tuple(t.shape), t.dtype) for k, t in self.small})
         header, entries, size = plan_layout(layout, DIRECT_ALIGN)
+        kernel = hasattr(os, "copy_file_range") and filesystem_type(dest.parent) in SHARES_BLOCKS
         fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             os.ftruncate(fd, size)
             os.pwrite(fd, header, 0)
             for name, src, offset, nbytes in self.ranges:
-                _copy_range(src, offset, fd, entries[name].offset, nbytes)
+                _copy_range(src, offset, fd, entries[name].offset, nbytes, kernel)
                 self.copied_bytes += nbytes
             for k, t in self.small:
                 os.pwrite(fd, tensor_bytes(t.contiguous()), entries[k].offset)
@@ -79,26 +82,54 @@ class SwapCopy:
             os.close(fd)
 
 
-def _copy_range(src: Path, src_off: int, dst_fd: int, dst_off: int, nbytes: int) -> None:
-    """`nbytes` from `src` at `src_off` to `dst_fd` at `dst_off`: copy_file_range (in the kernel, a reflink where
-    the filesystem shares blocks), else pread/pwrite where the kernel refuses it (another filesystem, old kernel)."""
+SHARES_BLOCKS = {"xfs", "btrfs", "bcachefs", "zfs", "ocfs2", "nfs", "nfs4", "cifs", "smb3"}
+"""Filesystems where copy_file_range shares blocks (a reflink) or copies on the server: a copy costs no disk
+bandwidth. Elsewhere (ext4, tmpfs) the kernel splices through the page cache with small readahead, which measured
+~2x slower than reading and writing 16 MiB blocks (benchmarks/RESULTS.md, "Checkpoints"): there the copy is the
+block loop."""
+
+
+def filesystem_type(path: Path) -> str:
+    """The type of the filesystem holding `path` ("ext4", "xfs", ...) from /proc/mounts; "" when unknown."""
+    try:
+        dev = os.stat(path).st_dev
+        with open("/proc/mounts") as f:
+            mounts = [line.split()[1:3] for line in f]
+    except OSError:
+        return ""
+    best = ""
+    for mount, fstype in mounts:
+        mount = mount.replace("\\040", " ")
+        try:
+            if os.stat(mount).st_dev == dev and len(mount) >= len(best):
+                best, found = mount, fstype
+        except OSError:
+            continue
+    return found if best else ""
+
+
+def _copy_range(src: Path, src_off: int, dst_fd: int, dst_off: int, nbytes: int, kernel: bool) -> None:
+    """`nbytes` from `src` at `src_off` to `dst_fd` at `dst_off`. kernel: copy_file_range (a reflink, or a server
+    side copy: SHARES_BLOCKS), falling back where the kernel refuses it (EXDEV: another filesystem); else a loop of
+    16 MiB pread/pwrite blocks."""
     fd = os.open(src, os.O_RDONLY)
     try:
         done = 0
-        use_kernel = hasattr(os, "copy_file_range")
+        buf = None
         while done < nbytes:
-            n = min(_CHUNK << 4, nbytes - done)
-            if use_kernel:
+            if kernel:
                 try:
-                    got = os.copy_file_range(fd, dst_fd, n, src_off + done, dst_off + done)
+                    got = os.copy_file_range(fd, dst_fd, nbytes - done, src_off + done, dst_off + done)
                 except OSError as e:
                     if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
                         raise
-                    use_kernel = False
+                    kernel = False
                     continue
             else:
-                data = os.pread(fd, min(n, _CHUNK), src_off + done)
-                got = os.pwrite(dst_fd, data, dst_off + done) if data else 0
+                if buf is None:
+                    buf = memoryview(bytearray(_CHUNK // 4))
+                n = os.preadv(fd, [buf[:min(len(buf), nbytes - done)]], src_off + done)
+                got = os.pwrite(dst_fd, buf[:n], dst_off + done) if n else 0
             if got <= 0:
                 raise OSError(errno.EIO, f"short copy from {src}")
             done += got

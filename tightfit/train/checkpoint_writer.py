@@ -173,10 +173,14 @@ class CheckpointWriter:
         """A unit whose states are on NVMe (checkpoint_swap.SwapCopy): its shard is copied from the swap files now,
         on the caller's thread (the copy must be of this step's state); checked and checksummed later, on the
         writer thread, from the copy."""
+        if self._done.is_set():
+            return  # stopped (a non-finite tensor, a disk error): wait() reports why
         file = self._file_name(copy.group)
         try:
             copy.write(self.partial / file)
         except OSError as e:
+            if self.non_finite is not None or self.error is not None:
+                return  # the writer stopped meanwhile and removed the folder: wait() reports why
             raise self._disk_error(e) from None
         with self._cv:
             self._queue.append((file, copy))
