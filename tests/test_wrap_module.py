@@ -333,3 +333,23 @@ def test_close_gives_plain_parameters_back(tmp_path):
     engine_of(model).close()
     assert type(model.head.weight) is MyParameter
     assert all(type(p) is torch.nn.Parameter for n, p in model.named_parameters() if n != "head.weight")
+
+
+def test_a_state_dict_cut_short_leaves_reads_guarded(tmp_path):
+    """An exception inside state_dict() (here a user's hook) must not leave the parameters unguarded."""
+    model = wrapped(tiny_gpt, "host", tmp_path)
+
+    def boom(module, state_dict, prefix, local_metadata):
+        raise RuntimeError("hook failed")
+
+    handle = model.blocks[0].register_state_dict_post_hook(boom)
+    with pytest.raises(RuntimeError, match="hook failed"):
+        model.state_dict()
+    handle.remove()
+    x, y = batch(0)
+    with torch.no_grad():
+        loss_of(model, x, y)  # the next forward takes the bypass back
+    p = model.get_parameter("blocks.1.mlp.up.weight")
+    with pytest.raises(UsageError, match="autograd recording"):
+        p.sum()
+    assert list(model.state_dict()) == list(plain(tiny_gpt).state_dict())

@@ -65,6 +65,7 @@ class ModuleState:
         self._params: tuple[str, int, torch.Tensor] | None = None
         self._tied: dict[int, tuple[int, torch.Tensor]] = {}  # id(param) -> (version, value) within one state_dict
         self._deferring = False  # within `deferred_state_dict`: placeholders instead of values
+        self._sd_depth = 0  # state_dict() pre-hooks of this model whose post-hook has not run yet
         self._handles: list = []
 
     # ---- shared by both sides --------------------------------------------------------------------------------
@@ -124,7 +125,11 @@ class ModuleState:
             self.finish_load()
             self.settle()
             self._tied.clear()
-        _local.depth = getattr(_local, "depth", 0) + 1  # torch's `param.detach()` must not read the parameters
+        # Torch's `param.detach()` in `_save_to_state_dict` must not read the parameters: bypassed until this
+        # module's post-hook. `_sd_depth` counts this model's share, taken back by its next forward if a state_dict()
+        # call was cut short by an exception between the two hooks.
+        _local.depth = getattr(_local, "depth", 0) + 1
+        self._sd_depth += 1
 
     def _on_state_dict_post(self, module, state_dict, prefix, local_metadata) -> None:
         try:
@@ -133,6 +138,7 @@ class ModuleState:
                     state_dict[prefix + name] = self.value(p)
         finally:
             _local.depth -= 1
+            self._sd_depth -= 1
             if _local.depth == 0:
                 self.drop_caches()  # the values are in the caller's dict now
 
@@ -189,6 +195,9 @@ class ModuleState:
             self.commit(unit)
 
     def _on_forward_pre(self, module, args, kwargs) -> None:
+        if self._sd_depth:  # a state_dict() that raised between its hooks left the bypass on
+            _local.depth = max(0, getattr(_local, "depth", 0) - self._sd_depth)
+            self._sd_depth = 0
         self.finish_load()
         self.drop_caches()
 
