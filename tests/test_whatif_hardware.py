@@ -196,3 +196,6 @@ def test_llama2_7b_on_a_24gib_gpu_matches_the_documented_arithmetic(tmp_path, ca
     assert rows["device"][2] == format_size(24 * GiB - int(0.08 * 24 * GiB))
     assert rows["host"][2] == format_size(hw.host_available - hw.runtime_rss - hw.host_total // 10)
     assert _gib(rows["device"][1]) <= _gib(rows["device"][2]) and _gib(rows["host"][1]) <= _gib(rows["host"][2])
+    # GPU and host kept apart: the process RSS is the floor + the host peak (no GPU bytes), within the RAM.
+    rss = _gib(re.search(r"predicted RSS \(process floor 3.0 GiB \+ host\): (\S+ \S+)", out).group(1))
+    assert rss == pytest.approx(3 + _gib(rows["host"][1]), abs=0.1) and rss < hw.host_total / GiB

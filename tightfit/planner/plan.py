@@ -146,9 +146,9 @@ class Plan:
             parts = ", ".join(f"{k} {format_size(v)}" for k, v in pr.breakdown.get(t, {}).items() if v)
             lines.append(f"{t:<8}{format_size(tb[t]):>12}{format_size(pr.peak.get(t, 0)):>16}"
                          f"{self._budget_text(t):>14}   {parts}")
-        if not self.hardware.cuda:
-            lines.append(f"predicted RSS (process floor {format_size(pr.runtime_rss)} + host + CPU device): "
-                         f"{format_size(pr.rss(False))}")
+        # The process's RSS holds the host tier; a GPU's memory is not in it ([Note: process RSS] in costs.py).
+        lines.append(f"predicted RSS (process floor {format_size(pr.runtime_rss)} + host"
+                     f"{' + CPU device' if not self.hardware.cuda else ''}): {self._figure('rss_peak')}")
         lines.append("")
         lines.append(f"schedule: prefetch depth {p.prefetch_depth}, "
                      f"checkpointed units {len(p.checkpoint_units)}, tiled linears {len(p.tiled_linears)}")
