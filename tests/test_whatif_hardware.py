@@ -199,3 +199,17 @@ def test_llama2_7b_on_a_24gib_gpu_matches_the_documented_arithmetic(tmp_path, ca
     # GPU and host kept apart: the process RSS is the floor + the host peak (no GPU bytes), within the RAM.
     rss = _gib(re.search(r"predicted RSS \(process floor 3.0 GiB \+ host\): (\S+ \S+)", out).group(1))
     assert rss == pytest.approx(3 + _gib(rows["host"][1]), abs=0.1) and rss < hw.host_total / GiB
+
+
+def test_probe_out_writes_a_profile_plan_reads(tmp_path, capsys, monkeypatch):
+    """`tightfit probe --out FILE` saves the measured profile (the measurement itself is replaced here: ~10 s)."""
+    from tightfit.planner import probe
+
+    measured = load_hardware("gpu80-pcie5")
+    monkeypatch.setattr(probe, "run_probe", lambda folder=None: measured)
+    out = tmp_path / "this-machine.json"
+    rc, text, _ = _run(capsys, "probe", "--out", str(out))
+    assert rc == 0 and f"profile written to {out}" in text
+    assert load_hardware(str(out)) == measured
+    rc, text, _ = _run(capsys, "plan", "--hardware", str(out), "--n-layer", "2", "--n-embd", "32", "--n-head", "2")
+    assert rc == 0 and measured.device_name in text
