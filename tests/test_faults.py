@@ -131,6 +131,7 @@ _MODES = {"plain": lambda swap: ["--offload", "none"],
 
 def _trial(corpus, refs, tmp: Path, rng: random.Random, mode: str, report: dict) -> None:
     """Fresh run killed during training, its resume killed at a random moment, then resumed to the end."""
+    tmp.mkdir(parents=True, exist_ok=True)
     out, swap = tmp / "run", tmp / "swap"
     argv = _argv(corpus, out, *_MODES[mode](swap))
     kill_step = rng.randint(1, STEPS - 1)
