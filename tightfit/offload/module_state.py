@@ -39,7 +39,7 @@ from tightfit.offload.flat_unit import PARAMS, OffloadUnit
 from tightfit.offload.placement import State
 from tightfit.offload.wrapped_param import _local, bypass, info_of
 
-_STATES: "weakref.WeakKeyDictionary[nn.Module, ModuleState]" = weakref.WeakKeyDictionary()
+_STATES: weakref.WeakKeyDictionary[nn.Module, ModuleState] = weakref.WeakKeyDictionary()
 
 
 class ModuleState:
@@ -272,7 +272,7 @@ class Deferred(torch.Tensor):
     per shard, or any other op, applied to the value read). Holds the parameter until then, and the value after."""
 
     @staticmethod
-    def of(state: "ModuleState", p: nn.Parameter) -> "Deferred":
+    def of(state: ModuleState, p: nn.Parameter) -> Deferred:
         with bypass():
             meta = torch.empty(p.shape, dtype=torch.float32, device="meta")
         out = meta.as_subclass(Deferred)

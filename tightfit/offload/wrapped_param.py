@@ -18,8 +18,9 @@ Outside forward/backward, for any other parameter (released, or materialised onl
 - reads (`p.sum()`, `p.detach()`, `p.data`, `print(p)`, `p.tolist()`): computed on a copy of the parameter's
   compute values (from the materialised buffer, or read from its tier after the optimizer's write-backs), on the
   parameter's device; no alias of storage that a release frees is handed out. With autograd recording and
-  `p.requires_grad`, a read is refused: the result could not carry a gradient back to the tier, and a silently missing gradient (an L2 penalty outside forward) is worse than an
-  error. `torch.no_grad()`, `p.detach()` and `p.data` read;
+  `p.requires_grad`, a read is refused: the result could not carry a gradient back to the tier, and a silently
+  missing gradient (an L2 penalty outside forward) is worse than an error. `torch.no_grad()`, `p.detach()` and
+  `p.data` read;
 - writes (`p.copy_(x)`, `p.zero_()`, `p[...] = x`, `out=p`) and conversions that would change the dtype or device
   (`.half()`, `.to("cuda")`, `.double()`): refused, naming what to call instead (`load_state_dict`, `wrap(...,
   compute_dtype=..., device=...)`). A conversion to what the parameter already is returns it unchanged, so
