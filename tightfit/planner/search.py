@@ -80,6 +80,17 @@ def device_headroom(hw: HardwareProfile) -> int:
     return max(512 * 2**20, int(hw.gpu_total * 0.08))
 
 
+def allocator_share(gpu_mem: int) -> int:
+    """What of a --gpu-mem budget the plan leaves to the CUDA caching allocator: 1/16 of it.
+
+    [Note: reserved vs allocated] The plan and the engine count allocated bytes (tensors); the GPU's memory is
+    held as reserved bytes (the caching allocator's segments: block rounding, and freed blocks too small or too
+    split for the next request). `tightfit train --gpu-mem X` caps reserved bytes at X (train/memory.py,
+    `cap_device_memory`), so a plan that allocated all of X would fail at its first fragmented segment; this share
+    keeps it clear. The CUDA context lies outside both counts."""
+    return gpu_mem // 16
+
+
 def budgets_from(memory_cfg, hw: HardwareProfile, names: Naming = CLI) -> Budgets:
     """Budgets from --gpu-mem / --cpu-mem / --nvme (or their keyword arguments), or from the machine."""
     from tightfit.config import parse_nvme
@@ -99,7 +110,11 @@ def derive_budgets(hw: HardwareProfile, names: Naming, gpu_mem: int | None, cpu_
     """Budgets from the byte figures given (None: the machine's, less headroom). The one statement of how a
     figure becomes a budget, so a suggested figure is checked by planning with exactly what the user would get."""
     src: dict[str, str] = {}
-    if gpu_mem is not None:
+    if gpu_mem is not None and hw.cuda:
+        share = allocator_share(gpu_mem)
+        device = max(0, gpu_mem - share)  # [Note: reserved vs allocated]
+        src["device"] = f"{names.of('gpu_mem')} less {format_size(share)} for the CUDA allocator"
+    elif gpu_mem is not None:
         device, src["device"] = gpu_mem, names.of("gpu_mem")
     elif hw.cuda:
         device, src["device"] = max(0, hw.gpu_free - device_headroom(hw)), "machine"

@@ -240,8 +240,26 @@ class OffloadMemory(_Stepping):
         return self.plan.compare(measured)
 
 
+def cap_device_memory(device: torch.device, gpu_mem: int) -> float | None:
+    """Cap the CUDA caching allocator's reserved bytes at --gpu-mem; returns the fraction set (None off CUDA).
+
+    Why: a budget the run can overshoot is no budget. Under the cap the allocator frees its cached segments and
+    retries before it fails, so the plan's allocated bytes plus its allocator share ([Note: reserved vs allocated],
+    planner/search.py) are what the GPU gives this process."""
+    if device.type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = min(1.0, gpu_mem / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return fraction
+
+
 def setup_memory(model: nn.Module, cfg: Config, device: torch.device, dtype: torch.dtype) -> MemorySetup:
     """Pick how the run holds its model: plain PyTorch (--offload none), or the offload engine with the plan."""
+    if cfg.memory.gpu_mem is not None:
+        from tightfit.utils.sizes import parse_size
+
+        cap_device_memory(device, parse_size(cfg.memory.gpu_mem, "--gpu-mem"))
     if cfg.memory.offload == "none":
         return PlainMemory(model, cfg, device, dtype)
     from tightfit.config import parse_nvme
@@ -254,4 +272,4 @@ def setup_memory(model: nn.Module, cfg: Config, device: torch.device, dtype: tor
     return OffloadMemory(model, cfg, device, dtype, make_plan(model, cfg, hw))
 
 
-__all__ = ["MemorySetup", "OffloadMemory", "PlainMemory", "param_groups", "setup_memory"]
+__all__ = ["MemorySetup", "OffloadMemory", "PlainMemory", "cap_device_memory", "param_groups", "setup_memory"]

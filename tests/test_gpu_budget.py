@@ -1,0 +1,50 @@
+"""--gpu-mem on CUDA: the plan leaves the caching allocator its share, and the run caps reserved bytes at the
+budget (issue 15, finding 8; [Note: reserved vs allocated] in planner/search.py). Planned on CPU for a GPU profile;
+the cap is checked against recording stand-ins of torch.cuda's calls."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+import tightfit
+from tightfit.models.gpt import GPT, GPTConfig
+from tightfit.planner import HardwareProfile
+from tightfit.planner.search import allocator_share
+from tightfit.train import memory
+
+MiB, GiB = 2**20, 2**30
+GPU = HardwareProfile.synthetic()
+CPU = HardwareProfile.synthetic(cuda=False, device_name="cpu", gpu_total=0, gpu_free=0)
+
+
+def gpt() -> GPT:
+    with torch.device("meta"):
+        return GPT(GPTConfig(n_layer=2, n_embd=64, n_head=2, block_size=32, vocab_size=256))
+
+
+def test_gpu_mem_on_cuda_keeps_the_allocator_share():
+    assert GPU.cuda
+    plan = tightfit.plan(gpt(), gpu_mem="4GiB", cpu_mem="8GiB", micro_batch=2, seq_len=32, hardware=GPU)
+    assert allocator_share(4 * GiB) == 256 * MiB
+    assert plan.budgets["device"] == 4 * GiB - 256 * MiB
+    assert "CUDA allocator" in plan.budget_sources["device"]
+    big = tightfit.plan(gpt(), gpu_mem="64GiB", cpu_mem="8GiB", micro_batch=2, seq_len=32, hardware=GPU)
+    assert big.budgets["device"] == 60 * GiB
+    # Without a GPU the device budget is RAM: no allocator segments, nothing kept back.
+    cpu = tightfit.plan(gpt(), gpu_mem="1GiB", cpu_mem="8GiB", micro_batch=2, seq_len=32, hardware=CPU)
+    assert cpu.budgets["device"] == 1 * GiB
+
+
+def test_cap_device_memory_caps_reserved_bytes_at_the_budget(monkeypatch):
+    calls = []
+    fake_cuda = types.SimpleNamespace(
+        get_device_properties=lambda d: types.SimpleNamespace(total_memory=80 * GiB),
+        set_per_process_memory_fraction=lambda f, d: calls.append((f, d)))
+    monkeypatch.setattr(memory.torch, "cuda", fake_cuda)
+    dev = torch.device("cuda", 0)
+    assert memory.cap_device_memory(dev, 20 * GiB) == 0.25
+    assert memory.cap_device_memory(dev, 100 * GiB) == 1.0  # never above the whole GPU
+    assert calls == [(0.25, dev), (1.0, dev)]
+    assert memory.cap_device_memory(torch.device("cpu"), 20 * GiB) is None and len(calls) == 2
