@@ -16,7 +16,6 @@ from pathlib import Path
 from tightfit import __version__
 from tightfit.config import Config, add_config_args, config_from_args
 from tightfit.errors import UsageError
-from tightfit.utils.huge_pages import enable_before_torch as enable_huge_pages_before_torch
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -90,7 +89,6 @@ def _cmd_plan(cfg: Config, as_json: bool, hardware: str | None = None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    enable_huge_pages_before_torch()  # [Note: first touch] (utils/huge_pages.py): before anything imports torch
     args = _parser().parse_args(argv)
     try:
         if args.command == "env":

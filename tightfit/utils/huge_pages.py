@@ -1,17 +1,15 @@
-"""Transparent huge pages for large CPU tensors: first writes to fresh memory at memcpy speed.
+"""Transparent huge pages for the flat buffers a fetch re-allocates: their first write at memcpy speed.
 
-[Note: first touch] Offloading re-creates large CPU buffers every step: a streamed unit's flat compute buffer at
-each fetch (flat_unit.py) and one gradient per parameter at each backward (autograd). Above glibc's mmap threshold
-(32 MiB at most) each is a fresh mapping, and its first write faults once per 4 KiB page: measured on the 2-core CI
-VM, a copy into fresh memory ran at about a third of the speed of the same copy into touched memory (110 MB: 74 ms
-against 22 ms, 28,161 faults). torch's CPU allocator can instead align allocations of 2 MiB and more to 2 MiB and
-`madvise(MADV_HUGEPAGE)` them (`THP_MEM_ALLOC_ENABLE=1`, read once, at torch's first allocation): 567 faults for
-the same copy, which then runs within 20% of the touched one. Where the kernel's THP mode is `never` the advice does
-nothing and costs nothing.
-
-The variable must be set before torch allocates anything, so only an entry point that runs before `import torch`
-can set it: `tightfit train` does (cli.py); a user's own process keeps whatever it chose. An explicit value in the
-environment (`THP_MEM_ALLOC_ENABLE=0`) always wins.
+[Note: first touch] Offloading re-creates a streamed unit's flat compute buffer at every fetch (flat_unit.py).
+Above glibc's mmap threshold (32 MiB at most) each is a fresh mapping, and its first write faults once per 4 KiB
+page: measured on the 2-core CI VM, a copy into fresh memory ran at about a third of the speed of the same copy
+into touched memory (110 MB: 74 ms against 22 ms, 28,161 faults). Advised `MADV_HUGEPAGE` before that first write,
+the same copy faults 567 times and runs within 20% of the touched one. The advice covers only these buffers, which
+are written whole: asking torch's allocator for huge pages everywhere (`THP_MEM_ALLOC_ENABLE=1`) would also cover
+autograd's gradients, but it raised the default run's peak RSS by 40 MiB (8%) through partly used huge pages in
+the heap, so tightfit leaves that variable to the user; set to 1 it makes this advice redundant, set to 0 it
+turns it off.
+Where the kernel's THP mode is `never` or `always`, the advice is skipped.
 """
 
 from __future__ import annotations
@@ -20,16 +18,6 @@ import os
 import sys
 
 ENV = "THP_MEM_ALLOC_ENABLE"
-
-
-def enable_before_torch() -> bool:
-    """Ask torch's CPU allocator for huge pages if torch is not imported yet and the user set nothing.
-    Returns whether torch will use them."""
-    if "torch" not in sys.modules:
-        os.environ.setdefault(ENV, "1")
-    return os.environ.get(ENV) == "1"
-
-
 _MADV_HUGEPAGE = 14
 _ADVISE_MIN = 32 << 20  # glibc serves this and more from a fresh mmap of its own, so the advice touches no heap
 _libc = None
@@ -47,10 +35,9 @@ _ADVISABLE = sys.platform.startswith("linux") and _thp_mode() == "madvise"
 
 
 def advise(t) -> None:
-    """Advise huge pages for a CPU tensor's storage about to be written for the first time (the flat buffer a fetch
-    re-allocates), in a process where torch's allocator does not already (a user's own process, [Note: first
-    touch]) and whose environment does not choose (`THP_MEM_ALLOC_ENABLE=0` keeps them off). Page-aligned interior
-    only; a no-op below 32 MiB, off Linux, or unless the kernel's mode is `madvise`."""
+    """Advise huge pages for a CPU tensor's storage about to be written whole for the first time (a fetched flat
+    buffer, [Note: first touch]), unless THP_MEM_ALLOC_ENABLE chooses. Page-aligned interior only; a no-op below
+    32 MiB, off Linux, or unless the kernel's mode is `madvise`."""
     global _libc
     if not _ADVISABLE or os.environ.get(ENV) is not None or t.device.type != "cpu":  # "1": torch does it; "0": no
         return
