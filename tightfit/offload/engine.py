@@ -15,12 +15,7 @@ Life of a unit's parameters in one step (see docs/ENGINE.md for the full picture
 The root unit is materialised from the model's forward start until its gradients are complete; when it is stepped
 during backward on a CPU device it stays materialised into the next step ([Note: master from the fetch]).
 
-[Note: device budget] Device bytes in use = the device-tier stores (fixed at wrap) + the flat buffers of the
-units materialised right now + the `param.grad`s of units in backward, from their backward's start until their
-copy off the device has read them (`_packing`). A prefetch only starts when its unit fits; materialising a needed
-unit first evicts prefetched units that are not in use, then waits for gradient copies still running; if it
-still does not fit, that is a UsageError. Activations are the model's own and are not counted: leave headroom for
-them in the budget (the planner does).
+The device budget is metered by `DeviceMeter` (device_meter.py, [Note: device budget]).
 """
 
 from __future__ import annotations
@@ -39,6 +34,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from tightfit.errors import UsageError
 from tightfit.offload.aligned import aligned_empty
 from tightfit.offload.budget_checks import check_budgets, host_tier_bytes
+from tightfit.offload.device_meter import DeviceMeter, autocast_outside_budget
 from tightfit.offload.flat_unit import MASTER, PARAMS, GradsState, OffloadUnit, ParamsState
 from tightfit.offload.grad_ship import ship_grads
 from tightfit.offload.hooks import queue_end_of_backward, register_hooks, remove_hooks
@@ -170,14 +166,7 @@ class OffloadEngine:
         self.schedule = Schedule(placement.prefetch_depth)
         self.phase = Phase.IDLE
         self._in_backward = False
-        # Transient device bytes: materialised (fetched) units and gradients not yet copied off. The device-tier
-        # states themselves are counted by the device store; `device_in_use` is the sum of both.
-        self.device_bytes = 0
-        # Gradients shipped but not yet packed off the device: (bytes still metered, the pack's Transfer).
-        self._packing: list[tuple[int, Transfer]] = []
-        # Host waits for a device copy to complete, per phase ([Note: the mover contract] 6): none in forward.
-        self.host_waits: Counter = Counter()
-        self.device_peak = 0
+        self.meter = DeviceMeter(self.stores[Tier.DEVICE], placement.device_budget, self.mover)
         self._active: set[str] = set()  # units materialised because they compute now (not mere prefetches)
         self._timers: dict[str, float] = {}
         self._warned_autocast = False
@@ -193,7 +182,7 @@ class OffloadEngine:
                 with contextlib.suppress(Exception):
                     store.close()
             raise
-        self.device_peak = max(self.device_peak, self.device_in_use)
+        self.meter.charge(0)  # the peak starts at the device tier's states
         budget = placement.device_budget
         if budget is not None and self.stores[Tier.DEVICE].bytes > budget:
             raise UsageError(f"device budget {format_size(budget)} is smaller than the states placed on the device "
@@ -288,43 +277,29 @@ class OffloadEngine:
     @property
     def device_in_use(self) -> int:
         """Bytes on the device: device-tier states (resident) + materialised units and pending gradients."""
-        return self.stores[Tier.DEVICE].bytes + self.device_bytes
+        return self.meter.in_use
 
-    def _fits(self, nbytes: int) -> bool:
-        budget = self.placement.device_budget
-        if budget is None:
-            return True
-        self._settle_packs()
-        return self.device_in_use + nbytes <= budget
+    @property
+    def device_bytes(self) -> int:
+        """The transient part: materialised units' flat buffers and gradients not yet copied off."""
+        return self.meter.transient
 
-    def _settle_packs(self, wait: bool = False) -> None:
-        """Stop metering the gradients whose pack has read them (all of them, waiting, if `wait`)."""
-        still = []
-        for nbytes, pack in self._packing:
-            if wait and not pack.done.done():
-                self.host_waits[self.phase] += 1
-                try:
-                    self.mover.sync(pack)
-                except BaseException:  # noqa: BLE001 - the gradient worker raises it
-                    pass
-            if pack.done.done():
-                self.device_bytes -= nbytes
-            else:
-                still.append((nbytes, pack))
-        self._packing = still
+    @property
+    def device_peak(self) -> int:
+        return self.meter.peak
+
+    @property
+    def host_waits(self) -> Counter:
+        return self.meter.host_waits
 
     def _make_room(self, keep: OffloadUnit, nbytes: int) -> bool:
         """Evict idle units, then wait for gradients still being packed, until `nbytes` fit; whether they do."""
-        if self._fits(nbytes):
+        if self.meter.fits(nbytes):
             return True
         self._evict_idle(keep)
-        if not self._fits(nbytes) and self._packing:
-            self._settle_packs(wait=True)
-        return self._fits(nbytes)
-
-    def _charge(self, nbytes: int) -> None:
-        self.device_bytes += nbytes
-        self.device_peak = max(self.device_peak, self.device_in_use)
+        if not self.meter.fits(nbytes) and self.meter.packing:
+            self.meter.settle(wait=True, phase=self.phase)
+        return self.meter.fits(nbytes)
 
     def materialise(self, unit: OffloadUnit) -> None:
         self._active.add(unit.name)
@@ -340,7 +315,7 @@ class OffloadEngine:
                     f"device budget {format_size(self.placement.device_budget)} exceeded materialising unit "
                     f"{unit.name!r} ({format_size(unit.compute_bytes)}; "
                     f"{format_size(self.device_in_use)} in use); raise --gpu-mem or lower prefetch_depth")
-            self._charge(unit.compute_bytes)
+            self.meter.charge(unit.compute_bytes)
             unit.start_fetch(self.mover, self.cache, keep_master=self.keeps_master(unit))
         unit.finish_fetch(self.mover, self.cache)
         self._time("params_wait_s", t0)
@@ -355,9 +330,9 @@ class OffloadEngine:
     def prefetch(self, names: list[str]) -> None:
         for name in names:
             unit = self.units[name]
-            if unit.resident or unit.on_device or not self._fits(unit.compute_bytes):
+            if unit.resident or unit.on_device or not self.meter.fits(unit.compute_bytes):
                 continue
-            self._charge(unit.compute_bytes)
+            self.meter.charge(unit.compute_bytes)
             unit.start_fetch(self.mover, self.cache, keep_master=self.keeps_master(unit))
 
     def release(self, unit: OffloadUnit) -> None:
@@ -365,7 +340,7 @@ class OffloadEngine:
         if unit.resident or not unit.on_device:
             return
         unit.free(self.mover)
-        self.device_bytes -= unit.compute_bytes
+        self.meter.uncharge(unit.compute_bytes)
 
     def release_all(self, keep_stepping: bool = False) -> None:
         """Release every materialised unit; keep_stepping: except the root while its step runs in place."""
@@ -376,24 +351,11 @@ class OffloadEngine:
     # ---- events from the hooks -------------------------------------------------------------------------------
 
     def _check_autocast(self) -> None:
-        """Refuse (under a device budget) or warn about autocast to a lower precision over fp32 compute weights.
-
-        Why: autocast casts each weight for every op that uses it and saves the cast for backward, so every unit's
-        weights live on the device a second time, in the low dtype, from forward to backward: memory the engine
-        neither sees nor frees. The engine can hold the compute copy in that dtype itself (fp32 master kept)."""
-        kind = self.device.type
-        if self.compute_dtype != torch.float32 or not torch.is_autocast_enabled(kind):
-            return
-        dtype = torch.get_autocast_dtype(kind)
-        if dtype == torch.float32:
-            return
-        name = str(dtype).replace("torch.", "")
-        msg = (f"autocast({name}) is on over fp32 compute weights: it keeps a {name} copy of every unit's weights "
-               f"from forward to backward, outside the device budget; wrap with compute_dtype=torch.{name} (the "
-               "fp32 master weights stay) and drop the autocast")
-        if self.placement.device_budget is not None:
+        """Refuse under a device budget, else warn once: autocast's casts are device memory the meter cannot see."""
+        msg = autocast_outside_budget(self.device, self.compute_dtype)
+        if msg is not None and self.placement.device_budget is not None:
             raise UsageError(msg)
-        if not self._warned_autocast:
+        if msg is not None and not self._warned_autocast:
             self._warned_autocast = True
             warnings.warn(msg, stacklevel=3)
 
@@ -459,14 +421,11 @@ class OffloadEngine:
         if not unit.grads_charged:
             self._make_room(unit, unit.grad_bytes)  # the budget's guarantee (check_budgets) covers computing units
             unit.grads_charged = unit.grad_bytes
-            self._charge(unit.grad_bytes)
+            self.meter.charge(unit.grad_bytes)
 
     def _uncharge_grads(self, unit: OffloadUnit, packing: Transfer | None = None) -> None:
         """Stop counting the unit's `param.grad`s: now, or once `packing` (their copy off the device) is done."""
-        if packing is not None and not packing.done.done():
-            self._packing.append((unit.grads_charged, packing))
-        else:
-            self.device_bytes -= unit.grads_charged
+        self.meter.uncharge(unit.grads_charged, after=packing)
         unit.grads_charged = 0
 
     def on_grad(self, unit: OffloadUnit, index: int) -> None:
@@ -540,7 +499,7 @@ class OffloadEngine:
             if unit.grad_pending is not None:
                 unit.grad_pending.result()
                 unit.grad_pending = None
-        self._settle_packs()  # a unit's gradients have landed, so their pack is done
+        self.meter.settle()  # a unit's gradients have landed, so their pack is done
 
     def zero_grad(self) -> None:
         self.wait_grads()
