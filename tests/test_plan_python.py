@@ -160,7 +160,7 @@ def _fits(model, hw, **mem) -> bool:
 ])
 def test_needs_figure_is_the_true_one(hw, key, given):
     """The figure a refusal suggests is the budget with which the planner fits, whatever the shortfall: planning
-    with it succeeds and planning with 1% less does not ([Note: true figures] in search.py)."""
+    with it succeeds and planning with 1% less does not ([Note: true figures] in suggest.py)."""
     model = gpt(n_layer=4, n_embd=128, n_head=4, seq=128, meta=True)
     c = Config()
     c.train.micro_batch, c.train.seq_len, c.train.precision = 8, 128, "fp32"

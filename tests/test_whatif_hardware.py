@@ -15,7 +15,6 @@ import torch
 
 from tightfit.cli import main
 from tightfit.config import Config
-from tightfit.errors import UsageError
 from tightfit.models.gpt import GPT, GPTConfig
 from tightfit.offload.placement import Tier
 from tightfit.planner import make_plan

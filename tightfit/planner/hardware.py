@@ -111,7 +111,8 @@ class HardwareProfile:
                  f"  disk read {self.nvme_read_bw / g:.2f} GB/s, write {self.nvme_write_bw / g:.2f} GB/s (O_DIRECT); "
                  f"the NVMe tier uses {self.nvme_io_threads} I/O threads, transfers up to "
                  f"{self.nvme_chunk_bytes >> 10} KiB",
-                 f"  AdamW: CPU {self.cpu_adam_rate / 1e6:.0f} M params/s, device {self.device_adam_rate / 1e6:.0f} M/s",
+                 f"  AdamW: CPU {self.cpu_adam_rate / 1e6:.0f} M params/s, "
+                 f"device {self.device_adam_rate / 1e6:.0f} M/s",
                  f"  runtime RSS {self.runtime_rss / 2**20:.0f} MiB; cached in {cache_path()}"]
         return "\n".join(lines)
 

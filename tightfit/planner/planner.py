@@ -40,7 +40,7 @@ def make_plan(model: nn.Module, cfg, hardware: HardwareProfile | None = None, na
         hardware = load_or_probe(nvme_dir)
     elif nvme_dir and hardware.nvme_free == 0 and hardware.measured_at and not what_if:
         hardware = current(hardware, nvme_dir)
-    cuda = _computes_on_cuda(cfg.train.device, hardware, given, names)
+    cuda = _computes_on_cuda(cfg.train.device, hardware, given, what_if, names)
     dtype = precision_name(cfg, "cuda" if cuda else "cpu")
     budgets = budgets_from(cfg.memory, hardware, names)
     profile = profile_model(model, cfg.train.micro_batch, cfg.train.seq_len, dtype, cuda)
@@ -66,10 +66,11 @@ def make_plan(model: nn.Module, cfg, hardware: HardwareProfile | None = None, na
     return plan
 
 
-def _computes_on_cuda(device: str, hw: HardwareProfile, given: bool, names: Naming) -> bool:
+def _computes_on_cuda(device: str, hw: HardwareProfile, given: bool, what_if: bool, names: Naming) -> bool:
     """Does the plan compute on a CUDA GPU? --device, with auto meaning the planned machine's GPU when it has one.
     A device the planned machine lacks is refused, never ignored: --device cuda on a machine without a GPU names
-    the way to plan for one (--hardware)."""
+    the way to plan for one (--hardware). --device cpu on this machine's GPU plans CPU compute (as `tightfit train
+    --device cpu` runs); on another machine's GPU profile it is refused: the profile's speeds are its GPU's."""
     if device == "auto":
         return hw.cuda if given else (hw.cuda and torch.cuda.is_available())
     if device == "cuda" and not hw.cuda:
@@ -78,7 +79,7 @@ def _computes_on_cuda(device: str, hw: HardwareProfile, given: bool, names: Nami
                              "CUDA GPU; plan for one with a GPU profile")
         raise UsageError(f"{names.set('device', 'cuda')}: this machine has no CUDA GPU; to plan for one, add "
                          f"{names.set('hardware', 'FILE')} or a named profile ({', '.join(PROFILES)})")
-    if device == "cpu" and hw.cuda and given:
+    if device == "cpu" and hw.cuda and what_if:
         raise UsageError(f"{names.set('device', 'cpu')}: the hardware planned for is a GPU ({hw.device_name}) whose "
                          "speeds are the GPU's; plan CPU compute with a CPU profile (tightfit probe on that machine)")
     return device == "cuda"

@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from tightfit.errors import UsageError
-from tightfit.offload.placement import ROOT_UNIT, Placement, State, Tier, UnitPlacement
+from tightfit.offload.placement import ROOT_UNIT, Placement, State, Tier
 from tightfit.planner.costs import (Prediction, TrainShape, act_bytes, engine_budgets, memory, predict,
                                    units_per_window)
 from tightfit.planner.hardware import GiB, HardwareProfile
@@ -247,7 +247,9 @@ def search(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainS
     try:
         return _search_units(profile, hw, b, shape, checkpointing)
     except _NoFit as nf:
-        raise Infeasible(_suggest(nf, profile, hw, b, shape, checkpointing, names)) from None
+        from tightfit.planner.suggest import suggest
+
+        raise Infeasible(suggest(nf, profile, hw, b, shape, checkpointing, names)) from None
 
 
 def _fits(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainShape, checkpointing: str) -> bool:
@@ -285,7 +287,7 @@ def _search_units(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape:
         return res
     if res is not None and res.prediction.step_s <= alt.prediction.step_s:
         return res
-    alt.reasons.insert(0, f"activation checkpointing of every unit: its room on the device holds states instead"
+    alt.reasons.insert(0, "activation checkpointing of every unit: its room on the device holds states instead"
                           + ("" if res is None else f" ({res.prediction.step_s * 1e3:.0f} ms per step with "
                                                     f"{len(res.placement.checkpoint_units)} checkpointed, "
                                                     f"{alt.prediction.step_s * 1e3:.0f} ms with all)"))
@@ -421,8 +423,9 @@ def _tile(profile: ModelProfile, shape: TrainShape, room: int, reasons: list[str
     if _min_streaming(profile, shape) <= room:
         return profile, {}
     if room <= 0:
-        return profile, {}  # activations alone exceed the device: no tiling fits (and tiles of 1 byte would be
-        # millions of units, which made the search of a refusal's figure [Note: true figures] run for minutes)
+        # Activations alone exceed the device: no tiling fits (and tiles of 1 byte would be millions of units,
+        # which made the search for a refusal's figure, [Note: true figures] in suggest.py, run for minutes).
+        return profile, {}
     from tightfit.tiling import plan_tiles
 
     # Three tiles resident (previous, running, prefetched), two with their gradients; plan_tiles' byte limit
@@ -472,130 +475,3 @@ def _explain(profile: ModelProfile, p: Placement, groups: dict[str, tuple[State,
     if any(p.of(u.name).params != Tier.DEVICE for u in profile.units):
         out.append(f"prefetch depth {p.prefetch_depth}: hides one unit's fetch behind the compute before it")
     return out
-
-
-# ---- what to change when nothing fits ----------------------------------------------------------------------------
-# [Note: true figures] Every figure a message suggests is one the planner was run with and found to fit. The
-# shortfall of the failed search is no such figure: its checkpointing, tiling, prefetch depth and pool were chosen
-# for the budget that failed, and a larger budget makes other choices (fewer checkpointed units, a deeper window, a
-# larger pool), so "needs X" read off the failed plan understated what a second run asked for, and on a CPU-only
-# machine it left out the process floor that --cpu-mem includes. Here the budget is searched instead: doubled
-# until the planner fits, then bisected to 1/1000 of the figure, and printed rounded up.
-
-def _round_up_text(n: int) -> str:
-    """`format_size(n)`, rounded up at its printed precision so that the printed figure is at least `n`."""
-    text = format_size(n)
-    while parse_size(text) < n:
-        value, unit = text.split()
-        text = f"{float(value) + 0.1:.1f} {unit}"
-    return text
-
-
-def _smallest(fits, lo: int, hi: int) -> int | None:
-    """The smallest figure in (lo, ...] for which `fits` holds, to 1/1000 (`lo` is known not to fit); None when
-    nothing up to 2^60 bytes fits."""
-    hi = max(hi, lo + 1, 1 << 20)
-    while not fits(hi):
-        if hi > 1 << 60:
-            return None
-        lo, hi = hi, hi * 2
-    while hi - lo > max(hi // 1000, 1 << 12):
-        mid = (lo + hi) // 2
-        if fits(mid):
-            hi = mid
-        else:
-            lo = mid
-    # Printed rounded up: make sure the printed figure itself fits.
-    for _ in range(20):
-        if fits(parse_size(_round_up_text(hi))):
-            return parse_size(_round_up_text(hi))
-        hi = parse_size(_round_up_text(hi)) + (1 << 12)
-    return None
-
-
-def _figure(key: str, profile, hw, b, shape, ck, names) -> int | None:
-    """The smallest value of the byte setting `key` ("gpu_mem", "cpu_mem", "nvme") with which the planner fits."""
-    now = b.given.get(key)
-    if now is None:
-        now = {"gpu_mem": b.device or 0, "cpu_mem": b.host, "nvme": b.nvme}[key]
-    return _smallest(lambda v: _fits(profile, hw, with_given(b, hw, names, key, v), shape, ck), now, 2 * now)
-
-
-def _largest_micro_batch(profile: ModelProfile, hw, b, shape, ck) -> int | None:
-    """The largest micro-batch below the profile's with which the planner fits (activations and work scale with
-    it), or None."""
-    fits = lambda mb: _fits(profile.with_micro_batch(mb), hw, b, replace(  # noqa: E731
-        shape, tokens_per_micro=mb * profile.seq_len), ck)
-    lo, hi = 1, profile.micro_batch - 1
-    if hi < 1 or not fits(1):
-        return None
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def _suggest(nf: _NoFit, profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainShape,
-             checkpointing: str, names: Naming) -> str:
-    """One line: what is short, by how much, and the smallest changes that fit ([Note: true figures])."""
-    tier, need, have = nf.bad
-    pred, p = nf.pred, nf.placement
-    if tier == "device" or (tier == "host" and b.shared and not b.nvme_dir and
-                            pred.breakdown["device"]["activations"] > have):
-        key = "cpu_mem" if b.shared else "gpu_mem"
-        figure = _figure(key, profile, hw, b, shape, checkpointing, names)
-        if figure is not None:  # the figures of the plan that fits, not of the one that failed
-            pred = _search_units(profile, hw, with_given(b, hw, names, key, figure), shape, checkpointing).prediction
-            need = pred.peak["device"] + (pred.peak["host"] if b.shared else 0)
-        act = pred.breakdown["device"]["activations"]
-        msg = (f"needs {format_size(need)} device memory (activations of {names.set('micro_batch', profile.micro_batch)}"
-               f": {format_size(act)}, everything else: {format_size(need - act)}), {format_size(have)} available")
-        if b.shared:
-            msg += f" ({names.of('cpu_mem')} bounds the whole process: the process floor " \
-                   f"{format_size(hw.runtime_rss)} comes out of it)"
-        options = []
-        mb = _largest_micro_batch(profile, hw, b, shape, checkpointing)
-        if mb is not None:
-            accum = math.ceil(shape.grad_accum * profile.micro_batch / mb)
-            options.append(names.join(names.set("micro_batch", mb), names.set("grad_accum", accum)))
-        if not p.checkpoint_units and checkpointing != "on" and _fits(profile, hw, b, shape, "on"):
-            options.append(names.set("checkpointing", "on"))
-        if figure is not None:
-            options.append(names.set(key, _round_up_text(figure)))
-        return msg + (": use " + ", or ".join(options) if options else ": no budget fits this model and shape")
-    if tier == "host":
-        figure = _figure("cpu_mem", profile, hw, b, shape, checkpointing, names)
-        if figure is not None:  # the figures of the plan that fits, not of the one that failed
-            pred = _search_units(profile, hw, with_given(b, hw, names, "cpu_mem", figure), shape,
-                                 checkpointing).prediction
-            need = pred.peak["host"] + (pred.peak["device"] if b.shared else 0)
-        msg = f"needs {format_size(need)} host memory, {format_size(have)} available"
-        more = "" if figure is None else \
-            f" ({format_size(with_given(b, hw, names, 'cpu_mem', figure).host - b.host)} more)"
-        raise_to = "" if figure is None else names.set("cpu_mem", _round_up_text(figure))
-        if not b.nvme_dir:
-            spill = _nvme_need(profile, hw, b, shape)
-            return (msg + f": add {names.set('nvme', 'PATH')} with {_round_up_text(spill)} free"
-                    + (f", or {raise_to}{more}" if raise_to and b.given.get("cpu_mem") is not None else "")
-                    + (f", or free RAM{more}" if raise_to and b.given.get("cpu_mem") is None else ""))
-        if not raise_to:
-            return msg + f" even with the NVMe tier: no {names.of('cpu_mem')} fits this model and shape"
-        if b.given.get("cpu_mem") is None:
-            return msg + f" even with the NVMe tier: free RAM{more}, or give {raise_to}"
-        return msg + f" even with the NVMe tier: use {raise_to}{more}"
-    figure = _figure("nvme", profile, hw, b, shape, checkpointing, names)
-    size = _round_up_text(figure if figure is not None else need)
-    return (f"needs {size} on the NVMe tier ({b.nvme_dir}), {format_size(have)} allowed: point "
-            f"{names.of('nvme')} at a disk with {size} free, or raise its SIZE")
-
-
-def _nvme_need(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainShape) -> int:
-    """Swap space the plan would use if an unlimited NVMe tier were added."""
-    trial = replace(b, nvme=1 << 62, nvme_dir=b.nvme_dir or "<nvme>")
-    try:
-        return _search_units(profile, hw, trial, shape, "auto").prediction.peak["nvme"]
-    except _NoFit:
-        return sum(u.trainable * 16 + u.numel * shape.compute_bytes for u in profile.units)
