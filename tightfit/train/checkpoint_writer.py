@@ -285,11 +285,12 @@ class CheckpointWriter:
         self.bytes_written += t.numel() * t.element_size()
 
     def _verify_copy(self, file: str, copy) -> bool:
-        """Read a copied shard back a tensor at a time: finite, CRC-32, index entries as views of its entries."""
+        """Sync a copied shard, then read it back a tensor at a time: finite, CRC-32, index entries as views."""
         from tightfit.offload.safetensors_file import read_layout
 
         entries, _ = read_layout(self.partial / file)
         with open(self.partial / file, "rb") as f:
+            os.fsync(f.fileno())  # durable before the index can name it ([Note: commit])
             for v in copy.views:
                 t = torch.empty(v.shape, dtype=v.dtype)
                 f.seek(entries[v.entry].offset + v.offset * v.dtype.itemsize)
