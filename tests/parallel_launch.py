@@ -24,6 +24,21 @@ def rank_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def start_ranks(cmd: list[str], log_dir: Path, world: int = 2) -> tuple[list[subprocess.Popen], list[Path]]:
+    """Start `cmd` once per rank without torchrun (RANK/WORLD_SIZE/MASTER_* set by hand, one free port), each
+    writing stdout and stderr to `log_dir/rank<N>.log`; returns the processes and their logs."""
+    port = free_port()
+    procs, logs = [], []
+    for rank in range(world):
+        log = log_dir / f"rank{rank}.log"
+        env = rank_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port))
+        with open(log, "w") as f:
+            procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT))
+        logs.append(log)
+    return procs, logs
+
+
 def torchrun_worker(nproc: int, cases: list[str], timeout: float) -> subprocess.CompletedProcess:
     """Run the equivalence worker on `nproc` CPU ranks; returns the finished process (output in stdout)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",

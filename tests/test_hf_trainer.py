@@ -16,17 +16,9 @@ from tightfit.errors import UsageError
 from tightfit.integrations.hf_trainer import TightfitTrainer
 from tightfit.offload.engine import engine_of
 from tightfit.offload.state_io import export_state
+from offload_helpers import one_torch_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 
 VOCAB, SEQ = 128, 16
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Tiny models run fastest on one intra-op thread (and a shared machine stalls OpenMP barriers)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def llama():

@@ -17,7 +17,7 @@ import time
 
 import psutil
 
-from parallel_launch import ROOT, free_port, rank_env
+from parallel_launch import ROOT, free_port, rank_env, start_ranks
 
 BOUND_S = 60.0
 """Survivors must be gone this long after the kill (the process-group timeout is 120 s; gloo is much faster)."""
@@ -38,16 +38,7 @@ def _wait_for(proc_out_path, text: str, timeout: float) -> None:
 
 
 def test_killed_rank_without_torchrun(tiny_args, tmp_path):
-    port = free_port()
-    procs, logs = [], []
-    for rank in range(2):
-        log = tmp_path / f"rank{rank}.log"
-        env = rank_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(port))
-        with open(log, "w") as f:
-            procs.append(subprocess.Popen(_train_args(tiny_args), env=env, cwd=ROOT, stdout=f,
-                                          stderr=subprocess.STDOUT))
-        logs.append(log)
+    procs, logs = start_ranks(_train_args(tiny_args), tmp_path)
     try:
         _wait_for(logs[0], "3/100000 | loss", timeout=180)
         procs[1].send_signal(signal.SIGKILL)

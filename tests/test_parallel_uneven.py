@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from parallel_launch import ROOT, free_port, rank_env
+from parallel_launch import ROOT, free_port, rank_env, start_ranks
 
 
 def _val_losses(out_dir) -> dict[int, float]:
@@ -67,17 +67,9 @@ def test_evaluates_and_saves_with_uneven_batches(tiny_args, tmp_path, strategy, 
 
 @pytest.mark.slow
 def test_a_frozen_rank_leaves_its_peer_one_line_naming_the_collective(tiny_args, tmp_path):
-    port = free_port()
-    procs, logs = [], []
-    for rank in range(2):
-        log = tmp_path / f"rank{rank}.log"
-        env = rank_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(port))
-        cmd = [sys.executable, "-m", "tightfit.cli", "train", *tiny_args, "--steps", "100000", "--log-interval",
-               "1", "--strategy", "zero3", "--dist-timeout", "6"]
-        with open(log, "w") as f:
-            procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT))
-        logs.append(log)
+    cmd = [sys.executable, "-m", "tightfit.cli", "train", *tiny_args, "--steps", "100000", "--log-interval",
+           "1", "--strategy", "zero3", "--dist-timeout", "6"]
+    procs, logs = start_ranks(cmd, tmp_path)
     try:
         t0 = time.time()
         while "3/100000 | loss" not in logs[0].read_text(errors="replace"):

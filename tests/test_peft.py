@@ -15,16 +15,9 @@ from tightfit.offload.engine import engine_of
 from tightfit.offload.placement import Tier
 from tightfit.offload.state_io import export_state
 from tightfit.optim import AdamW
+from offload_helpers import one_torch_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 
 VOCAB, SEQ = 128, 16
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def base_llama():
