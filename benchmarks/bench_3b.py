@@ -154,7 +154,7 @@ def run(args) -> dict:
     res["plan_peaks"] = m.group(1) if m else None
     m = re.search(r"process RSS ([\d.]+ [KMGT]?i?B)", text)
     res["predicted_rss"] = _bytes(m.group(1)) if m else None
-    m = re.search(r"predicted step: ([\d,]+) ms", text)
+    m = re.search(r"predicted step: ([\d,.]+) ms", text)
     res["predicted_step_s"] = float(m.group(1).replace(",", "")) / 1e3 if m else None
     res["measured_rss_hwm"] = hwm
     res["measured_rss_sampled"] = max((r for _, r in samples), default=None)
