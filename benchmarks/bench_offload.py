@@ -109,7 +109,7 @@ def _batch(cfg: GPTConfig, batch: int, step: int) -> tuple[torch.Tensor, torch.T
 
 def _build(cfg: GPTConfig, placement: Placement, disk: DiskTuning | None = None) -> tuple[torch.nn.Module, AdamW]:
     """The model on the meta device, wrapped, initialised unit by unit. disk: the NVMe tier's tuning (None: what
-    it derives, [Note: disk tuning] in tightfit/offload/nvme.py)."""
+    it derives, [Note: disk tuning] in tightfit/offload/disk_tuning.py)."""
     with torch.device("meta"):
         model = GPT(cfg)
     names = [n for n, _ in model.named_parameters()]

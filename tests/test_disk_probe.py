@@ -1,4 +1,4 @@
-"""The disk probe and the NVMe tier's tuning ([Note: disk tuning] in tightfit/offload/nvme.py).
+"""The disk probe and the NVMe tier's tuning ([Note: disk tuning] in tightfit/offload/disk_tuning.py).
 
 `tightfit probe` measures the swap folder's disk (bandwidth, the largest transfer, the I/O threads) and caches it;
 the store takes the cached tuning only for a folder on the filesystem that was measured, else the defaults, and

@@ -21,6 +21,7 @@ from tightfit.errors import UsageError
 from tightfit.offload import nvme
 from tightfit.offload.aligned import aligned_empty, is_aligned
 from tightfit.offload.nvme import NvmeStore
+from tightfit.offload.nvme_transfer import transfer_size
 from tightfit.offload.safetensors_file import is_padding
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
@@ -402,7 +403,7 @@ def test_transfer_size_is_as_large_as_the_chunk_allows(tmp_path):
     # [Note: transfer size]: ceil(n / chunk_bytes) equal transfers in whole 4096-byte blocks; a read cut that way
     # still moves every byte.
     with NvmeStore(tmp_path / "swap", threads=8, chunk_bytes=4 << 20) as s:
-        cut = {n: s._transfer_size(n) for n in (1000, 1 << 20, 7 << 20, 64 << 20, (8 << 20) + 1)}
+        cut = {n: transfer_size(n, s.chunk_bytes) for n in (1000, 1 << 20, 7 << 20, 64 << 20, (8 << 20) + 1)}
         assert cut[1000] == 4096  # a buffered head or tail: one transfer
         assert cut[1 << 20] == 1 << 20  # one transfer, not one per thread
         assert cut[7 << 20] == (7 << 20) // 2  # two equal halves, not a 4 MiB piece and a 3 MiB one

@@ -1,4 +1,4 @@
-"""A disk write that fails during training ([Note: failed writes] in tightfit/offload/nvme.py).
+"""A disk write that fails during training ([Note: failed writes] in tightfit/offload/nvme_file.py).
 
 The optimizer's write-backs are not awaited, so a write that fails is found later: it must surface as one clear
 line at the next step (naming the unit's file, the entry and what to do), no later read may hand out the entry's

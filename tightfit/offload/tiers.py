@@ -142,7 +142,7 @@ class DiskStore(TierStore):
         # a second run there is refused, a dead run's leftovers are cleaned, nothing else in it is touched.
         self.swap = SwapFolder.claim(folder)
         # I/O threads and largest transfer: the probe's for this folder's disk unless given ([Note: disk tuning] in
-        # nvme.py); a tensor goes as few transfers as that allows ([Note: transfer size]).
+        # disk_tuning.py); a tensor goes as few transfers as that allows ([Note: transfer size], nvme_transfer.py).
         try:
             self.nvme = NvmeStore(self.swap.path, budget_bytes=budget_bytes, threads=threads, chunk_bytes=chunk_bytes)
         except BaseException:

@@ -15,7 +15,7 @@ device: the filesystem is part of what the tier pays for):
 - *the largest transfer* (`max_transfer_bytes`): what the block device under the folder takes in one request
   (`/sys/block/<dev>/queue/max_sectors_kb`), at most 4 MiB: a larger request would be split by the kernel, and
   a transfer that holds the disk longer delays the urgent reads queued behind it ([Note: transfer size] in
-  tightfit/offload/nvme.py). 4 MiB where no block device is known (tmpfs, overlay, network filesystems).
+  tightfit/offload/nvme_transfer.py). 4 MiB where no block device is known (tmpfs, overlay, network filesystems).
 - *I/O threads* (`probe_disk`): the same file read at 8, 16 and 32 transfers in flight; the fewest within 10% of
   the fastest. Reads, because they are what compute waits for. Never fewer than 8: a training step has several
   entries in flight at once, and raw reads at 2-4 in flight were within 2% of 8 on the benchmark VM anyway.
