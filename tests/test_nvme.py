@@ -416,3 +416,56 @@ def test_transfer_size_is_as_large_as_the_chunk_allows(tmp_path):
         back = aligned_empty(7 << 20)
         s.read("t", "x", back).result()
         assert torch.equal(back, data)
+
+
+@pytest.mark.parametrize("start,count", [(0, 3000), (0, 1024), (1024, 2048), (1000, 3001), (5999, 1), (0, 6000)])
+def test_a_range_of_an_entry_moves_alone(tmp_path, start, count):
+    # What the optimizer step of a unit with frozen parameters does: read/write the trainable prefix only.
+    with NvmeStore(tmp_path / "swap", threads=4, chunk_bytes=8192) as s:
+        s.create("f", {"x": ((6000,), torch.float32)})
+        whole = torch.randn(6000)
+        s.write("f", "x", whole).result()
+        before = s.stats()
+        new = aligned_empty(count, torch.float32).copy_(torch.randn(count))
+        s.write("f", "x", new, start=start).result()
+        got = aligned_empty(count, torch.float32)
+        s.read("f", "x", got, start=start).result()
+        after = s.stats()
+        assert torch.equal(got, new)
+        moved = (after["bytes_written"] - before["bytes_written"], after["bytes_read"] - before["bytes_read"])
+        assert moved == (4 * count, 4 * count)
+        if _direct_works(tmp_path) and start * 4 % 4096 == 0 and count * 4 >= 4096:
+            # The file offset and the buffer agree modulo 4096: whole blocks go through O_DIRECT.
+            assert after["direct_bytes"] - before["direct_bytes"] == 2 * (count * 4 // 4096 * 4096)
+        out = torch.empty(6000)
+        s.read("f", "x", out).result()
+        whole[start:start + count] = new
+        assert torch.equal(out, whole)  # the rest of the entry is untouched
+
+
+def test_a_range_outside_its_entry_is_refused(store):
+    store.create("f", {"x": ((100,), torch.float32)})
+    for start, n in ((-1, 10), (95, 10), (0, 101)):
+        with pytest.raises(ValueError, match=r"f/x: stored as torch.float32 \[100\], got .* from element"):
+            store.read("f", "x", torch.empty(n), start=start)
+    with pytest.raises(ValueError, match="stored as torch.float32"):
+        store.read("f", "x", torch.empty(10))  # no start: the whole entry, its size checked
+
+
+def test_a_range_written_after_a_failed_write_leaves_the_entry_failed(store, monkeypatch):
+    # [Note: failed writes]: only a write of the whole entry makes it readable again; the rest may still be torn.
+    store.create("f", {"x": ((6000,), torch.float32)})
+
+    def full(fd, buf, off):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(nvme.os, "pwrite", full)
+    with pytest.raises(UsageError, match="out of space"):
+        store.write("f", "x", torch.randn(6000)).result()
+    monkeypatch.undo()
+    store.write("f", "x", torch.randn(100), start=0).result()
+    assert store.failed("f") == ["x"]
+    with pytest.raises(UsageError, match="cannot be read: its last write failed"):
+        store.read("f", "x", torch.empty(100), start=0).result()
+    store.write("f", "x", torch.randn(6000)).result()
+    assert store.failed("f") == []

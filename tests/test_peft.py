@@ -64,7 +64,7 @@ def test_frozen_base_has_no_master_grad_or_moments(tmp_path):
 @pytest.mark.parametrize("compute_dtype", [torch.bfloat16, torch.float32])
 def test_frozen_values_survive_steps_on_every_tier(tmp_path, compute_dtype):
     """The step refreshes only the trainable prefix of each compute copy: frozen values never move, on the device
-    tier (cast in place), the host tier, and NVMe (the frozen tail read back before the whole entry is written);
+    tier (cast in place), the host tier, and NVMe (the prefix alone written, the frozen tail never read);
     the three placements give the same losses."""
     runs = {}
     for tier in ("device", "host", "nvme"):

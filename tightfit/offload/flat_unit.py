@@ -154,8 +154,9 @@ class OffloadUnit:
     def master_numel(self) -> int:
         """Elements of the fp32 master a step works on. [Note: frozen parameters] A separate master (MASTER)
         covers only the trainable prefix `[0, train_numel)`: frozen parameters are kept once, in the compute dtype,
-        in PARAMS, with no master, gradient or moments. When the params *are* the master (PARAMS), the step reads
-        the whole flat buffer, frozen tail included, and writes it back unchanged."""
+        in PARAMS, with no master, gradient or moments. When the params *are* the master (PARAMS), the step works on
+        the whole flat buffer; only its prefix changes, and only that goes back to the tier ([Note: the frozen tail
+        stays on its tier] in optim_step.py)."""
         return self.spec.numel if self.master_entry == PARAMS else self.spec.train_numel
 
     @property

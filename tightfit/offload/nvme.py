@@ -163,18 +163,24 @@ class NvmeStore:
 
     # ---- transfers ---------------------------------------------------------------------------------------------
 
-    def write(self, file: str, name: str, src: torch.Tensor, priority: int = WRITE) -> Future:
-        """Copy `src` (contiguous CPU, the entry's dtype and size) into the file. The Future's result is None.
+    def write(self, file: str, name: str, src: torch.Tensor, priority: int = WRITE, *,
+              start: int | None = None) -> Future:
+        """Copy `src` (contiguous CPU, the entry's dtype) into the file. The Future's result is None.
 
         `src` must not be modified until the Future is done; it is kept alive by the request until then, and not a
         moment longer (a done Future holding its tensor would keep memory alive that its owner already freed).
-        priority: the request's class in the I/O queue (io_queue.py).
+        priority: the request's class in the I/O queue (io_queue.py). start: the element of the entry `src[0]` goes
+        to, given to write a range of the entry (e.g. the trainable prefix of a unit's params, whose frozen rest
+        never changes); None: `src` is the whole entry (its size is checked). A range goes through O_DIRECT as far
+        as its file offset and `src`'s address allow (nvme_transfer.plan), buffered otherwise.
         """
-        return self._submit("write", file, name, src, priority)
+        return self._submit("write", file, name, src, priority, start)
 
-    def read(self, file: str, name: str, dst: torch.Tensor, priority: int = LOAD) -> Future:
-        """Copy the stored tensor into `dst` (contiguous CPU, same dtype and size). The Future's result is None."""
-        return self._submit("read", file, name, dst, priority)
+    def read(self, file: str, name: str, dst: torch.Tensor, priority: int = LOAD, *,
+             start: int | None = None) -> Future:
+        """Copy the stored tensor (start None: `dst` has its size), or its elements [start, start + dst.numel()),
+        into `dst` (contiguous CPU, same dtype). The Future's result is None."""
+        return self._submit("read", file, name, dst, priority, start)
 
     def wait(self, file: str | None = None) -> None:
         """Block until every request in flight (on `file`, or anywhere) is done. Errors stay on their Futures."""
@@ -277,15 +283,21 @@ class NvmeStore:
             raise KeyError(f"tier file {file!r} has no tensor {name!r}")
         return e
 
-    def _submit(self, kind: str, file: str, name: str, t: torch.Tensor, priority: int) -> Future:
+    def _submit(self, kind: str, file: str, name: str, t: torch.Tensor, priority: int, start: int | None) -> Future:
+        """Start moving `t` to or from elements [start, start + t.numel()) of entry `name`, one transfer per part
+        of the plan (nvme_transfer.plan) on the I/O threads; the Future completes when the last one is done."""
         f = self._file(file)
         e = self._entry(f, file, name)
         if t.device.type != "cpu" or not t.is_contiguous():
             raise ValueError(f"{kind} {file}/{name}: tensor must be contiguous and on the CPU")
-        if t.dtype != e.dtype or t.numel() * t.element_size() != e.nbytes:
+        nbytes = t.numel() * t.element_size()
+        first = (start or 0) * t.element_size()  # the range's first byte within the entry
+        if t.dtype != e.dtype or (nbytes != e.nbytes if start is None else start < 0 or first + nbytes > e.nbytes):
             raise ValueError(
                 f"{kind} {file}/{name}: stored as {e.dtype} {list(e.shape)}, got {t.dtype} {list(t.shape)}"
+                + ("" if start is None else f" from element {start}")
             )
+        whole = nbytes == e.nbytes
         req: Future = Future()
         req.set_running_or_notify_cancel()
         with self._lock:
@@ -293,13 +305,13 @@ class NvmeStore:
         if refused is not None:  # [Note: failed writes]: torn bytes are never handed out
             req.set_exception(refused)
             return req
-        if e.nbytes == 0:
+        if nbytes == 0:
             req.set_result(None)
             return req
         # The tensor's own bytes (aligned.byte_view); `alive` holds `t` until the last chunk is done, then lets it go.
         buf = byte_view(t)
         alive = [t]
-        parts = plan(e.nbytes, e.offset, t.data_ptr(), f.direct, self.chunk_bytes)
+        parts = plan(nbytes, e.offset + first, t.data_ptr(), f.direct, self.chunk_bytes)
         remaining = [len(parts)]
         errors: list[BaseException] = []
         req_lock = threading.Lock()
@@ -316,7 +328,7 @@ class NvmeStore:
                     self._pending.discard(req)
                     f.pending.discard(req)
                     if kind == "write":  # marked before the Future completes: a read ordered after it sees the mark
-                        f.wrote(name, errors[0] if errors else None)
+                        f.wrote(name, errors[0] if errors else None, whole)
                 if errors:
                     req.set_exception(errors[0])
                 else:
@@ -325,7 +337,7 @@ class NvmeStore:
         with self._lock:
             self._pending.add(req)
             f.pending.add(req)
-        self._pool.submit_all(priority, [(transfer, (kind, f, name, e.offset + start, buf[start : start + n], direct,
+        self._pool.submit_all(priority, [(transfer, (kind, f, name, e.offset + first + lo, buf[lo : lo + n], direct,
                                                      self._stats, self.folder), part_done)
-                                         for start, n, direct in parts])
+                                         for lo, n, direct in parts])
         return req

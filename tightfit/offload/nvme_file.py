@@ -9,10 +9,10 @@ what a request is, nvme.py's.
 the file, the tensor and what to do; any other failed transfer a `UsageError` naming the same and the OS error.
 A write that fails may have landed part of its chunks: the tensor then holds neither its old bytes nor its new
 ones, yet the file's header and size are intact, so any reader would take them for valid. So the store marks the
-entry failed: every later read of it fails with an error that says so (never stale or torn bytes), until a write
-of the whole entry succeeds. On `close` a file with a failed entry is deleted (renamed to `.corrupt` when it is to
-be kept: `keep=True` or attached), so no swap file is left holding torn bytes. Every other tensor of the file
-keeps its bytes.
+entry failed: every later read of it (of any range of it) fails with an error that says so (never stale or torn
+bytes), until a write of the whole entry succeeds; a write of a range leaves the mark (the rest may be torn). On
+`close` a file with a failed entry is deleted (renamed to `.corrupt` when it is to be kept: `keep=True` or
+attached), so no swap file is left holding torn bytes. Every other tensor of the file keeps its bytes.
 """
 
 from __future__ import annotations
@@ -60,12 +60,12 @@ class NvmeFile:
             f"--nvme: tensor {name!r} of {self.path} cannot be read: its last write failed, so it holds neither "
             f"its old nor its new values ({failed}); fix that and restart from the last checkpoint")
 
-    def wrote(self, name: str, error: BaseException | None) -> None:
-        """Record a finished write of entry `name` that failed with `error`, or not."""
+    def wrote(self, name: str, error: BaseException | None, whole: bool) -> None:
+        """Record a finished write of entry `name` (`whole`: every byte of it) that failed with `error`, or not."""
         self.dirty = True
         if error is not None:
             self.failed[name] = error
-        else:
+        elif whole:
             self.failed.pop(name, None)  # every byte of the entry is new again
 
     def close(self) -> None:

@@ -16,6 +16,14 @@ from the engine's pool, which bounds how far ahead the pipeline reads ([Note: st
 The step runs where the states are: on the device when master, gradients and moments of the unit are all on the
 device tier (e.g. a GPU with room), otherwise on the CPU.
 
+[Note: the frozen tail stays on its tier] A unit with frozen parameters (PEFT / LoRA) keeps them after its
+trainable prefix `[0, train_numel)` of the flat buffer ([Note: frozen parameters], flat_unit.py); a step changes
+only that prefix. So what goes back to a tier of the params entry is the prefix alone (`save(..., start=0)`): a
+separate master refreshes the compute copy's prefix without reading its frozen tail first, and fp32 params that
+are their own master are written back prefix only, and read prefix only when the step's buffer is not to be kept
+for the next forward (which needs the whole params: `engine.keeps_fresh`). The frozen tail on disk is the one
+`write_master` wrote.
+
 The math is `torch._fused_adamw_` on lists of per-parameter views, with one float32 step count per parameter,
 exactly what `torch.optim.AdamW(fused=True)` runs on the same tensors, so results are bitwise equal to it.
 """
@@ -97,12 +105,15 @@ def _prepare(engine, unit: OffloadUnit) -> _Loaded:
             if state == State.OPTIM and unit.moments_empty:
                 t.zero_()
             continue
-        buf = _take(engine, unit, numel)
+        # fp32 params as the master, frozen tail: the prefix is all the step reads ([Note: the frozen tail stays
+        # on its tier]), unless the buffer is to serve the next forward whole.
+        prefix = entry == PARAMS and unit.spec.train_numel < numel and not engine.keeps_fresh(unit)
+        buf = _take(engine, unit, unit.spec.train_numel if prefix else numel)
         work.tensors[entry] = work.borrowed[entry] = buf
         if state == State.OPTIM and unit.moments_empty:
             buf.zero_()  # torch.optim.AdamW starts its moments at zero; nothing to read
         else:
-            work.loads.append(store.load(unit.name, entry, buf))
+            work.loads.append(store.load(unit.name, entry, buf, start=0 if prefix else None))
     return work
 
 
@@ -173,18 +184,23 @@ def _step(unit: OffloadUnit, work: _Loaded, groups: list[tuple[dict, list[int]]]
 def _write_back(engine, work: _Loaded) -> list[Future]:
     """Save what changed (master, moments, compute params) to its tier; return the pending writes."""
     unit = work.unit
+    nt = unit.spec.train_numel  # a params entry changed only here: [Note: the frozen tail stays on its tier]
     writes: list[tuple[Future, torch.Tensor | None]] = []
     for state, entry in ((State.MASTER, unit.master_entry), (State.OPTIM, EXP_AVG), (State.OPTIM, EXP_AVG_SQ)):
         buf = work.borrowed.get(entry)
         if buf is None:
             continue
-        fut = unit.store[state].save(unit.name, entry, buf)
-        if entry == PARAMS and engine.keeps_fresh(unit):  # the next forward copies from it (host_cache.py)
+        if entry == PARAMS:
+            fut = unit.store[state].save(unit.name, PARAMS, buf[:nt], start=0)
+        else:
+            fut = unit.store[state].save(unit.name, entry, buf)
+        # The next forward copies from it (host_cache.py): only a buffer of the whole params will do.
+        if entry == PARAMS and buf.numel() == unit.spec.numel and engine.keeps_fresh(unit):
             engine.cache.put(unit.name, PARAMS, Held(buf, unit.version, reading=fut))
             buf = None
         writes.append((fut, buf))
     if work.in_flat:  # stepped in place on the materialised params: they go back to their tier from there
-        unit.flat_write = unit.store[State.MASTER].save(unit.name, PARAMS, unit.flat_io)
+        unit.flat_write = unit.store[State.MASTER].save(unit.name, PARAMS, unit.flat_io[:nt], start=0)
         writes.append((unit.flat_write, None))
     if GRADS in work.borrowed:
         engine.pool.give(work.borrowed[GRADS])  # gradients are consumed by the step; nothing to write
@@ -192,7 +208,6 @@ def _write_back(engine, work: _Loaded) -> list[Future]:
         # The master is the trainable prefix only; the frozen tail of the compute copy never changes
         # ([Note: frozen parameters] in flat_unit.py).
         master = work.tensors[MASTER]
-        nt = unit.master_numel
         target = unit.store[State.PARAMS].tensor(unit.name, PARAMS)
         if target is not None and (target.device == master.device or not engine.pool.has_room(unit.compute_bytes)):
             target[:nt].copy_(master)  # one memory (the host tier; a CPU device): cast in place. Or no room: a copy
@@ -203,12 +218,10 @@ def _write_back(engine, work: _Loaded) -> list[Future]:
             # The device copy the next forward computes with: uploaded asynchronously from a page-locked buffer, and
             # the forward waits on it (engine.materialise); the mover returns `cast` to the pool once copied.
             unit.refresh = engine.mover.copy_in(cast, target, after=done_future())
-        else:
-            cast = _take(engine, unit, unit.spec.numel, unit.compute_dtype)
-            if nt < unit.spec.numel:  # the entry is saved whole: read the frozen tail first (compute dtype)
-                unit.store[State.PARAMS].load(unit.name, PARAMS, cast).result()
-            cast[:nt].copy_(master)
-            writes.append((unit.store[State.PARAMS].save(unit.name, PARAMS, cast), cast))
+        else:  # a tier that is not memory (NVMe): the prefix goes back, the frozen tail is neither read nor written
+            cast = _take(engine, unit, nt, unit.compute_dtype)
+            cast.copy_(master)
+            writes.append((unit.store[State.PARAMS].save(unit.name, PARAMS, cast, start=0), cast))
     futures = []
     for fut, buf in writes:
         if buf is not None:

@@ -51,12 +51,16 @@ class TierStore:
         """The stored tensor itself (1-D), or None when the tier is not addressable memory."""
         return None
 
-    def load(self, unit: str, entry: str, dst: torch.Tensor, urgent: bool = False) -> Future:
+    def load(self, unit: str, entry: str, dst: torch.Tensor, urgent: bool = False, *,
+             start: int | None = None) -> Future:
         """Copy the stored entry into `dst`. urgent: compute is about to wait for it (a parameter fetch); a tier
-        with a request queue serves it before other requests."""
+        with a request queue serves it before other requests. start: copy only the entry's elements
+        [start, start + dst.numel()) (None: all of it, `dst` has its size)."""
         raise NotImplementedError
 
-    def save(self, unit: str, entry: str, src: torch.Tensor) -> Future:
+    def save(self, unit: str, entry: str, src: torch.Tensor, *, start: int | None = None) -> Future:
+        """Copy `src` into the stored entry, or into its elements [start, start + src.numel()) when `start` is
+        given: a range leaves the rest of the entry as it is (e.g. the frozen tail of a unit's params)."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -103,11 +107,15 @@ class MemoryStore(TierStore):
         dst.copy_(src)
         return done_future()
 
-    def load(self, unit, entry, dst, urgent=False):
-        return self._copy(dst, self._tensors[(unit, entry)])
+    def _stored(self, unit: str, entry: str, start: int | None, numel: int) -> torch.Tensor:
+        t = self._tensors[(unit, entry)]
+        return t if start is None else t[start:start + numel]
 
-    def save(self, unit, entry, src):
-        return self._copy(self._tensors[(unit, entry)], src)
+    def load(self, unit, entry, dst, urgent=False, *, start=None):
+        return self._copy(dst, self._stored(unit, entry, start, dst.numel()))
+
+    def save(self, unit, entry, src, *, start=None):
+        return self._copy(self._stored(unit, entry, start, src.numel()), src)
 
     def close(self):
         if self.pinned is not None:
@@ -162,11 +170,11 @@ class DiskStore(TierStore):
         self.nvme.create(file, {entry: ((numel,), dtype) for entry, (numel, dtype) in entries.items()})
         self.disk_bytes += sum(_nbytes(n, d) for n, d in entries.values())
 
-    def load(self, unit, entry, dst, urgent=False):
-        return self._ordered("read", unit, entry, dst, FETCH if urgent else LOAD)
+    def load(self, unit, entry, dst, urgent=False, *, start=None):
+        return self._ordered("read", unit, entry, dst, FETCH if urgent else LOAD, start)
 
-    def save(self, unit, entry, src):
-        return self._ordered("write", unit, entry, src, WRITE)
+    def save(self, unit, entry, src, *, start=None):
+        return self._ordered("write", unit, entry, src, WRITE, start)
 
     def wait(self) -> None:
         """Block until every load and save issued so far is done (errors stay on their futures)."""
@@ -178,8 +186,10 @@ class DiskStore(TierStore):
             wait_futures(pending)
         self.nvme.wait()
 
-    def _ordered(self, kind: str, unit: str, entry: str, t: torch.Tensor, priority: int) -> Future:
-        """Issue the request now, or once the requests on the same entry it must follow are done."""
+    def _ordered(self, kind: str, unit: str, entry: str, t: torch.Tensor, priority: int,
+                 start: int | None) -> Future:
+        """Issue the request now, or once the requests on the same entry it must follow are done (a range of an
+        entry is ordered as the whole entry: [Note: entry order])."""
         key = (unit, entry)
         file = self._files[unit]
         with self._lock:
@@ -188,7 +198,7 @@ class DiskStore(TierStore):
             save = save if save is not None and not save.done() else None
             before = ([save] if save is not None else []) + (loads if kind == "write" else [])
             if not before:
-                fut = self._issue(kind, file, entry, t, priority)
+                fut = self._issue(kind, file, entry, t, priority, start)
             else:
                 fut = Future()
                 self._waiting.add(fut)
@@ -208,7 +218,8 @@ class DiskStore(TierStore):
                     if remaining[0]:
                         return
                 try:
-                    self._issue(kind, file, entry, box.pop(), priority).add_done_callback(lambda f: _forward(f, fut))
+                    self._issue(kind, file, entry, box.pop(), priority, start).add_done_callback(
+                        lambda f: _forward(f, fut))
                 except BaseException as e:  # e.g. the store was closed meanwhile
                     fut.set_exception(e)
                 with self._lock:
@@ -229,9 +240,9 @@ class DiskStore(TierStore):
             else:
                 self._inflight.pop(key, None)
 
-    def _issue(self, kind: str, file: str, entry: str, t: torch.Tensor, priority: int) -> Future:
-        return (self.nvme.read(file, entry, t, priority) if kind == "read"
-                else self.nvme.write(file, entry, t, priority))
+    def _issue(self, kind: str, file: str, entry: str, t: torch.Tensor, priority: int, start: int | None) -> Future:
+        return (self.nvme.read(file, entry, t, priority, start=start) if kind == "read"
+                else self.nvme.write(file, entry, t, priority, start=start))
 
     def stats(self) -> dict:
         return self.nvme.stats()
