@@ -112,7 +112,10 @@ def run(args) -> dict:
     print("$", " ".join(cmd[3:]), flush=True)
     psi0, t0 = _psi_some_us(), time.time()
     child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                             env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                             # A shell's background job starts with SIGINT ignored, and Python then keeps it so:
+                             # the child must see the interrupt that ends it below.
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     proc = psutil.Process(child.pid)
     samples: list[tuple[float, int]] = []
     stop = threading.Event()
