@@ -84,6 +84,30 @@ def test_failed_save_keeps_the_previous_checkpoint_and_leaves_nothing(tmp_path, 
     assert torch.equal(ckpt.read_all(first)["model.w"], torch.ones(4))
 
 
+class _LateEnd(threading.Event):
+    """The writer thread's `done` event, set by that thread, which then lingers (as a descheduled thread would)."""
+
+    def set(self):
+        super().set()
+        if threading.current_thread().name == "tightfit-checkpoint":
+            time.sleep(0.5)
+
+
+@pytest.mark.parametrize("how", ["wait", "abort"])
+def test_no_writer_thread_outlives_wait_or_abort(tmp_path, how):
+    """A distributed rank ends its process right after its last save ([Note: leaving the process group]): once
+    `wait()` or `abort()` returns, the writer thread has ended, not merely signalled that it is done."""
+    writer = cw.CheckpointWriter(tmp_path / "c", 1, keep=1)
+    writer._done = _LateEnd()  # before any group: the thread is waiting for work and has not touched it
+    writer.put("a", [("model.a", torch.zeros(16))])
+    if how == "wait":
+        writer.close(ckpt.index_fields(step=1, config={}, signature=""))
+        assert writer.wait() is not None
+    else:
+        writer.abort()
+    assert [t.name for t in threading.enumerate() if t.name == "tightfit-checkpoint"] == []
+
+
 def test_non_finite_tensor_is_never_committed(tmp_path):
     root = tmp_path / "c"
     ckpt.save_checkpoint(root, [("model.w", torch.ones(4))], step=1, config={}, signature="", rng=RNG)

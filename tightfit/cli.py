@@ -50,10 +50,9 @@ def _world_size(cfg: Config) -> int:
 
 def _cmd_train(cfg: Config, argv: list[str]) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from tightfit.parallel.run import run_distributed
+        from tightfit.parallel.run import run_worker
 
-        run_distributed(cfg)
-        return 0
+        run_worker(cfg)  # a rank's process ends there, whatever happens ([Note: leaving the process group])
     if _world_size(cfg) > 1:
         from tightfit.parallel.run import launch
 

@@ -20,6 +20,11 @@ the dead peer's socket closes, and a hung peer is bounded by the process-group t
 labels each phase: setup, a training step, an evaluation, a checkpoint gather, the --max-time vote) and why (no
 answer within the timeout, or the peer's connection closed), and exits with status 1.
 
+The end of a run (`run_distributed`, `run_worker`): a final barrier, the process group destroyed once, then the
+process ends with `os._exit` after flushing its output, on success and on error alike, because torch keeps gloo's
+threads alive past `destroy_process_group` and tearing them down with the interpreter can abort a finished run
+([Note: leaving the process group] in mesh.py).
+
 Any split: every collective phase runs the same number of collective calls on every rank, whatever the number of
 batches each rank is dealt (evaluation pads a rank's share with uncounted passes; see `evaluate`).
 """
@@ -31,14 +36,16 @@ import os
 import subprocess
 import sys
 import time
+import traceback
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
 from tightfit.errors import UsageError
-from tightfit.parallel.mesh import build_mesh, init_distributed, shutdown
+from tightfit.parallel.mesh import build_mesh, init_distributed, leave_process, shutdown
 from tightfit.parallel.parallelize import make_optimizer, parallelize
 from tightfit.parallel.plan import ParallelPlan, plan_from_config
 
@@ -151,21 +158,51 @@ def resolve_plan(cfg, world_size: int, model: torch.nn.Module, log) -> ParallelP
                    pp_microbatches=max(cfg.parallel.pp_microbatches, choice.plan.pp_microbatches))
 
 
+def run_worker(cfg) -> NoReturn:
+    """A rank's whole process under `tightfit train` (WORLD_SIZE > 1): run, report, leave.
+
+    Every way out ends in `leave_process` ([Note: leaving the process group], mesh.py), after `run_distributed`
+    has destroyed the process group: status 0 after a run, 2 with one line for bad input, 130 when interrupted,
+    1 with the traceback for a bug (a lost peer already left with 1 inside `run_distributed`)."""
+    code = 0
+    try:
+        run_distributed(cfg)
+    except UsageError as e:
+        print(f"tightfit: error: {e}", file=sys.stderr)
+        code = e.exit_code
+    except KeyboardInterrupt:
+        print("tightfit: interrupted", file=sys.stderr)
+        code = 130
+    except BaseException:  # a bug: its traceback, then the same way out
+        traceback.print_exc()
+        code = 1
+    leave_process(code)
+
+
 def run_distributed(cfg, timeout_s: float | None = None) -> dict:
-    """One rank of a distributed `tightfit train`. Returns a summary dict (the same on every rank)."""
+    """One rank of a distributed `tightfit train`. Returns a summary dict (the same on every rank).
+
+    The end, in order: every rank's last collective is the final barrier (no rank leaves while a peer still
+    exchanges data with it); rank 0's checkpoint is committed and its writer thread joined before that
+    (`_save`); rank 0 releases the --out-dir lock; every rank destroys the process group, once. On an error the
+    barrier is skipped (a peer may never reach it) but the group is destroyed the same way. A lost peer is the
+    exception: the group is broken, so the rank says so in one line and leaves at once (`leave_process(1)`)."""
     timeout_s = cfg.parallel.dist_timeout if timeout_s is None else timeout_s
     _WHERE[0] = "setup (process group and device mesh)"
     env = init_distributed(timeout_s=timeout_s, device=cfg.train.device)
     lock = None
     try:
         lock = _lock_out_dir(cfg, env)
-        return _train(cfg, env)
+        summary = _train(cfg, env)
+        with collective("the final barrier before leaving the process group"):
+            dist.barrier()
+        return summary
     except (RuntimeError, dist.DistError) as e:
         if isinstance(e, UsageError) or not _is_comm_failure(e):
             raise
         print(f"tightfit: error: {lost_contact_message(env.rank, _WHERE[0], e, timeout_s)}", file=sys.stderr,
               flush=True)
-        os._exit(1)  # the process group is broken: destroying it could block on the dead peer
+        leave_process(1)  # the process group is broken: destroying it could block on the dead peer
     finally:
         if lock is not None:
             lock.release()

@@ -150,7 +150,9 @@ class CheckpointWriter:
         self._aborted = False
         self._done = threading.Event()
         self.result: Path | None = None
-        # The writer thread: lives until the checkpoint is committed, dropped or failed.
+        # The writer thread: lives until the checkpoint is committed, dropped or failed; `wait()` and `abort()` join
+        # it, so once either returns no thread of this save is alive (a distributed rank ends its process right
+        # after its last save: [Note: leaving the process group] in tightfit/parallel/mesh.py).
         self._thread = threading.Thread(target=self._run, name="tightfit-checkpoint", daemon=True)
         self._thread.start()
 
@@ -202,6 +204,7 @@ class CheckpointWriter:
         """Block until committed (returns its folder) or stopped: re-raises a disk error; returns None when a
         non-finite tensor stopped the save (`non_finite` says which)."""
         self._done.wait()
+        self._thread.join()
         if self.error is not None:
             raise self.error
         return self.result
@@ -211,6 +214,7 @@ class CheckpointWriter:
             self._aborted = True
             self._cv.notify_all()
         self._done.wait()
+        self._thread.join()
 
     # ---- the writer thread -------------------------------------------------------------------------------------
 
