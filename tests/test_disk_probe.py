@@ -101,3 +101,38 @@ def test_wrapping_measures_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(disk_probe, "probe_disk", lambda *a, **k: pytest.fail("measured at wrap time"))
     monkeypatch.setattr(disk_probe, "measure_raw", lambda *a, **k: pytest.fail("measured at wrap time"))
     assert nvme.disk_tuning(tmp_path) == DEFAULT_TUNING
+
+
+def test_sustained_bandwidth_times_the_second_half_of_what_it_writes(tmp_path, monkeypatch):
+    """[Note: sustained bandwidth]: a disk whose first writes land in a fast cache. The write rate reported is the
+    rate once that cache is full (the second half of the segments), the read rate is over everything written, and
+    the scratch file is gone."""
+    calls = []
+
+    def fake_run_blocks(fd, views, nblocks, block_bytes, queue_depth, write, first=0):
+        calls.append((write, first, nblocks))
+        if write:  # the first 8 segments: 4x faster (a cache), the rest at the disk's own speed
+            return 0.25 if first < 8 * nblocks else 1.0
+        return 2.0
+
+    monkeypatch.setattr(disk_probe, "run_blocks", fake_run_blocks)
+    seg = 1 << 20
+    read_bps, write_bps = disk_probe.measure_sustained(tmp_path, 16 * seg, block_bytes=seg, queue_depth=2)
+    writes = [c for c in calls if c[0]]
+    assert [c[1] for c in writes] == list(range(16))  # new data, segment after segment
+    assert write_bps == pytest.approx(seg / 1.0)
+    assert read_bps == pytest.approx(16 * seg / 2.0)
+    assert calls[-1] == (False, 0, 16)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sustained_bandwidth_stops_at_its_time_limit(tmp_path):
+    read_bps, write_bps = disk_probe.measure_sustained(tmp_path, 64 << 20, max_write_s=0.0, block_bytes=1 << 20)
+    assert read_bps > 0 and write_bps > 0  # two segments at least, then stopped
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_probe_with_a_swap_folder_reports_the_sustained_rates(tmp_path, monkeypatch):
+    monkeypatch.setattr(disk_probe, "measure_sustained", lambda folder, nbytes, **kw: (1.5e9, 0.5e9))
+    found = disk_probe.probe_disk(tmp_path, 8 << 20, sustained_bytes=64 << 20)
+    assert (found.read_Bps, found.write_Bps) == (1.5e9, 0.5e9)

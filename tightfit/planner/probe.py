@@ -1,4 +1,4 @@
-"""`tightfit probe`: measure this machine's speeds once (~10 s) and cache them.
+"""`tightfit probe`: measure this machine's speeds once (~10 s; ~40 s with `--nvme`) and cache them.
 
 Why these measurements: each is the rate of one term of the step-time model (`costs.py`), measured the way the
 engine spends it:
@@ -8,14 +8,15 @@ engine spends it:
   (counted by the same tracer the model profile uses, so the two agree on what "an op" is);
 - fused AdamW on CPU (and on the GPU), in parameters per second;
 - host<->device copies (pinned, CUDA; a memcpy between tier buffers on a CPU-only machine);
-- the swap folder's sequential O_DIRECT read/write bandwidth, and how the NVMe tier should drive that disk (I/O
-  threads, largest transfer: `disk_probe.py`);
+- the swap folder's sequential O_DIRECT read/write bandwidth, sustained over up to 16 GiB, and how the NVMe tier
+  should drive that disk (I/O threads, largest transfer: `disk_probe.py`);
 - the RSS of a fresh process that imported torch and ran a tiny step: the runtime floor under host memory.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -131,12 +132,18 @@ def measure_runtime_rss() -> int:
         return psutil.Process().memory_info().rss
 
 
+SUSTAINED_BYTES = 16 << 30
+"""Most bytes the sustained disk measurement writes ([Note: sustained bandwidth] in disk_probe.py); at most a quarter
+of the swap disk's free space."""
+
+
 def measure_disk(folder: str | None, nbytes: int = 256 << 20) -> DiskProfile:
     """Bandwidth of sequential O_DIRECT transfers in `folder` (a temporary folder when None), and the NVMe tier's
-    I/O threads and largest transfer for its disk."""
+    I/O threads and largest transfer for its disk. With a swap folder the bandwidth is the sustained one (up to
+    ~30 s more): what a run that streams tens of GiB a step gets."""
     if folder:
         os.makedirs(folder, exist_ok=True)
-        return probe_disk(folder, nbytes)
+        return probe_disk(folder, nbytes, sustained_bytes=min(SUSTAINED_BYTES, shutil.disk_usage(folder).free // 4))
     with tempfile.TemporaryDirectory(prefix="tightfit-probe-") as d:
         return probe_disk(d, nbytes)
 
