@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tightfit.models.gpt import GPT, GPTConfig
-from tightfit.parallel.mesh import build_mesh, init_distributed
+from tightfit.parallel.mesh import build_mesh, init_distributed, leave_process, shutdown
 from tightfit.parallel.parallelize import make_optimizer, parallelize
 from tightfit.parallel.plan import parse_strategy
 from tightfit.parallel.state import gather_full_state, load_moments
@@ -172,8 +172,8 @@ def main() -> None:
         dist.barrier()
         if env.rank == 0 and "FAIL" not in line:
             print(f"[rank {env.rank}] {line}", flush=True)
-    dist.destroy_process_group()
-    sys.exit(1 if failures else 0)
+    shutdown()
+    leave_process(1 if failures else 0)  # not the interpreter's teardown: [Note: leaving the process group]
 
 
 if __name__ == "__main__":
