@@ -8,8 +8,8 @@ process's own.
 What it does: writes a config-only Hugging Face folder (LlamaConfig; random init, unit by unit, never whole in
 RAM), runs `tightfit train --model hf:FOLDER --micro-batch 1 --seq-len 128 --nvme SWAP --log-interval 1` as a
 subprocess (plus `--cpu-mem`, `--offload` when given), samples the child's RSS every 20 ms, and once `--steps`
-steps are done interrupts it (SIGINT: the trainer closes its engine, which deletes the swap files) before the end
-of run checkpoint, which for 3B parameters would write another ~38 GB. Reported:
+steps are done interrupts it (SIGINT: the trainer closes its engine, which deletes the swap files). It writes no
+checkpoint (`--keep-checkpoints 0`): for 3B parameters one is another ~38 GB, beside the 51 GB of swap files. Reported:
 - predicted: the plan's process RSS (the line `tightfit train` prints) and step time;
 - measured: the child's RSS high-water mark (the kernel's VmHWM, read just before the interrupt: every allocation
   counts, however short; the 20 ms samples give the time of the peak) and the median wall time of the steps after
@@ -104,7 +104,7 @@ def run(args) -> dict:
     cmd = [sys.executable, "-c", "import sys; from tightfit.cli import main; sys.exit(main(sys.argv[1:]))",
            "train", "--model", f"hf:{model_dir}", "--micro-batch", "1", "--seq-len", "128", "--nvme", swap,
            "--steps", "1000", "--log-interval", "1", "--eval-interval", "1000", "--eval-batches", "1",
-           "--out-dir", out]
+           "--out-dir", out, "--keep-checkpoints", "0"]
     if args.cpu_mem:
         cmd += ["--cpu-mem", args.cpu_mem]
     if args.offload:

@@ -119,6 +119,31 @@ def test_keep_checkpoints_keeps_the_newest(tiny_args, tmp_path):
     assert TrainConfig().keep_checkpoints == 1
 
 
-def test_keep_checkpoints_must_be_positive(tiny_args, capsys):
-    assert main(["train", *tiny_args, "--keep-checkpoints", "0"]) == 2
+def test_keep_checkpoints_must_not_be_negative(tiny_args, capsys):
+    assert main(["train", *tiny_args, "--keep-checkpoints", "-1"]) == 2
     assert "--keep-checkpoints" in _error_line(capsys)
+
+
+@pytest.mark.parametrize("placement", ["plain", "nvme"])
+def test_keep_checkpoints_0_writes_none_and_needs_no_room_for_one(tiny_args, tmp_path, capsys, monkeypatch,
+                                                                  placement):
+    """A benchmark or a throwaway run on a disk too small for a checkpoint beside its swap files: nothing is
+    written to checkpoints/, and the room a checkpoint would need is not asked for."""
+    import tightfit.train.loop as loop
+
+    monkeypatch.setattr(loop, "check_room", lambda *a: pytest.fail("checked room for a checkpoint"))
+    run = _args(tiny_args, tmp_path / "run", placement, tmp_path)
+    assert main(["train", *run, "--steps", "3", "--keep-checkpoints", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "checkpoint: none (--keep-checkpoints 0)" in out and "checkpoint none" in out
+    ckpt_root = tmp_path / "run" / "checkpoints"
+    assert not ckpt_root.exists() or not any(ckpt_root.iterdir())
+    assert (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("flag", [["--save-interval", "1"], ["--stop-at", "2"], ["--resume"],
+                                  ["--nproc-per-node", "2"]])
+def test_keep_checkpoints_0_refuses_what_needs_a_checkpoint(tiny_args, capsys, flag):
+    assert main(["train", *tiny_args, "--keep-checkpoints", "0", *flag]) == 2
+    err = _error_line(capsys)
+    assert flag[0] in err or "--keep-checkpoints" in err

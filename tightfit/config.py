@@ -68,7 +68,7 @@ class TrainConfig:
     log_interval: int = _f(50, "print progress every N steps")
     save_interval: int = _f(0, "write a checkpoint every N steps (0: only at the end)")
     keep_checkpoints: int = _f(1, "checkpoints kept in --out-dir/checkpoints, the newest (an old one is removed only "
-                                  "after a new one is committed)")
+                                  "after a new one is committed); 0: write none (a benchmark, a throwaway run)")
     out_dir: str = _f("runs/default", "folder for checkpoints and metrics.jsonl")
     resume: bool = _f(False, "continue from the checkpoint in --out-dir")
     export_hf: str | None = _f(None, "at the end, also save the model to this folder in the Hugging Face layout")
@@ -257,11 +257,12 @@ def validate(cfg: Config) -> None:
                 "eval_interval": t.eval_interval, "eval_batches": t.eval_batches, "log_interval": t.log_interval,
                 "n_layer": cfg.model.n_layer, "n_head": cfg.model.n_head, "n_embd": cfg.model.n_embd,
                 "nproc_per_node": cfg.parallel.nproc_per_node, "nnodes": cfg.parallel.nnodes,
-                "pp_microbatches": cfg.parallel.pp_microbatches, "keep_checkpoints": t.keep_checkpoints}
+                "pp_microbatches": cfg.parallel.pp_microbatches}
     for name, value in positive.items():
         if value <= 0:
             raise UsageError(f"{flag_name(name)}: must be a positive integer, got {value}")
-    non_negative = {"save_interval": t.save_interval, "warmup_steps": o.warmup_steps, "threads": t.threads,
+    non_negative = {"save_interval": t.save_interval, "keep_checkpoints": t.keep_checkpoints,
+                    "warmup_steps": o.warmup_steps, "threads": t.threads,
                     "max_time": t.max_time, "stop_at": t.stop_at, "grad_clip": o.grad_clip, "weight_decay": o.weight_decay,
                     "tp": cfg.parallel.tp, "pp": cfg.parallel.pp}
     for name, value in non_negative.items():
@@ -275,6 +276,13 @@ def validate(cfg: Config) -> None:
             if getattr(cfg.memory, name) is not None:
                 raise UsageError(f"{flag_name(name)}: has no effect with --offload none (plain PyTorch, every state "
                                  f"on the compute device); drop it, or use --offload auto to let it shape the plan")
+    if t.keep_checkpoints == 0:
+        for name, value in (("save_interval", t.save_interval), ("stop_at", t.stop_at), ("resume", t.resume)):
+            if value:
+                raise UsageError(f"{flag_name(name)}: needs checkpoints, and --keep-checkpoints 0 writes none; drop "
+                                 "one of the two")
+        if cfg.parallel.nproc_per_node * cfg.parallel.nnodes > 1:
+            raise UsageError("--keep-checkpoints: 0 (no checkpoint) is for runs of one process; keep at least 1")
     if not cfg.parallel.dist_timeout > 0:
         raise UsageError(f"--dist-timeout: must be a positive number of seconds, got {cfg.parallel.dist_timeout}")
     if not (0.0 < o.lr < 10.0):

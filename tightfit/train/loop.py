@@ -205,9 +205,12 @@ def _train(cfg: Config, *, quiet: bool) -> Summary:
         if removed:
             say(f"removed what an interrupted save left in {ckpt_root}: {', '.join(removed)}")
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-        need, free = check_room(out_dir, checkpoint_bytes(mem.named_shapes(), trainable))
-        say(f"checkpoint: {format_size(need)} per save in {ckpt_root} ({format_size(free)} free now, keeping "
-            f"{t.keep_checkpoints}{shares_disk(cfg, out_dir)})")
+        if t.keep_checkpoints:
+            need, free = check_room(out_dir, checkpoint_bytes(mem.named_shapes(), trainable))
+            say(f"checkpoint: {format_size(need)} per save in {ckpt_root} ({format_size(free)} free now, keeping "
+                f"{t.keep_checkpoints}{shares_disk(cfg, out_dir)})")
+        else:
+            say("checkpoint: none (--keep-checkpoints 0)")
         val_batches = dataset.val_batches(t.eval_batches, t.micro_batch, seed=t.seed + 1)
         tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum
         tensorboard = open_sink(t.tensorboard, out_dir) if not quiet else None
@@ -236,6 +239,8 @@ def _train(cfg: Config, *, quiet: bool) -> Summary:
 
         def save(step: int) -> None:
             nonlocal pending
+            if not t.keep_checkpoints:
+                return
             settle()  # one save at a time: its memory and disk are what the plan counted
             pending = ckpt.start_save(ckpt_root, state_groups(model, opt), step=step, config=cfg.to_dict(),
                                       signature=ckpt.model_signature(mem.named_shapes()), rng=ckpt.capture_rng(gen),
@@ -286,7 +291,8 @@ def _train(cfg: Config, *, quiet: bool) -> Summary:
             elif t.max_time and time.perf_counter() - t_start > t.max_time:
                 stop = f"--max-time {t.max_time:g}s reached at step {step}"
             if stop:
-                say(f"{stop}; continue with --resume")
+                say(f"{stop}; continue with --resume" if t.keep_checkpoints else f"{stop} (no checkpoint: "
+                    "--keep-checkpoints 0)")
                 if step % t.eval_interval:
                     val_loss = evaluate(model, val_batches, model_loss, device, autocast)
                     progress.eval(step, val_loss)
@@ -298,7 +304,7 @@ def _train(cfg: Config, *, quiet: bool) -> Summary:
             say(f"profile: {', '.join(str(f) for f in profiler.close())}")
         save(step)
         settle()
-        path = last_good[1]
+        path = last_good[1] if last_good else None
         if t.export_hf:
             export_hf(model, mem, t.export_hf)
             say(f"exported the model in the Hugging Face layout to {t.export_hf}")
@@ -311,7 +317,7 @@ def _train(cfg: Config, *, quiet: bool) -> Summary:
         peaks = ", ".join(f"{k} {format_size(v)}" for k, v in summary.peak_memory.items())
         say(f"done: {summary.steps_done} steps in {format_duration(seconds)} ({summary.tokens_per_s:,.0f} tok/s), "
             f"train loss {loss_val:.4f}, val loss {val_loss:.4f} nats/token; peak memory {peaks}; "
-            f"checkpoint {path}")
+            f"checkpoint {path or 'none'}")
         comparison = mem.compare_with_plan(seconds / max(1, summary.steps_done))
         if comparison:
             say(comparison)
