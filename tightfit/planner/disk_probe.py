@@ -17,7 +17,7 @@ device: the filesystem is part of what the tier pays for):
   A training step moves tens of GiB; a short burst is absorbed by caches in front of the disk (a VM host's page
   cache, an SSD's SLC cache) that a long run overflows. On the benchmark VM a 256 MiB burst wrote at 4.8 GB/s and
   read at 3.7 GB/s; 16 GiB wrote at 1.0 GB/s and read at 2.2 GB/s, and the 1.3 B all-NVMe run (35 GiB of disk
-  traffic a step) moved at the latter.
+  traffic a step) moved at about the latter.
 - *the largest transfer* (`max_transfer_bytes`): what the block device under the folder takes in one request
   (`/sys/block/<dev>/queue/max_sectors_kb`), at most 4 MiB: a larger request would be split by the kernel, and
   a transfer that holds the disk longer delays the urgent reads queued behind it ([Note: transfer size] in
@@ -104,16 +104,16 @@ SEGMENTS = 16
 """`measure_sustained` times its volume in this many equal segments."""
 
 
-def measure_sustained(folder: str | Path, max_bytes: int, *, max_write_s: float = 20.0, block_bytes: int = 4 << 20,
+def measure_sustained(folder: str | Path, max_bytes: int, *, max_write_s: float = 40.0, block_bytes: int = 4 << 20,
                       queue_depth: int = 8) -> tuple[float, float]:
     """(read, write) bytes/s of the disk under `folder` once the caches in front of it are full
     ([Note: sustained bandwidth]).
 
-    Writes new data sequentially into a fresh file, `SEGMENTS` segments of `max_bytes / SEGMENTS` each, until all
+    Writes a fresh file of up to `max_bytes` twice over, in order, `SEGMENTS` segments per pass, until both passes
     are written or `max_write_s` has passed; the write rate is that of the second half of the segments written
-    (the first half fills whatever cache absorbs a burst). Then reads the written part back in order: the read
-    rate over all of it. O_DIRECT where the filesystem takes it (else buffered, synced and evicted before the
-    read). Leaves nothing in `folder`."""
+    (the first half fills whatever cache absorbs writes; the second pass rewrites in place, as the NVMe tier
+    does). Then reads the file back in order: the read rate. O_DIRECT where the filesystem takes it (else
+    buffered, synced and evicted before the read). Leaves nothing in `folder`."""
     folder = Path(folder)
     seg_blocks = max(1, max_bytes // SEGMENTS // block_bytes)
     seg = seg_blocks * block_bytes
@@ -137,22 +137,23 @@ def measure_sustained(folder: str | Path, max_bytes: int, *, max_write_s: float 
         io_fd = dfd if dfd is not None else fd
         write_s: list[float] = []
         start = time.perf_counter()
-        while len(write_s) < SEGMENTS and (time.perf_counter() - start < max_write_s or len(write_s) < 2):
+        while len(write_s) < 2 * SEGMENTS and (time.perf_counter() - start < max_write_s or len(write_s) < 2):
             write_s.append(run_blocks(io_fd, views, seg_blocks, block_bytes, queue_depth, write=True,
-                                      first=len(write_s) * seg_blocks))
+                                      first=len(write_s) % SEGMENTS * seg_blocks))
+        written = min(len(write_s), SEGMENTS)  # segments the file holds
         if dfd is None:  # buffered: the writes are done when they are durable
             t0 = time.perf_counter()
             os.fsync(fd)
             write_s[-1] += time.perf_counter() - t0
-            os.posix_fadvise(fd, 0, seg * len(write_s), os.POSIX_FADV_DONTNEED)
-        read_s = run_blocks(io_fd, views, seg_blocks * len(write_s), block_bytes, queue_depth, write=False)
+            os.posix_fadvise(fd, 0, seg * written, os.POSIX_FADV_DONTNEED)
+        read_s = run_blocks(io_fd, views, seg_blocks * written, block_bytes, queue_depth, write=False)
     finally:
         for x in (fd, dfd):
             if x is not None:
                 os.close(x)
         path.unlink(missing_ok=True)
     tail = write_s[len(write_s) // 2:]
-    return seg * len(write_s) / read_s, seg * len(tail) / sum(tail)
+    return seg * written / read_s, seg * len(tail) / sum(tail)
 
 
 def measure_raw_bandwidth(folder: str | Path, nbytes: int, **kwargs) -> tuple[float, float]:

@@ -1,4 +1,4 @@
-"""`tightfit probe`: measure this machine's speeds once (~10 s; ~40 s with `--nvme`) and cache them.
+"""`tightfit probe`: measure this machine's speeds once (~10 s; up to ~1 min with `--nvme`) and cache them.
 
 Why these measurements: each is the rate of one term of the step-time model (`costs.py`), measured the way the
 engine spends it:
@@ -8,7 +8,7 @@ engine spends it:
   (counted by the same tracer the model profile uses, so the two agree on what "an op" is);
 - fused AdamW on CPU (and on the GPU), in parameters per second;
 - host<->device copies (pinned, CUDA; a memcpy between tier buffers on a CPU-only machine);
-- the swap folder's sequential O_DIRECT read/write bandwidth, sustained over up to 16 GiB, and how the NVMe tier
+- the swap folder's sequential O_DIRECT read/write bandwidth, sustained (a file of up to 16 GiB written twice), and how the NVMe tier
   should drive that disk (I/O threads, largest transfer: `disk_probe.py`);
 - the RSS of a fresh process that imported torch and ran a tiny step: the runtime floor under host memory.
 """
@@ -98,16 +98,25 @@ def measure_adam(device: str, numel: int = 4 << 20) -> float:
 
 
 def measure_copies(nbytes: int = 256 << 20) -> tuple[float, float]:
-    """(host->device, device->host) bytes/s: pinned copies on CUDA, a memcpy between buffers on CPU."""
+    """(host->device, device->host) bytes/s: pinned copies on CUDA; on CPU, a memcpy as the engine does each: a
+    fetch copies into a flat buffer it has just re-allocated (fresh memory, advised huge pages: flat_unit.py,
+    [Note: first touch]), a gradient pack into a pool buffer that stays allocated (touched memory)."""
     if torch.cuda.is_available():
         host = torch.empty(nbytes // 4, pin_memory=True)
         dev = torch.empty(nbytes // 4, device="cuda")
         h2d = nbytes / _timeit(lambda: dev.copy_(host, non_blocking=True))
         d2h = nbytes / _timeit(lambda: host.copy_(dev, non_blocking=True))
         return h2d, d2h
+    from tightfit.utils import huge_pages
+
     a, b = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
-    bw = nbytes / _timeit(lambda: b.copy_(a))
-    return bw, bw
+
+    def into_fresh() -> None:
+        fresh = torch.empty(nbytes // 4)
+        huge_pages.advise(fresh)
+        fresh.copy_(a)
+
+    return nbytes / _timeit(into_fresh), nbytes / _timeit(lambda: b.copy_(a))
 
 
 def measure_runtime_rss() -> int:
@@ -140,7 +149,7 @@ of the swap disk's free space."""
 def measure_disk(folder: str | None, nbytes: int = 256 << 20) -> DiskProfile:
     """Bandwidth of sequential O_DIRECT transfers in `folder` (a temporary folder when None), and the NVMe tier's
     I/O threads and largest transfer for its disk. With a swap folder the bandwidth is the sustained one (up to
-    ~30 s more): what a run that streams tens of GiB a step gets."""
+    ~50 s more): what a run that streams tens of GiB a step gets."""
     if folder:
         os.makedirs(folder, exist_ok=True)
         return probe_disk(folder, nbytes, sustained_bytes=min(SUSTAINED_BYTES, shutil.disk_usage(folder).free // 4))
