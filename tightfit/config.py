@@ -262,8 +262,8 @@ def validate(cfg: Config) -> None:
         if value <= 0:
             raise UsageError(f"{flag_name(name)}: must be a positive integer, got {value}")
     non_negative = {"save_interval": t.save_interval, "keep_checkpoints": t.keep_checkpoints,
-                    "warmup_steps": o.warmup_steps, "threads": t.threads,
-                    "max_time": t.max_time, "stop_at": t.stop_at, "grad_clip": o.grad_clip, "weight_decay": o.weight_decay,
+                    "warmup_steps": o.warmup_steps, "threads": t.threads, "max_time": t.max_time,
+                    "stop_at": t.stop_at, "grad_clip": o.grad_clip, "weight_decay": o.weight_decay,
                     "tp": cfg.parallel.tp, "pp": cfg.parallel.pp}
     for name, value in non_negative.items():
         if value < 0:

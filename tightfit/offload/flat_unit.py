@@ -125,7 +125,8 @@ class OffloadUnit:
         self.got: set[int] = set()
         self.open_calls = 0  # forward calls whose input-gradient hook has not fired yet in backward
         self.awaiting_backward = False
-        self.grads_charged = 0  # device bytes counted for this backward's param.grads (engine._charge_grads, charged to the DeviceMeter)
+        # Device bytes counted for this backward's param.grads (engine._charge_grads, charged to the DeviceMeter).
+        self.grads_charged = 0
         # Across micro-batches until the optimizer step (or zero_grad): which slots hold an accumulated gradient.
         self.has_grad = [False] * len(self.trainable)
         # Per trainable slot, the 2-norm of its accumulated gradient (written by the grad worker; for clipping and

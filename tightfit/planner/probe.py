@@ -8,8 +8,8 @@ engine spends it:
   (counted by the same tracer the model profile uses, so the two agree on what "an op" is);
 - fused AdamW on CPU (and on the GPU), in parameters per second;
 - host<->device copies (pinned, CUDA; a memcpy between tier buffers on a CPU-only machine);
-- the swap folder's sequential O_DIRECT read/write bandwidth, sustained (a file of up to 16 GiB written twice), and how the NVMe tier
-  should drive that disk (I/O threads, largest transfer: `disk_probe.py`);
+- the swap folder's sequential O_DIRECT read/write bandwidth, sustained (a file of up to 16 GiB written twice),
+  and how the NVMe tier should drive that disk (I/O threads, largest transfer: `disk_probe.py`);
 - the RSS of a fresh process that imported torch and ran a tiny step: the runtime floor under host memory.
 """
 

@@ -256,7 +256,7 @@ def _train(cfg: Config, *, quiet: bool) -> Summary:
             lr = lr_at(step, cfg)
             for group in opt.param_groups:
                 group["lr"] = lr
-            loss_sum = torch.zeros((), device=device)  # summed on the device: one host sync per step, not per micro-batch
+            loss_sum = torch.zeros((), device=device)  # summed on the device: one host sync a step, not per micro-batch
             for micro in range(t.grad_accum):
                 x, y = dataset.sample(t.micro_batch, gen)
                 with autocast():
