@@ -117,22 +117,40 @@ def test_sustained_bandwidth_times_the_second_half_of_what_it_writes(tmp_path, m
 
     monkeypatch.setattr(disk_probe, "run_blocks", fake_run_blocks)
     seg = 1 << 20
-    read_bps, write_bps = disk_probe.measure_sustained(tmp_path, 16 * seg, block_bytes=seg, queue_depth=2)
-    writes = [c for c in calls if c[0]]
+    read_bps, write_bps, mixed_bps = disk_probe.measure_sustained(tmp_path, 16 * seg, block_bytes=seg, queue_depth=2)
+    writes = [c for c in calls[:32] if c[0]]
     assert [c[1] for c in writes] == list(range(16)) * 2  # segment after segment, twice over
     assert write_bps == pytest.approx(seg / 1.0)
     assert read_bps == pytest.approx(16 * seg / 2.0)
-    assert calls[-1] == (False, 0, 16)
+    assert calls[32] == (False, 0, 16)
+    # Then the first half read while the second half is rewritten, at once.
+    assert sorted(calls[33:]) == [(False, 0, 8), (True, 8, 8)]
+    assert mixed_bps > 0
     assert list(tmp_path.iterdir()) == []
 
 
 def test_sustained_bandwidth_stops_at_its_time_limit(tmp_path):
-    read_bps, write_bps = disk_probe.measure_sustained(tmp_path, 64 << 20, max_write_s=0.0, block_bytes=1 << 20)
-    assert read_bps > 0 and write_bps > 0  # two segments at least, then stopped
+    read_bps, write_bps, mixed_bps = disk_probe.measure_sustained(tmp_path, 64 << 20, max_write_s=0.0,
+                                                                   block_bytes=1 << 20)
+    assert read_bps > 0 and write_bps > 0 and mixed_bps > 0  # two segments at least, then stopped
     assert list(tmp_path.iterdir()) == []
 
 
 def test_probe_with_a_swap_folder_reports_the_sustained_rates(tmp_path, monkeypatch):
-    monkeypatch.setattr(disk_probe, "measure_sustained", lambda folder, nbytes, **kw: (1.5e9, 0.5e9))
+    monkeypatch.setattr(disk_probe, "measure_sustained", lambda folder, nbytes, **kw: (1.5e9, 0.5e9, 0.8e9))
     found = disk_probe.probe_disk(tmp_path, 8 << 20, sustained_bytes=64 << 20)
-    assert (found.read_Bps, found.write_Bps) == (1.5e9, 0.5e9)
+    assert (found.read_Bps, found.write_Bps, found.mixed_Bps) == (1.5e9, 0.5e9, 0.8e9)
+
+
+def test_the_disk_time_of_a_phase_is_no_less_than_its_bytes_at_the_mixed_rate():
+    """[Note: sustained bandwidth]: 4 GB/s each way alone, 1.6 GB/s in all with both in flight (the 3B run's disk)."""
+    from tightfit.planner.costs import disk_time
+    from tightfit.planner.hardware import HardwareProfile
+
+    hw = HardwareProfile.synthetic(nvme_read_bw=4e9, nvme_write_bw=4e9)
+    assert disk_time(8e9, 8e9, hw) == pytest.approx(4.0)  # not measured: read time + write time
+    mixed = replace(hw, nvme_mixed_bw=1.6e9)
+    assert disk_time(8e9, 8e9, mixed) == pytest.approx(10.0)
+    assert disk_time(8e9, 0, mixed) == pytest.approx(2.0)  # one direction alone: its own rate
+    fast_mix = replace(hw, nvme_mixed_bw=100e9)
+    assert disk_time(8e9, 8e9, fast_mix) == pytest.approx(4.0)  # never below the two directions' own times

@@ -212,6 +212,17 @@ def traffic(profile: ModelProfile, placement: Placement, shape: TrainShape) -> d
     return t
 
 
+def disk_time(read: float, write: float, hw: HardwareProfile) -> float:
+    """Seconds the disk needs to read and write these bytes in one phase: each direction at its own sustained rate,
+    one after the other; and where the probe measured both in flight at once (`nvme_mixed_bw`), no less than all
+    the bytes at that rate ([Note: sustained bandwidth] in disk_probe.py: a disk written while it is read may
+    deliver less in all than either direction alone)."""
+    t = read / hw.nvme_read_bw + write / hw.nvme_write_bw
+    if hw.nvme_mixed_bw and read and write:
+        t = max(t, (read + write) / hw.nvme_mixed_bw)
+    return t
+
+
 def step_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, shape: TrainShape,
               pred: Prediction) -> None:
     """Fill the time terms of `pred`.
@@ -234,8 +245,8 @@ def step_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, 
     pred.traffic = {k: v for k, v in tr.items()}
     h2d = tr["h2d"] / hw.h2d_bw
     d2h = tr["d2h"] / hw.d2h_bw
-    disk_a = tr["nvme_read"] / hw.nvme_read_bw + tr["nvme_write"] / hw.nvme_write_bw
-    disk_b = tr["nvme_read_opt"] / hw.nvme_read_bw + tr["nvme_write_opt"] / hw.nvme_write_bw
+    disk_a = disk_time(tr["nvme_read"], tr["nvme_write"], hw)
+    disk_b = disk_time(tr["nvme_read_opt"], tr["nvme_write_opt"], hw)
     h2d_b = tr["h2d_opt"] / hw.h2d_bw
     cpu_opt = sum(u.trainable for u in profile.units if not _optimizer_on_device(placement, u.name))
     dev_opt = sum(u.trainable for u in profile.units if _optimizer_on_device(placement, u.name))

@@ -76,6 +76,8 @@ class DiskProfile:
     chunk_bytes: int
     """Largest single transfer of the tier."""
     method: str
+    mixed_Bps: float = 0.0
+    """Bytes read + written per second with both in flight at once (0: not measured, a burst probe)."""
 
 
 def probe_disk(folder: str | Path, nbytes: int = 256 << 20, sustained_bytes: int = 0) -> DiskProfile:
@@ -94,10 +96,10 @@ def probe_disk(folder: str | Path, nbytes: int = 256 << 20, sustained_bytes: int
         read_bps = {d: nbytes / f.seconds(d, write=False) for d in THREAD_CHOICES}
     best = max(read_bps.values())
     threads = min(d for d, bps in read_bps.items() if bps >= 0.9 * best)
-    read, write = read_bps[THREAD_CHOICES[0]], nbytes / write_s
+    read, write, mixed = read_bps[THREAD_CHOICES[0]], nbytes / write_s, 0.0
     if sustained_bytes > 0:
-        read, write = measure_sustained(folder, sustained_bytes, block_bytes=chunk, queue_depth=threads)
-    return DiskProfile(read, write, device_of(folder) or "", threads, chunk, f.method)
+        read, write, mixed = measure_sustained(folder, sustained_bytes, block_bytes=chunk, queue_depth=threads)
+    return DiskProfile(read, write, device_of(folder) or "", threads, chunk, f.method, mixed)
 
 
 SEGMENTS = 16
@@ -105,15 +107,17 @@ SEGMENTS = 16
 
 
 def measure_sustained(folder: str | Path, max_bytes: int, *, max_write_s: float = 40.0, block_bytes: int = 4 << 20,
-                      queue_depth: int = 8) -> tuple[float, float]:
-    """(read, write) bytes/s of the disk under `folder` once the caches in front of it are full
+                      queue_depth: int = 8) -> tuple[float, float, float]:
+    """(read, write, both at once) bytes/s of the disk under `folder` once the caches in front of it are full
     ([Note: sustained bandwidth]).
 
     Writes a fresh file of up to `max_bytes` twice over, in order, `SEGMENTS` segments per pass, until both passes
     are written or `max_write_s` has passed; the write rate is that of the second half of the segments written
     (the first half fills whatever cache absorbs writes; the second pass rewrites in place, as the NVMe tier
-    does). Then reads the file back in order: the read rate. O_DIRECT where the filesystem takes it (else
-    buffered, synced and evicted before the read). Leaves nothing in `folder`."""
+    does). Then reads the file back in order: the read rate. Then reads its first half while rewriting its second
+    half, half the transfers in flight each way: bytes read + written per second, as a step moves them. O_DIRECT
+    where the filesystem takes it (else buffered, synced and evicted before the read). Leaves nothing in
+    `folder`."""
     folder = Path(folder)
     seg_blocks = max(1, max_bytes // SEGMENTS // block_bytes)
     seg = seg_blocks * block_bytes
@@ -147,13 +151,17 @@ def measure_sustained(folder: str | Path, max_bytes: int, *, max_write_s: float 
             write_s[-1] += time.perf_counter() - t0
             os.posix_fadvise(fd, 0, seg * written, os.POSIX_FADV_DONTNEED)
         read_s = run_blocks(io_fd, views, seg_blocks * written, block_bytes, queue_depth, write=False)
+        half = max(1, seg_blocks * written // 2)
+        each = max(1, queue_depth // 2)
+        mixed_s = timed_threads([lambda: run_blocks(io_fd, views, half, block_bytes, each, write=False),
+                                 lambda: run_blocks(io_fd, views, half, block_bytes, each, write=True, first=half)])
     finally:
         for x in (fd, dfd):
             if x is not None:
                 os.close(x)
         path.unlink(missing_ok=True)
     tail = write_s[len(write_s) // 2:]
-    return seg * written / read_s, seg * len(tail) / sum(tail)
+    return seg * written / read_s, seg * len(tail) / sum(tail), 2 * half * block_bytes / mixed_s
 
 
 def measure_raw_bandwidth(folder: str | Path, nbytes: int, **kwargs) -> tuple[float, float]:

@@ -70,6 +70,9 @@ class HardwareProfile:
     """I/O threads of the NVMe tier on that disk (= transfers in flight): the fewest reading within 10% of the best."""
     nvme_chunk_bytes: int = 4 << 20
     """Largest transfer of the NVMe tier on that disk: the device's largest request, at most 4 MiB."""
+    nvme_mixed_bw: float = 0.0
+    """Bytes read + written per second with reads and writes in flight at once, as a step's are (0: not measured;
+    the model then adds read time and write time). [Note: sustained bandwidth] in disk_probe.py."""
     runtime_rss: int = 0
     """RSS of a process that imported torch and ran a tiny step: the floor under every host measurement."""
     threads: int = 1
@@ -109,7 +112,8 @@ class HardwareProfile:
                  f"  matmul TFLOP/s by size: {mm}",
                  f"  memory bandwidth {self.mem_bw / g:.1f} GB/s, per-op overhead {self.op_overhead_s * 1e6:.1f} us",
                  f"  host->device {self.h2d_bw / g:.1f} GB/s, device->host {self.d2h_bw / g:.1f} GB/s",
-                 f"  disk read {self.nvme_read_bw / g:.2f} GB/s, write {self.nvme_write_bw / g:.2f} GB/s (O_DIRECT); "
+                 f"  disk read {self.nvme_read_bw / g:.2f} GB/s, write {self.nvme_write_bw / g:.2f} GB/s"
+                 + (f", both at once {self.nvme_mixed_bw / g:.2f} GB/s" if self.nvme_mixed_bw else "") + " (O_DIRECT); "
                  f"the NVMe tier uses {self.nvme_io_threads} I/O threads, transfers up to "
                  f"{self.nvme_chunk_bytes >> 10} KiB",
                  f"  AdamW: CPU {self.cpu_adam_rate / 1e6:.0f} M params/s, "

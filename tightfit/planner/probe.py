@@ -169,7 +169,8 @@ def run_probe(folder: str | None = None, save: bool = True) -> HardwareProfile:
     hw = HardwareProfile(
         key=machine_key(), cuda=cuda, device_name=torch.cuda.get_device_name(0) if cuda else "cpu",
         gpu_total=gpu_total, gpu_free=gpu_total, host_total=0, host_available=0, nvme_free=0,
-        nvme_read_bw=disk.read_Bps, nvme_write_bw=disk.write_Bps, nvme_device=disk.device,
+        nvme_read_bw=disk.read_Bps, nvme_write_bw=disk.write_Bps, nvme_mixed_bw=disk.mixed_Bps,
+        nvme_device=disk.device,
         nvme_io_threads=disk.threads, nvme_chunk_bytes=disk.chunk_bytes, h2d_bw=h2d, d2h_bw=d2h,
         mem_bw=measure_mem_bw(device),
         cpu_adam_rate=cpu_adam, device_adam_rate=measure_adam("cuda") if cuda else cpu_adam,
