@@ -154,3 +154,20 @@ def test_the_disk_time_of_a_phase_is_no_less_than_its_bytes_at_the_mixed_rate():
     assert disk_time(8e9, 0, mixed) == pytest.approx(2.0)  # one direction alone: its own rate
     fast_mix = replace(hw, nvme_mixed_bw=100e9)
     assert disk_time(8e9, 8e9, fast_mix) == pytest.approx(4.0)  # never below the two directions' own times
+
+
+def test_a_plan_without_a_cached_profile_probes_quickly(tmp_path, monkeypatch):
+    """The sustained disk measurement (up to a minute, gigabytes written) is `tightfit probe --nvme`'s; a plan that
+    finds no cached profile measures the burst only."""
+    from tightfit.planner import probe
+
+    seen = {}
+
+    def fake_run_probe(folder, save=True, sustained=True):
+        seen["sustained"] = sustained
+        return HardwareProfile.synthetic(cuda=False, gpu_total=0)
+
+    monkeypatch.setattr(probe, "load_cached", lambda: None)
+    monkeypatch.setattr(probe, "run_probe", fake_run_probe)
+    probe.load_or_probe(str(tmp_path))
+    assert seen == {"sustained": False}

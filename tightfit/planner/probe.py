@@ -146,25 +146,27 @@ SUSTAINED_BYTES = 16 << 30
 of the swap disk's free space."""
 
 
-def measure_disk(folder: str | None, nbytes: int = 256 << 20) -> DiskProfile:
+def measure_disk(folder: str | None, nbytes: int = 256 << 20, sustained: bool = True) -> DiskProfile:
     """Bandwidth of sequential O_DIRECT transfers in `folder` (a temporary folder when None), and the NVMe tier's
-    I/O threads and largest transfer for its disk. With a swap folder the bandwidth is the sustained one (up to
-    ~50 s more): what a run that streams tens of GiB a step gets."""
+    I/O threads and largest transfer for its disk. With a swap folder and `sustained`, the bandwidth is the
+    sustained one (up to ~50 s more): what a run that streams tens of GiB a step gets."""
     if folder:
         os.makedirs(folder, exist_ok=True)
-        return probe_disk(folder, nbytes, sustained_bytes=min(SUSTAINED_BYTES, shutil.disk_usage(folder).free // 4))
+        room = min(SUSTAINED_BYTES, shutil.disk_usage(folder).free // 4) if sustained else 0
+        return probe_disk(folder, nbytes, sustained_bytes=room)
     with tempfile.TemporaryDirectory(prefix="tightfit-probe-") as d:
         return probe_disk(d, nbytes)
 
 
-def run_probe(folder: str | None = None, save: bool = True) -> HardwareProfile:
-    """Measure this machine (disk speed in `folder`, the swap folder) and cache the result."""
+def run_probe(folder: str | None = None, save: bool = True, sustained: bool = True) -> HardwareProfile:
+    """Measure this machine (disk speed in `folder`, the swap folder; sustained: see `measure_disk`) and cache the
+    result."""
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float32
     gpu_total = torch.cuda.get_device_properties(0).total_memory if cuda else 0
     h2d, d2h = measure_copies()
-    disk = measure_disk(folder)
+    disk = measure_disk(folder, sustained=sustained)
     cpu_adam = measure_adam("cpu")
     hw = HardwareProfile(
         key=machine_key(), cuda=cuda, device_name=torch.cuda.get_device_name(0) if cuda else "cpu",
@@ -202,6 +204,6 @@ def refresh_speeds(hw: HardwareProfile) -> HardwareProfile:
 def load_or_probe(folder: str | None = None) -> HardwareProfile:
     """The cached profile of this machine, measured now if there is none; capacities re-read live."""
     hw = load_cached()
-    if hw is None:
-        hw = run_probe(folder)
+    if hw is None:  # quick and silent: the sustained disk figures are `tightfit probe --nvme DIR`'s
+        hw = run_probe(folder, sustained=False)
     return current(hw, folder)
