@@ -124,42 +124,19 @@ def measure_sustained(folder: str | Path, max_bytes: int, *, max_write_s: float 
     check_space(folder, seg * SEGMENTS)
     staging = staging_buffer(seg, max_bytes=min(seg, 256 << 20))
     views = [byte_view(b) for b in block_slices(staging, block_bytes)]
-    path = folder / f".tightfit-sustained-{os.getpid()}.tmp"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    dfd = None
-    try:
-        if _O_DIRECT:
-            try:
-                dfd = os.open(path, os.O_RDWR | _O_DIRECT)
-                os.pwrite(dfd, views[0], 0)
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                if dfd is not None:
-                    os.close(dfd)
-                dfd = None
-        io_fd = dfd if dfd is not None else fd
+    with _ScratchFile(folder, seg * SEGMENTS, block_bytes, views, lay_out=False) as f:
         write_s: list[float] = []
         start = time.perf_counter()
         while len(write_s) < 2 * SEGMENTS and (time.perf_counter() - start < max_write_s or len(write_s) < 2):
-            write_s.append(run_blocks(io_fd, views, seg_blocks, block_bytes, queue_depth, write=True,
-                                      first=len(write_s) % SEGMENTS * seg_blocks))
+            write_s.append(f.seconds(queue_depth, write=True, first=len(write_s) % SEGMENTS * seg_blocks,
+                                     nblocks=seg_blocks))
+        write_s[-1] += f.sync_seconds()  # buffered: the writes are done when they are durable
         written = min(len(write_s), SEGMENTS)  # segments the file holds
-        if dfd is None:  # buffered: the writes are done when they are durable
-            t0 = time.perf_counter()
-            os.fsync(fd)
-            write_s[-1] += time.perf_counter() - t0
-            os.posix_fadvise(fd, 0, seg * written, os.POSIX_FADV_DONTNEED)
-        read_s = run_blocks(io_fd, views, seg_blocks * written, block_bytes, queue_depth, write=False)
+        read_s = f.seconds(queue_depth, write=False, nblocks=seg_blocks * written)
         half = max(1, seg_blocks * written // 2)
         each = max(1, queue_depth // 2)
-        mixed_s = timed_threads([lambda: run_blocks(io_fd, views, half, block_bytes, each, write=False),
-                                 lambda: run_blocks(io_fd, views, half, block_bytes, each, write=True, first=half)])
-    finally:
-        for x in (fd, dfd):
-            if x is not None:
-                os.close(x)
-        path.unlink(missing_ok=True)
+        mixed_s = timed_threads([lambda: f.seconds(each, write=False, nblocks=half),
+                                 lambda: f.seconds(each, write=True, first=half, nblocks=half)])
     tail = write_s[len(write_s) // 2:]
     return seg * written / read_s, seg * len(tail) / sum(tail), 2 * half * block_bytes / mixed_s
 
@@ -232,14 +209,16 @@ def staging_buffer(nbytes: int, max_bytes: int = 1 << 30) -> torch.Tensor:
 
 
 class _ScratchFile:
-    """A preallocated file of `nbytes` in `folder`, laid out by one untimed write pass, deleted on exit.
+    """A preallocated file of `nbytes` in `folder`, laid out by one untimed write pass (unless `lay_out` is False:
+    the caller times its first writes itself), deleted on exit.
 
     Why lay out first: a first write into preallocated space converts extents (a journal update per write on
     ext4), a cost the tier pays once; its in-place rewrites are what the timed passes reproduce."""
 
-    def __init__(self, folder: Path, nbytes: int, block_bytes: int, views: list[memoryview]) -> None:
+    def __init__(self, folder: Path, nbytes: int, block_bytes: int, views: list[memoryview],
+                 lay_out: bool = True) -> None:
         self.path = folder / f".tightfit-rawbench-{os.getpid()}-{id(self)}.tmp"
-        self.nbytes, self.block_bytes, self.views = nbytes, block_bytes, views
+        self.nbytes, self.block_bytes, self.views, self.lay_out = nbytes, block_bytes, views, lay_out
         self.method = "python-buffered"
         self._fd = self._dfd = None
 
@@ -258,19 +237,31 @@ class _ScratchFile:
                     if self._dfd is not None:
                         os.close(self._dfd)
                     self._dfd = None
-            self.seconds(8, write=True)
+            if self.lay_out:
+                self.seconds(8, write=True)
         except BaseException:
             self.__exit__()
             raise
         return self
 
-    def seconds(self, queue_depth: int, write: bool) -> float:
-        """Seconds for one sequential pass over the file with `queue_depth` blocks in flight."""
+    def seconds(self, queue_depth: int, write: bool, first: int = 0, nblocks: int | None = None) -> float:
+        """Seconds for one sequential pass over the file (or over its blocks first..first+nblocks-1) with
+        `queue_depth` blocks in flight."""
         fd = self._dfd if self._dfd is not None else self._fd
         if not write and self._dfd is None:  # buffered: make writes durable, then read from the disk, not the cache
             os.fsync(self._fd)
             os.posix_fadvise(self._fd, 0, self.nbytes, os.POSIX_FADV_DONTNEED)
-        return run_blocks(fd, self.views, self.nbytes // self.block_bytes, self.block_bytes, queue_depth, write)
+        if nblocks is None:
+            nblocks = self.nbytes // self.block_bytes
+        return run_blocks(fd, self.views, nblocks, self.block_bytes, queue_depth, write, first)
+
+    def sync_seconds(self) -> float:
+        """Seconds to make buffered writes durable (0 with O_DIRECT: they already are)."""
+        if self._dfd is not None:
+            return 0.0
+        t0 = time.perf_counter()
+        os.fsync(self._fd)
+        return time.perf_counter() - t0
 
     def __exit__(self, *exc) -> None:
         for fd in (self._fd, self._dfd):

@@ -204,8 +204,8 @@ def _train(cfg: Config, *, quiet: bool) -> Summary:
         removed = clean_leftovers(ckpt_root)
         if removed:
             say(f"removed what an interrupted save left in {ckpt_root}: {', '.join(removed)}")
-        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
         if t.keep_checkpoints:
+            trainable = {n for n, p in model.named_parameters() if p.requires_grad}
             need, free = check_room(out_dir, checkpoint_bytes(mem.named_shapes(), trainable))
             say(f"checkpoint: {format_size(need)} per save in {ckpt_root} ({format_size(free)} free now, keeping "
                 f"{t.keep_checkpoints}{shares_disk(cfg, out_dir)})")
