@@ -15,7 +15,11 @@ checkpoint (`--keep-checkpoints 0`): for 3B parameters one is another ~38 GB, be
   counts, however short; the 20 ms samples give the time of the peak) and the median wall time of the steps after
   the first (from metrics.jsonl; the first includes the engine recording its order and the first disk reads);
 - the engine's own meters at the peak sample (device in use, host tier + pool), and CPU pressure from
-  /proc/pressure/cpu over the run (other processes on a shared machine slow the steps; PSI "some" says how much).
+  /proc/pressure/cpu over the run (other processes on a shared machine slow the steps; PSI "some" says how much);
+- where the steps after the first spent their time (`phases`, from /proc/PID/io and the child's CPU time sampled
+  every 0.25 s): seconds per step with the cores busy (compute-bound), with the cores idle (waiting, here on the
+  disk) and in between, and the disk's read and write rates in each. Held against the plan's time terms, this says
+  which term a wrong prediction got wrong.
 
 Disk: the swap folder holds 16 bytes per parameter (51 GB for 3B); `--dir` must have that free.
 """
@@ -88,6 +92,40 @@ def _faults_and_cpu(pid: int) -> tuple[int, float] | None:
     return int(fields[7]), (int(fields[11]) + int(fields[12])) / tick  # minflt, utime + stime
 
 
+def _io_and_cpu(pid: int) -> tuple[int, int, float] | None:
+    """The child's bytes read from and written to storage (/proc/PID/io) and its CPU seconds so far."""
+    fc = _faults_and_cpu(pid)
+    try:
+        with open(f"/proc/{pid}/io") as f:
+            io = dict(line.split(": ") for line in f.read().splitlines())
+        return int(io["read_bytes"]), int(io["write_bytes"]), fc[1] if fc else 0.0
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+BUSY, IDLE = 0.7, 0.35
+"""Shares of the cores (CPU seconds per wall second / threads) above which a second of a step counts as "cores
+busy", and below which as "cores idle": the latter is time the step spends waiting (on the disk, here)."""
+
+
+def phases(io_samples: list[tuple[float, int, int, float]], start: float, end: float, threads: int) -> dict:
+    """Seconds between `start` and `end` in which the child kept the cores busy, left them idle, or neither, and the
+    disk's bytes per second in each: where a step's time goes, which the plan's terms can be held against."""
+    out = {k: {"s": 0.0, "read": 0, "written": 0} for k in ("cores busy", "cores idle", "between")}
+    window = [s for s in io_samples if start <= s[0] <= end]
+    for a, b in itertools.pairwise(window):
+        dt = b[0] - a[0]
+        if dt <= 0:
+            continue
+        share = (b[3] - a[3]) / dt / threads
+        k = "cores busy" if share >= BUSY else "cores idle" if share <= IDLE else "between"
+        out[k]["s"] += dt
+        out[k]["read"] += b[1] - a[1]
+        out[k]["written"] += b[2] - a[2]
+    return {k: {"s": round(v["s"], 1), "read_GBps": round(v["read"] / v["s"] / 1e9, 2) if v["s"] else 0.0,
+                "write_GBps": round(v["written"] / v["s"] / 1e9, 2) if v["s"] else 0.0} for k, v in out.items()}
+
+
 def _bytes(text: str) -> int:
     from tightfit.utils.sizes import parse_size
 
@@ -118,23 +156,31 @@ def run(args) -> dict:
                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     proc = psutil.Process(child.pid)
     samples: list[tuple[float, int]] = []
+    io_samples: list[tuple[float, int, int, float]] = []  # (s, bytes read, bytes written, CPU s), every 0.25 s
     stop = threading.Event()
 
     def sample() -> None:
+        n = 0
         while not stop.is_set():
             try:
                 samples.append((time.time() - t0, proc.memory_info().rss))
             except psutil.Error:
                 return
+            if n % 12 == 0:
+                io = _io_and_cpu(child.pid)
+                if io:
+                    io_samples.append((time.time() - t0, *io))
+            n += 1
             time.sleep(0.02)
 
     threading.Thread(target=sample, daemon=True).start()
-    lines, steps_seen, hwm, at_steps = [], 0, None, []
+    lines, steps_seen, hwm, at_steps, step_ends = [], 0, None, [], []
     for line in child.stdout:
         lines.append(line.rstrip())
         print(f"  [{time.time() - t0:7.1f}s] {line.rstrip()}", flush=True)
         if line.startswith("step "):
             steps_seen += 1
+            step_ends.append(time.time() - t0)
             at_steps.append(_faults_and_cpu(child.pid))
             if steps_seen >= args.steps:
                 hwm = _vm_hwm(child.pid)
@@ -159,6 +205,10 @@ def run(args) -> dict:
     res["predicted_rss"] = _bytes(m.group(1)) if m else None
     m = re.search(r"predicted step: ([\d,.]+) ms", text)
     res["predicted_step_s"] = float(m.group(1).replace(",", "")) / 1e3 if m else None
+    threads = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
+    if len(step_ends) >= 2:  # the steps after the first, as one stretch: where their time went
+        res["phases"] = phases(io_samples, step_ends[0], step_ends[-1], threads)
+        res["phases_per"] = f"{len(step_ends) - 1} steps, {threads} cores"
     res["measured_rss_hwm"] = hwm
     res["measured_rss_sampled"] = max((r for _, r in samples), default=None)
     peak_t = max(samples, key=lambda s: s[1])[0] if samples else None
@@ -200,6 +250,12 @@ def report(res: dict) -> None:
               f"{(ps - ms) / ms * 100:+.0f}%")
     if res.get("minflt_per_step") is not None:
         print(f"per step: {res['minflt_per_step']:,.0f} minor page faults, {res['cpu_s_per_step']} CPU s")
+    if res.get("phases"):
+        n = int(res["phases_per"].split()[0])
+        print(f"where the steps after the first went ({res['phases_per']}; per step):")
+        for k, v in res["phases"].items():
+            print(f"  {k:<11} {v['s'] / n:6.1f} s   disk {v['read_GBps']:.2f} GB/s read, {v['write_GBps']:.2f} GB/s "
+                  "written")
 
 
 def main() -> None:
