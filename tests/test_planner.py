@@ -273,3 +273,34 @@ def test_small_blocks_on_nvme_are_joined_into_larger_units(tmp_path):
     assert tight.placement.uses(Tier.NVME) and tight.placement.min_unit_bytes is None
     assert len(tight.profile.units) == 17 and any("would exceed a budget" in r for r in tight.reasons)
 
+
+
+def test_a_thin_matmul_is_priced_at_the_rate_of_its_smallest_side():
+    """[Note: matmul rate by the smallest side]: one sequence of 128 tokens through 2048-wide blocks. Every matmul of
+    a block (forward, input and weight gradients) has 128 as its smallest side and a weight of 16 MiB or more, so its
+    FLOPs are priced at the profile's 128 rate; keyed by the cube root of its volume (645-1024 -> 512, 1024) they
+    were priced 3x faster here. The same block at 4 x 128 tokens and 128 wide fits in cache: priced by volume."""
+    prof = profile_model(meta_gpt(n_layer=2, n_embd=2048, n_head=16), 1, 128)
+    blk = prof.unit("blocks.0")
+    linear = 2 * 128 * blk.numel  # the block's linear layers, forward; attention's products are keyed apart
+    assert blk.fwd.gemm_flops.get(128, 0.0) >= 0.9 * linear and 512 not in blk.fwd.gemm_flops
+    assert blk.bwd.gemm_flops.get(128, 0.0) >= 0.9 * 2 * linear
+    hw = HardwareProfile.synthetic(matmul_flops={128: 20e12, 512: 60e12})
+    from tightfit.planner.costs import work_time
+
+    assert work_time(blk.fwd, hw) >= 0.9 * linear / 20e12
+    small = profile_model(meta_gpt(n_layer=2, n_embd=128, n_head=4), 4, 128).unit("blocks.0")
+    assert 128 not in small.fwd.gemm_flops and small.fwd.gemm_flops  # (512 x 128) @ (128 x 512): cube root 256
+
+
+def test_a_cached_profile_of_an_older_probe_is_measured_again(tmp_path, monkeypatch):
+    """Its matmul rates were by square size, which the model no longer means: `load_cached` ignores it."""
+    from dataclasses import replace
+
+    from tightfit.planner.hardware import PROBE_VERSION, load_cached, machine_key, save_cached
+
+    monkeypatch.setenv("TIGHTFIT_CACHE", str(tmp_path))
+    save_cached(replace(HardwareProfile.synthetic(key=machine_key()), probe_version=PROBE_VERSION - 1))
+    assert load_cached() is None
+    save_cached(HardwareProfile.synthetic(key=machine_key()))
+    assert load_cached() is not None and load_cached().probe_version == PROBE_VERSION

@@ -59,7 +59,9 @@ class HardwareProfile:
     device_adam_rate: float
     """Parameters per second of AdamW on the device (equals cpu_adam_rate on a CPU-only machine)."""
     matmul_flops: dict[int, float] = field(default_factory=dict)
-    """Matmul FLOP/s of the compute device at square sizes (size -> FLOP/s), in the compute dtype."""
+    """Matmul FLOP/s of the compute device by the smallest side of the matmul (size -> FLOP/s: the forward and
+    both gradients of a 2048 -> 5632 linear layer with `size` tokens), in the compute dtype ([Note: matmul rate by
+    the smallest side] in model_profile.py)."""
     op_overhead_s: float = 10e-6
     """Seconds of fixed dispatch overhead per aten op (dominates small models on CPU)."""
     nvme_device: str = ""
@@ -79,6 +81,9 @@ class HardwareProfile:
     """torch intra-op threads during the measurements."""
     measured_at: float = 0.0
     """Unix time of the measurement (0: synthetic, or a profile stated by hand)."""
+    probe_version: int = 0
+    """`PROBE_VERSION` of the probe that measured it: a cached profile of an older probe, whose figures mean
+    something else, is measured again (`load_cached`)."""
     assumptions: list[str] = field(default_factory=list)
     """What a hand-written or named profile assumes rather than measured (the plan prints these)."""
 
@@ -134,7 +139,7 @@ class HardwareProfile:
                    host_total=64 * GiB, host_available=60 * GiB, nvme_free=0, nvme_read_bw=3e9, nvme_write_bw=2e9,
                    h2d_bw=20e9, d2h_bw=20e9, mem_bw=900e9, cpu_adam_rate=1e9, device_adam_rate=20e9,
                    matmul_flops={256: 20e12, 1024: 100e12, 4096: 150e12}, op_overhead_s=5e-6,
-                   runtime_rss=400 * 2**20, threads=16)
+                   runtime_rss=400 * 2**20, threads=16, probe_version=PROBE_VERSION)
         return replace(base, **overrides)
 
 
@@ -146,18 +151,23 @@ def machine_key() -> str:
     return f"{socket.gethostname()}|{devs}|threads={torch.get_num_threads()}"
 
 
+PROBE_VERSION = 2
+"""Bumped whenever a probed figure changes meaning. 2: matmul rates by the smallest side ([Note: matmul rate by the
+smallest side] in model_profile.py; they were by square size)."""
+
+
 def cache_path() -> Path:
     root = os.environ.get("TIGHTFIT_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "tightfit")
     return Path(root).expanduser() / "hardware.json"
 
 
 def load_cached() -> HardwareProfile | None:
-    """The cached profile of this machine, or None."""
+    """The cached profile of this machine, or None (also when an older probe measured it)."""
     path = cache_path()
     try:
         entries = json.loads(path.read_text())
         d = entries.get(machine_key())
-        return HardwareProfile.from_dict(d) if d else None
+        return HardwareProfile.from_dict(d) if d and d.get("probe_version") == PROBE_VERSION else None
     except (OSError, ValueError, TypeError):
         return None
 

@@ -7,7 +7,8 @@ profiles in `named_profiles.py`, and validates it so a typo is one line naming t
 
 The format (docs/PLANNER.md, "What-if hardware"): the fields of `HardwareProfile`, flat, at the top level.
 Byte figures may be numbers or sizes ("24GiB"); bandwidths numbers (bytes/s) or sizes per second ("25GB/s");
-`matmul_flops` maps a square problem size to FLOP/s ({"4096" = 1.5e14} in TOML, {"4096": 1.5e14} in JSON);
+`matmul_flops` maps the smallest side of a matmul (the other sides wide) to FLOP/s ({"4096" = 1.5e14} in TOML,
+{"4096": 1.5e14} in JSON);
 `assumptions` is a list of sentences the plan prints under its table. A profile read from a file is used as it
 is: no capacity of this machine is read into it.
 """
@@ -154,7 +155,7 @@ def profile_from_dict(data: dict, where: str, default_key: str = "file") -> Hard
 
 def _matmul(value, where: str) -> dict[int, float]:
     if not isinstance(value, dict) or not value:
-        raise UsageError(f"{where}: field matmul_flops: expected a table of square size -> FLOP/s, "
+        raise UsageError(f"{where}: field matmul_flops: expected a table of smallest matmul side -> FLOP/s, "
                          'e.g. {"1024": 1.0e14, "4096": 1.5e14}')
     out = {}
     for k, v in value.items():

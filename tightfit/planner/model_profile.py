@@ -244,10 +244,39 @@ _ATTN_OPS = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product
              "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"}
 
 
+# [Note: matmul rate by the smallest side] How fast a matmul runs depends most on its smallest side, not on its
+# volume: at micro-batch 1 x 128 tokens a 1.3 B Llama's projections are (128 x 2048) @ (2048 x 5632), 1.5 GFLOP
+# each, the volume of a 1139^3 matmul, and on the benchmark VM they ran at 0.051-0.084 TFLOP/s where a 1024^3 one
+# ran at 0.124 (their backward's weight gradient, (5632 x 128) @ (128 x 2048), is as thin). Keyed by the cube root
+# of the volume, the plan priced that model's forward + backward at 10.5 s; it took 15-16 s with nothing else
+# running. So the probe measures, per smallest side s, the three matmuls a 2048 -> 5632 linear layer runs in
+# training with s tokens (forward, input and weight gradients; the last, (5632 x s) @ (s x 2048) into new memory,
+# is the slowest), and a matmul's FLOPs are priced at the rate of its smallest side. Not so a matmul whose operands
+# all fit in cache (under 8 MiB): the default run's (2048 x 128) @ (128 x 512) ran at its volume's rate, and keyed by
+# its smallest side the plan over-priced that run's step by 24%; it keeps the cube root, and so do attention's
+# products: a fused kernel tiles them over the sequence, and their smallest side (the head dim) says little.
+
+
 def _bucket(m: float, k: float, n: float) -> int:
-    """Problem-size key of a matmul: cube root of m*k*n rounded to a power of two (16 .. 16384)."""
+    """Problem-size key of an attention product: cube root of m*k*n rounded to a power of two (16 .. 16384)."""
     size = max(1.0, m * k * n) ** (1 / 3)
-    return int(2 ** min(14, max(4, round(math.log2(size)))))
+    return _pow2(size)
+
+
+_IN_CACHE_BYTES = 8 << 20
+"""A matmul whose operands are all smaller stays in a processor's caches, where its volume decides its speed."""
+
+
+def _matmul_key(m: float, k: float, n: float, itemsize: int) -> int:
+    """Rate key of a matmul ([Note: matmul rate by the smallest side]): its smallest side, as a power of two; the
+    cube root of its volume while its operands fit in cache."""
+    if max(m * k, k * n, m * n) * itemsize < _IN_CACHE_BYTES:
+        return _bucket(m, k, n)
+    return _pow2(min(m, k, n))
+
+
+def _pow2(size: float) -> int:
+    return int(2 ** min(14, max(4, round(math.log2(max(1.0, size))))))
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -322,7 +351,7 @@ class _Tracer(TorchDispatchMode):
             mats = [a for a in tensors_in if a.dim() >= 2]
             m = mats[-2].shape[-2] if len(mats) >= 2 else 1
             k_, n = (mats[-1].shape[-2], mats[-1].shape[-1]) if mats else (1, 1)
-            key = _bucket(m, k_, n)
+            key = _matmul_key(m, k_, n, out.element_size() if isinstance(out, torch.Tensor) else 4)
             w.gemm_flops[key] = w.gemm_flops.get(key, 0.0) + flops
         else:
             w.mem_bytes += sum(a.numel() * a.element_size() for a in tensors_in + outs)
@@ -438,7 +467,7 @@ def _formula(units: dict[str, UnitProfile], micro_batch: int, seq_len: int, nbyt
         hidden = u.largest_linear[1] if u.largest_linear else 0
         u.act_input = tokens * hidden * nbytes
         u.act_saved = 16 * u.act_input if u.checkpointable else 2 * u.act_input
-        u.fwd = Work({_bucket(tokens, hidden, hidden): 2.0 * tokens * u.numel}, 8.0 * u.act_input, 30)
+        u.fwd = Work({_matmul_key(tokens, hidden, hidden, nbytes): 2.0 * tokens * u.numel}, 8.0 * u.act_input, 30)
         u.bwd = u.fwd.scaled(2.0)
         total += u.act_saved
     return int(total * 1.25)

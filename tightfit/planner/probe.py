@@ -2,7 +2,8 @@
 
 Why these measurements: each is the rate of one term of the step-time model (`costs.py`), measured the way the
 engine spends it:
-- matmul FLOP/s at square sizes 128..2048 in the compute dtype (small GEMMs are far below peak on every device);
+- matmul FLOP/s by the smallest side of the matmul, 32..1024 (a linear layer's training matmuls with that many
+  tokens), in the compute dtype ([Note: matmul rate by the smallest side] in model_profile.py);
 - memory bandwidth (a large tensor copy), for norms, activations and other memory-bound ops;
 - per-op overhead: a chain of tiny ops with autograd, forward + backward, divided by the aten ops it dispatches
   (counted by the same tracer the model profile uses, so the two agree on what "an op" is);
@@ -25,9 +26,13 @@ import time
 import torch
 
 from tightfit.planner.disk_probe import DiskProfile, probe_disk
-from tightfit.planner.hardware import HardwareProfile, current, load_cached, machine_key, save_cached
+from tightfit.planner.hardware import PROBE_VERSION, HardwareProfile, current, load_cached, machine_key, save_cached
 
-_MATMUL_SIZES = (128, 256, 512, 1024, 2048)
+_MATMUL_SIZES = (32, 64, 128, 256, 512, 1024)
+"""Smallest sides probed; a matmul with a larger one runs at the rate of the last (it is no longer thin)."""
+_MATMUL_IN, _MATMUL_OUT = 2048, 5632
+"""The probed linear layer: a 1-3 B model's MLP projection, 46 MB in fp32, more than a CPU's caches hold and than
+glibc's heap keeps, so its weight streams from memory and its fresh weight gradient is new pages, as in training."""
 
 
 def _timeit(fn, min_s: float = 0.15, max_reps: int = 200) -> float:
@@ -50,15 +55,25 @@ def _timeit(fn, min_s: float = 0.15, max_reps: int = 200) -> float:
 
 
 def measure_matmul(device: str, dtype: torch.dtype) -> dict[int, float]:
-    """FLOP/s of s x s matmuls, batched so every timed call does >= ~2 GFLOP: the rate excludes the per-op
-    dispatch cost (measured separately), and one call is long enough that a busy machine's scheduling jitter
-    does not decide the figure."""
+    """FLOP/s of a linear layer's three training matmuls with s tokens, by that smallest side s ([Note: matmul rate
+    by the smallest side] in model_profile.py): forward (s x i) @ (i x o), input gradient (s x o) @ (o x i), weight
+    gradient (o x s) @ (s x i) into a new tensor, as autograd computes them; each timed call does >= ~2 GFLOP (the
+    rate excludes the per-op dispatch cost, measured separately, and a busy machine's jitter does not decide it)."""
     out = {}
-    for n in _MATMUL_SIZES:
-        b = max(1, round((1024 / n) ** 3))
-        a = torch.randn(b, n, n, device=device, dtype=dtype)
-        c = torch.randn(b, n, n, device=device, dtype=dtype)
-        out[n] = 2.0 * b * n**3 / _timeit(lambda: torch.bmm(a, c))
+    i, o = _MATMUL_IN, _MATMUL_OUT
+    weight = torch.randn(o, i, device=device, dtype=dtype)
+    for s in _MATMUL_SIZES:
+        reps = max(1, round(2e9 / (3 * 2.0 * s * i * o)))
+        x = torch.randn(s, i, device=device, dtype=dtype)
+        grad = torch.randn(s, o, device=device, dtype=dtype)
+
+        def training_matmuls() -> None:
+            for _ in range(reps):
+                x @ weight.t()
+                grad @ weight
+                grad.t() @ x
+
+        out[s] = 3 * 2.0 * reps * s * i * o / _timeit(training_matmuls)
     return out
 
 
@@ -177,7 +192,8 @@ def run_probe(folder: str | None = None, save: bool = True, sustained: bool = Tr
         mem_bw=measure_mem_bw(device),
         cpu_adam_rate=cpu_adam, device_adam_rate=measure_adam("cuda") if cuda else cpu_adam,
         matmul_flops=measure_matmul(device, dtype), op_overhead_s=measure_op_overhead(device),
-        runtime_rss=measure_runtime_rss(), threads=torch.get_num_threads(), measured_at=time.time())
+        runtime_rss=measure_runtime_rss(), threads=torch.get_num_threads(), measured_at=time.time(),
+        probe_version=PROBE_VERSION)
     hw = current(hw, folder)
     if save:
         save_cached(hw)
