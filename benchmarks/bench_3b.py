@@ -208,7 +208,7 @@ def run(args) -> dict:
     threads = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
     if len(step_ends) >= 2:  # the steps after the first, as one stretch: where their time went
         res["phases"] = phases(io_samples, step_ends[0], step_ends[-1], threads)
-        res["phases_per"] = f"{len(step_ends) - 1} steps, {threads} cores"
+        res["phases_steps"], res["phases_cores"] = len(step_ends) - 1, threads
     res["measured_rss_hwm"] = hwm
     res["measured_rss_sampled"] = max((r for _, r in samples), default=None)
     peak_t = max(samples, key=lambda s: s[1])[0] if samples else None
@@ -251,8 +251,8 @@ def report(res: dict) -> None:
     if res.get("minflt_per_step") is not None:
         print(f"per step: {res['minflt_per_step']:,.0f} minor page faults, {res['cpu_s_per_step']} CPU s")
     if res.get("phases"):
-        n = int(res["phases_per"].split()[0])
-        print(f"where the steps after the first went ({res['phases_per']}; per step):")
+        n = res["phases_steps"]
+        print(f"where the steps after the first went ({n} steps, {res['phases_cores']} cores; per step):")
         for k, v in res["phases"].items():
             print(f"  {k:<11} {v['s'] / n:6.1f} s   disk {v['read_GBps']:.2f} GB/s read, {v['write_GBps']:.2f} GB/s "
                   "written")

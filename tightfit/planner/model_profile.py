@@ -244,17 +244,15 @@ _ATTN_OPS = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product
              "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"}
 
 
-# [Note: matmul rate by the smallest side] How fast a matmul runs depends most on its smallest side, not on its
-# volume: at micro-batch 1 x 128 tokens a 1.3 B Llama's projections are (128 x 2048) @ (2048 x 5632), 1.5 GFLOP
-# each, the volume of a 1139^3 matmul, and on the benchmark VM they ran at 0.051-0.084 TFLOP/s where a 1024^3 one
-# ran at 0.124 (their backward's weight gradient, (5632 x 128) @ (128 x 2048), is as thin). Keyed by the cube root
-# of the volume, the plan priced that model's forward + backward at 10.5 s; it took 15-16 s with nothing else
-# running. So the probe measures, per smallest side s, the three matmuls a 2048 -> 5632 linear layer runs in
-# training with s tokens (forward, input and weight gradients; the last, (5632 x s) @ (s x 2048) into new memory,
-# is the slowest), and a matmul's FLOPs are priced at the rate of its smallest side. Not so a matmul whose operands
-# all fit in cache (under 8 MiB): the default run's (2048 x 128) @ (128 x 512) ran at its volume's rate, and keyed by
-# its smallest side the plan over-priced that run's step by 24%; it keeps the cube root, and so do attention's
-# products: a fused kernel tiles them over the sequence, and their smallest side (the head dim) says little.
+# [Note: matmul rate by the smallest side] A matmul whose operands stream from memory runs at a rate set by its
+# smallest side, not by its volume: at 128 tokens a projection (128 x 2048) @ (2048 x 5632) has the volume of a
+# 1139^3 matmul and runs at about half its rate (its weight gradient, (5632 x 128) @ (128 x 2048), is as thin;
+# measured in benchmarks/RESULTS.md, batch L). So the probe measures, per smallest side s, the three matmuls a
+# 2048 -> 5632 linear layer runs in training with s tokens (forward, input gradient, weight gradient into new
+# memory), and a matmul's FLOPs are priced at the rate of its smallest side. A matmul whose operands all fit in
+# cache (under 8 MiB, e.g. the default run's (2048 x 128) @ (128 x 512)) runs at its volume's rate and keeps the
+# cube-root key, as do attention's products: a fused kernel tiles them over the sequence, and their smallest side
+# (the head dim) says little about its speed.
 
 
 def _bucket(m: float, k: float, n: float) -> int:

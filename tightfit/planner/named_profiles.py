@@ -25,8 +25,7 @@ PROFILES: dict[str, dict] = {
                          "4096": 150e12, "8192": 150e12},
         "op_overhead_s": 10e-6, "runtime_rss": "3GiB", "threads": 16,
         "assumptions": ["GPU: 24 GiB, bf16 matmul reaching 150 TFLOP/s at size 4096 (peak 165), 60 at 128 tokens, "
-                        "memory-bound ops "
-                        "at 900 GB/s read + write, AdamW 25 G params/s",
+                        "memory-bound ops at 900 GB/s read + write, AdamW 25 G params/s",
                         "PCIe 4.0 x16: 25 GB/s pinned copies each way (32 GB/s link)",
                         "host: 64 GiB RAM, 60 GiB available, 16 cores running fused AdamW at 1.5 G params/s",
                         *_PCIE4_NVME,
@@ -40,8 +39,7 @@ PROFILES: dict[str, dict] = {
                          "4096": 230e12, "8192": 230e12},
         "op_overhead_s": 10e-6, "runtime_rss": "3GiB", "threads": 32,
         "assumptions": ["GPU: 40 GiB, bf16 matmul reaching 230 TFLOP/s at size 4096 (peak 312), 90 at 128 tokens, "
-                        "memory-bound ops "
-                        "at 1.3 TB/s read + write, AdamW 40 G params/s",
+                        "memory-bound ops at 1.3 TB/s read + write, AdamW 40 G params/s",
                         "PCIe 4.0 x16: 25 GB/s pinned copies each way (32 GB/s link)",
                         "host: 128 GiB RAM, 120 GiB available, 32 cores running fused AdamW at 2.5 G params/s",
                         *_PCIE4_NVME,
@@ -55,8 +53,7 @@ PROFILES: dict[str, dict] = {
                          "4096": 500e12, "8192": 500e12},
         "op_overhead_s": 10e-6, "runtime_rss": "3GiB", "threads": 32,
         "assumptions": ["GPU: 80 GiB, bf16 matmul reaching 500 TFLOP/s at size 4096 (peak 756), 150 at 128 tokens, "
-                        "memory-bound ops "
-                        "at 1.7 TB/s read + write, AdamW 55 G params/s",
+                        "memory-bound ops at 1.7 TB/s read + write, AdamW 55 G params/s",
                         "PCIe 5.0 x16: 50 GB/s pinned copies each way (64 GB/s link)",
                         "host: 256 GiB RAM, 240 GiB available, 32 cores running fused AdamW at 2.5 G params/s",
                         *_PCIE5_NVME,
