@@ -236,3 +236,16 @@ def test_distributed_launch_refuses_missing_data_in_one_line(tiny_args, tmp_path
                           capture_output=True, text=True, timeout=120, cwd=str(Path(__file__).resolve().parent.parent))
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
     assert "--data" in proc.stderr and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--disk-volume", "8GiB"], "add --nvme DIR"),
+    (["--disk-volume", "lots", "--nvme", "{tmp}"], "cannot read size 'lots'"),
+    (["--disk-volume", "1MiB", "--nvme", "{tmp}"], "below the least"),
+    (["--disk-volume", "1000TiB", "--nvme", "{tmp}/new"], "free space or measure a smaller volume"),
+])
+def test_probe_disk_volume_errors(tmp_path, capsys, args, needle):
+    argv = ["probe", *(a.replace("{tmp}", str(tmp_path)) for a in args)]
+    assert main(argv) == 2
+    line = _error_line(capsys)
+    assert line.startswith("tightfit: error: --disk-volume") and needle in line

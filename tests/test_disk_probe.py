@@ -117,7 +117,9 @@ def test_sustained_bandwidth_times_the_second_half_of_what_it_writes(tmp_path, m
 
     monkeypatch.setattr(disk_probe, "run_blocks", fake_run_blocks)
     seg = 1 << 20
-    read_bps, write_bps, mixed_bps = disk_probe.measure_sustained(tmp_path, 16 * seg, block_bytes=seg, queue_depth=2)
+    read_bps, write_bps, mixed_bps, volume = disk_probe.measure_sustained(tmp_path, 16 * seg, block_bytes=seg,
+                                                                          queue_depth=2)
+    assert volume == 16 * seg
     writes = [c for c in calls[:32] if c[0]]
     assert [c[1] for c in writes] == list(range(16)) * 2  # segment after segment, twice over
     assert write_bps == pytest.approx(seg / 1.0)
@@ -130,16 +132,39 @@ def test_sustained_bandwidth_times_the_second_half_of_what_it_writes(tmp_path, m
 
 
 def test_sustained_bandwidth_stops_at_its_time_limit(tmp_path):
-    read_bps, write_bps, mixed_bps = disk_probe.measure_sustained(tmp_path, 64 << 20, max_write_s=0.0,
-                                                                   block_bytes=1 << 20)
+    read_bps, write_bps, mixed_bps, volume = disk_probe.measure_sustained(tmp_path, 64 << 20, max_write_s=0.0,
+                                                                           block_bytes=1 << 20)
     assert read_bps > 0 and write_bps > 0 and mixed_bps > 0  # two segments at least, then stopped
+    assert volume == 2 * (4 << 20)  # the rates hold for what the file held: two of its 16 segments
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_sustained_time_limit_grows_with_the_volume(tmp_path, monkeypatch):
+    """A 48 GiB volume on a disk that sustains 1 GB/s takes 103 s to write twice over: the default limit (40 s,
+    what 16 GiB needs) would have stopped it before the second pass. The fake disk writes a segment per 3 s."""
+    clock = [0.0]
+
+    def fake_run_blocks(fd, views, nblocks, block_bytes, queue_depth, write, first=0):
+        clock[0] += 3.0
+        return 3.0
+
+    monkeypatch.setattr(disk_probe.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(disk_probe, "run_blocks", fake_run_blocks)
+    segments = []
+    monkeypatch.setattr(disk_probe._ScratchFile, "seconds",
+                        lambda self, *a, write, **k: segments.append(write) or fake_run_blocks(0, 0, 0, 0, 0, write))
+    disk_probe.measure_sustained(tmp_path, 16 << 20, block_bytes=1 << 20)
+    assert segments.count(True) == 14 + 1  # 40 s at 3 s a segment, then the mixed pass's write
+    assert disk_probe.write_limit_s(16 << 30) == 40.0
+    assert disk_probe.write_limit_s(48 << 30) >= 2 * (48 << 30) / 1e9
+
+
 def test_probe_with_a_swap_folder_reports_the_sustained_rates(tmp_path, monkeypatch):
-    monkeypatch.setattr(disk_probe, "measure_sustained", lambda folder, nbytes, **kw: (1.5e9, 0.5e9, 0.8e9))
+    monkeypatch.setattr(disk_probe, "measure_sustained", lambda folder, nbytes, **kw: (1.5e9, 0.5e9, 0.8e9, nbytes))
     found = disk_probe.probe_disk(tmp_path, 8 << 20, sustained_bytes=64 << 20)
     assert (found.read_Bps, found.write_Bps, found.mixed_Bps) == (1.5e9, 0.5e9, 0.8e9)
+    assert found.measured_bytes == 64 << 20
+    assert disk_probe.probe_disk(tmp_path, 8 << 20).measured_bytes == 8 << 20  # a burst: its own bytes
 
 
 def test_the_disk_time_of_a_phase_is_no_less_than_its_bytes_at_the_mixed_rate():
@@ -171,3 +196,29 @@ def test_a_plan_without_a_cached_profile_probes_quickly(tmp_path, monkeypatch):
     monkeypatch.setattr(probe, "run_probe", fake_run_probe)
     probe.load_or_probe(str(tmp_path))
     assert seen == {"sustained": False}
+
+
+def test_probe_disk_volume_reaches_the_sustained_measurement(tmp_path, monkeypatch, capsys):
+    """`tightfit probe --nvme DIR --disk-volume SIZE` measures over SIZE (not the default 16 GiB, a quarter of the
+    free space at most), and the profile keeps the volume the rates hold for."""
+    from tightfit.cli import main
+    from tightfit.planner import probe
+
+    seen = {}
+
+    def fake_probe_disk(folder, nbytes, sustained_bytes=0):
+        seen["sustained_bytes"] = sustained_bytes
+        return disk_probe.DiskProfile(2e9, 1e9, "", 8, 4 << 20, "python-direct", 1.5e9, sustained_bytes)
+
+    monkeypatch.setenv("TIGHTFIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(probe, "probe_disk", fake_probe_disk)
+    monkeypatch.setattr(probe, "measure_copies", lambda: (1e10, 1e10))
+    monkeypatch.setattr(probe, "measure_adam", lambda device: 1e8)
+    monkeypatch.setattr(probe, "measure_mem_bw", lambda device: 1e10)
+    monkeypatch.setattr(probe, "measure_matmul", lambda device, dtype: {128: 1e11})
+    monkeypatch.setattr(probe, "measure_op_overhead", lambda device: 1e-5)
+    monkeypatch.setattr(probe, "measure_runtime_rss", lambda: 300 << 20)
+    assert main(["probe", "--nvme", str(tmp_path / "swap"), "--disk-volume", "96MiB"]) == 0
+    assert seen["sustained_bytes"] == 96 << 20
+    assert "over 96.0 MiB" in capsys.readouterr().out
+    assert probe.load_cached().nvme_measured_bytes == 96 << 20

@@ -304,3 +304,21 @@ def test_a_cached_profile_of_an_older_probe_is_measured_again(tmp_path, monkeypa
     assert load_cached() is None
     save_cached(HardwareProfile.synthetic(key=machine_key()))
     assert load_cached() is not None and load_cached().probe_version == PROBE_VERSION
+
+
+def test_a_plan_whose_swap_outgrows_the_measured_disk_volume_says_so(tmp_path):
+    """[Note: sustained bandwidth]: the disk's rates hold up to the volume they were measured over (this VM: 3.4-3.8
+    GB/s over 8 GiB, 0.9-1.0 GB/s over 40 GiB). A plan keeping more on the disk warns, in the table and in the
+    summary `tightfit train` prints, and names the probe that measures its volume."""
+    from dataclasses import replace
+
+    c = cfg(offload="nvme", nvme=f"{tmp_path}:1GiB")
+    swap = make_plan(meta_gpt(), c, GPU).prediction.peak["nvme"]
+    small = make_plan(meta_gpt(), c, replace(GPU, nvme_measured_bytes=swap // 4))
+    warning = small.disk_warning()
+    assert warning is not None and warning in small.reasons
+    assert f"--nvme {tmp_path} --disk-volume 1GiB" in warning
+    assert warning in small.summary() and warning in small.table()
+    for hw in (replace(GPU, nvme_measured_bytes=swap), replace(GPU, nvme_measured_bytes=0)):  # enough, or unknown
+        plan = make_plan(meta_gpt(), c, hw)
+        assert plan.disk_warning() is None and not any("disk" in r for r in plan.reasons)

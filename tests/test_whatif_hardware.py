@@ -205,7 +205,7 @@ def test_probe_out_writes_a_profile_plan_reads(tmp_path, capsys, monkeypatch):
     from tightfit.planner import probe
 
     measured = load_hardware("gpu80-pcie5")
-    monkeypatch.setattr(probe, "run_probe", lambda folder=None: measured)
+    monkeypatch.setattr(probe, "run_probe", lambda folder=None, **kw: measured)
     out = tmp_path / "this-machine.json"
     rc, text, _ = _run(capsys, "probe", "--out", str(out))
     assert rc == 0 and f"profile written to {out}" in text

@@ -35,6 +35,9 @@ def _parser() -> argparse.ArgumentParser:
 
     probe = sub.add_parser("probe", help="measure this machine's bandwidths and throughputs (cached for planning)")
     probe.add_argument("--nvme", default=None, help="swap folder whose disk to measure (default: the cache folder)")
+    probe.add_argument("--disk-volume", metavar="SIZE", default=None,
+                       help="measure the disk over this many bytes (default: 16GiB, at most a quarter of the free "
+                            "space); make it the swap a run keeps, when a cache in front of the disk is larger")
     probe.add_argument("--out", metavar="FILE.json", default=None,
                        help="also write the profile to this file, for `tightfit plan --hardware FILE` elsewhere")
 
@@ -61,6 +64,28 @@ def _cmd_train(cfg: Config, argv: list[str]) -> int:
 
     train(cfg)
     return 0
+
+
+def _disk_volume(text: str | None, nvme: str | None) -> int | None:
+    """`tightfit probe --disk-volume`'s bytes, checked against the swap folder's free space (None: not given)."""
+    if text is None:
+        return None
+    if not nvme:
+        raise UsageError("--disk-volume: measures the swap folder's disk; add --nvme DIR")
+    from tightfit.planner.disk_probe import SEGMENTS, MAX_TRANSFER
+    from tightfit.utils.sizes import format_size, parse_size
+
+    volume, least = parse_size(text, "--disk-volume"), SEGMENTS * MAX_TRANSFER
+    if volume < least:
+        raise UsageError(f"--disk-volume: {format_size(volume)} is below the least the probe measures, "
+                         f"{format_size(least)}")
+    from tightfit.planner.hardware import free_bytes
+
+    free = free_bytes(nvme)
+    if volume > free:
+        raise UsageError(f"--disk-volume: {format_size(volume)} but {format_size(free)} is free under {nvme}; "
+                         "free space or measure a smaller volume")
+    return volume
 
 
 def _cmd_plan(cfg: Config, as_json: bool, hardware: str | None = None) -> int:
@@ -102,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
             if args.nvme:
                 check_folder_path(Path(args.nvme), "--nvme")  # one line, not makedirs' traceback
-            hw = run_probe(args.nvme)
+            hw = run_probe(args.nvme, disk_volume=_disk_volume(args.disk_volume, args.nvme))
             print(hw)
             if args.out:
                 from tightfit.planner.hardware_file import save_hardware

@@ -18,6 +18,10 @@ device: the filesystem is part of what the tier pays for):
   cache, an SSD's SLC cache) that a long run overflows. On the benchmark VM a 256 MiB burst wrote at 4.8 GB/s and
   read at 3.7 GB/s; 16 GiB wrote at 1.0 GB/s and read at 2.2 GB/s, and the 1.3 B all-NVMe run (35 GiB of disk
   traffic a step) moved at about the latter.
+  What the cache holds depends on the volume: the same disk moved 8 GiB at 3.4-3.8 GB/s and 40 GiB at 0.9-1.0
+  GB/s. So the rates hold for swap files up to the volume they were measured over (`DiskProfile.measured_bytes`,
+  kept in the hardware profile); a plan that keeps more on the disk says so and how to measure its own volume
+  (`tightfit probe --nvme DIR --disk-volume SIZE`).
 - *the largest transfer* (`max_transfer_bytes`): what the block device under the folder takes in one request
   (`/sys/block/<dev>/queue/max_sectors_kb`), at most 4 MiB: a larger request would be split by the kernel, and
   a transfer that holds the disk longer delays the urgent reads queued behind it ([Note: transfer size] in
@@ -78,6 +82,8 @@ class DiskProfile:
     method: str
     mixed_Bps: float = 0.0
     """Bytes read + written per second with both in flight at once (0: not measured, a burst probe)."""
+    measured_bytes: int = 0
+    """The volume the rates were measured over: the scratch file written, then read back."""
 
 
 def probe_disk(folder: str | Path, nbytes: int = 256 << 20, sustained_bytes: int = 0) -> DiskProfile:
@@ -96,29 +102,41 @@ def probe_disk(folder: str | Path, nbytes: int = 256 << 20, sustained_bytes: int
         read_bps = {d: nbytes / f.seconds(d, write=False) for d in THREAD_CHOICES}
     best = max(read_bps.values())
     threads = min(d for d, bps in read_bps.items() if bps >= 0.9 * best)
-    read, write, mixed = read_bps[THREAD_CHOICES[0]], nbytes / write_s, 0.0
+    read, write, mixed, volume = read_bps[THREAD_CHOICES[0]], nbytes / write_s, 0.0, nbytes
     if sustained_bytes > 0:
-        read, write, mixed = measure_sustained(folder, sustained_bytes, block_bytes=chunk, queue_depth=threads)
-    return DiskProfile(read, write, device_of(folder) or "", threads, chunk, f.method, mixed)
+        read, write, mixed, volume = measure_sustained(folder, sustained_bytes, block_bytes=chunk,
+                                                       queue_depth=threads)
+    return DiskProfile(read, write, device_of(folder) or "", threads, chunk, f.method, mixed, volume)
 
 
 SEGMENTS = 16
 """`measure_sustained` times its volume in this many equal segments."""
+WRITE_S_PER_GIB = 2.5
+"""`measure_sustained`'s time limit for writing, per GiB of its volume (at least 40 s): both passes of a 16 GiB
+file at 0.86 GB/s."""
 
 
-def measure_sustained(folder: str | Path, max_bytes: int, *, max_write_s: float = 40.0, block_bytes: int = 4 << 20,
-                      queue_depth: int = 8) -> tuple[float, float, float]:
+def write_limit_s(volume: int) -> float:
+    """`measure_sustained`'s default time limit for writing `volume` bytes twice over."""
+    return max(40.0, WRITE_S_PER_GIB * volume / (1 << 30))
+
+
+def measure_sustained(folder: str | Path, max_bytes: int, *, max_write_s: float | None = None,
+                      block_bytes: int = 4 << 20, queue_depth: int = 8) -> tuple[float, float, float, int]:
     """(read, write, both at once) bytes/s of the disk under `folder` once the caches in front of it are full
-    ([Note: sustained bandwidth]).
+    ([Note: sustained bandwidth]), and the bytes of the file they were measured over.
 
     Writes a fresh file of up to `max_bytes` twice over, in order, `SEGMENTS` segments per pass, until both passes
-    are written or `max_write_s` has passed; the write rate is that of the second half of the segments written
+    are written or `max_write_s` has passed (default: `write_limit_s(max_bytes)`);
+    the write rate is that of the second half of the segments written
     (the first half fills whatever cache absorbs writes; the second pass rewrites in place, as the NVMe tier
     does). Then reads the file back in order: the read rate. Then reads its first half while rewriting its second
     half, half the transfers in flight each way: bytes read + written per second, as a step moves them. O_DIRECT
     where the filesystem takes it (else buffered, synced and evicted before the read). Leaves nothing in
     `folder`."""
     folder = Path(folder)
+    if max_write_s is None:
+        max_write_s = write_limit_s(max_bytes)
     seg_blocks = max(1, max_bytes // SEGMENTS // block_bytes)
     seg = seg_blocks * block_bytes
     check_space(folder, seg * SEGMENTS)
@@ -138,7 +156,7 @@ def measure_sustained(folder: str | Path, max_bytes: int, *, max_write_s: float 
         mixed_s = timed_threads([lambda: f.seconds(each, write=False, nblocks=half),
                                  lambda: f.seconds(each, write=True, first=half, nblocks=half)])
     tail = write_s[len(write_s) // 2:]
-    return seg * written / read_s, seg * len(tail) / sum(tail), 2 * half * block_bytes / mixed_s
+    return seg * written / read_s, seg * len(tail) / sum(tail), 2 * half * block_bytes / mixed_s, seg * written
 
 
 def measure_raw_bandwidth(folder: str | Path, nbytes: int, **kwargs) -> tuple[float, float]:

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from tightfit.utils.sizes import format_size
+
 GiB = 1024**3
 
 
@@ -75,6 +77,9 @@ class HardwareProfile:
     nvme_mixed_bw: float = 0.0
     """Bytes read + written per second with reads and writes in flight at once, as a step's are (0: not measured;
     the model then adds read time and write time). [Note: sustained bandwidth] in disk_probe.py."""
+    nvme_measured_bytes: int = 0
+    """The volume the disk rates were measured over (0: unknown, a profile written by hand or an older probe's).
+    A swap file larger than this may outgrow a cache the rates were measured inside ([Note: sustained bandwidth])."""
     runtime_rss: int = 0
     """RSS of a process that imported torch and ran a tiny step: the floor under every host measurement."""
     threads: int = 1
@@ -118,7 +123,9 @@ class HardwareProfile:
                  f"  memory bandwidth {self.mem_bw / g:.1f} GB/s, per-op overhead {self.op_overhead_s * 1e6:.1f} us",
                  f"  host->device {self.h2d_bw / g:.1f} GB/s, device->host {self.d2h_bw / g:.1f} GB/s",
                  f"  disk read {self.nvme_read_bw / g:.2f} GB/s, write {self.nvme_write_bw / g:.2f} GB/s"
-                 + (f", both at once {self.nvme_mixed_bw / g:.2f} GB/s" if self.nvme_mixed_bw else "") + " (O_DIRECT); "
+                 + (f", both at once {self.nvme_mixed_bw / g:.2f} GB/s" if self.nvme_mixed_bw else "")
+                 + (f" over {format_size(self.nvme_measured_bytes)}" if self.nvme_measured_bytes else "")
+                 + " (O_DIRECT); "
                  f"the NVMe tier uses {self.nvme_io_threads} I/O threads, transfers up to "
                  f"{self.nvme_chunk_bytes >> 10} KiB",
                  f"  AdamW: CPU {self.cpu_adam_rate / 1e6:.0f} M params/s, "
@@ -186,6 +193,14 @@ def save_cached(hw: HardwareProfile) -> Path:
     return path
 
 
+def free_bytes(folder: str | Path) -> int:
+    """Free bytes on the disk of `folder`, which may not exist yet: its disk is its nearest existing parent's."""
+    path = Path(folder)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
 def current(hw: HardwareProfile, nvme_dir: str | None) -> HardwareProfile:
     """`hw` with the capacities that change over time re-read now (free GPU memory, available RAM, free disk)."""
     import psutil
@@ -194,11 +209,6 @@ def current(hw: HardwareProfile, nvme_dir: str | None) -> HardwareProfile:
     free_gpu = hw.gpu_free
     if hw.cuda and torch.cuda.is_available():
         free_gpu, _ = torch.cuda.mem_get_info()
-    nvme_free = 0
-    if nvme_dir:
-        probe_dir = Path(nvme_dir)
-        while not probe_dir.exists() and probe_dir != probe_dir.parent:
-            probe_dir = probe_dir.parent  # the folder may not exist yet: its disk is its nearest existing parent's
-        nvme_free = shutil.disk_usage(probe_dir).free
+    nvme_free = free_bytes(nvme_dir) if nvme_dir else 0
     return replace(hw, host_available=vm.available, host_total=vm.total, gpu_free=free_gpu, nvme_free=nvme_free,
                    measured_at=hw.measured_at or time.time())

@@ -18,6 +18,7 @@ from tightfit.planner.model_profile import ModelProfile
 from tightfit.utils.sizes import format_size
 
 TIERS = ("device", "host", "nvme")
+GiB = 1 << 30
 
 
 @dataclass
@@ -75,6 +76,17 @@ class Plan:
                 out[self.placement.of(u.name).tier(s).value] += state_bytes(u, s, self.placement, self.shape)
         return out
 
+    def disk_warning(self) -> str | None:
+        """A warning when the plan keeps more on the disk than the volume its rates were measured over: past a cache
+        in front of the disk the rates may drop several-fold ([Note: sustained bandwidth] in disk_probe.py)."""
+        swap, measured = self.prediction.peak.get("nvme", 0), self.hardware.nvme_measured_bytes
+        if not measured or swap <= measured:
+            return None
+        gib = -(-int(swap) // GiB)
+        return (f"warning: the disk's rates were measured over {format_size(measured)}, this plan keeps "
+                f"{format_size(swap)} on it: past a cache in front of the disk, steps may be slower than predicted; "
+                f"measure that volume with `tightfit probe --nvme {self.placement.nvme_dir} --disk-volume {gib}GiB`")
+
     def _budget_text(self, tier: str) -> str:
         b = self.budgets.get(tier)
         if tier == "device" and self.shared_pool:
@@ -124,6 +136,7 @@ class Plan:
             extras.append("tiling " + ", ".join(f"{k} x{v}" for k, v in p.tiled_linears.items()))
         if extras:
             lines.append("  " + "; ".join(extras))
+        lines += [f"  {r}" for r in self.reasons if r.startswith("warning:")]
         return "\n".join(lines)
 
     def table(self) -> str:

@@ -59,6 +59,8 @@ def make_plan(model: nn.Module, cfg, hardware: HardwareProfile | None = None, na
     plan = Plan(res.placement, res.prediction,
                 {"device": budgets.device, "host": budgets.host, "nvme": budgets.nvme if budgets.nvme_dir else None},
                 budgets.source, res.reasons, mode, shape, res.profile, hardware, budgets.shared)
+    if (disk := plan.disk_warning()) is not None:
+        plan.reasons.append(disk)
     if cfg.memory.trace:
         from tightfit.planner.trace import write_trace
 

@@ -161,33 +161,36 @@ SUSTAINED_BYTES = 16 << 30
 of the swap disk's free space."""
 
 
-def measure_disk(folder: str | None, nbytes: int = 256 << 20, sustained: bool = True) -> DiskProfile:
+def measure_disk(folder: str | None, nbytes: int = 256 << 20, sustained: bool = True,
+                 volume: int | None = None) -> DiskProfile:
     """Bandwidth of sequential O_DIRECT transfers in `folder` (a temporary folder when None), and the NVMe tier's
     I/O threads and largest transfer for its disk. With a swap folder and `sustained`, the bandwidth is the
-    sustained one (up to ~50 s more): what a run that streams tens of GiB a step gets."""
+    sustained one (up to ~50 s more): what a run that streams tens of GiB a step gets, over `volume` bytes (default
+    `SUSTAINED_BYTES`, at most a quarter of the free space)."""
     if folder:
         os.makedirs(folder, exist_ok=True)
-        room = min(SUSTAINED_BYTES, shutil.disk_usage(folder).free // 4) if sustained else 0
+        room = (volume or min(SUSTAINED_BYTES, shutil.disk_usage(folder).free // 4)) if sustained else 0
         return probe_disk(folder, nbytes, sustained_bytes=room)
     with tempfile.TemporaryDirectory(prefix="tightfit-probe-") as d:
         return probe_disk(d, nbytes)
 
 
-def run_probe(folder: str | None = None, save: bool = True, sustained: bool = True) -> HardwareProfile:
-    """Measure this machine (disk speed in `folder`, the swap folder; sustained: see `measure_disk`) and cache the
-    result."""
+def run_probe(folder: str | None = None, save: bool = True, sustained: bool = True,
+              disk_volume: int | None = None) -> HardwareProfile:
+    """Measure this machine (disk speed in `folder`, the swap folder; sustained and disk_volume: see
+    `measure_disk`) and cache the result."""
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float32
     gpu_total = torch.cuda.get_device_properties(0).total_memory if cuda else 0
     h2d, d2h = measure_copies()
-    disk = measure_disk(folder, sustained=sustained)
+    disk = measure_disk(folder, sustained=sustained, volume=disk_volume)
     cpu_adam = measure_adam("cpu")
     hw = HardwareProfile(
         key=machine_key(), cuda=cuda, device_name=torch.cuda.get_device_name(0) if cuda else "cpu",
         gpu_total=gpu_total, gpu_free=gpu_total, host_total=0, host_available=0, nvme_free=0,
         nvme_read_bw=disk.read_Bps, nvme_write_bw=disk.write_Bps, nvme_mixed_bw=disk.mixed_Bps,
-        nvme_device=disk.device,
+        nvme_device=disk.device, nvme_measured_bytes=disk.measured_bytes,
         nvme_io_threads=disk.threads, nvme_chunk_bytes=disk.chunk_bytes, h2d_bw=h2d, d2h_bw=d2h,
         mem_bw=measure_mem_bw(device),
         cpu_adam_rate=cpu_adam, device_adam_rate=measure_adam("cuda") if cuda else cpu_adam,
