@@ -66,12 +66,16 @@ def test_plan_runs_within_budgets(setting, tmp_path):
     tightfit.wrap(model, p, device="cpu")
     opt = AdamW(model.parameters(), lr=1e-3)
     x = torch.randint(0, 256, (4, 32))
+    eng = engine_of(model)
+    moved = []  # (read, written) on NVMe per step, its write-backs drained
     for _ in range(3):
+        before = _disk_bytes(eng)
         model(x, x).backward()
         opt.clip_grad_norm_(1.0)
         opt.step()
         opt.zero_grad()
-    eng = engine_of(model)
+        after = _disk_bytes(eng)
+        moved.append((after[0] - before[0], after[1] - before[1]))
     assert list(eng.units) == [u.name for u in plan.profile.units], "the engine forms the planner's units"
     if setting == "nvme-heavy":  # 8 blocks of 0.2 MB on NVMe: joined in pairs (planner/unit_size.py)
         assert len(eng.units) == 5 and p.min_unit_bytes
@@ -85,7 +89,27 @@ def test_plan_runs_within_budgets(setting, tmp_path):
     # The pool grows only as far as the engine takes buffers; the prediction is its capacity, the bound.
     assert rep["host"]["tier"] == pr.breakdown["host"]["states"] <= host
     assert rep["nvme"]["bytes"] == pytest.approx(pr.peak["nvme"], rel=0.10, abs=64 * 1024)
+    if setting == "nvme-heavy":
+        # The disk traffic the step time is priced from. fp32 params are their own master: the step reads and
+        # rewrites them (the plan once left both out: 25% of the writes). Reads are an upper bound: a unit whose
+        # master the pool preloads from its materialised params, or whose stepped params are kept for the next
+        # forward, reads less.
+        tr = pr.traffic
+        read, written = moved[-1]
+        assert written == tr["nvme_write"] + tr["nvme_write_opt"]
+        assert read <= tr["nvme_read"] + tr["nvme_read_opt"] <= 1.15 * read
     eng.close()
+
+
+def _disk_bytes(eng) -> tuple[int, int]:
+    """(read, written) by the engine's NVMe store so far, once its pending writes are done (0, 0 without one)."""
+    store = eng.stores.get(Tier.NVME)
+    if store is None:
+        return 0, 0
+    eng.wait_writes()
+    store.wait()
+    st = store.stats()
+    return st["bytes_read"], st["bytes_written"]
 
 
 def test_engine_refusal_and_planner_use_the_same_numbers(tmp_path):
