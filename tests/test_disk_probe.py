@@ -208,7 +208,8 @@ def test_probe_disk_volume_reaches_the_sustained_measurement(tmp_path, monkeypat
 
     def fake_probe_disk(folder, nbytes, sustained_bytes=0):
         seen["sustained_bytes"] = sustained_bytes
-        return disk_probe.DiskProfile(2e9, 1e9, "", 8, 4 << 20, "python-direct", 1.5e9, sustained_bytes)
+        rate = 2e9 if sustained_bytes < 128 << 20 else 1e9  # a cache in front of the disk holds 96 MiB
+        return disk_probe.DiskProfile(rate, rate, "8:0", 8, 4 << 20, "python-direct", rate, sustained_bytes)
 
     monkeypatch.setenv("TIGHTFIT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(probe, "probe_disk", fake_probe_disk)
@@ -222,3 +223,8 @@ def test_probe_disk_volume_reaches_the_sustained_measurement(tmp_path, monkeypat
     assert seen["sustained_bytes"] == 96 << 20
     assert "over 96.0 MiB" in capsys.readouterr().out
     assert probe.load_cached().nvme_measured_bytes == 96 << 20
+    # A second probe over another volume of the same disk keeps the first one's rates beside its own.
+    assert main(["probe", "--nvme", str(tmp_path / "swap"), "--disk-volume", "256MiB"]) == 0
+    cached = probe.load_cached()
+    assert cached.nvme_measured_bytes == 256 << 20 and cached.nvme_read_bw == 1e9
+    assert cached.nvme_volumes == {96 << 20: [2e9, 2e9, 2e9], 256 << 20: [1e9, 1e9, 1e9]}

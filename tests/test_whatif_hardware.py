@@ -8,6 +8,7 @@ counts and the named profile's stated speeds.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import re
 
 import pytest
@@ -41,7 +42,7 @@ def test_named_profiles_load_and_state_their_assumptions():
 
 @pytest.mark.parametrize("suffix", [".json", ".toml"])
 def test_profile_file_round_trip(tmp_path, suffix):
-    hw = load_hardware("gpu40-pcie4")
+    hw = replace(load_hardware("gpu40-pcie4"), nvme_volumes={16 * GiB: [3e9, 2e9, 2.5e9]})
     path = tmp_path / f"hw{suffix}"
     if suffix == ".json":
         save_hardware(hw, str(path))  # what `tightfit probe --out` writes
@@ -76,6 +77,10 @@ def test_a_probe_cache_file_is_a_profile_file(tmp_path):
     ('{"cuda": false, "device_name": "x", "host_total": "8GiB", "nvme_read_bw": 1, "nvme_write_bw": 1,'
      ' "h2d_bw": 1, "d2h_bw": 1, "mem_bw": 1, "cpu_adam_rate": 1, "matmul_flops": {"big": 1}}',
      "field matmul_flops: entry 'big'"),
+    ('{"cuda": false, "device_name": "x", "host_total": "8GiB", "nvme_read_bw": 1, "nvme_write_bw": 1,'
+     ' "h2d_bw": 1, "d2h_bw": 1, "mem_bw": 1, "cpu_adam_rate": 1, "matmul_flops": {"1": 1},'
+     ' "nvme_volumes": {"1073741824": [1e9, 1e9]}}',
+     "field nvme_volumes: entry '1073741824'"),
     ("{not json", "not valid JSON"),
 ])
 def test_bad_profile_files_are_one_line_errors(tmp_path, capsys, text, words):

@@ -80,6 +80,10 @@ class HardwareProfile:
     nvme_measured_bytes: int = 0
     """The volume the disk rates were measured over (0: unknown, a profile written by hand or an older probe's).
     A swap file larger than this may outgrow a cache the rates were measured inside ([Note: sustained bandwidth])."""
+    nvme_volumes: dict[int, list[float]] = field(default_factory=dict)
+    """Every volume the disk under `nvme_device` was measured over -> [read, write, both at once] bytes/s. Each
+    `tightfit probe --nvme` adds its own; a plan takes the rates of the smallest volume that holds its swap
+    (`at_disk_volume`)."""
     runtime_rss: int = 0
     """RSS of a process that imported torch and ran a tiny step: the floor under every host measurement."""
     threads: int = 1
@@ -107,6 +111,20 @@ class HardwareProfile:
                 return f0 + w * (f1 - f0)
         return pts[-1][1]
 
+    def at_disk_volume(self, nbytes: float) -> "HardwareProfile":
+        """This profile with the disk rates of the smallest measured volume holding `nbytes` (the largest volume
+        when none does; itself when no volume was measured, or the rates are that volume's already)."""
+        table = dict(self.nvme_volumes)
+        if self.nvme_measured_bytes:
+            table[self.nvme_measured_bytes] = [self.nvme_read_bw, self.nvme_write_bw, self.nvme_mixed_bw]
+        volumes = sorted(table)
+        volume = next((v for v in volumes if v >= nbytes), volumes[-1]) if volumes else 0
+        if volume == self.nvme_measured_bytes:
+            return self
+        read, write, mixed = table[volume]
+        return replace(self, nvme_read_bw=read, nvme_write_bw=write, nvme_mixed_bw=mixed,
+                       nvme_measured_bytes=volume)
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -128,6 +146,9 @@ class HardwareProfile:
                  + " (O_DIRECT); "
                  f"the NVMe tier uses {self.nvme_io_threads} I/O threads, transfers up to "
                  f"{self.nvme_chunk_bytes >> 10} KiB",
+                 *([f"  disk read / write / both at once by volume measured: " + ", ".join(
+                     f"{format_size(v)} {r / g:.2f} / {w / g:.2f} / {m / g:.2f} GB/s"
+                     for v, (r, w, m) in sorted(self.nvme_volumes.items()))] if len(self.nvme_volumes) > 1 else []),
                  f"  AdamW: CPU {self.cpu_adam_rate / 1e6:.0f} M params/s, "
                  f"device {self.device_adam_rate / 1e6:.0f} M/s",
                  f"  runtime RSS {self.runtime_rss / 2**20:.0f} MiB; cached in {cache_path()}"]
@@ -137,6 +158,7 @@ class HardwareProfile:
     def from_dict(cls, d: dict) -> "HardwareProfile":
         d = dict(d)
         d["matmul_flops"] = {int(k): float(v) for k, v in d.get("matmul_flops", {}).items()}
+        d["nvme_volumes"] = {int(k): [float(x) for x in v] for k, v in d.get("nvme_volumes", {}).items()}
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
     @classmethod

@@ -128,6 +128,8 @@ def profile_from_dict(data: dict, where: str, default_key: str = "file") -> Hard
             out[key] = list(value)
         elif key == "matmul_flops":
             out[key] = _matmul(value, where)
+        elif key == "nvme_volumes":
+            out[key] = _volumes(value, where)
         elif key in _BYTES:
             out[key] = _size(value, where, key, per_second=False)
         elif key in _RATES_BPS:
@@ -168,6 +170,26 @@ def _matmul(value, where: str) -> dict[int, float]:
             raise UsageError(f"{where}: field matmul_flops: entry {k!r} = {v!r}: expected a positive size "
                              "and a positive FLOP/s")
         out[size] = float(v)
+    return out
+
+
+def _volumes(value, where: str) -> dict[int, list[float]]:
+    """`nvme_volumes`: bytes measured over -> [read, write, both at once] bytes/s (both at once may be 0)."""
+    if not isinstance(value, dict):
+        raise UsageError(f"{where}: field nvme_volumes: expected a table of volume -> [read, write, both at once] "
+                         'bytes/s, e.g. {"51539607552": [1.1e9, 1.08e9, 1.4e9]}')
+    out = {}
+    for k, v in value.items():
+        try:
+            volume = int(k)
+        except (TypeError, ValueError):
+            volume = 0
+        rates = v if isinstance(v, list) and len(v) == 3 else []
+        if volume <= 0 or not rates or any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in rates) \
+                or rates[0] <= 0 or rates[1] <= 0 or rates[2] < 0:
+            raise UsageError(f"{where}: field nvme_volumes: entry {k!r} = {v!r}: expected a positive byte count "
+                             "and [read, write, both at once] bytes/s")
+        out[volume] = [float(x) for x in rates]
     return out
 
 

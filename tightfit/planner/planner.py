@@ -19,6 +19,7 @@ from tightfit.planner.named_profiles import PROFILES
 from tightfit.planner.naming import CLI, Naming
 from tightfit.planner.plan import Plan
 from tightfit.planner.search import budgets_from, fixed, search
+from tightfit.utils.sizes import format_size
 
 
 def make_plan(model: nn.Module, cfg, hardware: HardwareProfile | None = None, names: Naming = CLI,
@@ -48,17 +49,26 @@ def make_plan(model: nn.Module, cfg, hardware: HardwareProfile | None = None, na
                        tokens_per_micro=cfg.train.micro_batch * cfg.train.seq_len,
                        grad_clip=cfg.optim.grad_clip > 0)
     mode = cfg.memory.offload
-    if mode == "auto":
-        res = search(profile, hardware, budgets, shape, cfg.memory.checkpointing, names)
-    elif mode == "none":
-        res = fixed(profile, hardware, budgets, shape, Tier.DEVICE, cfg.memory.checkpointing,
-                    f"{names.set('offload', 'none')} (plain PyTorch)", names)
-    else:
-        res = fixed(profile, hardware, budgets, shape, Tier(mode), cfg.memory.checkpointing,
-                    names.set("offload", mode), names)
-    plan = Plan(res.placement, res.prediction,
-                {"device": budgets.device, "host": budgets.host, "nvme": budgets.nvme if budgets.nvme_dir else None},
-                budgets.source, res.reasons, mode, shape, res.profile, hardware, budgets.shared)
+
+    def place(hw: HardwareProfile) -> Plan:
+        if mode == "auto":
+            res = search(profile, hw, budgets, shape, cfg.memory.checkpointing, names)
+        elif mode == "none":
+            res = fixed(profile, hw, budgets, shape, Tier.DEVICE, cfg.memory.checkpointing,
+                        f"{names.set('offload', 'none')} (plain PyTorch)", names)
+        else:
+            res = fixed(profile, hw, budgets, shape, Tier(mode), cfg.memory.checkpointing,
+                        names.set("offload", mode), names)
+        return Plan(res.placement, res.prediction, {"device": budgets.device, "host": budgets.host,
+                                                    "nvme": budgets.nvme if budgets.nvme_dir else None},
+                    budgets.source, res.reasons, mode, shape, res.profile, hw, budgets.shared)
+
+    plan = place(hardware)
+    swap = plan.prediction.peak.get("nvme", 0)
+    if swap and (at_volume := hardware.at_disk_volume(swap)) is not hardware:
+        plan = place(at_volume)  # the disk's rates over the volume this run keeps there ([Note: sustained bandwidth])
+        plan.reasons.append(f"disk rates: those measured over {format_size(at_volume.nvme_measured_bytes)}, the "
+                            f"least volume measured that holds this run's {format_size(swap)} of swap")
     if (disk := plan.disk_warning()) is not None:
         plan.reasons.append(disk)
     if cfg.memory.trace:

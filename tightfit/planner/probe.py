@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 import torch
 
@@ -197,10 +198,21 @@ def run_probe(folder: str | None = None, save: bool = True, sustained: bool = Tr
         matmul_flops=measure_matmul(device, dtype), op_overhead_s=measure_op_overhead(device),
         runtime_rss=measure_runtime_rss(), threads=torch.get_num_threads(), measured_at=time.time(),
         probe_version=PROBE_VERSION)
+    if folder:
+        hw = replace(hw, nvme_volumes=_disk_volumes(disk))
     hw = current(hw, folder)
     if save:
         save_cached(hw)
     return hw
+
+
+def _disk_volumes(disk: DiskProfile) -> dict[int, list[float]]:
+    """The cached profile's disk rates by volume, where they were measured on the same disk, with `disk`'s added
+    (replacing an earlier measurement of its volume)."""
+    cached = load_cached()
+    volumes = dict(cached.nvme_volumes) if cached and disk.device and cached.nvme_device == disk.device else {}
+    volumes[disk.measured_bytes] = [disk.read_Bps, disk.write_Bps, disk.mixed_Bps]
+    return volumes
 
 
 def refresh_speeds(hw: HardwareProfile) -> HardwareProfile:
@@ -208,8 +220,6 @@ def refresh_speeds(hw: HardwareProfile) -> HardwareProfile:
 
     For a shared machine whose load changes from minute to minute: ~3 s, the disk and runtime figures are kept.
     """
-    from dataclasses import replace
-
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     h2d, d2h = measure_copies()
