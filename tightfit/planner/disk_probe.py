@@ -18,10 +18,10 @@ device: the filesystem is part of what the tier pays for):
   cache, an SSD's SLC cache) that a long run overflows. On the benchmark VM a 256 MiB burst wrote at 4.8 GB/s and
   read at 3.7 GB/s; 16 GiB wrote at 1.0 GB/s and read at 2.2 GB/s, and the 1.3 B all-NVMe run (35 GiB of disk
   traffic a step) moved at about the latter.
-  What the cache holds depends on the volume: the same disk moved 8 GiB at 3.4-3.8 GB/s and 40 GiB at 0.9-1.0
-  GB/s. So the rates hold for swap files up to the volume they were measured over (`DiskProfile.measured_bytes`,
-  kept in the hardware profile); a plan that keeps more on the disk says so and how to measure its own volume
-  (`tightfit probe --nvme DIR --disk-volume SIZE`).
+  What the cache holds depends on the volume: the same disk moved 18 GiB at 3.0 GB/s and 48 GiB at 1.1 GB/s.
+  So rates hold for swap files up to the volume they were measured over (`DiskProfile.measured_bytes`). The
+  hardware profile keeps the rates of each volume measured (`tightfit probe --nvme DIR --disk-volume SIZE`); a
+  plan takes those of the least volume that holds its swap, and warns when none does.
 - *the largest transfer* (`max_transfer_bytes`): what the block device under the folder takes in one request
   (`/sys/block/<dev>/queue/max_sectors_kb`), at most 4 MiB: a larger request would be split by the kernel, and
   a transfer that holds the disk longer delays the urgent reads queued behind it ([Note: transfer size] in
@@ -127,10 +127,9 @@ def measure_sustained(folder: str | Path, max_bytes: int, *, max_write_s: float 
     ([Note: sustained bandwidth]), and the bytes of the file they were measured over.
 
     Writes a fresh file of up to `max_bytes` twice over, in order, `SEGMENTS` segments per pass, until both passes
-    are written or `max_write_s` has passed (default: `write_limit_s(max_bytes)`);
-    the write rate is that of the second half of the segments written
-    (the first half fills whatever cache absorbs writes; the second pass rewrites in place, as the NVMe tier
-    does). Then reads the file back in order: the read rate. Then reads its first half while rewriting its second
+    are written or `max_write_s` has passed (default: `write_limit_s(max_bytes)`); the write rate is that of the
+    second half of the segments written (the first half fills whatever cache absorbs writes; the second pass
+    rewrites in place, as the NVMe tier does). Then reads the file back in order: the read rate. Then reads its first half while rewriting its second
     half, half the transfers in flight each way: bytes read + written per second, as a step moves them. O_DIRECT
     where the filesystem takes it (else buffered, synced and evicted before the read). Leaves nothing in
     `folder`."""
