@@ -207,7 +207,7 @@ def traffic(profile: ModelProfile, placement: Placement, shape: TrainShape) -> d
                 nbytes = state_bytes(u, s, placement, shape)
                 t["nvme_read_opt"] += nbytes
                 t["nvme_write_opt"] += nbytes
-        if up.params == Tier.NVME and u.trainable and not _optimizer_on_device(placement, u.name):
+        if up.params == Tier.NVME and u.trainable:
             if state_bytes(u, State.MASTER, placement, shape):  # a separate master, counted above
                 t["nvme_write_opt"] += u.trainable * shape.compute_bytes  # the compute copy's refreshed prefix
             else:  # fp32 params are their own master: the step reads and rewrites their trainable prefix

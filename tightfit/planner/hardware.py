@@ -146,7 +146,7 @@ class HardwareProfile:
                  + " (O_DIRECT); "
                  f"the NVMe tier uses {self.nvme_io_threads} I/O threads, transfers up to "
                  f"{self.nvme_chunk_bytes >> 10} KiB",
-                 *([f"  disk read / write / both at once by volume measured: " + ", ".join(
+                 *(["  disk read / write / both at once by volume measured: " + ", ".join(
                      f"{format_size(v)} {r / g:.2f} / {w / g:.2f} / {m / g:.2f} GB/s"
                      for v, (r, w, m) in sorted(self.nvme_volumes.items()))] if len(self.nvme_volumes) > 1 else []),
                  f"  AdamW: CPU {self.cpu_adam_rate / 1e6:.0f} M params/s, "

@@ -162,11 +162,8 @@ def _matmul(value, where: str) -> dict[int, float]:
                          'e.g. {"1024": 1.0e14, "4096": 1.5e14}')
     out = {}
     for k, v in value.items():
-        try:
-            size = int(k)
-        except (TypeError, ValueError):
-            size = 0
-        if size <= 0 or isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+        size = _positive_key(k)
+        if not size or not _is_number(v) or v <= 0:
             raise UsageError(f"{where}: field matmul_flops: entry {k!r} = {v!r}: expected a positive size "
                              "and a positive FLOP/s")
         out[size] = float(v)
@@ -180,17 +177,25 @@ def _volumes(value, where: str) -> dict[int, list[float]]:
                          'bytes/s, e.g. {"51539607552": [1.1e9, 1.08e9, 1.4e9]}')
     out = {}
     for k, v in value.items():
-        try:
-            volume = int(k)
-        except (TypeError, ValueError):
-            volume = 0
-        rates = v if isinstance(v, list) and len(v) == 3 else []
-        if volume <= 0 or not rates or any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in rates) \
-                or rates[0] <= 0 or rates[1] <= 0 or rates[2] < 0:
+        volume = _positive_key(k)
+        rates = v if isinstance(v, list) and len(v) == 3 and all(_is_number(x) for x in v) else None
+        if not volume or rates is None or rates[0] <= 0 or rates[1] <= 0 or rates[2] < 0:
             raise UsageError(f"{where}: field nvme_volumes: entry {k!r} = {v!r}: expected a positive byte count "
                              "and [read, write, both at once] bytes/s")
         out[volume] = [float(x) for x in rates]
     return out
+
+
+def _positive_key(key) -> int:
+    """A table's key read as a positive integer (0 when it is not one)."""
+    try:
+        return max(0, int(key))
+    except (TypeError, ValueError):
+        return 0
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def save_hardware(hw: HardwareProfile, path: str) -> Path:

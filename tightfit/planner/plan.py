@@ -13,12 +13,11 @@ from dataclasses import asdict, dataclass
 
 from tightfit.offload.placement import Placement, State
 from tightfit.planner.costs import Prediction, TrainShape, state_bytes
-from tightfit.planner.hardware import HardwareProfile
+from tightfit.planner.hardware import GiB, HardwareProfile
 from tightfit.planner.model_profile import ModelProfile
 from tightfit.utils.sizes import format_size
 
 TIERS = ("device", "host", "nvme")
-GiB = 1 << 30
 
 
 @dataclass

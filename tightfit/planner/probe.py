@@ -192,14 +192,13 @@ def run_probe(folder: str | None = None, save: bool = True, sustained: bool = Tr
         gpu_total=gpu_total, gpu_free=gpu_total, host_total=0, host_available=0, nvme_free=0,
         nvme_read_bw=disk.read_Bps, nvme_write_bw=disk.write_Bps, nvme_mixed_bw=disk.mixed_Bps,
         nvme_device=disk.device, nvme_measured_bytes=disk.measured_bytes,
+        nvme_volumes=_disk_volumes(disk) if folder else {},
         nvme_io_threads=disk.threads, nvme_chunk_bytes=disk.chunk_bytes, h2d_bw=h2d, d2h_bw=d2h,
         mem_bw=measure_mem_bw(device),
         cpu_adam_rate=cpu_adam, device_adam_rate=measure_adam("cuda") if cuda else cpu_adam,
         matmul_flops=measure_matmul(device, dtype), op_overhead_s=measure_op_overhead(device),
         runtime_rss=measure_runtime_rss(), threads=torch.get_num_threads(), measured_at=time.time(),
         probe_version=PROBE_VERSION)
-    if folder:
-        hw = replace(hw, nvme_volumes=_disk_volumes(disk))
     hw = current(hw, folder)
     if save:
         save_cached(hw)
