@@ -56,7 +56,7 @@ def run_case(size: str, setting: str, steps: int, nvme_dir: str) -> dict:
     from tightfit.offload.placement import Tier
     from tightfit.optim import AdamW
     from tightfit.planner import make_plan
-    from tightfit.planner.costs import act_bytes, engine_device_bytes
+    from tightfit.planner.costs import act_bytes
     from tightfit.planner.probe import load_or_probe, refresh_speeds
 
     n_layer, n_embd, n_head = SIZES[size]
@@ -115,7 +115,7 @@ def run_case(size: str, setting: str, steps: int, nvme_dir: str) -> dict:
                 "host_peak": rep["host"]["tier"] + rep["host"]["staging_peak"],
                 "nvme_peak": rep["nvme"]["bytes"], "rss_peak": peak[0], "step_s": sorted(times)[len(times) // 2]}
     pr = plan.prediction
-    predicted = {"device_engine_peak": engine_device_bytes(pr.breakdown), "host_peak": pr.peak["host"],
+    predicted = {"device_engine_peak": pr.engine_device, "host_peak": pr.peak["host"],
                  "nvme_peak": pr.peak["nvme"], "rss_peak": pr.rss(False), "step_s": pr.step_s}
     budget = {"device": plan.budgets["device"], "host": plan.budgets["host"], "nvme": plan.budgets["nvme"]}
     return {"size": size, "setting": setting, "params": meta.num_params(), "predicted": predicted,

@@ -33,6 +33,28 @@ def test_everything_on_the_device():
     assert mm.process_bytes(sm, cuda=True, floor=10_000) == 10_000
 
 
+def test_the_root_s_last_gradient_and_the_activations_peak_are_two_moments():
+    """The root ships its gradients when its last one arrived (a language model's embedding, at backward's end,
+    when the activations are freed): its earlier ones (the head's) sit beside the activations' peak, all of them
+    beside what is still live at the end. The engine's own count is the second moment's."""
+    p = Placement.everywhere(Tier.DEVICE, prefetch_depth=1)
+    states, blocks = 16 * ALL, 2 * 4 * BLOCK
+    act = mm.Activations(saved=500, peak=5000, root_grads_early=4 * 300, at_root_end=40)
+    sm = mm.step_memory(UNITS, p, 4, cuda=False, act=act)
+    assert sm.phases["backward"]["device"] == {"states": states, "window": 0,
+                                               "grads in flight": 4 * 300 + blocks, "activations": 5000}
+    assert sm.phases["backward end"]["device"] == {"states": states, "window": 0,
+                                                   "grads in flight": 4 * ROOT + blocks, "activations": 40}
+    assert sm.peak("device") == states + 4 * 300 + blocks + 5000  # not + 4 * ROOT: the two do not coincide
+    assert sm.engine_device() == states + 4 * ROOT + blocks
+    # Small activations: the end of backward is the peak.
+    small = mm.step_memory(UNITS, p, 4, cuda=False, act=mm.Activations(500, 600, 4 * 300, 40))
+    assert small.peak("device") == states + 4 * ROOT + blocks + 40
+    # Unknown (a formula profile, an older plan file): both moments stack everything, as before the trace said.
+    unknown = mm.step_memory(UNITS, p, 4, cuda=False, act=mm.Activations(saved=500, peak=5000))
+    assert unknown.peak("device") == states + 4 * ROOT + blocks + 5000
+
+
 def test_streamed_params_on_host_optimizer_on_nvme():
     up = UnitPlacement(params=Tier.HOST, master=Tier.NVME, grads=Tier.NVME, optim=Tier.NVME)
     p = Placement(default=up, prefetch_depth=1)

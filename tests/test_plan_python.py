@@ -86,6 +86,9 @@ def test_wrap_applies_a_plan_that_tiles():
     from tightfit.tiling import TiledLinear
 
     assert any(isinstance(mod, TiledLinear) for mod in m.modules())
+    # The host budget is the plan's host tier, exactly: the planner's tiles are the engine's, padding included.
+    eng = engine_of(m)
+    assert sum(u.numel for u in plan.profile.units) == sum(u.spec.numel for u in eng.units.values())
     got = _losses(m, AdamW(m.parameters(), lr=1e-2, weight_decay=0.1), b=1, seq=16)
     # Tiles sum partial products over input splits: the same math in another order, so 1e-6 rather than bitwise
     # for the first loss; Adam's normalised update then carries gradient rounding into the weights (1e-5 after).

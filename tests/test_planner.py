@@ -12,7 +12,7 @@ from tightfit.errors import UsageError
 from tightfit.models.gpt import GPT, GPTConfig
 from tightfit.offload.placement import State, Tier
 from tightfit.planner import HardwareProfile, Plan, make_plan
-from tightfit.planner.costs import act_bytes, engine_device_bytes
+from tightfit.planner.costs import act_bytes
 from tightfit.planner.hardware import GiB
 from tightfit.planner.model_profile import profile_model
 from tightfit.planner.search import violations
@@ -56,6 +56,20 @@ def test_profile_counts_units_params_and_activations():
     tokens = 8 * 128
     assert 5.5 * blk.numel * tokens < blk.fwd.flops + blk.bwd.flops < 8 * blk.numel * tokens
     assert prof.act_peak >= sum(u.act_saved for u in prof.units)
+
+
+def test_profile_keeps_parameter_gradients_apart_and_says_when_the_root_s_arrive():
+    """The engine counts `param.grad`s as gradients in flight, so the trace does not count them as activations; it
+    says which of the root's come before its last one (the head's, with the activations' peak) and what is still
+    live when the last arrives (an embedding's, at backward's end)."""
+    V, C, T = 8192, 256, 8  # a large head over few tokens: its gradient (8 MiB) outweighs the activations
+    model = meta_gpt(vocab=V)
+    prof = profile_model(model, 1, T)
+    head, ln_f, tok, pos = V * C * 4, 2 * C * 4, V * C * 4, model.config.block_size * C * 4
+    assert prof.act_peak < head
+    # The head and the final norm come first; one of the two embeddings is last, the other comes before it.
+    assert prof.root_grads_early in (head + ln_f + pos, head + ln_f + tok)
+    assert prof.act_at_root_end < T * C * 4  # the activations are freed by then
 
 
 def test_activations_scale_with_micro_batch_and_checkpointing_reduces_them():
@@ -210,7 +224,7 @@ def test_plan_json_round_trip_and_text(tmp_path):
         assert word in text
     assert len(plan.summary().splitlines()) <= 5
     cmp = plan.compare({"device_peak": plan.prediction.peak["device"], "step_s": plan.prediction.step_s * 2,
-                        "device_engine_peak": engine_device_bytes(plan.prediction.breakdown)})
+                        "device_engine_peak": plan.prediction.engine_device})
     assert "(+0%)" in cmp and "(-50%)" in cmp
 
 

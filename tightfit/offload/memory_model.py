@@ -17,8 +17,14 @@ shipped) and bounds its host buffer pool; the model follows the same three thing
 - forward: the root unit (materialised from forward start to its gradients) + the running block + `depth`
   prefetched ones; at its end the first `depth` units of backward stay materialised (the reuse distance).
 - backward: the root + the running block + `depth` prefetched + the previous block (released once its gradients
-  are shipped, which is after the running block has started: two units overlap), with the `param.grad`s of the
-  root and of those two blocks. This is the device peak.
+  are shipped, which is after the running block has started: two units overlap), with the `param.grad`s of those
+  two blocks and of the root. The root ships its gradients when the last of them arrived, so they pile up over
+  backward; two moments bound the device:
+  - "backward": the activations at their peak (backward's start, or a checkpointed block's recomputation), with the
+    root's gradients that come before its last one (a language model's head and final norm);
+  - "backward end": all the root's gradients (its embedding's arrives last), with the activations still live then
+    (few). The engine's own count peaks here; without the trace's figures both moments take the activations' peak
+    and all the root's gradients (the safe side).
 - step: device-tier states only; the optimizer's buffers come from the pool.
 Streamed blocks are those whose params are not on the device tier; fewer than `depth + 2` of them take fewer slots.
 The smallest budget the schedule can live with is the backward phase at depth 0 (prefetches are optional: the
@@ -47,7 +53,7 @@ from dataclasses import dataclass
 
 from tightfit.offload.placement import ROOT_UNIT, Placement, State, Tier, UnitPlacement
 
-PHASES = ("forward", "backward", "step")
+PHASES = ("forward", "backward", "backward end", "step")
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,11 @@ class Activations:
     peak: int = 0
     """The most live at once, in backward: saved + one checkpointed unit's recomputation + gradients of
     activations and the running op's temporaries."""
+    root_grads_early: int | None = None
+    """Bytes of the root's `param.grad`s that arrive before its last one, in flight at `peak` ("backward" in
+    [Note: phases]); None: all of them."""
+    at_root_end: int | None = None
+    """Activation bytes live once all the root's `param.grad`s are ("backward end"); None: `peak`."""
 
 
 # ---- per unit ([Note: bytes per state]) --------------------------------------------------------------------------
@@ -144,11 +155,11 @@ def device_parts(units: list[UnitSize], p: Placement, c: int, phase: str = "back
     streamed = [u for u in blocks if p.of(u.name).params != Tier.DEVICE]
     block = max((params_bytes(u, c) for u in streamed), default=0)
     root = sum(params_bytes(u, c) for u in roots if p.of(u.name).params != Tier.DEVICE)
-    slots = {"forward": depth + 1, "backward": depth + 2, "step": 0}[phase]
+    slots = {"forward": depth + 1, "backward": depth + 2, "backward end": depth + 2, "step": 0}[phase]
     parts = {"states": tier_states(units, p, c)[Tier.DEVICE],
              "window": (root + min(slots, len(streamed)) * block) if phase != "step" else 0,
              "grads in flight": 0}
-    if phase == "backward":
+    if phase.startswith("backward"):
         with_grads = [autograd_grad_bytes(u, c) for u in blocks if u.trainable]
         parts["grads in flight"] = (sum(autograd_grad_bytes(u, c) for u in roots)
                                     + min(2, len(with_grads)) * max(with_grads, default=0))
@@ -225,9 +236,14 @@ def step_memory(units: list[UnitSize], p: Placement, c: int, cuda: bool, act: Ac
     states = tier_states(units, p, c)
     pool = pool_bytes(units, p, c, cuda) if pool is None else pool
     out: dict[str, dict[str, dict[str, int]]] = {}
+    root_grads = sum(autograd_grad_bytes(u, c) for u in units if u.is_root)
+    early = root_grads if act.root_grads_early is None else min(root_grads, act.root_grads_early)
     for phase in PHASES:
         dev = device_parts(units, p, c, phase)
-        dev["activations"] = {"forward": act.saved, "backward": act.peak, "step": 0}[phase]
+        if phase == "backward":  # the root's last gradient is not there yet
+            dev["grads in flight"] -= root_grads - early
+        late = act.peak if act.at_root_end is None else min(act.peak, act.at_root_end)
+        dev["activations"] = {"forward": act.saved, "backward": act.peak, "backward end": late, "step": 0}[phase]
         out[phase] = {"device": dev, "host": {"states": states[Tier.HOST], "buffers": pool},
                       "nvme": {"states": states[Tier.NVME]}}
     return StepMemory(out)

@@ -99,8 +99,9 @@ class UnitSpec:
         return self.name == ROOT_UNIT
 
 
-def _round_up(n: int, k: int = ALIGN) -> int:
-    return (n + k - 1) // k * k
+def padded(n: int) -> int:
+    """Elements `n` take in a flat buffer: every parameter starts, and every buffer ends, on `ALIGN`."""
+    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 def is_repeated_block(path: str, module: nn.Module, parent: nn.Module | None) -> bool:
@@ -215,13 +216,13 @@ def find_units(model: nn.Module, policy: UnitPolicy = None, *, min_bytes: int | 
                   [m for m in members[unit_name] if not m[1].requires_grad]
         offset = 0
         for name, p in ordered:
-            offset = _round_up(offset)
+            offset = padded(offset)
             spec.slots.append(Slot(name, p, offset, p.shape, p.requires_grad))
             offset += p.numel()
             if p.requires_grad:
                 spec.train_numel = offset
-        spec.numel = _round_up(offset)
-        spec.train_numel = _round_up(spec.train_numel) if spec.train_numel else 0
+        spec.numel = padded(offset)
+        spec.train_numel = padded(spec.train_numel) if spec.train_numel else 0
     # A unit with no parameters (e.g. a parameter-free block) is dropped; the root unit always stays.
     return [s for s in specs.values() if s.slots or s.is_root]
 

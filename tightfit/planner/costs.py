@@ -73,10 +73,9 @@ class Prediction:
     """Bytes per step: "h2d", "d2h", "nvme_read", "nvme_write"."""
     tokens_per_s: float = 0.0
 
-    @property
-    def engine_device(self) -> int:
-        """What the engine itself meters on the device at its peak (everything but activations)."""
-        return engine_device_bytes(self.breakdown)
+    engine_device: int = 0
+    """What the engine itself meters on the device at its peak (everything but activations): its count in
+    "backward end", where all the root's gradients are in flight, which need not be the device's peak phase."""
 
     def rss(self, cuda: bool) -> int:
         """Predicted peak RSS of the training process ([Note: process RSS]): floor + host tier and pool (+ the
@@ -106,7 +105,8 @@ def activations(profile: ModelProfile, checkpointed: set[str]) -> mm.Activations
     ck = [u for u in profile.units if u.name in checkpointed and u.checkpointable]
     saved = sum(u.act_saved for u in profile.units if u not in ck) + sum(u.act_input for u in ck)
     recompute = max((u.act_recompute or u.act_saved for u in ck), default=0)
-    return mm.Activations(saved=saved, peak=saved + recompute + profile.act_transient)
+    return mm.Activations(saved=saved, peak=saved + recompute + profile.act_transient,
+                          root_grads_early=profile.root_grads_early, at_root_end=profile.act_at_root_end)
 
 
 def stream_unit_bytes(profile: ModelProfile, placement: Placement, shape: TrainShape) -> int:
@@ -137,23 +137,20 @@ def step_memory(profile: ModelProfile, placement: Placement, hw: HardwareProfile
     if placement.host_budget is not None:
         room = placement.host_budget - mm.tier_states(units, placement, c)[Tier.HOST]
         if shares_ram(placement, hw):
-            room -= sum(mm.device_parts(units, placement, c, "backward").values()) + act.peak
+            room -= mm.step_memory(units, placement, c, hw.cuda, act, pool=0).peak("device")
     pool = mm.pool_bytes(units, placement, c, hw.cuda, room)
     return mm.step_memory(units, placement, c, hw.cuda, act, pool)
 
 
-def memory(profile: ModelProfile, placement: Placement, hw: HardwareProfile,
-           shape: TrainShape) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
-    """Peak bytes per tier and their components in the phase of each peak ([Note: memory])."""
+def memory(profile: ModelProfile, placement: Placement, hw: HardwareProfile, shape: TrainShape,
+           pred: Prediction) -> Prediction:
+    """Fill `pred`'s memory figures: peak bytes per tier, their components in the phase of each peak, and the
+    engine's own device count at its peak ([Note: memory])."""
     sm = step_memory(profile, placement, hw, shape)
-    return {t.value: sm.peak(t.value) for t in Tier}, {t.value: sm.peak_parts(t.value) for t in Tier}
-
-
-def engine_device_bytes(breakdown: dict[str, dict[str, int]]) -> int:
-    """What the engine itself counts against the device budget: device-tier states + materialised units +
-    autograd gradients not yet shipped (everything but activations)."""
-    d = breakdown.get("device", {})
-    return d.get("states", 0) + d.get("window", 0) + d.get("grads in flight", 0)
+    pred.peak = {t.value: sm.peak(t.value) for t in Tier}
+    pred.breakdown = {t.value: sm.peak_parts(t.value) for t in Tier}
+    pred.engine_device = sm.engine_device()
+    return pred
 
 
 def engine_budgets(placement: Placement, pred: Prediction) -> Placement:
@@ -286,8 +283,7 @@ def step_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, 
 
 def predict(profile: ModelProfile, placement: Placement, hw: HardwareProfile, shape: TrainShape) -> Prediction:
     """Memory and time of `placement`."""
-    pred = Prediction(runtime_rss=hw.runtime_rss)
-    pred.peak, pred.breakdown = memory(profile, placement, hw, shape)
+    pred = memory(profile, placement, hw, shape, Prediction(runtime_rss=hw.runtime_rss))
     step_time(profile, placement, hw, shape, pred)
     return pred
 

@@ -5,7 +5,10 @@ may be 100x the machine). A forward + backward of one micro-batch at the configu
 (shapes and dtypes only, no data, no compute) under a dispatch mode that sees every aten op. From that one pass we
 get, exactly for this model and this micro-batch x seq_len:
 - the bytes autograd saves for backward, per unit (through saved-tensor hooks, deduplicated by storage);
-- the peak of live activation bytes over the step (tracking every op output until its last reference dies);
+- the peak of live activation bytes over the step (tracking every op output until its last reference dies;
+  parameter gradients are not activations: the engine counts them as gradients in flight), and how the root
+  unit's gradients overlap it (a language model's head gradient arrives at backward's start, with the activations
+  at their peak; its embedding gradient at backward's end, when most are freed);
 - the work per unit: matmul / attention FLOPs bucketed by problem size, memory traffic of everything else, and
   the op count (per-op dispatch overhead matters for small models on CPU).
 Hardware enters only later (`costs.py`), so one profile serves every what-if.
@@ -117,11 +120,20 @@ class ModelProfile:
     seq_len: int
     """Tokens per sequence the profile was traced at."""
     act_peak: int
-    """Peak live activation bytes over forward + backward without checkpointing (saved + transient)."""
+    """Peak live activation bytes over forward + backward without checkpointing (saved + transient); parameter
+    gradients are not counted (the memory model counts them as gradients in flight)."""
     measured: bool = True
     """False when the trace failed and activations/work come from a formula (see `reasons`)."""
     note: str = ""
     """Why the trace fell back, when it did."""
+    root_grads_early: int | None = None
+    """Bytes of the root unit's gradients (compute dtype) that backward produces before the last of them (a
+    language model's head and final norm; its embedding's comes last): those in flight while the activations peak,
+    at backward's start or in a checkpointed block's recomputation. None when unknown (a formula profile, a plan
+    file written before it was traced): all of the root's gradients."""
+    act_at_root_end: int | None = None
+    """Activation bytes live from the root's last gradient (a language model's embedding) to backward's end, when
+    all the root's gradients are in flight. None when unknown: `act_peak`."""
 
     @property
     def act_transient(self) -> int:
@@ -173,7 +185,9 @@ class ModelProfile:
         units = [replace(u, act_saved=int(u.act_saved * f), act_input=int(u.act_input * f),
                          act_recompute=int(u.act_recompute * f), fwd=scaled(u.fwd), bwd=scaled(u.bwd))
                  for u in self.units]
-        return replace(self, units=units, micro_batch=micro_batch, act_peak=int(self.act_peak * f))
+        end = None if self.act_at_root_end is None else int(self.act_at_root_end * f)
+        return replace(self, units=units, micro_batch=micro_batch, act_peak=int(self.act_peak * f),
+                       act_at_root_end=end)
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelProfile":
@@ -282,11 +296,13 @@ def _storage_key(t: torch.Tensor) -> int:
 
 
 class _Tracer(TorchDispatchMode):
-    """Counts work per phase/unit and tracks live activation bytes over one meta step.
+    """Counts work per phase/unit and logs the life of every activation storage over one meta step.
 
     Liveness: every op output's storage is counted from creation until the last Python tensor object viewing it is
     collected (weakref finalizers). Autograd's saved tensors stay referenced because the saved-tensor hook returns
-    them as Python objects, so they count while saved, as on a real device.
+    them as Python objects, so they count while saved, as on a real device. Which storages were parameter
+    gradients is known only once autograd accumulates them, so the peaks are computed afterwards, by replaying the
+    log (`peaks`).
     """
 
     def __init__(self) -> None:
@@ -294,9 +310,9 @@ class _Tracer(TorchDispatchMode):
         self.unit = ROOT_UNIT
         self.phase = "fwd"
         self.work: dict[tuple[str, str], Work] = {}
-        self.live: dict[int, list[int]] = {}  # storage key -> [nbytes, live tensor objects]
-        self.live_bytes = 0
-        self.peak = 0
+        self.live: dict[int, list[int]] = {}  # storage key -> [nbytes, live tensor objects, allocation id]
+        self.log: list[tuple[int, int]] = []  # (allocation id, +bytes or -bytes); _ROOT_GRAD: a root gradient arrived
+        self.grad_ids: set[int] = set()  # allocations that became parameter gradients
         self.ignore: set[int] = set()  # storages of parameters (not activations)
 
     def _track(self, t: torch.Tensor) -> None:
@@ -306,9 +322,8 @@ class _Tracer(TorchDispatchMode):
         entry = self.live.get(key)
         if entry is None:
             nbytes = t.untyped_storage().nbytes()
-            entry = self.live[key] = [nbytes, 0]
-            self.live_bytes += nbytes
-            self.peak = max(self.peak, self.live_bytes)
+            entry = self.live[key] = [nbytes, 0, len(self.log)]
+            self.log.append((entry[2], nbytes))
         entry[1] += 1
         weakref.finalize(t, self._release, key)
 
@@ -318,8 +333,32 @@ class _Tracer(TorchDispatchMode):
             return
         entry[1] -= 1
         if entry[1] == 0:
-            self.live_bytes -= entry[0]
+            self.log.append((entry[2], -entry[0]))
             del self.live[key]
+
+    def grad_arrived(self, grad: torch.Tensor, root_bytes: int) -> None:
+        """Autograd accumulated `grad` into a parameter; `root_bytes`: what the root unit's gradients in flight
+        grew by (its parameter's first gradient of the step; 0 for a block's, or a tied parameter's second)."""
+        entry = self.live.get(_storage_key(grad))
+        if entry is not None:
+            self.grad_ids.add(entry[2])
+        if root_bytes:
+            self.log.append((_ROOT_GRAD, root_bytes))
+
+    def peaks(self) -> tuple[int, int, int]:
+        """(activations' peak, bytes of the root's gradients that arrived before its last one, activations from
+        the last one on): the three figures `ModelProfile` keeps ([Note: phases] in memory_model.py)."""
+        arrivals = [i for i, (ident, _) in enumerate(self.log) if ident == _ROOT_GRAD]
+        last = arrivals[-1] if arrivals else len(self.log)
+        act = peak = after = 0
+        for i, (ident, n) in enumerate(self.log):
+            if ident != _ROOT_GRAD and ident not in self.grad_ids:
+                act += n
+            peak = max(peak, act)
+            if i >= last:
+                after = max(after, act)
+        early = sum(self.log[i][1] for i in arrivals[:-1])
+        return peak, early, (after if arrivals else peak)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -356,6 +395,9 @@ class _Tracer(TorchDispatchMode):
         for o in outs:
             self._track(o)
         return out
+
+
+_ROOT_GRAD = -1
 
 
 def _flat(args, kwargs):
@@ -400,23 +442,37 @@ def profile_model(model: nn.Module, micro_batch: int, seq_len: int, compute_dtyp
     units = {n: UnitProfile(n, numel[n], trainable[n], (linears.get(n) or [None])[0], 0, 0,
                             checkpointable=n != ROOT_UNIT, linears=linears.get(n, [])) for n in order}
     try:
-        act_peak = _trace(model, unit_mods, units, micro_batch, seq_len, _DTYPES[compute_dtype], cuda)
+        act_peak, root_grads, act_end = _trace(model, unit_mods, units, micro_batch, seq_len, _DTYPES[compute_dtype],
+                                               cuda)
         measured, note = True, ""
     except Exception as e:  # a model the generic step cannot drive: fall back to a formula, and say so
-        act_peak = _formula(units, micro_batch, seq_len, DTYPE_BYTES[compute_dtype])
+        act_peak, root_grads, act_end = _formula(units, micro_batch, seq_len, DTYPE_BYTES[compute_dtype]), None, None
         measured, note = False, f"meta trace failed ({type(e).__name__}: {e}); activations and work estimated"
-    return ModelProfile(list(units.values()), compute_dtype, micro_batch, seq_len, act_peak, measured, note)
+    return ModelProfile(list(units.values()), compute_dtype, micro_batch, seq_len, act_peak, measured, note,
+                        root_grads, act_end)
 
 
-def _trace(model, unit_mods, units, micro_batch, seq_len, dtype, cuda) -> int:
+def _trace(model, unit_mods, units, micro_batch, seq_len, dtype, cuda) -> tuple[int, int, int]:
+    """Trace one micro-step; returns `_Tracer.peaks()` and fills each unit's saved bytes and work."""
     tracer = _Tracer()
     params = {n: torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype, device="meta")
               .requires_grad_(p.requires_grad) for n, p in model.named_parameters()}
     buffers = {n: torch.empty(b.shape, dtype=b.dtype, device="meta") for n, b in model.named_buffers()}
     tracer.ignore = {_storage_key(t) for t in [*params.values(), *buffers.values()]}
-    for p in params.values():
-        if p.requires_grad:  # the engine moves each gradient off the device as soon as it is produced
-            p.register_post_accumulate_grad_hook(lambda t: setattr(t, "grad", None))
+    root_seen: set[str] = set()
+    for name, p in params.items():
+        if not p.requires_grad:
+            continue
+
+        def arrived(t, name=name, root=_unit_of_param(name, list(unit_mods)) == ROOT_UNIT):
+            # The engine keeps a root gradient until the root's last one arrived, a block's until its backward is
+            # done (the memory model's gradients in flight); the trace drops it here.
+            first = root and name not in root_seen
+            root_seen.add(name)
+            tracer.grad_arrived(t.grad, t.numel() * t.element_size() if first else 0)
+            t.grad = None
+
+        p.register_post_accumulate_grad_hook(arrived)
 
     saved: dict[str, dict[int, int]] = {n: {} for n in units}
 
@@ -454,7 +510,7 @@ def _trace(model, unit_mods, units, micro_batch, seq_len, dtype, cuda) -> int:
     total_fwd = sum(u.fwd.flops for u in units.values()) or 1.0
     for u in units.values():
         u.bwd = bwd.scaled(u.fwd.flops / total_fwd)
-    return tracer.peak
+    return tracer.peaks()
 
 
 def _formula(units: dict[str, UnitProfile], micro_batch: int, seq_len: int, nbytes: int) -> int:

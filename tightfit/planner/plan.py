@@ -57,7 +57,11 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
-        return cls(Placement.from_dict(d["placement"]), Prediction(**d["prediction"]), d["budgets"],
+        pred = dict(d["prediction"])
+        if "engine_device" not in pred:  # written before the field: the device breakdown was the engine's count
+            device = pred.get("breakdown", {}).get("device", {})
+            pred["engine_device"] = sum(v for k, v in device.items() if k != "activations")
+        return cls(Placement.from_dict(d["placement"]), Prediction(**pred), d["budgets"],
                    d["budget_sources"], d["reasons"], d["mode"], TrainShape(**d["shape"]),
                    ModelProfile.from_dict(d["profile"]), HardwareProfile.from_dict(d["hardware"]),
                    d.get("shared_pool", False))

@@ -19,11 +19,11 @@ When nothing fits, `Infeasible` carries the smallest change that does, with numb
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 
 from tightfit.errors import UsageError
 from tightfit.offload.placement import ROOT_UNIT, Placement, State, Tier
+from tightfit.offload.units import padded
 from tightfit.planner.costs import (Prediction, TrainShape, act_bytes, engine_budgets, memory, predict,
                                    units_per_window)
 from tightfit.planner.hardware import GiB, HardwareProfile
@@ -409,9 +409,7 @@ def _demote(p, items, groups, profile, hw, b, shape) -> Placement:
 
 
 def predict_mem(profile, p, hw, shape) -> Prediction:
-    pred = Prediction()
-    pred.peak, pred.breakdown = memory(profile, p, hw, shape)
-    return pred
+    return memory(profile, p, hw, shape, Prediction())
 
 
 MAX_TILES = 256
@@ -427,6 +425,7 @@ def _tile(profile: ModelProfile, shape: TrainShape, room: int, reasons: list[str
         # which made the search for a refusal's figure, [Note: true figures] in suggest.py, run for minutes).
         return profile, {}
     from tightfit.tiling import plan_tiles
+    from tightfit.tiling.linear import split_sizes
 
     # Three tiles resident (previous, running, prefetched), two with their gradients; plan_tiles' byte limit
     # covers one tile's parameters + gradient.
@@ -449,10 +448,13 @@ def _tile(profile: ModelProfile, shape: TrainShape, room: int, reasons: list[str
             if n == 1 and 2 * rest_numel * shape.compute_bytes <= max_tile:
                 break  # what is left of the unit fits as one piece
             tiled[path] = n
-            rest_numel -= in_f * out_f
-            per = math.ceil(in_f * out_f / n)
-            tiles += [UnitProfile(f"{path}.tiles.{i}", per, per, None, 0, 0, Work(), Work(), checkpointable=False)
-                      for i in range(n)]
+            # The engine's flat sizes, padding included. The profile does not say whether the Linear has a bias:
+            # counting one errs on the large side (a budget a little above what the engine holds, never below).
+            rows, cols = split_sizes(out_f, out_s), split_sizes(in_f, in_s)
+            rest_numel -= padded(in_f * out_f) + padded(out_f)
+            sizes = [padded(r * c) + (padded(r) if i == 0 else 0) for r in rows for i, c in enumerate(cols)]
+            tiles += [UnitProfile(f"{path}.tiles.{k}", numel, numel, None, 0, 0, Work(), Work(),
+                                  checkpointable=False) for k, numel in enumerate(sizes)]
             reasons.append(f"tiling {path} ({in_f}x{out_f}) into {n} tile(s): unit {u.name} "
                            f"({format_size(u.numel * shape.compute_bytes)}) does not fit the device window")
         trainable = max(0, u.trainable - (u.numel - rest_numel))
