@@ -73,6 +73,23 @@ def test_wrap_with_budgets_trains_like_plain_pytorch():
     assert got == ref  # fp32 on CPU, the same math: bitwise
 
 
+def test_wrap_s_compute_dtype_is_the_plan_s_precision():
+    """`compute_dtype` reaches the planned path: budgets plan in it, a plan made for another dtype is refused (it
+    was once dropped there without a word, and the model trained in fp32)."""
+    kw = dict(cpu_mem="2GiB", micro_batch=2, seq_len=32, hardware=CPU)
+    m = tightfit.wrap(gpt(), compute_dtype=torch.bfloat16, **kw)
+    assert engine_of(m).compute_dtype == torch.bfloat16
+    assert all(p.dtype == torch.bfloat16 for p in m.parameters())
+    fp32_plan = tightfit.plan(gpt(meta=True), **kw)
+    with pytest.raises(UsageError, match=r"^compute_dtype: the plan computes in fp32, not bf16; plan again"):
+        tightfit.wrap(gpt(), fp32_plan, compute_dtype=torch.bfloat16)
+    with pytest.raises(UsageError, match=r"^compute_dtype: bf16 disagrees with precision='fp32'"):
+        tightfit.wrap(gpt(), compute_dtype=torch.bfloat16, precision="fp32", **kw)
+    with pytest.raises(UsageError, match=r"^compute_dtype: torch.float64 is not one the planner computes in"):
+        tightfit.wrap(gpt(), compute_dtype=torch.float64, **kw)
+    assert engine_of(tightfit.wrap(gpt(), fp32_plan, compute_dtype=torch.float32)).compute_dtype == torch.float32
+
+
 def test_wrap_applies_a_plan_that_tiles():
     """A device budget below one block: the plan tiles its Linears, `wrap` tiles them too and trains the same."""
     build = lambda: gpt(n_layer=2, n_embd=512, seq=16)  # noqa: E731

@@ -25,12 +25,13 @@ from tightfit.offload.placement import Placement
 from tightfit.offload.units import UnitPolicy
 
 
-def wrap(model: nn.Module, placement: Placement | None = None, *, compute_dtype: torch.dtype = torch.float32,
+def wrap(model: nn.Module, placement: Placement | None = None, *, compute_dtype: torch.dtype | None = None,
          device: torch.device | str | None = None, units: UnitPolicy = None,
          disk: DiskTuning | None = None, **budgets) -> nn.Module:
     """Offload `model`'s training states as `placement` says; returns `model` itself.
 
-    compute_dtype: dtype of the parameters during forward/backward (fp32 master weights are kept regardless).
+    compute_dtype: dtype of the parameters during forward/backward (fp32 master weights are kept regardless);
+        default fp32, or the plan's when the planner decides (then this is its `precision`).
     device: where to compute (default: CUDA if available, else the CPU, with `placement.device_budget`).
     units: which modules are units: a list of module paths (fnmatch patterns allowed) or a callable
         `(path, module) -> bool`; default: the children of every ModuleList of same-class children.
@@ -44,7 +45,8 @@ def wrap(model: nn.Module, placement: Placement | None = None, *, compute_dtype:
     if not isinstance(placement, Placement):
         from tightfit.planner.from_python import wrap as wrap_planned
 
-        return wrap_planned(model, placement, device=device, disk=disk, units=units, **budgets)
+        return wrap_planned(model, placement, compute_dtype=compute_dtype, device=device, disk=disk, units=units,
+                            **budgets)
     if budgets:
         raise UsageError(f"wrap: {', '.join(budgets)}: budgets plan a placement; this one carries its own")
     if device is None:
@@ -59,6 +61,6 @@ def wrap(model: nn.Module, placement: Placement | None = None, *, compute_dtype:
         raise UsageError("wrap(device=...): cuda was asked for but torch sees no CUDA device; use device='cpu'")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    engine = OffloadEngine(model, placement, compute_dtype, device, units, disk=disk)
+    engine = OffloadEngine(model, placement, compute_dtype or torch.float32, device, units, disk=disk)
     attach(model, engine)  # state_dict / load_state_dict through the tiers, parameter reads (module_state.py)
     return model

@@ -104,6 +104,17 @@ def plan(model: nn.Module, *, gpu_mem: str | int | None = None, cpu_mem: str | i
     return make_plan(model, cfg, hw, names=PYTHON, what_if=what_if)
 
 
+def _precision_of(dtype: torch.dtype | None) -> str | None:
+    """`wrap`'s compute_dtype as a plan's precision ("fp32", "bf16", "fp16"); None when not given."""
+    if dtype is None:
+        return None
+    names = {v: k for k, v in _DTYPES.items()}
+    if dtype not in names:
+        raise UsageError(f"compute_dtype: {dtype} is not one the planner computes in; use torch.float32, "
+                         "torch.bfloat16 or torch.float16")
+    return names[dtype]
+
+
 def tile_as_planned(model: nn.Module, plan: Plan):
     """Replace the Linears `plan` tiles, in place; (the placement for the model's units, the unit list to wrap
     with: None for the engine's default units, each tile its own unit when the plan tiles)."""
@@ -136,10 +147,12 @@ def apply_plan(model: nn.Module, plan: Plan, *, device: torch.device | str | Non
                           units=units, disk=disk)
 
 
-def wrap(model: nn.Module, plan_: Plan | None = None, *, device=None, disk=None, units=None, hardware=None,
-         **budgets) -> nn.Module:
+def wrap(model: nn.Module, plan_: Plan | None = None, *, compute_dtype: torch.dtype | None = None, device=None,
+         disk=None, units=None, hardware=None, **budgets) -> nn.Module:
     """`tightfit.wrap` without a `Placement`: apply `plan_`, or plan from `budgets` (the keyword arguments of
-    `plan`) and apply that. Returns `model` itself."""
+    `plan`) and apply that. Returns `model` itself. `compute_dtype` is the plan's precision: planned with it, or
+    checked against the given plan's."""
+    precision = _precision_of(compute_dtype)
     if units is not None:
         raise UsageError("units: the plan chooses the units; to choose them yourself, write a Placement "
                          "(tightfit.units(model) lists the names) and call tightfit.wrap(model, placement, units=...)")
@@ -147,7 +160,15 @@ def wrap(model: nn.Module, plan_: Plan | None = None, *, device=None, disk=None,
         if budgets or hardware is not None:
             raise UsageError(f"wrap: give a plan or budgets, not both ({', '.join(sorted(budgets)) or 'hardware'} "
                              "with a plan)")
+        if precision is not None and precision != plan_.profile.compute_dtype:
+            raise UsageError(f"compute_dtype: the plan computes in {plan_.profile.compute_dtype}, not {precision}; "
+                             f"plan again with tightfit.plan(model, precision={precision!r}, ...)")
         return apply_plan(model, plan_, device=device, disk=disk)
+    if precision is not None:
+        if budgets.get("precision", "auto") not in ("auto", precision):
+            raise UsageError(f"compute_dtype: {precision} disagrees with precision={budgets['precision']!r}; give "
+                             "one of them")
+        budgets["precision"] = precision
     if not budgets:
         raise UsageError("wrap: give a Placement, a Plan, or budgets: tightfit.wrap(model, gpu_mem=..., "
                          "cpu_mem=..., nvme=..., micro_batch=..., seq_len=...)")
