@@ -128,8 +128,8 @@ class Plan:
                           if pr.peak.get(t, 0) or t != "nvme")
         lines = [f"plan ({self.mode}): {len(self.profile.units)} units x 4 states: {where}",
                  f"  predicted peak: {peaks}, process RSS {self._figure('rss_peak')}",
-                 f"  device: the engine's own {self._figure('device_engine_peak')} + activations "
-                 f"{format_size(pr.breakdown.get('device', {}).get('activations', 0))}",
+                 f"  device: the engine's own count at most {self._figure('device_engine_peak')}; activations "
+                 f"{format_size(pr.breakdown.get('device', {}).get('activations', 0))} at the device's peak",
                  f"  predicted step: {self._figure('step_s')} ({pr.tokens_per_s:,.0f} tokens/s), "
                  f"bottleneck: {pr.bottleneck}"]
         extras = []
