@@ -1,5 +1,5 @@
-"""--gpu-mem on CUDA: the plan leaves the caching allocator its share, and the run caps reserved bytes at the
-budget (issue 15, finding 8; [Note: reserved vs allocated] in planner/search.py). Planned on CPU for a GPU profile;
+"""--gpu-mem on CUDA: the plan leaves the caching allocator its share (and --cpu-mem on a CPU-only machine the
+heap its share), and the run caps reserved bytes at the budget (issue 15, finding 8; [Note: reserved vs allocated] in planner/search.py). Planned on CPU for a GPU profile;
 the cap is checked against recording stand-ins of torch.cuda's calls."""
 
 from __future__ import annotations
@@ -35,6 +35,18 @@ def test_gpu_mem_on_cuda_keeps_the_allocator_share():
     # Without a GPU the device budget is RAM: no allocator segments, nothing kept back.
     cpu = tightfit.plan(gpt(), gpu_mem="1GiB", cpu_mem="8GiB", micro_batch=2, seq_len=32, hardware=CPU)
     assert cpu.budgets["device"] == 1 * GiB
+
+
+def test_cpu_mem_on_a_cpu_only_machine_keeps_the_heap_s_share():
+    """The activations are the process's RAM there, and glibc's heap keeps part of what it frees: --cpu-mem X
+    plans the process within X less 1/16 of X (it planned to X exactly, and a 1.3 B run peaked 1% above it)."""
+    kw = dict(micro_batch=2, seq_len=32, hardware=CPU)
+    plan = tightfit.plan(gpt(), cpu_mem="1GiB", **kw)
+    assert plan.budgets["host"] == 1 * GiB - CPU.runtime_rss - 64 * MiB
+    assert plan.budget_sources["host"] == "cpu_mem less 64.0 MiB for the heap"
+    assert plan.prediction.rss(cuda=False) <= 1 * GiB - 64 * MiB
+    # With a GPU the activations are on it; --cpu-mem bounds the host tier and the pool, nothing kept back.
+    assert tightfit.plan(gpt(), cpu_mem="8GiB", **{**kw, "hardware": GPU}).budgets["host"] == 8 * GiB
 
 
 def test_cap_device_memory_caps_reserved_bytes_at_the_budget(monkeypatch):

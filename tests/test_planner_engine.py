@@ -51,8 +51,8 @@ def test_plan_runs_within_budgets(setting, tmp_path):
     elif setting == "host-limited":
         # blocks are ~50k params: 0.8 MiB of 16-byte state each (7 MiB in all); the host must hold one optimizer
         # working set (1 MiB). On a CPU-only machine --cpu-mem bounds the whole process: the runtime's 300 MiB,
-        # the 4 MiB device and 5 MiB for the host tier and the pool.
-        cfg = _cfg(gpu_mem="4MiB", cpu_mem="309MiB", nvme=f"{tmp_path}:1GiB")
+        # the 4 MiB device, 1/16 of it left to the heap (20.6 MiB) and 5 MiB for the host tier and the pool.
+        cfg = _cfg(gpu_mem="4MiB", cpu_mem="330MiB", nvme=f"{tmp_path}:1GiB")
     else:  # every state on NVMe with a roomy host pool (tests/test_offload_tight_host.py covers a tight one)
         cfg = _cfg(gpu_mem="4MiB", nvme=f"{tmp_path}:1GiB", offload="nvme")
     plan = make_plan(_meta(), cfg, CPU)

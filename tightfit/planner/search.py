@@ -80,15 +80,21 @@ def device_headroom(hw: HardwareProfile) -> int:
     return max(512 * 2**20, int(hw.gpu_total * 0.08))
 
 
-def allocator_share(gpu_mem: int) -> int:
-    """What of a --gpu-mem budget the plan leaves to the CUDA caching allocator: 1/16 of it.
+def allocator_share(budget: int) -> int:
+    """What of a --gpu-mem budget the plan leaves to the CUDA caching allocator (of a --cpu-mem budget on a
+    CPU-only machine, to the heap): 1/16 of it.
 
     [Note: reserved vs allocated] The plan and the engine count allocated bytes (tensors); the GPU's memory is
     held as reserved bytes (the caching allocator's segments: block rounding, and freed blocks too small or too
     split for the next request). `tightfit train --gpu-mem X` caps reserved bytes at X (train/memory.py,
     `cap_device_memory`), so a plan that allocated all of X would fail at its first fragmented segment; this share
-    keeps it clear. The CUDA context lies outside both counts."""
-    return gpu_mem // 16
+    keeps it clear. The CUDA context lies outside both counts.
+
+    The same holds for RAM on a CPU-only machine, where the activations are the process's: glibc's heap keeps
+    part of what it freed and fragments, and that is RSS the plan does not count (a 1.3 B Llama under `--cpu-mem
+    6GiB`: 0.19 GiB of RSS beyond the floor, the engine's meters and the traced activations at the RSS peak;
+    benchmarks/RESULTS.md, batch N). `--cpu-mem X` there leaves the heap the same share."""
+    return budget // 16
 
 
 def budgets_from(memory_cfg, hw: HardwareProfile, names: Naming = CLI) -> Budgets:
@@ -123,7 +129,9 @@ def derive_budgets(hw: HardwareProfile, names: Naming, gpu_mem: int | None, cpu_
     if cpu_mem is not None:
         host, src["host"] = cpu_mem, names.of("cpu_mem")
         if not hw.cuda:  # the device is this RAM: --cpu-mem bounds the whole process ([Note: process RSS], costs.py)
-            host = max(0, host - hw.runtime_rss - (device or 0))
+            share = allocator_share(cpu_mem)  # the heap's, [Note: reserved vs allocated]
+            host = max(0, host - hw.runtime_rss - (device or 0) - share)
+            src["host"] = f"{names.of('cpu_mem')} less {format_size(share)} for the heap"
     else:
         host = max(0, hw.host_available - hw.runtime_rss - host_headroom(hw))
         if not hw.cuda and device is not None:
