@@ -219,6 +219,12 @@ def test_plan_json_round_trip_and_text(tmp_path):
     again = Plan.from_json(plan.to_json())
     assert again.to_dict() == plan.to_dict()
     assert again.placement.to_dict() == plan.placement.to_dict()
+    # A plan file written before the engine's count was a field of its own: its device breakdown was that count.
+    old = plan.to_dict()
+    del old["prediction"]["engine_device"], old["profile"]["root_grads_early"], old["profile"]["act_at_root_end"]
+    old["prediction"]["breakdown"]["device"] = {"states": 5, "window": 7, "grads in flight": 11, "activations": 13}
+    loaded = Plan.from_dict(old)
+    assert loaded.prediction.engine_device == 5 + 7 + 11 and loaded.profile.root_grads_early is None
     text = plan.table()
     for word in ("device", "host", "nvme", "predicted peak", "bottleneck", "blocks.3", "compute"):
         assert word in text
