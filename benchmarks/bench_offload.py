@@ -26,7 +26,6 @@ import argparse
 import ctypes
 import gc
 import json
-import os
 import resource
 import shutil
 import statistics
@@ -322,7 +321,6 @@ def memory(args) -> dict:
                                            "read_share_s", "write_share_s")}
     kernel_busy = sum(b for b, _ in kernel)
     engine.close()
-    per_step = args.steps - 1
     raw_after = _raw_in_subprocess(folder / "raw", volume)
     raw = {k: (raw_before[k] + raw_after[k]) / 2 for k in ("read", "write")}
     train_read = d["bytes_read"] / d["read_share_s"]

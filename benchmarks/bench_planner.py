@@ -45,6 +45,7 @@ def budgets(setting: str, states: int, act: int, staging: int, nvme_dir: str, fl
 
 def run_case(size: str, setting: str, steps: int, nvme_dir: str) -> dict:
     import threading
+    from dataclasses import replace
 
     import psutil
     import torch
@@ -53,11 +54,11 @@ def run_case(size: str, setting: str, steps: int, nvme_dir: str) -> dict:
     from tightfit.config import Config
     from tightfit.models.gpt import GPT, GPTConfig
     from tightfit.offload.engine import engine_of
-    from tightfit.offload.placement import Tier
     from tightfit.optim import AdamW
     from tightfit.planner import make_plan
     from tightfit.planner.costs import act_bytes
     from tightfit.planner.probe import load_or_probe, refresh_speeds
+    from tightfit.train.memory import process_floor
 
     n_layer, n_embd, n_head = SIZES[size]
     gcfg = GPTConfig(n_layer=n_layer, n_embd=n_embd, n_head=n_head, block_size=SEQ_LEN)
@@ -68,6 +69,9 @@ def run_case(size: str, setting: str, steps: int, nvme_dir: str) -> dict:
     cfg.train.micro_batch, cfg.train.seq_len, cfg.train.device = MICRO_BATCH, SEQ_LEN, "cpu"
     with torch.device("meta"):
         meta = GPT(gcfg)
+    # The floor of this process, as `tightfit train` measures its own (train/memory.py): the probe's is a fresh
+    # process that has not re-measured the compute rates.
+    hw = replace(hw, runtime_rss=max(hw.runtime_rss, process_floor(meta)))
     probe = make_plan(meta, cfg, hw)  # all-in-memory plan: the model's own needs
     states = sum(probe.tier_bytes().values())
     act = act_bytes(probe.profile, set())
@@ -165,7 +169,7 @@ def main() -> None:
             rows.append(json.loads(line[7:]))
     keys = [("device_engine_peak", "device", 2**20), ("host_peak", "host", 2**20), ("nvme_peak", "nvme", 2**20),
             ("rss_peak", "RSS", 2**20), ("step_s", "step", 1e-3)]
-    head = f"| model | budgets | " + " | ".join(f"{n} pred/meas" for _, n, _ in keys) + " | within budget | bottleneck |"
+    head = "| model | budgets | " + " | ".join(f"{n} pred/meas" for _, n, _ in keys) + " | within budget | bottleneck |"
     print(head)
     print("|" + "---|" * (len(keys) + 4))
     worst_mem = worst_time = 0.0
