@@ -238,11 +238,11 @@ def step_memory(units: list[UnitSize], p: Placement, c: int, cuda: bool, act: Ac
     out: dict[str, dict[str, dict[str, int]]] = {}
     root_grads = sum(autograd_grad_bytes(u, c) for u in units if u.is_root)
     early = root_grads if act.root_grads_early is None else min(root_grads, act.root_grads_early)
+    late = act.peak if act.at_root_end is None else min(act.peak, act.at_root_end)
     for phase in PHASES:
         dev = device_parts(units, p, c, phase)
         if phase == "backward":  # the root's last gradient is not there yet
             dev["grads in flight"] -= root_grads - early
-        late = act.peak if act.at_root_end is None else min(act.peak, act.at_root_end)
         dev["activations"] = {"forward": act.saved, "backward": act.peak, "backward end": late, "step": 0}[phase]
         out[phase] = {"device": dev, "host": {"states": states[Tier.HOST], "buffers": pool},
                       "nvme": {"states": states[Tier.NVME]}}

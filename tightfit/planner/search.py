@@ -91,9 +91,8 @@ def allocator_share(budget: int) -> int:
     keeps it clear. The CUDA context lies outside both counts.
 
     The same holds for RAM on a CPU-only machine, where the activations are the process's: glibc's heap keeps
-    part of what it freed and fragments, and that is RSS the plan does not count (a 1.3 B Llama under `--cpu-mem
-    6GiB`: 0.19 GiB of RSS beyond the floor, the engine's meters and the traced activations at the RSS peak;
-    benchmarks/RESULTS.md, batch N). `--cpu-mem X` there leaves the heap the same share."""
+    part of what it freed and fragments, RSS the plan does not count (measured in benchmarks/RESULTS.md, batch N).
+    `--cpu-mem X` there leaves the heap the same share."""
     return budget // 16
 
 
