@@ -241,21 +241,20 @@ def test_checkpoint_disk_full_keeps_the_last_checkpoint(corpus, tmp_path, small_
     out = disk / "run"
     log = tmp_path / "run.log"
     argv = _argv(corpus, out, steps=100000)
-    # Something else fills the disk while the run trains. The filler is opened as the run starts, so only
-    # writing to it can meet a full disk (its open, made later, once failed with ENOSPC in a fresh-check).
+    # Something else fills the disk while the run trains. The filler is unbuffered: a buffered file keeps the
+    # bytes its failed flush could not write and raises ENOSPC again when it closes.
     filler = disk / "filler"
     with open(log, "w") as f:
         proc = subprocess.Popen(argv, env=_env(), cwd=ROOT, stdout=f, stderr=subprocess.PIPE, text=True)
     try:
-        with open(filler, "wb") as f:
-            t0 = time.time()
-            while not _reached(log, 3):
-                assert proc.poll() is None and time.time() - t0 < 180, log.read_text()[-2000:]
-                time.sleep(0.05)
+        t0 = time.time()
+        while not _reached(log, 3):
+            assert proc.poll() is None and time.time() - t0 < 180, log.read_text()[-2000:]
+            time.sleep(0.05)
+        with open(filler, "wb", buffering=0) as f:
             try:
                 while True:
                     f.write(b"\0" * (1 << 16))
-                    f.flush()
             except OSError:
                 pass
         _, stderr = proc.communicate(timeout=180)
