@@ -6,14 +6,17 @@ steps on its share of the same batches, and checks losses (relative difference <
 Rank 0 prints one line `CASE <name> OK max_loss_rel=... max_weight_diff=...` per case; a mismatch raises.
 
 Case syntax: strategy[:key=value,...] with keys tp, pp, sched, mb, offload, model (gpt|hf-gpt2|hf-llama),
-accum=N (gradient accumulation over N calls, pp == 1), and resume=1 (save the full state after 3 steps, rebuild
-everything from it and continue: must match too).
+accum=N (gradient accumulation over N calls, pp == 1), resume=1 (save the full state after 3 steps, rebuild
+everything from it and continue: must match too), and strided=refuse (DTensor refuses to redistribute a
+`_StridedShard` that alone shards its dim, as torch before 2.13 does: HF GPT-2's packed c_attn must train, save
+and resume without DTensor moving it).
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -104,11 +107,49 @@ def resume(pm, opt, kind, plan, mesh, env):
     return pm2, opt2
 
 
+@contextmanager
+def refusing_lone_strided_shards(on: bool):
+    """While on, DTensor's redistribution raises on a `_StridedShard` that no other placement shares its tensor
+    dim with, the ValueError torch 2.11 raises ("unable to be interpreted into a corresponding shard_order")."""
+    if not on:
+        yield
+        return
+    from torch.distributed.tensor import _api, _dispatch, _redistribute
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    def lone(placements) -> bool:
+        return any(isinstance(p, _StridedShard) and [getattr(q, "dim", None) for q in placements].count(p.dim) == 1
+                   for p in placements)
+
+    real = _redistribute.redistribute_local_tensor
+
+    def refusing(local, current_spec, target_spec, *args, **kwargs):
+        if current_spec.placements != target_spec.placements and \
+                (lone(current_spec.placements) or lone(target_spec.placements)):
+            raise ValueError(f"placements {current_spec.placements} -> {target_spec.placements}: unable to be "
+                             "interpreted into a corresponding shard_order (torch < 2.13, simulated)")
+        return real(local, current_spec, target_spec, *args, **kwargs)
+
+    modules = [m for m in (_redistribute, _dispatch, _api) if getattr(m, "redistribute_local_tensor", None) is real]
+    for m in modules:
+        m.redistribute_local_tensor = refusing
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.redistribute_local_tensor = real
+
+
 def run_case(spec: str, env, refs) -> str:
     strategy, _, opts = spec.partition(":")
     if "=" in strategy:  # "model=hf-llama" alone is not a strategy
         raise ValueError(f"case {spec!r}: write strategy:key=value")
     kv = dict(o.split("=") for o in opts.split(",") if o)
+    with refusing_lone_strided_shards(kv.get("strided") == "refuse"):
+        return _run_case(spec, strategy, kv, env, refs)
+
+
+def _run_case(spec: str, strategy: str, kv: dict, env, refs) -> str:
     kind = kv.get("model", "gpt")
     plan = parse_strategy(strategy, env.world_size, tp=int(kv.get("tp", 0)), pp=int(kv.get("pp", 0)),
                           pp_schedule=kv.get("sched", "1f1b"), pp_microbatches=int(kv.get("mb", 2)),

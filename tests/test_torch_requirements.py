@@ -43,3 +43,30 @@ def test_strided_shard_guard_only_when_a_packed_projection_is_split(monkeypatch)
     assert tensor_parallel.Conv1DColwise()._placement(1) == tensor_parallel.Shard(1)
     with pytest.raises(UsageError, match="_StridedShard"):
         tensor_parallel.Conv1DColwise(fused=3)._placement(1)
+
+
+def test_pipeline_schedule_gets_contiguous_micro_batches():
+    """torch 2.11's PipelineStage checks each micro-batch's strides against the contiguous shapes it inferred, and
+    a loop's inputs and targets are slices of one token tensor ([:, :-1], [:, 1:]): the schedule must get copies
+    that are contiguous (on 2.11 the pp cases of tests/test_parallel_equivalence.py failed with a stride mismatch,
+    (17, 1) against (16, 1))."""
+    from types import SimpleNamespace
+
+    from tightfit.parallel.parallelize import ParallelModel
+
+    seen = []
+
+    class Schedule:
+        def step(self, *args, target=None, losses=None):
+            seen.extend(t.is_contiguous() for t in (*args, target) if t is not None)
+            if losses is not None:
+                losses.append(torch.tensor(1.0))
+
+    tokens = torch.arange(4 * 17).view(4, 17)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    assert not x.is_contiguous() and not y.is_contiguous()
+    for rank, last in ((0, False), (1, True)):
+        model = type("Stage", (ParallelModel,), {"pp_rank": rank, "has_loss": last})(
+            module=torch.nn.Identity(), plan=SimpleNamespace(pp_microbatches=2), mesh=None, schedule=Schedule())
+        model.forward_backward(x, y)
+    assert seen == [True, True]

@@ -29,7 +29,7 @@ from tightfit.errors import UsageError
 from tightfit.parallel.data_parallel import apply_ddp, apply_zero, build_optimizer
 from tightfit.parallel.pipeline import apply_pp, build_stage_module, lm_loss
 from tightfit.parallel.plan import ParallelPlan
-from tightfit.parallel.tensor_parallel import apply_tp
+from tightfit.parallel.tensor_parallel import apply_tp, full_tensor
 
 
 def _logits(out) -> torch.Tensor:
@@ -91,10 +91,13 @@ class ParallelModel:
                              f"({x.shape[0]} sequences)")
         first, last = self.pp_rank == 0, self.has_loss
         losses: list[torch.Tensor] = []
+        # Contiguous: x and y are usually slices of one token tensor (inputs [:, :-1], targets [:, 1:]), and a
+        # stage checks each micro-batch's strides against the contiguous shapes it inferred (torch 2.11 does:
+        # a stride mismatch, (17, 1) against (16, 1)).
         if first:
-            self.schedule.step(x)
+            self.schedule.step(x.contiguous())
         elif last:
-            self.schedule.step(target=y, losses=losses)
+            self.schedule.step(target=y.contiguous(), losses=losses)
         else:
             self.schedule.step()
         if not last:
@@ -198,7 +201,7 @@ class ParallelModel:
         for name, p in self.module.named_parameters():
             t = p.detach()
             if isinstance(t, DTensor):
-                t = t.full_tensor()
+                t = full_tensor(t)
             out[_clean(name)] = t.cpu()
         return out
 

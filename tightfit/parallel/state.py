@@ -9,7 +9,7 @@ tool, and not wired yet.
 Where the moments of parameter `name` live, by optimizer:
 - AdamW over plain tensors (no dp, or pp stages): this rank's `opt.state[p]`, whole.
 - AdamW over DTensors (FSDP2 zero2/zero3, TP, `replicate`): `opt.state[p]` holds DTensors placed like `p`;
-  `full_tensor()` gathers them.
+  `tensor_parallel.full_tensor` gathers them.
 - ZeroRedundancyOptimizer (zero1): only the owning dp rank has them (in `opt.optim.state`); an
   `all_gather_object` over dp gives every dp rank the local moments, then as above.
 - `_LocalZero1` (zero1 with TP): the owning dp rank has the *local TP shard*; after the dp exchange,
@@ -24,6 +24,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tightfit.parallel.data_parallel import _LocalZero1
+from tightfit.parallel.tensor_parallel import full_tensor
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -68,17 +69,17 @@ def gather_full_state(pm, opt) -> dict[str, torch.Tensor] | None:
     full: dict[str, torch.Tensor] = {}
     for name, p in _named(pm):
         w = p.detach()
-        full[f"model.{name}"] = (w.full_tensor() if isinstance(w, DTensor) else w).cpu()
+        full[f"model.{name}"] = (full_tensor(w) if isinstance(w, DTensor) else w).cpu()
         m = moments.get(name)
         if m is None:
             continue
         for k in MOMENTS:
             v = m[k]
             if isinstance(v, DTensor):
-                v = v.full_tensor()
+                v = full_tensor(v)
             elif isinstance(p, DTensor):  # a local shard (zero1 with TP): rebuild the DTensor, then gather
-                v = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, shape=p.shape,
-                                       stride=p.stride()).full_tensor()
+                v = full_tensor(DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, shape=p.shape,
+                                                   stride=p.stride()))
             full[f"optim.{name}.{k}"] = v.detach().float().cpu()
         full[f"optim.{name}.step"] = m["step"].cpu()
     if pm.plan.dims.pp > 1:  # one gather over the pp group of (dp=0, tp=0), whose first member is global rank 0

@@ -20,7 +20,10 @@ width of the local shard. Plans exist for:
   dim 0 (row). A plain column split of the fused matrix would give rank 0 all of q and part of k, so `c_attn` is
   sharded with `_StridedShard(1, split_factor=3)`: each of q, k, v is split across ranks and rank r holds
   [q_r | k_r | v_r] — the layout the module's own `split(split_size)` expects once `split_size` is set to the
-  local width. `full_tensor()` (checkpoints) still returns the original [q | k | v] order.
+  local width. `full_tensor(t)` below (checkpoints) returns the original [q | k | v] order. Its forward multiplies
+  the local shards itself: DTensor's own ops on a `_StridedShard` weight need a redistribution in backward that
+  torch before 2.13 cannot plan (2.11: "unable to be interpreted into a corresponding shard_order"), and the
+  local product is all they would compute. The input's gradient is all-reduced over tp, as ColwiseParallel does.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from tightfit.errors import UsageError
@@ -69,14 +72,32 @@ class Conv1DColwise(ColwiseParallel):
         # Whatever placement propagation chose for the packed output, the local block is this rank's columns.
         return outputs.to_local() if isinstance(outputs, DTensor) else outputs
 
+    @staticmethod
+    def _replicated_local_input_fn(mod, inputs, device_mesh):
+        """The replicated input as a local tensor whose gradient (a partial sum per rank) is all-reduced over tp."""
+        x = inputs[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, device_mesh, (Replicate(),), run_check=False)
+        return (x.redistribute(placements=(Replicate(),)).to_local(grad_placements=(Partial(),)), *inputs[1:])
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not _is_conv1d(module):
             return super()._apply(module, device_mesh)
         from functools import partial
 
+        if self.fused > 1:
+            module.forward = partial(_local_conv1d_forward, module)
+            return distribute_module(module, device_mesh, self._partition_conv1d_fn,
+                                     self._replicated_local_input_fn)
         return distribute_module(module, device_mesh, self._partition_conv1d_fn,
                                  partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
                                  self._conv1d_output_fn)
+
+
+def _local_conv1d_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """HF Conv1D's forward on this rank's shards (x local and replicated; the output is this rank's columns)."""
+    weight, bias = module.weight.to_local(), module.bias.to_local()
+    return torch.addmm(bias, x.reshape(-1, x.size(-1)), weight).view(*x.shape[:-1], weight.shape[1])
 
 
 class Conv1DRowwise(RowwiseParallel):
@@ -97,6 +118,27 @@ class Conv1DRowwise(RowwiseParallel):
         return distribute_module(module, device_mesh, self._partition_conv1d_fn,
                                  partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
                                  partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+
+def full_tensor(t: DTensor) -> torch.Tensor:
+    """`t.full_tensor()`, also for a packed projection's `_StridedShard` (Conv1DColwise(fused=...)), which torch
+    before 2.13 cannot gather ("unable to be interpreted into a corresponding shard_order"). Such a placement is
+    the only one sharding its tensor dim (FSDP2's own `_StridedShard` always shares its dim with another): it is
+    gathered as a plain Shard, [n ranks, split_factor, width] along the dim, and put back in [split_factor, n,
+    width] order. Collective, like `full_tensor()`."""
+    placements = list(t.placements)
+    fused = [(m, p) for m, p in enumerate(placements) if _StridedShard is not None and isinstance(p, _StridedShard)
+             and not any(getattr(q, "dim", None) == p.dim for k, q in enumerate(placements) if k != m)]
+    if not fused:
+        return t.full_tensor()
+    for m, p in fused:
+        placements[m] = Shard(p.dim)
+    full = DTensor.from_local(t.to_local(), t.device_mesh, placements, run_check=False, shape=t.shape,
+                              stride=t.stride()).full_tensor()
+    for m, p in fused:
+        full = full.unflatten(p.dim, (t.device_mesh.size(m), p.split_factor, -1)).transpose(p.dim, p.dim + 1)
+        full = full.flatten(p.dim, p.dim + 2)
+    return full
 
 
 def _reference_gpt_plan(block: nn.Module) -> dict[str, ParallelStyle]:
