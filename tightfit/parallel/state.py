@@ -21,10 +21,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from tightfit.parallel.data_parallel import _LocalZero1
-from tightfit.parallel.tensor_parallel import full_tensor
+from tightfit.parallel.tensor_parallel import distribute_like, full_tensor
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -120,7 +120,7 @@ def load_moments(pm, opt, get) -> int:
             if isinstance(p, DTensor):
                 # Every rank holds the full value: slice locally (src_data_rank=None), no collective — ranks
                 # that own no ZeRO-1 state skip parameters, so a collective here would mismatch.
-                v = distribute_tensor(v, p.device_mesh, p.placements, src_data_rank=None)
+                v = distribute_like(v, p)
                 if alias:  # the ZeRO optimizer steps local shards
                     v = v.to_local()
             moments[k] = v

@@ -28,6 +28,8 @@ width of the local shard. Plans exist for:
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -120,25 +122,63 @@ class Conv1DRowwise(RowwiseParallel):
                                  partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
 
 
+def _packed(placements, mesh: DeviceMesh) -> list[int]:
+    """Mesh dims holding a packed projection's `_StridedShard` (Conv1DColwise(fused=...)). DTensor's own
+    `_StridedShard` (FSDP2 over a TP shard) has a split factor equal to the number of pieces the later mesh dims
+    cut the same tensor dim into; a packed one's factor is the packing (3 for q|k|v), which nothing explains."""
+    out = []
+    for m, p in enumerate(placements):
+        if _StridedShard is not None and isinstance(p, _StridedShard):
+            later = [mesh.size(k) for k in range(m + 1, len(placements))
+                     if getattr(placements[k], "dim", None) == p.dim]
+            if p.split_factor != math.prod(later):
+                out.append(m)
+    return out
+
+
+def _as_plain(placements, packed: list[int], mesh: DeviceMesh) -> list:
+    """The placements with each packed one as a plain Shard. Tensor parallelism shards before FSDP2 does, so an
+    earlier mesh dim sharding the same tensor dim splits each rank's TP shard: in DTensor's terms a `_StridedShard`
+    whose factor is the pieces of the later mesh dims (torch 2.13's FSDP2 labels it so; 2.11's labels it Shard)."""
+    out = [Shard(p.dim) if m in packed else p for m, p in enumerate(placements)]
+    for m in packed:
+        d = out[m].dim
+        for k in range(m):
+            if getattr(out[k], "dim", None) == d:
+                later = [mesh.size(j) for j in range(k + 1, len(out)) if getattr(out[j], "dim", None) == d]
+                out[k] = _StridedShard(d, split_factor=math.prod(later))
+    return out
+
+
 def full_tensor(t: DTensor) -> torch.Tensor:
-    """`t.full_tensor()`, also for a packed projection's `_StridedShard` (Conv1DColwise(fused=...)), which torch
-    before 2.13 cannot gather ("unable to be interpreted into a corresponding shard_order"). Such a placement is
-    the only one sharding its tensor dim (FSDP2's own `_StridedShard` always shares its dim with another): it is
-    gathered as a plain Shard, [n ranks, split_factor, width] along the dim, and put back in [split_factor, n,
-    width] order. Collective, like `full_tensor()`."""
-    placements = list(t.placements)
-    fused = [(m, p) for m, p in enumerate(placements) if _StridedShard is not None and isinstance(p, _StridedShard)
-             and not any(getattr(q, "dim", None) == p.dim for k, q in enumerate(placements) if k != m)]
-    if not fused:
+    """`t.full_tensor()`, also for a packed projection's placement. DTensor cannot gather that one where it alone
+    shards its dim (torch before 2.13: "unable to be interpreted into a corresponding shard_order"), and gathers
+    it wrongly next to FSDP2's shard of the same dim. It is gathered as a plain Shard instead, giving [n ranks,
+    split_factor, width] along its dim, and put back in [split_factor, n, width] order. Collective."""
+    mesh = t.device_mesh
+    packed = _packed(t.placements, mesh)
+    if not packed:
         return t.full_tensor()
-    for m, p in fused:
-        placements[m] = Shard(p.dim)
-    full = DTensor.from_local(t.to_local(), t.device_mesh, placements, run_check=False, shape=t.shape,
+    full = DTensor.from_local(t.to_local(), mesh, _as_plain(t.placements, packed, mesh), run_check=False, shape=t.shape,
                               stride=t.stride()).full_tensor()
-    for m, p in fused:
-        full = full.unflatten(p.dim, (t.device_mesh.size(m), p.split_factor, -1)).transpose(p.dim, p.dim + 1)
-        full = full.flatten(p.dim, p.dim + 2)
+    for m in packed:
+        d, sf = t.placements[m].dim, t.placements[m].split_factor
+        full = full.unflatten(d, (mesh.size(m), sf, -1)).transpose(d, d + 1).flatten(d, d + 2)
     return full
+
+
+def distribute_like(value: torch.Tensor, like: DTensor) -> DTensor:
+    """A full `value` (every rank holds it) sliced locally into a DTensor placed like `like`, no collective: the
+    inverse of `full_tensor`, packed placements included."""
+    mesh, placements = like.device_mesh, like.placements
+    packed = _packed(placements, mesh)
+    if not packed:
+        return distribute_tensor(value, mesh, placements, src_data_rank=None)
+    for m in packed:
+        d, sf = placements[m].dim, placements[m].split_factor
+        value = value.unflatten(d, (sf, mesh.size(m), -1)).transpose(d, d + 1).flatten(d, d + 2)
+    local = distribute_tensor(value, mesh, _as_plain(placements, packed, mesh), src_data_rank=None).to_local()
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=like.shape, stride=like.stride())
 
 
 def _reference_gpt_plan(block: nn.Module) -> dict[str, ParallelStyle]:
