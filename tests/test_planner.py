@@ -326,6 +326,21 @@ def test_a_cached_profile_of_an_older_probe_is_measured_again(tmp_path, monkeypa
     assert load_cached() is not None and load_cached().probe_version == PROBE_VERSION
 
 
+def test_probing_leaves_the_seeded_generator_alone(tmp_path, monkeypatch):
+    """A plan probes when no profile is cached, after the run has seeded torch and before it trains. The probe's
+    random operands must not come from the global generator: the same run would otherwise draw other dropout masks
+    and save another RNG state whether or not the profile was cached (a resumed run then differed from the
+    uninterrupted one in a fresh clone, where the first plan of a thread count probes)."""
+    from tightfit.planner import probe
+
+    monkeypatch.setenv("TIGHTFIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(probe, "measure_runtime_rss", lambda: 300 << 20)  # a subprocess, with its own generators
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    probe.run_probe(str(tmp_path / "swap"), sustained=False)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_a_plan_whose_swap_outgrows_the_measured_disk_volume_says_so(tmp_path):
     """[Note: sustained bandwidth]: the disk's rates hold up to the volume they were measured over (this VM: 3.4-3.8
     GB/s over 8 GiB, 0.9-1.0 GB/s over 40 GiB). A plan keeping more on the disk warns, in the table and in the

@@ -218,10 +218,11 @@ def staging_buffer(nbytes: int, max_bytes: int = 1 << 30) -> torch.Tensor:
     Random, so a virtual disk cannot shortcut zero or repeated blocks; written once here, so every page is
     faulted in before any timed loop. Distinct memory per block up to max_bytes: on some virtual machines DMA into
     the same few pages over and over is markedly slower, and measurements compared side by side should see the
-    same memory.
+    same memory. Drawn from a generator of its own: a plan may probe after the run has seeded torch (probe.py,
+    `_operand`).
     """
     buf = aligned_empty(max(DIRECT_ALIGN, min(nbytes, max_bytes)))
-    buf.random_(0, 256)
+    buf.random_(0, 256, generator=torch.Generator().manual_seed(0))
     return buf
 
 

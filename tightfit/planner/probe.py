@@ -36,6 +36,14 @@ _MATMUL_IN, _MATMUL_OUT = 2048, 5632
 glibc's heap keeps, so its weight streams from memory and its fresh weight gradient is new pages, as in training."""
 
 
+def _operand(*shape: int, device: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A random operand drawn from the probe's own generator. A plan probes when it finds no cached profile, after
+    the run has seeded torch and before it trains: a draw from the global generator would give a run that probed
+    other dropout masks, and another saved RNG state, than the same run with the profile cached."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    return torch.randn(*shape, generator=generator, device=device, dtype=dtype)
+
+
 def _timeit(fn, min_s: float = 0.15, max_reps: int = 200) -> float:
     """Median seconds per call over at least `min_s` (after one warm-up call).
 
@@ -62,11 +70,11 @@ def measure_matmul(device: str, dtype: torch.dtype) -> dict[int, float]:
     rate excludes the per-op dispatch cost, measured separately, and a busy machine's jitter does not decide it)."""
     out = {}
     i, o = _MATMUL_IN, _MATMUL_OUT
-    weight = torch.randn(o, i, device=device, dtype=dtype)
+    weight = _operand(o, i, device=device, dtype=dtype)
     for s in _MATMUL_SIZES:
         reps = max(1, round(2e9 / (3 * 2.0 * s * i * o)))
-        x = torch.randn(s, i, device=device, dtype=dtype)
-        grad = torch.randn(s, o, device=device, dtype=dtype)
+        x = _operand(s, i, device=device, dtype=dtype)
+        grad = _operand(s, o, device=device, dtype=dtype)
 
         def training_matmuls() -> None:
             for _ in range(reps):
@@ -107,8 +115,8 @@ def measure_op_overhead(device: str) -> float:
 
 def measure_adam(device: str, numel: int = 4 << 20) -> float:
     """Parameters per second of torch's fused AdamW (fp32 params, grads and moments)."""
-    p = torch.nn.Parameter(torch.randn(numel, device=device))
-    p.grad = torch.randn_like(p)
+    p = torch.nn.Parameter(_operand(numel, device=device))
+    p.grad = _operand(numel, device=device)
     opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
     return numel / _timeit(opt.step, min_s=0.2)
 
