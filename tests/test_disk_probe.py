@@ -7,7 +7,10 @@ never measures anything itself.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -181,21 +184,29 @@ def test_the_disk_time_of_a_phase_is_no_less_than_its_bytes_at_the_mixed_rate():
     assert disk_time(8e9, 8e9, fast_mix) == pytest.approx(4.0)  # never below the two directions' own times
 
 
-def test_a_plan_without_a_cached_profile_probes_quickly(tmp_path, monkeypatch):
-    """The sustained disk measurement (up to a minute, gigabytes written) is `tightfit probe --nvme`'s; a plan that
-    finds no cached profile measures the burst only."""
-    from tightfit.planner import probe
-
-    seen = {}
-
-    def fake_run_probe(folder, save=True, sustained=True):
-        seen["sustained"] = sustained
-        return HardwareProfile.synthetic(cuda=False, gpu_total=0)
-
-    monkeypatch.setattr(probe, "load_cached", lambda: None)
-    monkeypatch.setattr(probe, "run_probe", fake_run_probe)
-    probe.load_or_probe(str(tmp_path))
-    assert seen == {"sustained": False}
+def test_a_plan_without_a_cached_profile_probes_quickly_and_apart(tmp_path):
+    """A plan that finds no cached profile measures the disk's burst only (the sustained measurement, up to a minute
+    and gigabytes written, is `tightfit probe --nvme`'s), in a child process with the run's thread count: the
+    probe's ~0.8 GiB of buffers stay out of the run's RSS high-water mark, the peak a run compares with its plan
+    (they made a first run's peak 904 MiB against 549 predicted). A fresh process, so its high-water mark is its own."""
+    code = ("import json, sys, torch\n"
+            "torch.set_num_threads(1)\n"
+            "from tightfit.planner.hardware import load_cached\n"
+            "from tightfit.planner.probe import load_or_probe\n"
+            "def high_water():\n"
+            "    return next(int(l.split()[1]) << 10 for l in open('/proc/self/status') if l.startswith('VmHWM:'))\n"
+            "before = high_water()\n"
+            "hw = load_or_probe(sys.argv[1])\n"
+            "print(json.dumps({'grew': high_water() - before, 'volume': hw.nvme_measured_bytes,\n"
+            "                  'threads': hw.threads, 'cached': load_cached().matmul_flops == hw.matmul_flops}))\n")
+    env = dict(os.environ, TIGHTFIT_CACHE=str(tmp_path / "cache"))
+    res = subprocess.run([sys.executable, "-c", code, str(tmp_path / "swap")], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["grew"] < 128 << 20, out  # the probe's copies alone are 768 MiB
+    assert out["volume"] <= 256 << 20 and out["threads"] == 1, out  # the burst; this run's threads
+    assert out["cached"], out  # the child cached what it measured, under this run's key
 
 
 def test_probe_disk_volume_reaches_the_sustained_measurement(tmp_path, monkeypatch, capsys):

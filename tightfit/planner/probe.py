@@ -16,6 +16,7 @@ engine spends it:
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -23,6 +24,7 @@ import sys
 import tempfile
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -241,5 +243,37 @@ def load_or_probe(folder: str | None = None) -> HardwareProfile:
     """The cached profile of this machine, measured now if there is none; capacities re-read live."""
     hw = load_cached()
     if hw is None:  # quick and silent: the sustained disk figures are `tightfit probe --nvme DIR`'s
-        hw = run_probe(folder, sustained=False)
+        hw = probe_apart(folder)
     return current(hw, folder)
+
+
+def probe_apart(folder: str | None) -> HardwareProfile:
+    """The quick probe (no sustained disk measurement), run and cached by a fresh Python with this process's thread
+    count, so the profile's key and matmul rates are this run's.
+
+    Why apart: the probe's buffers (a 256 MiB copy into fresh memory, a 256 MiB bandwidth copy: ~0.8 GiB at once)
+    would be the training process's. They raised its RSS high-water mark, the peak a run compares with its plan,
+    by more than the run itself held (a first `make train`: 904 MiB measured against 549 predicted), and took room
+    that `--cpu-mem` gives the run. Where the child cannot run (no interpreter, tightfit not importable there) the
+    probe runs here, as it did before."""
+    code = ("import json, sys, torch\n"
+            "torch.set_num_threads(int(sys.argv[2]))\n"
+            "from tightfit.planner.probe import run_probe\n"
+            "print(json.dumps(run_probe(sys.argv[1] or None, sustained=False).to_dict()))\n")
+    argv = [sys.executable, "-c", code, folder or "", str(torch.get_num_threads())]
+    try:
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=_child_env())
+        if res.returncode == 0:
+            return HardwareProfile.from_dict(json.loads(res.stdout.strip().splitlines()[-1]))
+    except (subprocess.SubprocessError, OSError, ValueError, IndexError, TypeError):
+        pass
+    return run_probe(folder, sustained=False)
+
+
+def _child_env() -> dict[str, str]:
+    """This environment, with the folder this tightfit was imported from first on the child's path (a checkout run
+    with `PYTHONPATH=.` or from its own folder imports the same code in the child)."""
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    return env
