@@ -443,21 +443,33 @@ def overlap(args) -> dict:
             "engine_timings": {k: v for k, v in timings.items() if k != "nvme"}}
 
 
-def _gpt2_steps(model, opt, steps: int, early: bool, first: int = 0) -> list[float]:
+def _gpt2_steps(model, opt, steps: int, early: bool, first: int = 0, phases: list | None = None) -> list[float]:
+    """Step times; `phases`, when given, gets (forward, backward, optimizer step) seconds of each step."""
     times = []
     for step in range(first, first + steps):
         g = torch.Generator().manual_seed(step)
         x = torch.randint(0, 50257, (2, 128), generator=g)
         t0 = time.perf_counter()
         loss = model(input_ids=x, labels=x).loss
+        t1 = time.perf_counter()
         if early:
             opt.step_during_backward()
         loss.backward()
+        t2 = time.perf_counter()
         opt.step()
         opt.zero_grad()
-        times.append(time.perf_counter() - t0)
-        print(f"  step {step}: loss {loss.item():.4f}  {times[-1]:.2f} s", flush=True)
+        t3 = time.perf_counter()
+        times.append(t3 - t0)
+        if phases is not None:
+            phases.append((t1 - t0, t2 - t1, t3 - t2))
+        print(f"  step {step}: loss {loss.item():.4f}  {times[-1]:.2f} s (forward {t1 - t0:.2f}, backward "
+              f"{t2 - t1:.2f}, step {t3 - t2:.2f})", flush=True)
     return times
+
+
+def _median_phases(phases: list) -> dict[str, float]:
+    return {k: round(statistics.median(p[i] for p in phases), 3) for i, k in enumerate(("forward_s", "backward_s",
+                                                                                         "step_s"))}
 
 
 def gpt2(args) -> dict:
@@ -485,7 +497,8 @@ def gpt2(args) -> dict:
     engine = engine_of(model)
     times = _gpt2_steps(model, opt, 1, early=True)
     engine.reset_timings()
-    times += _gpt2_steps(model, opt, args.steps - 1, early=True, first=1)
+    phases: list = []
+    times += _gpt2_steps(model, opt, args.steps - 1, early=True, first=1, phases=phases)
     # The kernel's high-water mark of RSS so far (exact, no sampling thread competing with the hooks for the GIL):
     # the tightfit run is the largest thing this process has done yet. Plain PyTorch runs after it.
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -498,9 +511,11 @@ def gpt2(args) -> dict:
     print("plain PyTorch, in memory:")
     torch.manual_seed(0)
     model = GPT2LMHeadModel(config)
+    plain_phases: list = []
     plain = _gpt2_steps(model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True),
-                        args.steps, early=False)
+                        args.steps, early=False, phases=plain_phases)
     return {"params": n_params, "plain_step_s": plain[1:], "step_s": times[1:],
+            "phases_median": _median_phases(phases), "plain_phases_median": _median_phases(plain_phases[1:]),
             "peak_rss": peak, "torch_overhead_rss": overhead, "over_plain": min(times[1:]) / min(plain[1:]),
             "engine_timings": {k: round(v, 3) for k, v in timings.items() if k != "nvme"},
             "nvme": timings.get("nvme")}
