@@ -193,11 +193,10 @@ def test_a_plan_without_a_cached_profile_probes_quickly_and_apart(tmp_path):
             "torch.set_num_threads(1)\n"
             "from tightfit.planner.hardware import load_cached\n"
             "from tightfit.planner.probe import load_or_probe\n"
-            "def high_water():\n"
-            "    return next(int(l.split()[1]) << 10 for l in open('/proc/self/status') if l.startswith('VmHWM:'))\n"
-            "before = high_water()\n"
+            "from tightfit.train.memory import _rss_high_water\n"
+            "before = _rss_high_water()\n"
             "hw = load_or_probe(sys.argv[1])\n"
-            "print(json.dumps({'grew': high_water() - before, 'volume': hw.nvme_measured_bytes,\n"
+            "print(json.dumps({'grew': _rss_high_water() - before, 'volume': hw.nvme_measured_bytes,\n"
             "                  'threads': hw.threads, 'cached': load_cached().matmul_flops == hw.matmul_flops}))\n")
     env = dict(os.environ, TIGHTFIT_CACHE=str(tmp_path / "cache"))
     res = subprocess.run([sys.executable, "-c", code, str(tmp_path / "swap")], capture_output=True, text=True,

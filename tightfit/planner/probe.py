@@ -16,6 +16,7 @@ engine spends it:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -158,13 +159,12 @@ def measure_runtime_rss() -> int:
             "x = torch.zeros(2, 16, dtype=torch.long)\n"
             "m(x, x).backward(); opt.step()\n"
             "print(psutil.Process().memory_info().rss)\n")
-    try:
-        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-        return int(res.stdout.strip().splitlines()[-1])
-    except (subprocess.SubprocessError, ValueError, IndexError, OSError):
-        import psutil
+    line = _last_line_of_child(code, timeout=120)
+    if line is not None and line.isdigit():
+        return int(line)
+    import psutil
 
-        return psutil.Process().memory_info().rss
+    return psutil.Process().memory_info().rss
 
 
 SUSTAINED_BYTES = 16 << 30
@@ -260,20 +260,24 @@ def probe_apart(folder: str | None) -> HardwareProfile:
             "torch.set_num_threads(int(sys.argv[2]))\n"
             "from tightfit.planner.probe import run_probe\n"
             "print(json.dumps(run_probe(sys.argv[1] or None, sustained=False).to_dict()))\n")
-    argv = [sys.executable, "-c", code, folder or "", str(torch.get_num_threads())]
-    try:
-        res = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=_child_env())
-        if res.returncode == 0:
-            return HardwareProfile.from_dict(json.loads(res.stdout.strip().splitlines()[-1]))
-    except (subprocess.SubprocessError, OSError, ValueError, IndexError, TypeError):
-        pass
+    line = _last_line_of_child(code, folder or "", str(torch.get_num_threads()), timeout=600)
+    if line is not None:
+        with contextlib.suppress(ValueError, TypeError):
+            return HardwareProfile.from_dict(json.loads(line))
     return run_probe(folder, sustained=False)
 
 
-def _child_env() -> dict[str, str]:
-    """This environment, with the folder this tightfit was imported from first on the child's path (a checkout run
-    with `PYTHONPATH=.` or from its own folder imports the same code in the child)."""
-    root = str(Path(__file__).resolve().parents[2])
+def _last_line_of_child(code: str, *args: str, timeout: float) -> str | None:
+    """The last line `python -c code args...` printed, or None where it failed. The child imports this tightfit:
+    the folder it was imported from goes first on the child's path (a benchmark or a worktree that put its own
+    checkout on `sys.path` measures that checkout's code)."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
-    return env
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+                                         *filter(None, [env.get("PYTHONPATH")])])
+    try:
+        res = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout,
+                             env=env)
+    except (subprocess.SubprocessError, OSError):
+        return None
+    lines = res.stdout.strip().splitlines()
+    return lines[-1] if res.returncode == 0 and lines else None
