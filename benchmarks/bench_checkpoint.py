@@ -41,10 +41,10 @@ import torch  # noqa: E402
 import tightfit  # noqa: E402
 from tightfit import Placement, Tier  # noqa: E402
 from tightfit.models.gpt import GPT, GPTConfig  # noqa: E402
-from tightfit.offload.engine import engine_of  # noqa: E402
-from tightfit.offload.flat_unit import EXP_AVG, EXP_AVG_SQ  # noqa: E402
+from tightfit.offload.step.engine import engine_of  # noqa: E402
+from tightfit.offload.step.unit import EXP_AVG, EXP_AVG_SQ  # noqa: E402
 from tightfit.offload.placement import State  # noqa: E402
-from tightfit.offload.state_io import import_state  # noqa: E402
+from tightfit.offload.model_state.state_io import import_state  # noqa: E402
 from tightfit.optim import AdamW  # noqa: E402
 from tightfit.train import checkpoint as ckpt  # noqa: E402
 from tightfit.train.checkpoint_swap import state_groups  # noqa: E402

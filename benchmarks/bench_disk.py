@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tightfit.offload.nvme import DiskTuning, disk_tuning  # noqa: E402
+from tightfit.offload.tiers.nvme.store import DiskTuning, disk_tuning  # noqa: E402
 
 from disk_reference import measure_raw, measure_store, staging_buffer  # noqa: E402
 

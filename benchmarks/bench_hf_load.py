@@ -131,7 +131,7 @@ def tightfit_run(folder: str, steps: int, budget: int, nvme: str, seq: int) -> d
     from tightfit.models.build import model_loss
     from tightfit.models.hf_load import HFCheckpoint
     from tightfit.models.hf_wrap import load_hf_wrapped
-    from tightfit.offload.engine import engine_of
+    from tightfit.offload.step.engine import engine_of
 
     _fixed_mmap_threshold()
     _warm_up()

@@ -43,8 +43,8 @@ import bench_offload as bo  # noqa: E402
 from disk_reference import RawMixedDisk, kernel_disk_stats  # noqa: E402
 from tightfit import Placement, Tier  # noqa: E402
 from tightfit.models.gpt import GPT  # noqa: E402
-from tightfit.offload.aligned import aligned_empty  # noqa: E402
-from tightfit.offload.engine import engine_of  # noqa: E402
+from tightfit.offload.runtime.aligned import aligned_empty  # noqa: E402
+from tightfit.offload.step.engine import engine_of  # noqa: E402
 from tightfit.planner.costs import act_bytes  # noqa: E402
 from tightfit.planner.model_profile import profile_model  # noqa: E402
 

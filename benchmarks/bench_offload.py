@@ -44,9 +44,9 @@ import torch  # noqa: E402
 import tightfit  # noqa: E402
 from tightfit import Placement, Tier  # noqa: E402
 from tightfit.models.gpt import GPT, GPTConfig  # noqa: E402
-from tightfit.offload.engine import engine_of  # noqa: E402
-from tightfit.offload.nvme import DiskTuning  # noqa: E402
-from tightfit.offload.state_io import import_state  # noqa: E402
+from tightfit.offload.step.engine import engine_of  # noqa: E402
+from tightfit.offload.tiers.nvme.store import DiskTuning  # noqa: E402
+from tightfit.offload.model_state.state_io import import_state  # noqa: E402
 from tightfit.optim import AdamW  # noqa: E402
 
 _HERE = str(Path(__file__).resolve().parent)
@@ -108,7 +108,7 @@ def _batch(cfg: GPTConfig, batch: int, step: int) -> tuple[torch.Tensor, torch.T
 
 def _build(cfg: GPTConfig, placement: Placement, disk: DiskTuning | None = None) -> tuple[torch.nn.Module, AdamW]:
     """The model on the meta device, wrapped, initialised unit by unit. disk: the NVMe tier's tuning (None: what
-    it derives, [Note: disk tuning] in tightfit/offload/disk_tuning.py)."""
+    it derives, [Note: disk tuning] in tightfit/offload/tiers/nvme/tuning.py)."""
     with torch.device("meta"):
         model = GPT(cfg)
     names = [n for n, _ in model.named_parameters()]
@@ -381,7 +381,7 @@ class _Traffic:
     def replay(self) -> float:
         """Seconds to move exactly the recorded requests with no compute: all issued at once, in recorded order
         (the store keeps one entry's requests in that order), into buffers allocated beforehand."""
-        from tightfit.offload.aligned import aligned_empty
+        from tightfit.offload.runtime.aligned import aligned_empty
 
         bufs = {}
         for _, unit, entry, numel, dtype in self.ops:

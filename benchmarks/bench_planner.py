@@ -53,7 +53,7 @@ def run_case(size: str, setting: str, steps: int, nvme_dir: str) -> dict:
     import tightfit
     from tightfit.config import Config
     from tightfit.models.gpt import GPT, GPTConfig
-    from tightfit.offload.engine import engine_of
+    from tightfit.offload.step.engine import engine_of
     from tightfit.optim import AdamW
     from tightfit.planner import make_plan
     from tightfit.planner.costs import act_bytes

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 import bench_offload as bo  # noqa: E402
 from tightfit import Placement, Tier  # noqa: E402
-from tightfit.offload.engine import engine_of  # noqa: E402
+from tightfit.offload.step.engine import engine_of  # noqa: E402
 
 
 def _threads() -> dict[str, list[float]]:

@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import tightfit  # noqa: E402
 from tightfit import Placement, Tier  # noqa: E402
-from tightfit.offload.engine import engine_of  # noqa: E402
+from tightfit.offload.step.engine import engine_of  # noqa: E402
 from tightfit.optim import AdamW  # noqa: E402
 from tightfit.tiling import (  # noqa: E402
     TiledLinear,

@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tightfit.errors import UsageError  # noqa: E402
-from tightfit.offload.aligned import DIRECT_ALIGN, byte_view  # noqa: E402
+from tightfit.offload.runtime.aligned import DIRECT_ALIGN, byte_view  # noqa: E402
 from tightfit.planner import disk_probe  # noqa: E402
 from tightfit.planner.disk_probe import (  # noqa: E402, F401  (re-exported for the benchmarks)
     Bandwidth,
@@ -178,7 +178,7 @@ def measure_store(
     threads, chunk_bytes: the store's tuning (None: what it derives for `folder`, `nvme.disk_tuning`).
     staging: as for `measure_raw`; tensor i moves through its i-th tensor-sized slice (cycling).
     """
-    from tightfit.offload.nvme import NvmeStore
+    from tightfit.offload.tiers.nvme.store import NvmeStore
 
     folder = Path(folder)
     check_space(folder, nbytes + (1 << 20))
@@ -241,7 +241,7 @@ def kernel_disk_stats(folder: str | Path) -> tuple[float, float] | None:
     chunk as in flight until its I/O thread has the GIL again, which overstates both (by 5-18% in training,
     benchmarks/RESULTS.md), and keeping a per-depth count inside the store put that bookkeeping on the I/O path.
     """
-    from tightfit.offload.nvme import device_of
+    from tightfit.offload.tiers.nvme.store import device_of
 
     dev = device_of(folder)
     if dev is None:

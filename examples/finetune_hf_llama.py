@@ -25,7 +25,7 @@ from tightfit.models.hf_load import HFCheckpoint, build_meta_model
 from tightfit.models.hf_save import save_hf_model
 from tightfit.models.hf_wrap import fill_wrapped
 from tightfit.models.tokenizer import get_tokenizer
-from tightfit.offload.engine import engine_of
+from tightfit.offload.step.engine import engine_of
 
 
 def make_stand_in_checkpoint(folder: Path) -> None:

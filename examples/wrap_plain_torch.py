@@ -23,7 +23,7 @@ import torch.nn as nn
 import tightfit
 import tightfit.optim
 from tightfit import Placement, Tier, UnitPlacement
-from tightfit.offload.engine import engine_of
+from tightfit.offload.step.engine import engine_of
 
 
 def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, make_batch) -> float:

@@ -230,7 +230,7 @@ def test_nvme_units_are_checkpointed_as_a_copy_of_their_swap_files(tiny_args, tm
 
     from safetensors import safe_open
 
-    from tightfit.offload.engine import OffloadEngine
+    from tightfit.offload.step.engine import OffloadEngine
 
     i = tiny_args.index("--out-dir")
 

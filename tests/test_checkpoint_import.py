@@ -12,7 +12,7 @@ import torch
 
 from tightfit.cli import main
 from tightfit.errors import UsageError
-from tightfit.offload.loss_scale import LossScaler, load_scaler_state, scaler_state
+from tightfit.offload.step.loss_scale import LossScaler, load_scaler_state, scaler_state
 from tightfit.train import checkpoint as ckpt
 from tightfit.train.checkpoint_writer import INDEX
 

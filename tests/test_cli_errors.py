@@ -170,7 +170,7 @@ def test_wrap_keywords(tmp_path, kwargs, needle):
 
     import tightfit
     from tightfit.errors import UsageError
-    from tightfit.offload.nvme import DiskTuning
+    from tightfit.offload.tiers.nvme.store import DiskTuning
     from tightfit.offload.placement import Placement, Tier
 
     if kwargs.get("device") == "cuda" and torch.cuda.is_available():

@@ -10,9 +10,9 @@ import weakref
 
 import torch
 
-from tightfit.offload.aligned import aligned_empty
-from tightfit.offload.io_queue import FETCH, LOAD, WRITE, IoQueue
-from tightfit.offload.tiers import DiskStore
+from tightfit.offload.runtime.aligned import aligned_empty
+from tightfit.offload.tiers.nvme.io_queue import FETCH, LOAD, WRITE, IoQueue
+from tightfit.offload.tiers.stores import DiskStore
 
 N = 1 << 20  # 4 MiB of float32: several chunks per request, so requests really overlap
 

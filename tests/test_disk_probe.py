@@ -1,4 +1,4 @@
-"""The disk probe and the NVMe tier's tuning ([Note: disk tuning] in tightfit/offload/disk_tuning.py).
+"""The disk probe and the NVMe tier's tuning ([Note: disk tuning] in tightfit/offload/tiers/nvme/tuning.py).
 
 `tightfit probe` measures the swap folder's disk (bandwidth, the largest transfer, the I/O threads) and caches it;
 the store takes the cached tuning only for a folder on the filesystem that was measured, else the defaults, and
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tightfit.offload import nvme
-from tightfit.offload.nvme import DEFAULT_TUNING, DiskTuning, NvmeStore, device_of, disk_tuning
+from tightfit.offload.tiers.nvme import store as nvme
+from tightfit.offload.tiers.nvme.store import DEFAULT_TUNING, DiskTuning, NvmeStore, device_of, disk_tuning
 from tightfit.offload.placement import Placement, Tier
 from tightfit.planner import disk_probe
 from tightfit.planner.hardware import HardwareProfile, save_cached

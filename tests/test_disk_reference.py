@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tightfit.errors import UsageError
-from tightfit.offload.aligned import is_aligned
+from tightfit.offload.runtime.aligned import is_aligned
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -63,7 +63,7 @@ def test_raw_mixed_disk_reuses_laid_out_files(tmp_path):
 def test_raw_mixed_through_the_pools_idle_buffers(tmp_path):
     # The benchmark's same-memory reference: the pool lends its idle buffers (as bytes, lent ones left out) and the
     # raw loop moves its blocks through them, allocating nothing of its own.
-    from tightfit.offload.staging import BufferPool
+    from tightfit.offload.runtime.host_memory import BufferPool
 
     pool = BufferPool(capacity=None)
     lent = pool.take(1 << 18, torch.float32)  # 1 MiB, stays lent

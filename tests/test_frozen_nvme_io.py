@@ -1,5 +1,5 @@
 """A unit with frozen parameters on NVMe: its optimizer step moves only the trainable prefix of the params entry
-([Note: the frozen tail stays on its tier] in tightfit/offload/optim_step.py), counted by the store's byte stats;
+([Note: the frozen tail stays on its tier] in tightfit/offload/step/optimizer.py), counted by the store's byte stats;
 the losses stay those of plain PyTorch with the same parameters frozen."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import tightfit
-from tightfit.offload.engine import engine_of
-from tightfit.offload.flat_unit import PARAMS
+from tightfit.offload.step.engine import engine_of
+from tightfit.offload.step.unit import PARAMS
 from tightfit.offload.placement import Placement, Tier
 from tightfit.optim import AdamW
 from offload_helpers import batch, loss_of, one_torch_thread, tiny_gpt, train  # noqa: F401  (autouse fixture)

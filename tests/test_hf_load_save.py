@@ -210,7 +210,7 @@ def test_wrapped_frozen_parameters_have_no_grad_or_optimizer_state(tmp_path):
     import tightfit
     import tightfit.optim
     from tightfit.models.hf_wrap import load_hf_wrapped
-    from tightfit.offload.engine import engine_of
+    from tightfit.offload.step.engine import engine_of
 
     ref, folder = hf_folder(tmp_path, "llama-untied", None)
     placement = tightfit.Placement.everywhere("nvme", nvme_dir=str(tmp_path / "swap"))

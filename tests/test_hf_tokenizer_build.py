@@ -101,7 +101,7 @@ def test_build_hf_meta_then_wrap_and_import(tmp_path):
     import tightfit
     from tightfit.models.hf_load import HFCheckpoint, load_hf_model
     from tightfit.models.hf_wrap import checkpoint_values
-    from tightfit.offload.state_io import import_state
+    from tightfit.offload.model_state.state_io import import_state
 
     folder = _llama_folder(tmp_path, True)
     model = build_model(ModelConfig(model=f"hf:{folder}"), vocab_size=256, block_size=32, device="meta")

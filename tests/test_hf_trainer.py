@@ -14,8 +14,8 @@ pytest.importorskip("accelerate")
 import tightfit
 from tightfit.errors import UsageError
 from tightfit.integrations.hf_trainer import TightfitTrainer
-from tightfit.offload.engine import engine_of
-from tightfit.offload.state_io import export_state
+from tightfit.offload.step.engine import engine_of
+from tightfit.offload.model_state.state_io import export_state
 from offload_helpers import one_torch_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 
 VOCAB, SEQ = 128, 16

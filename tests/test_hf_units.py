@@ -16,7 +16,7 @@ import tightfit
 import tightfit.optim
 from tightfit.models.gpt import GPT, GPTConfig
 from tightfit.models.hf_units import slot_units
-from tightfit.offload.units import find_units
+from tightfit.offload.step.units import find_units
 
 transformers = pytest.importorskip("transformers")
 

@@ -18,11 +18,11 @@ import safetensors.torch
 import torch
 
 from tightfit.errors import UsageError
-from tightfit.offload import nvme
-from tightfit.offload.aligned import aligned_empty, is_aligned
-from tightfit.offload.nvme import NvmeStore
-from tightfit.offload.nvme_transfer import transfer_size
-from tightfit.offload.safetensors_file import is_padding
+from tightfit.offload.tiers.nvme import store as nvme
+from tightfit.offload.runtime.aligned import aligned_empty, is_aligned
+from tightfit.offload.tiers.nvme.store import NvmeStore
+from tightfit.offload.tiers.nvme.transfer import transfer_size
+from tightfit.offload.tiers.nvme.safetensors_file import is_padding
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]
 # Odd sizes: empty, one element, not a multiple of 4096 bytes, larger than the test chunk size (3 chunks + tail).
@@ -384,7 +384,7 @@ def _vma_flags(addr: int) -> list[str]:
 def test_large_aligned_buffers_are_huge_page_backed():
     # [Note: huge pages for disk buffers]: a buffer of 2 MiB or more starts on a 2 MiB boundary, in a mapping of its
     # own advised for huge pages; views keep the mapping alive after the buffer itself is dropped.
-    from tightfit.offload.aligned import HUGE_PAGE
+    from tightfit.offload.runtime.aligned import HUGE_PAGE
 
     buf = aligned_empty(3 * HUGE_PAGE // 4 + 5, torch.float32)
     assert buf.data_ptr() % HUGE_PAGE == 0 and buf.numel() == 3 * HUGE_PAGE // 4 + 5

@@ -1,4 +1,4 @@
-"""A disk write that fails during training ([Note: failed writes] in tightfit/offload/nvme_file.py).
+"""A disk write that fails during training ([Note: failed writes] in tightfit/offload/tiers/nvme/file.py).
 
 The optimizer's write-backs are not awaited, so a write that fails is found later: it must surface as one clear
 line at the next step (naming the unit's file, the entry and what to do), no later read may hand out the entry's
@@ -19,9 +19,9 @@ from offload_helpers import one_torch_thread  # noqa: F401  (autouse fixture: on
 from offload_helpers import batch, loss_of, tiny_gpt
 from tightfit import Placement, Tier
 from tightfit.errors import UsageError
-from tightfit.offload import nvme
-from tightfit.offload.engine import engine_of
-from tightfit.offload.nvme import DiskTuning
+from tightfit.offload.tiers.nvme import store as nvme
+from tightfit.offload.step.engine import engine_of
+from tightfit.offload.tiers.nvme.store import DiskTuning
 from tightfit.optim import AdamW
 
 

@@ -33,7 +33,7 @@ from tightfit import Placement, Tier, UnitPlacement
 from tightfit.errors import UsageError
 from tightfit.models.gpt import GPT, GPTConfig
 from tightfit.offload import LossScaler
-from tightfit.offload.engine import engine_of
+from tightfit.offload.step.engine import engine_of
 
 pytestmark = pytest.mark.cuda
 

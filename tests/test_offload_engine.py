@@ -14,11 +14,11 @@ from offload_helpers import one_torch_thread  # noqa: F401  (autouse fixture: on
 from offload_helpers import batch, hf_gpt2, loss_of, tiny_gpt, train
 from tightfit import Placement, Tier, UnitPlacement
 from tightfit.errors import UsageError
-from tightfit.offload.engine import engine_of
-from tightfit.offload.flat_unit import Where
+from tightfit.offload.step.engine import engine_of
+from tightfit.offload.step.unit import Where
 from tightfit.offload.placement import State
-from tightfit.offload.movers import CpuMover, Transfer
-from tightfit.offload.units import ALIGN, find_units
+from tightfit.offload.runtime.movers import CpuMover, Transfer
+from tightfit.offload.step.units import ALIGN, find_units
 from tightfit.optim import AdamW
 
 
@@ -215,7 +215,7 @@ def test_step_during_backward_reads_nothing_it_already_holds(tmp_path):
     once. blocks.1: read in forward and in backward. Moments: read once each. Losses: bitwise those of torch."""
     from collections import Counter
 
-    from tightfit.offload.tiers import DiskStore
+    from tightfit.offload.tiers.stores import DiskStore
 
     placement = Placement.everywhere(Tier.NVME, nvme_dir=str(tmp_path / "swap"), prefetch_depth=1)
     torch.manual_seed(0)
@@ -289,7 +289,7 @@ def test_a_dropped_wrapped_model_is_freed_with_its_engine_threads_and_swap_files
 
 def test_nvme_io_settings_given_to_wrap_reach_the_store(tmp_path):
     # The disk's tuning is the probe's ([Note: disk tuning] in disk_tuning.py); wrap's advanced `disk` keyword overrides it.
-    from tightfit.offload.nvme import DiskTuning
+    from tightfit.offload.tiers.nvme.store import DiskTuning
 
     placement = Placement.everywhere(Tier.NVME, nvme_dir=str(tmp_path / "swap"))
     losses, model, _ = train(tiny_gpt, placement, steps=3,

@@ -15,7 +15,7 @@ from offload_helpers import hf_gpt2, hf_llama, max_rel_diff, tiny_gpt, train
 from tightfit import Placement, Tier, UnitPlacement
 from tightfit.errors import UsageError
 from tightfit.offload import LossScaler
-from tightfit.offload.engine import engine_of
+from tightfit.offload.step.engine import engine_of
 
 MODELS = {"gpt": tiny_gpt, "hf_gpt2": hf_gpt2, "hf_llama": hf_llama}
 
@@ -118,7 +118,7 @@ def test_frozen_params_get_no_grad_or_optimizer_state(tmp_path):
     frozen_names = {s.name for u in engine.units.values() for s in u.spec.slots if not s.trainable}
     assert "blocks.1.attn.q_proj.bias" in frozen_names and "tok_emb.weight" in frozen_names
     assert all(p.grad is None for p in model.parameters())
-    from tightfit.offload.state_io import export_state
+    from tightfit.offload.model_state.state_io import export_state
 
     keys = {k for k, _ in export_state(model, opt)}
     assert "optim.tok_emb.weight.exp_avg" not in keys and "optim.blocks.1.attn.q_proj.weight.exp_avg" in keys
@@ -197,7 +197,7 @@ def test_optimizer_over_a_subset_with_step_during_backward(tmp_path):
     """Units whose parameters are in no optimizer: their held gradients and preloads are dropped, not stepped."""
     import tightfit
     from offload_helpers import batch, loss_of
-    from tightfit.offload.engine import engine_of
+    from tightfit.offload.step.engine import engine_of
     from tightfit.optim import AdamW
 
     def run(placement):

@@ -14,8 +14,8 @@ from offload_helpers import one_torch_thread  # noqa: F401  (autouse fixture: on
 from offload_helpers import batch, hf_gpt2, hf_llama, loss_of, tiny_gpt, train
 import tightfit
 from tightfit import Placement, Tier, UnitPlacement
-from tightfit.offload.engine import engine_of
-from tightfit.offload.units import find_units, group_blocks
+from tightfit.offload.step.engine import engine_of
+from tightfit.offload.step.units import find_units, group_blocks
 
 BLOCK = 4 * sum(p.numel() for p in tiny_gpt().blocks[0].parameters())
 """fp32 bytes of one block of the tiny GPT; min_unit_bytes = BLOCK + 1 joins blocks in pairs."""

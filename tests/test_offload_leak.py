@@ -49,9 +49,9 @@ def test_a_fetched_staging_buffer_is_freed_when_the_pool_drops_it(tmp_path):
     the cyclic collector ran; 13-27 MiB with 14 MB units, benchmarks/RESULTS.md batch H)."""
     import weakref
 
-    from tightfit.offload.movers import CpuMover
-    from tightfit.offload.staging import BufferPool
-    from tightfit.offload.tiers import DiskStore
+    from tightfit.offload.runtime.movers import CpuMover
+    from tightfit.offload.runtime.host_memory import BufferPool
+    from tightfit.offload.tiers.stores import DiskStore
 
     store = DiskStore(str(tmp_path), threads=2)
     store.allocate("u", {"params": (1 << 16, torch.float32)})

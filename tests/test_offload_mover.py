@@ -1,4 +1,4 @@
-"""The mover contract ([Note: the mover contract], tightfit/offload/movers.py) and the CUDA-path findings of issue
+"""The mover contract ([Note: the mover contract], tightfit/offload/runtime/movers.py) and the CUDA-path findings of issue
 15 that can be expressed on a CPU: the strict CPU mover completes copies late and checks the contract, so the bugs a
 GPU would hit show up here.
 
@@ -17,11 +17,11 @@ import tightfit
 from offload_helpers import batch, loss_of, one_torch_thread, tiny_gpt, train  # noqa: F401  (autouse fixture)
 from tightfit import Placement, Tier
 from tightfit.errors import UsageError
-from tightfit.offload.engine import engine_of
-from tightfit.offload.movers import CpuMover, MoverContractError
-from tightfit.offload.schedule import Phase
-from tightfit.offload.staging import BufferPool, HostAllocator, RegisteredAllocator
-from tightfit.offload.tiers import MemoryStore
+from tightfit.offload.step.engine import engine_of
+from tightfit.offload.runtime.movers import CpuMover, MoverContractError
+from tightfit.offload.step.scheduler import Phase
+from tightfit.offload.runtime.host_memory import BufferPool, HostAllocator, RegisteredAllocator
+from tightfit.offload.tiers.stores import MemoryStore
 
 
 def _unit_sizes():
@@ -359,7 +359,7 @@ def test_refreshing_resident_params_needs_no_staging_on_one_memory():
     new master into the device copy in place; a host budget with nothing left for staging (what the planner gives
     such a placement) must do (a staging buffer for the cast once made it fail)."""
     from tightfit import UnitPlacement
-    from tightfit.offload.budget_checks import host_tier_bytes
+    from tightfit.offload.step.budget_checks import host_tier_bytes
 
     unit = UnitPlacement(params=Tier.DEVICE, master=Tier.HOST, grads=Tier.HOST, optim=Tier.HOST)
     probe = tightfit.wrap(tiny_gpt(), Placement(default=unit), compute_dtype=torch.bfloat16)

@@ -7,7 +7,7 @@ import torch
 from offload_helpers import one_torch_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 from offload_helpers import hf_gpt2, tiny_gpt, train
 from tightfit import Placement, Tier, UnitPlacement
-from tightfit.offload.state_io import export_state, import_state
+from tightfit.offload.model_state.state_io import export_state, import_state
 
 
 def _state(model, opt) -> dict[str, torch.Tensor]:

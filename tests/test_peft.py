@@ -11,9 +11,9 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 import tightfit
-from tightfit.offload.engine import engine_of
+from tightfit.offload.step.engine import engine_of
 from tightfit.offload.placement import Tier
-from tightfit.offload.state_io import export_state
+from tightfit.offload.model_state.state_io import export_state
 from tightfit.optim import AdamW
 from offload_helpers import one_torch_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 

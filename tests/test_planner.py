@@ -277,7 +277,7 @@ def test_small_blocks_on_nvme_are_joined_into_larger_units(tmp_path):
     assert plan.profile.unit("blocks.0-1").numel == plain.unit("blocks.0").numel + plain.unit("blocks.1").numel
     assert plan.profile.numel == plain.numel
     # The engine forms the same units from the plan's placement.
-    from tightfit.offload.units import find_units
+    from tightfit.offload.step.units import find_units
 
     with torch.device("meta"):
         specs = find_units(GPT(GPTConfig(n_layer=16, n_embd=512, n_head=4, vocab_size=256)),

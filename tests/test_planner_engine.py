@@ -16,8 +16,8 @@ from tightfit.config import Config
 from tightfit.errors import UsageError
 from tightfit.models.gpt import GPT, GPTConfig
 from tightfit.offload import memory_model as mm
-from tightfit.offload.budget_checks import unit_sizes
-from tightfit.offload.engine import engine_of
+from tightfit.offload.step.budget_checks import unit_sizes
+from tightfit.offload.step.engine import engine_of
 from tightfit.offload.placement import Tier
 from tightfit.optim import AdamW
 from tightfit.planner import HardwareProfile, make_plan

@@ -14,8 +14,8 @@ import torch
 
 from tightfit.cli import main
 from tightfit.errors import UsageError
-from tightfit.offload.nvme import NvmeStore
-from tightfit.offload.swap_folder import RUN_PREFIX, SwapFolder
+from tightfit.offload.tiers.nvme.store import NvmeStore
+from tightfit.offload.tiers.nvme.swap_folder import RUN_PREFIX, SwapFolder
 from tightfit.utils.run_lock import LOCK_NAME, RunLock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -14,7 +14,7 @@ import tightfit
 from offload_helpers import max_rel_diff, tiny_gpt, train
 from tightfit import Placement, Tier
 from tightfit.errors import UsageError
-from tightfit.offload.engine import engine_of
+from tightfit.offload.step.engine import engine_of
 from tightfit.optim import AdamW
 from tightfit.tiling import TiledLinear, tile_linears, tile_paths, tile_units
 

@@ -24,8 +24,8 @@ from offload_helpers import (  # noqa: F401
 import tightfit
 from tightfit.errors import UsageError
 from tightfit.offload import Placement
-from tightfit.offload.module_state import iter_state_dict
-from tightfit.offload.state_io import export_state
+from tightfit.offload.model_state.module_state import iter_state_dict
+from tightfit.offload.model_state.state_io import export_state
 from tightfit.optim import AdamW
 
 TIERS = ["device", "host", "nvme"]
@@ -305,7 +305,7 @@ def test_save_pretrained_streams_a_deferred_state_dict(build, tmp_path):
     """save_pretrained over `deferred_state_dict` reads each unit's master when its shard is written, not before."""
     transformers = pytest.importorskip("transformers")
     from tightfit.offload import engine_of
-    from tightfit.offload.module_state import deferred_state_dict
+    from tightfit.offload.model_state.module_state import deferred_state_dict
 
     _, model, _ = train(build, placement("nvme", tmp_path), steps=2)
     engine = engine_of(model)

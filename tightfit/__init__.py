@@ -28,7 +28,7 @@ def __getattr__(name: str):
 
         return plan
     if name == "units":
-        from tightfit.offload.units import unit_names
+        from tightfit.offload.step.units import unit_names
 
         return unit_names
     if name == "optim":

@@ -3,7 +3,7 @@
 Why a subclass of `torch.optim.Optimizer`: learning-rate schedules, gradient-accumulation loops and loggers that
 read or edit `param_groups[i]["lr"]` keep working. What differs is where the state is: the moments, the fp32
 master weights and the gradients live in the engine's tiers, not in `self.state` (which stays empty), and
-`step()` runs the engine's per-unit pipelined step (tightfit/offload/optim_step.py).
+`step()` runs the engine's per-unit pipelined step (tightfit/offload/step/optimizer.py).
 
 Memory: the optimizer holds nothing of its own. Per step, at most two units' working sets (16 B/param each) are
 in host memory at once, drawn from the engine's bounded buffer pool.
@@ -26,8 +26,8 @@ from typing import Callable, Iterable
 import torch
 
 from tightfit.errors import UsageError
-from tightfit.offload.engine import OffloadEngine, engine_of_param
-from tightfit.offload.optim_step import Multipliers, step_one, step_units
+from tightfit.offload.step.engine import OffloadEngine, engine_of_param
+from tightfit.offload.step.optimizer import Multipliers, step_one, step_units
 
 
 class AdamW(torch.optim.Optimizer):

@@ -44,7 +44,7 @@ import tightfit
 from tightfit.errors import UsageError
 from tightfit.integrations.optim_file import OPTIMIZER_FILE, load_optimizer, save_optimizer
 from tightfit.integrations.rng_file import RNG_FILE, load_rng, save_rng
-from tightfit.offload.engine import _ENGINES
+from tightfit.offload.step.engine import _ENGINES
 from tightfit.offload.placement import Placement
 from tightfit.optim import AdamW
 from tightfit.utils.safetensors_io import fsync_dir
@@ -174,7 +174,7 @@ class TightfitTrainer(transformers.Trainer):
         if _is_peft(self.model):
             # peft saves what `get_peft_model_state_dict` picks from the state dict it is given: the adapters, all
             # trainable. Their fp32 masters are read from the tiers; the frozen base is never gathered.
-            from tightfit.offload.state_io import export_state
+            from tightfit.offload.model_state.state_io import export_state
 
             values = {k.removeprefix("model."): v for k, v in export_state(self.model, trainable_only=True)}
             self.model.save_pretrained(out, state_dict=values, safe_serialization=True)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from tightfit.errors import UsageError
-from tightfit.offload.state_io import export_state, import_state
+from tightfit.offload.model_state.state_io import export_state, import_state
 from tightfit.utils.safetensors_io import StreamingWriter, open_checked
 
 OPTIMIZER_FILE = "optimizer.safetensors"

@@ -67,7 +67,7 @@ def saved_names(model: nn.Module) -> dict[str, str]:
 
 
 def _is_wrapped(model: nn.Module) -> bool:
-    from tightfit.offload.engine import engine_of
+    from tightfit.offload.step.engine import engine_of
 
     try:
         engine_of(model)
@@ -108,7 +108,7 @@ def save_hf_model(model: nn.Module, folder: str | Path, *, max_shard_size: int |
         raise UsageError(f"max_shard_size: must be positive, got {max_shard_size!r}")
 
     if tensors is None and _is_wrapped(model):
-        from tightfit.offload.module_state import iter_state_dict
+        from tightfit.offload.model_state.module_state import iter_state_dict
 
         # The parameters of a wrapped model are compute-dtype views that are empty between uses; the values to
         # save are the fp32 masters, one unit at a time from whichever tier holds them (what state_dict() gives).

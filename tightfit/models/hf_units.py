@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from tightfit.offload.placement import ROOT_UNIT
-from tightfit.offload.units import UnitPolicy, find_units
+from tightfit.offload.step.units import UnitPolicy, find_units
 
 
 def slot_units(model: nn.Module, names: list[str], policy: UnitPolicy = None) -> dict[str, list[str]]:

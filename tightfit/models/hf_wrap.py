@@ -83,7 +83,7 @@ def checkpoint_values(ckpt: HFCheckpoint, *, strict: bool = True,
 
 def fill_wrapped(model: nn.Module, ckpt: HFCheckpoint, *, strict: bool = True, units=None) -> None:
     """Give a wrapped, meta-initialised `model` the checkpoint's values, one unit at a time."""
-    from tightfit.offload.state_io import import_state
+    from tightfit.offload.model_state.state_io import import_state
 
     with checkpoint_values(ckpt, strict=strict, units=units) as get:
         import_state(model, None, get)

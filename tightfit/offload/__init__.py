@@ -8,7 +8,7 @@ __all__ = ["ROOT_UNIT", "Placement", "State", "Tier", "UnitPlacement", "engine_o
 def __getattr__(name: str):
     # Imported lazily: the planner imports placement.py without pulling in the engine.
     if name == "engine_of":
-        from tightfit.offload.engine import engine_of
+        from tightfit.offload.step.engine import engine_of
 
         return engine_of
     if name == "wrap":
@@ -16,7 +16,7 @@ def __getattr__(name: str):
 
         return wrap
     if name == "LossScaler":
-        from tightfit.offload.loss_scale import LossScaler
+        from tightfit.offload.step.loss_scale import LossScaler
 
         return LossScaler
     raise AttributeError(f"module 'tightfit.offload' has no attribute {name!r}")

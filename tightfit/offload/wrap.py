@@ -18,11 +18,11 @@ import torch
 import torch.nn as nn
 
 from tightfit.errors import UsageError
-from tightfit.offload.engine import OffloadEngine
-from tightfit.offload.module_state import attach
-from tightfit.offload.nvme import DiskTuning
+from tightfit.offload.step.engine import OffloadEngine
+from tightfit.offload.model_state.module_state import attach
+from tightfit.offload.tiers.nvme.store import DiskTuning
 from tightfit.offload.placement import Placement
-from tightfit.offload.units import UnitPolicy
+from tightfit.offload.step.units import UnitPolicy
 
 
 def wrap(model: nn.Module, placement: Placement | None = None, *, compute_dtype: torch.dtype | None = None,
@@ -35,7 +35,7 @@ def wrap(model: nn.Module, placement: Placement | None = None, *, compute_dtype:
     device: where to compute (default: CUDA if available, else the CPU, with `placement.device_budget`).
     units: which modules are units: a list of module paths (fnmatch patterns allowed) or a callable
         `(path, module) -> bool`; default: the children of every ModuleList of same-class children.
-    disk: advanced, for benchmarks and tests: `tightfit.offload.nvme.DiskTuning(threads=..., chunk_bytes=...)`
+    disk: advanced, for benchmarks and tests: `tightfit.offload.tiers.nvme.store.DiskTuning(threads=..., chunk_bytes=...)`
         overrides the NVMe tier's I/O threads and largest transfer, which it otherwise takes from `tightfit probe`'s
         measurement of the swap folder's disk (8 threads and 4 MiB where none was made; [Note: disk tuning]).
     Use `tightfit.offload.engine_of(model)` for memory reports and timings.

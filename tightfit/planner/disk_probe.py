@@ -2,7 +2,7 @@
 
 Why in the planner, not beside the tier: a disk is measured once, by `tightfit probe`, and the result is cached in
 the hardware profile (hardware.py). The training path only reads the cached figures
-(`tightfit.offload.nvme.disk_tuning`); nothing here runs while a model trains. The benchmarks' references (raw
+(`tightfit.offload.tiers.nvme.store.disk_tuning`); nothing here runs while a model trains. The benchmarks' references (raw
 mixed reads and writes, the store's own bandwidth, fio) are in benchmarks/disk_reference.py.
 
 What is measured, each the way the tier spends it, on a scratch file in the swap folder itself (a folder, not a
@@ -25,7 +25,7 @@ device: the filesystem is part of what the tier pays for):
 - *the largest transfer* (`max_transfer_bytes`): what the block device under the folder takes in one request
   (`/sys/block/<dev>/queue/max_sectors_kb`), at most 4 MiB: a larger request would be split by the kernel, and
   a transfer that holds the disk longer delays the urgent reads queued behind it ([Note: transfer size] in
-  tightfit/offload/nvme_transfer.py). 4 MiB where no block device is known (tmpfs, overlay, network filesystems).
+  tightfit/offload/tiers/nvme/transfer.py). 4 MiB where no block device is known (tmpfs, overlay, network filesystems).
 - *I/O threads* (`probe_disk`): the same file read at 8, 16 and 32 transfers in flight; the fewest within 10% of
   the fastest. Reads, because they are what compute waits for. Never fewer than 8: a training step has several
   entries in flight at once, and raw reads at 2-4 in flight were within 2% of 8 on the benchmark VM anyway.
@@ -45,7 +45,7 @@ from typing import Callable
 import torch
 
 from tightfit.errors import UsageError
-from tightfit.offload.aligned import DIRECT_ALIGN, aligned_empty, byte_view
+from tightfit.offload.runtime.aligned import DIRECT_ALIGN, aligned_empty, byte_view
 from tightfit.utils.sizes import format_size
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -74,7 +74,7 @@ class DiskProfile:
     read_Bps: float
     write_Bps: float
     device: str
-    """The folder's filesystem as "major:minor" (`tightfit.offload.nvme.device_of`): the tuning applies there."""
+    """The folder's filesystem as "major:minor" (`tightfit.offload.tiers.nvme.store.device_of`): the tuning applies there."""
     threads: int
     """I/O threads for the tier = transfers in flight."""
     chunk_bytes: int
@@ -90,7 +90,7 @@ def probe_disk(folder: str | Path, nbytes: int = 256 << 20, sustained_bytes: int
     """Bandwidth of the disk under `folder` at 8 transfers in flight, its largest transfer, and the I/O threads
     the tier should use (see the module docstring). sustained_bytes: when > 0, the bandwidth reported is that of
     `measure_sustained` over up to this many bytes instead of the `nbytes` burst's. Leaves nothing in `folder`."""
-    from tightfit.offload.nvme import device_of  # the tier's notion of "this folder's disk"
+    from tightfit.offload.tiers.nvme.store import device_of  # the tier's notion of "this folder's disk"
 
     folder = Path(folder)
     chunk = max_transfer_bytes(folder)
@@ -196,7 +196,7 @@ def measure_raw(
 def max_transfer_bytes(folder: str | Path, sysfs: str | Path = "/sys") -> int:
     """The largest request the block device under `folder` takes (max_sectors_kb), in whole 4096-byte blocks, at
     most `MAX_TRANSFER`; `MAX_TRANSFER` when unknown. `sysfs`: where sysfs is mounted (tests pass a fake one)."""
-    from tightfit.offload.nvme import device_of
+    from tightfit.offload.tiers.nvme.store import device_of
 
     dev = device_of(folder)
     if dev is None:

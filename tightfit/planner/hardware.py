@@ -67,9 +67,9 @@ class HardwareProfile:
     op_overhead_s: float = 10e-6
     """Seconds of fixed dispatch overhead per aten op (dominates small models on CPU)."""
     nvme_device: str = ""
-    """The filesystem the disk figures were measured on, as "major:minor" (`tightfit.offload.nvme.device_of`); the
+    """The filesystem the disk figures were measured on, as "major:minor" (`tightfit.offload.tiers.nvme.store.device_of`); the
     NVMe tier takes the two below only for a swap folder there ([Note: disk tuning] in
-    tightfit/offload/disk_tuning.py)."""
+    tightfit/offload/tiers/nvme/tuning.py)."""
     nvme_io_threads: int = 8
     """I/O threads of the NVMe tier on that disk (= transfers in flight): the fewest reading within 10% of the best."""
     nvme_chunk_bytes: int = 4 << 20

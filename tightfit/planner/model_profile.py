@@ -13,7 +13,7 @@ get, exactly for this model and this micro-batch x seq_len:
   the op count (per-op dispatch overhead matters for small models on CPU).
 Hardware enters only later (`costs.py`), so one profile serves every what-if.
 
-Units follow the engine's rule (`tightfit/offload/units.py` when present): the children of every nn.ModuleList
+Units follow the engine's rule (`tightfit/offload/step/units.py` when present): the children of every nn.ModuleList
 whose children all share one class are units; everything else belongs to `ROOT_UNIT`.
 """
 
@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from tightfit.offload.placement import ROOT_UNIT
-from tightfit.offload.units import find_units
+from tightfit.offload.step.units import find_units
 from tightfit.tiling.linear import linear_features
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 
 from tightfit.errors import UsageError
 from tightfit.offload.placement import ROOT_UNIT, Placement, State, Tier
-from tightfit.offload.units import padded
+from tightfit.offload.step.units import padded
 from tightfit.planner.costs import (Prediction, TrainShape, act_bytes, engine_budgets, memory, predict,
                                    units_per_window)
 from tightfit.planner.hardware import GiB, HardwareProfile

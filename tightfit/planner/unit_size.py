@@ -3,7 +3,7 @@
 Why: a unit is the engine's transfer. A disk reaches its bandwidth on large requests issued together; the blocks of
 a small model (7 MB each in the memory benchmark) reach it in lone bursts, and the NVMe tier moved them at ~0.75 of
 the disk's sequential bandwidth, against ~0.9 for 28 MB units on the same machine (benchmarks/RESULTS.md, "Batch
-H"). Joining consecutive blocks ([Note: grouped blocks] in tightfit/offload/units.py) buys larger transfers with
+H"). Joining consecutive blocks ([Note: grouped blocks] in tightfit/offload/step/units.py) buys larger transfers with
 device memory (two units compute at once in backward) and staging memory (a unit's optimizer working set), so the
 planner joins them only where its search still fits the budgets with the joined units (search.py).
 """
@@ -11,7 +11,7 @@ planner joins them only where its search still fits the budgets with the joined 
 from __future__ import annotations
 
 from tightfit.offload.placement import ROOT_UNIT, Placement, State, Tier
-from tightfit.offload.units import group_blocks
+from tightfit.offload.step.units import group_blocks
 from tightfit.planner.model_profile import ModelProfile
 from tightfit.utils.sizes import format_size
 

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 import torch.nn as nn
 
 from tightfit.errors import UsageError
-from tightfit.offload.units import is_repeated_block
+from tightfit.offload.step.units import is_repeated_block
 from tightfit.tiling.linear import LinearTile, TiledLinear, linear_features
 from tightfit.utils.sizes import parse_size
 

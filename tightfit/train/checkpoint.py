@@ -34,7 +34,7 @@ import torch
 from tightfit import __version__
 from tightfit.errors import UsageError
 from tightfit.models.hf_safetensors import TensorEntry, TensorReader, read_header
-from tightfit.offload.safetensors_file import is_padding
+from tightfit.offload.tiers.nvme.safetensors_file import is_padding
 from tightfit.train.checkpoint_writer import INDEX, CheckpointWriter, committed
 from tightfit.utils.safetensors_format import CODE_TO_DTYPE
 from tightfit.utils.safetensors_io import tensor_bytes

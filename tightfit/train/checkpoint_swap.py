@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
-from tightfit.offload.aligned import DIRECT_ALIGN
-from tightfit.offload.flat_unit import EXP_AVG, EXP_AVG_SQ
+from tightfit.offload.runtime.aligned import DIRECT_ALIGN
+from tightfit.offload.step.unit import EXP_AVG, EXP_AVG_SQ
 from tightfit.offload.placement import State
-from tightfit.offload.safetensors_file import plan_layout
-from tightfit.offload.tiers import DiskStore
+from tightfit.offload.tiers.nvme.safetensors_file import plan_layout
+from tightfit.offload.tiers.stores import DiskStore
 from tightfit.utils.safetensors_io import tensor_bytes
 
 MASTER_ENTRY = "master"
@@ -141,7 +141,7 @@ def _copy_range(src: Path, src_off: int, dst_fd: int, dst_off: int, nbytes: int,
 def copyable(engine, unit) -> bool:
     """Can `unit`'s checkpoint be a copy of its swap file? Its fp32 master (all of it: no frozen tail kept only
     in the compute dtype) and its moments must be entries of NVMe-tier files."""
-    from tightfit.offload.flat_unit import PARAMS
+    from tightfit.offload.step.unit import PARAMS
 
     master, optim = unit.store[State.MASTER], unit.store[State.OPTIM]
     fp32_master = unit.master_entry != PARAMS or unit.compute_dtype == torch.float32
@@ -175,8 +175,8 @@ def swap_copy(unit, with_optim: bool) -> SwapCopy:
 def state_groups(model, opt):
     """What a checkpoint of `model` holds, a unit at a time: (group, [(key, tensor)]) read through memory, or a
     SwapCopy for a unit whose states are on NVMe. Plain models: `state_io.export_groups`."""
-    from tightfit.offload.engine import _ENGINES
-    from tightfit.offload.state_io import export_groups, export_unit, quiesce
+    from tightfit.offload.step.engine import _ENGINES
+    from tightfit.offload.model_state.state_io import export_groups, export_unit, quiesce
 
     engine = _ENGINES.get(model)
     if engine is None:

@@ -290,7 +290,7 @@ class CheckpointWriter:
 
     def _verify_copy(self, file: str, copy) -> bool:
         """Sync a copied shard, then read it back a tensor at a time: finite, CRC-32, index entries as views."""
-        from tightfit.offload.safetensors_file import read_layout
+        from tightfit.offload.tiers.nvme.safetensors_file import read_layout
 
         entries, _ = read_layout(self.partial / file)
         with open(self.partial / file, "rb") as f:

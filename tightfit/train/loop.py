@@ -18,7 +18,7 @@ import torch
 
 from tightfit.config import Config, compute_device_type, precision_name
 from tightfit.errors import UsageError
-from tightfit.offload.loss_scale import load_scaler_state, scaler_state
+from tightfit.offload.step.loss_scale import load_scaler_state, scaler_state
 from tightfit.train import checkpoint as ckpt
 from tightfit.train.checkpoint_swap import state_groups
 from tightfit.train.checkpoint_writer import check_room, checkpoint_bytes, clean_leftovers
@@ -117,7 +117,7 @@ def shares_disk(cfg: Config, out_dir: Path) -> str:
     """A note when the swap folder is on the --out-dir's filesystem: its files (already allocated when the room
     for a checkpoint is checked) and the checkpoints share one disk."""
     from tightfit.config import parse_nvme
-    from tightfit.offload.nvme import device_of
+    from tightfit.offload.tiers.nvme.store import device_of
 
     swap = parse_nvme(cfg.memory.nvme)[0] if cfg.memory.nvme and cfg.memory.offload != "none" else None
     if swap is not None and device_of(swap) == device_of(out_dir):

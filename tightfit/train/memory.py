@@ -122,12 +122,12 @@ class _Stepping:
 
     def export_state(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Checkpoint tensors, with the same keys whichever setup wrote them."""
-        from tightfit.offload.state_io import export_state
+        from tightfit.offload.model_state.state_io import export_state
 
         return export_state(self.model, self.optimizer)
 
     def import_state(self, get: Callable[[str], torch.Tensor]) -> None:
-        from tightfit.offload.state_io import import_state
+        from tightfit.offload.model_state.state_io import import_state
 
         import_state(self.model, self.optimizer, get)
 

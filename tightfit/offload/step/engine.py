@@ -32,21 +32,21 @@ import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from tightfit.errors import UsageError
-from tightfit.offload.aligned import aligned_empty
-from tightfit.offload.budget_checks import check_budgets, host_tier_bytes
-from tightfit.offload.device_meter import DeviceMeter, autocast_outside_budget
-from tightfit.offload.flat_unit import MASTER, PARAMS, GradsState, OffloadUnit, ParamsState
-from tightfit.offload.grad_ship import ship_grads
-from tightfit.offload.hooks import queue_end_of_backward, register_hooks, remove_hooks
-from tightfit.offload.host_cache import HostCache
-from tightfit.offload.optim_step import preload
+from tightfit.offload.runtime.aligned import aligned_empty
+from tightfit.offload.step.budget_checks import check_budgets, host_tier_bytes
+from tightfit.offload.runtime.device_meter import DeviceMeter, autocast_outside_budget
+from tightfit.offload.step.unit import MASTER, PARAMS, GradsState, OffloadUnit, ParamsState
+from tightfit.offload.step.gradients import ship_grads
+from tightfit.offload.step.hooks import queue_end_of_backward, register_hooks, remove_hooks
+from tightfit.offload.runtime.host_cache import HostCache
+from tightfit.offload.step.optimizer import preload
 from tightfit.offload.placement import ROOT_UNIT, Placement, State, Tier
-from tightfit.offload.schedule import Phase, Schedule
-from tightfit.offload.movers import CpuMover, CudaMover, Transfer, strict_from_env
-from tightfit.offload.staging import BufferPool, HostAllocator, RegisteredAllocator
-from tightfit.offload.tiers import DiskStore, MemoryStore, TierStore
-from tightfit.offload.units import UnitPolicy, find_units
-from tightfit.offload.write_backs import WriteBacks
+from tightfit.offload.step.scheduler import Phase, Schedule
+from tightfit.offload.runtime.movers import CpuMover, CudaMover, Transfer, strict_from_env
+from tightfit.offload.runtime.host_memory import BufferPool, HostAllocator, RegisteredAllocator
+from tightfit.offload.tiers.stores import DiskStore, MemoryStore, TierStore
+from tightfit.offload.step.units import UnitPolicy, find_units
+from tightfit.offload.step.write_backs import WriteBacks
 from tightfit.utils.sizes import format_size
 
 _ENGINES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # wrapped model -> its engine

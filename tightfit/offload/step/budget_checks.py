@@ -14,7 +14,7 @@ import torch
 
 from tightfit.errors import UsageError
 from tightfit.offload import memory_model as mm
-from tightfit.offload.flat_unit import OffloadUnit
+from tightfit.offload.step.unit import OffloadUnit
 from tightfit.offload.placement import Placement, Tier
 from tightfit.utils.sizes import format_size
 

@@ -36,10 +36,10 @@ from concurrent.futures import Future
 
 import torch
 
-from tightfit.offload.flat_unit import EXP_AVG, EXP_AVG_SQ, GRADS, MASTER, PARAMS, GradsState, OffloadUnit, ParamsState
-from tightfit.offload.host_cache import Held
+from tightfit.offload.step.unit import EXP_AVG, EXP_AVG_SQ, GRADS, MASTER, PARAMS, GradsState, OffloadUnit, ParamsState
+from tightfit.offload.runtime.host_cache import Held
 from tightfit.offload.placement import State, Tier
-from tightfit.offload.tiers import done_future
+from tightfit.offload.tiers.stores import done_future
 from tightfit.utils import ranges
 
 Work = tuple[OffloadUnit, list[tuple[dict, list[int]]]]

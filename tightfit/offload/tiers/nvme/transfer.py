@@ -31,12 +31,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tightfit.errors import UsageError
-from tightfit.offload.aligned import DIRECT_ALIGN
-from tightfit.offload.nvme_stats import IoStats
+from tightfit.offload.runtime.aligned import DIRECT_ALIGN
+from tightfit.offload.tiers.nvme.stats import IoStats
 from tightfit.utils import ranges
 
 if TYPE_CHECKING:
-    from tightfit.offload.nvme_file import NvmeFile
+    from tightfit.offload.tiers.nvme.file import NvmeFile
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the platform has none (macOS): every transfer is buffered
 FULL = (errno.ENOSPC, errno.EDQUOT)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tightfit.offload.staging import BufferPool
+from tightfit.offload.runtime.host_memory import BufferPool
 
 
 @dataclass

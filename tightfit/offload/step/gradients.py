@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tightfit.offload.flat_unit import GRADS, GradsState, OffloadUnit
-from tightfit.offload.host_cache import Held
+from tightfit.offload.step.unit import GRADS, GradsState, OffloadUnit
+from tightfit.offload.runtime.host_cache import Held
 from tightfit.offload.placement import State
 
 if TYPE_CHECKING:
-    from tightfit.offload.engine import OffloadEngine
+    from tightfit.offload.step.engine import OffloadEngine
 
 
 def ship_grads(engine: OffloadEngine, unit: OffloadUnit):

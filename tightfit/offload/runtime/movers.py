@@ -40,8 +40,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from tightfit.offload.staging import BufferPool
-from tightfit.offload.tiers import TierStore
+from tightfit.offload.runtime.host_memory import BufferPool
+from tightfit.offload.tiers.stores import TierStore
 from tightfit.utils import ranges
 
 

@@ -17,8 +17,8 @@ from collections import Counter
 
 import torch
 
-from tightfit.offload.movers import Transfer
-from tightfit.offload.tiers import TierStore
+from tightfit.offload.runtime.movers import Transfer
+from tightfit.offload.tiers.stores import TierStore
 
 
 class DeviceMeter:

@@ -9,7 +9,7 @@ Adding a tier is adding a class here.
 - `MemoryStore(Tier.HOST)`: tensors in host memory; on CUDA machines the compute params are page-locked, so
   their copies to the GPU run asynchronously on a stream.
 - `DiskStore`: one safetensors file per unit ("<unit>.safetensors") in the swap folder, read and written at known
-  offsets by `tightfit.offload.nvme.NvmeStore` from its thread pool. Nothing is addressable; every use is a `load`.
+  offsets by `tightfit.offload.tiers.nvme.store.NvmeStore` from its thread pool. Nothing is addressable; every use is a `load`.
 
 Entries are named by (unit, entry), entry one of "params", "master", "grads", "exp_avg", "exp_avg_sq".
 """
@@ -23,7 +23,7 @@ from concurrent.futures import wait as wait_futures
 import torch
 
 from tightfit.errors import UsageError
-from tightfit.offload.io_queue import FETCH, LOAD, WRITE
+from tightfit.offload.tiers.nvme.io_queue import FETCH, LOAD, WRITE
 from tightfit.offload.placement import Tier
 
 
@@ -141,10 +141,10 @@ class DiskStore(TierStore):
     def __init__(self, folder: str, budget_bytes: int | None = None, threads: int | None = None,
                  chunk_bytes: int | None = None) -> None:
         try:
-            from tightfit.offload.nvme import NvmeStore
+            from tightfit.offload.tiers.nvme.store import NvmeStore
         except ImportError as e:  # pragma: no cover - only while the NVMe engine is missing
             raise UsageError(f"the NVMe tier is not available in this build ({e}); place no state on nvme") from None
-        from tightfit.offload.swap_folder import SwapFolder
+        from tightfit.offload.tiers.nvme.swap_folder import SwapFolder
 
         # The swap files live in this run's own subfolder of `folder`, under a lock on `folder` (swap_folder.py):
         # a second run there is refused, a dead run's leftovers are cleaned, nothing else in it is touched.

@@ -45,9 +45,9 @@ import torch.nn as nn
 from torch._C import DisableTorchFunctionSubclass
 
 from tightfit.errors import UsageError
-from tightfit.offload.flat_unit import PARAMS, GradsState, OffloadUnit, ParamsState
-from tightfit.offload.schedule import Phase
-from tightfit.offload.units import Slot
+from tightfit.offload.step.unit import PARAMS, GradsState, OffloadUnit, ParamsState
+from tightfit.offload.step.scheduler import Phase
+from tightfit.offload.step.units import Slot
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from tightfit.offload.aligned import DIRECT_ALIGN
+from tightfit.offload.runtime.aligned import DIRECT_ALIGN
 
 
 @dataclass(frozen=True)

@@ -33,11 +33,11 @@ import torch
 import torch.nn as nn
 
 from tightfit.errors import UsageError
-from tightfit.offload import wrapped_param
-from tightfit.offload.aligned import aligned_empty
-from tightfit.offload.flat_unit import PARAMS, OffloadUnit
+from tightfit.offload.model_state import wrapped_param
+from tightfit.offload.runtime.aligned import aligned_empty
+from tightfit.offload.step.unit import PARAMS, OffloadUnit
 from tightfit.offload.placement import State
-from tightfit.offload.wrapped_param import _local, bypass, info_of
+from tightfit.offload.model_state.wrapped_param import _local, bypass, info_of
 
 _STATES: weakref.WeakKeyDictionary[nn.Module, ModuleState] = weakref.WeakKeyDictionary()
 

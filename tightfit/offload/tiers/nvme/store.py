@@ -30,13 +30,13 @@ from pathlib import Path
 import torch
 
 from tightfit.errors import UsageError
-from tightfit.offload.aligned import DIRECT_ALIGN, byte_view
-from tightfit.offload.disk_tuning import DEFAULT_TUNING, DiskTuning, device_of, disk_tuning
-from tightfit.offload.io_queue import LOAD, WRITE, IoQueue
-from tightfit.offload.nvme_file import NvmeFile, open_file, preallocate
-from tightfit.offload.nvme_stats import IoStats
-from tightfit.offload.nvme_transfer import O_DIRECT, out_of_space, plan, transfer
-from tightfit.offload.safetensors_file import Entry, is_padding, plan_layout, read_layout
+from tightfit.offload.runtime.aligned import DIRECT_ALIGN, byte_view
+from tightfit.offload.tiers.nvme.tuning import DEFAULT_TUNING, DiskTuning, device_of, disk_tuning
+from tightfit.offload.tiers.nvme.io_queue import LOAD, WRITE, IoQueue
+from tightfit.offload.tiers.nvme.file import NvmeFile, open_file, preallocate
+from tightfit.offload.tiers.nvme.stats import IoStats
+from tightfit.offload.tiers.nvme.transfer import O_DIRECT, out_of_space, plan, transfer
+from tightfit.offload.tiers.nvme.safetensors_file import Entry, is_padding, plan_layout, read_layout
 from tightfit.utils.sizes import format_size
 
 __all__ = ["DEFAULT_TUNING", "SUFFIX", "DiskTuning", "NvmeStore", "device_of", "disk_tuning"]

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tightfit.errors import UsageError
-from tightfit.offload.nvme_transfer import FULL, O_DIRECT, out_of_space, pwrite_all
-from tightfit.offload.safetensors_file import Entry
+from tightfit.offload.tiers.nvme.transfer import FULL, O_DIRECT, out_of_space, pwrite_all
+from tightfit.offload.tiers.nvme.safetensors_file import Entry
 from tightfit.utils.sizes import format_size
 
 

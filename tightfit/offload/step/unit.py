@@ -22,10 +22,10 @@ from enum import Enum
 
 import torch
 
-from tightfit.offload.host_cache import Held
+from tightfit.offload.runtime.host_cache import Held
 from tightfit.offload.placement import State, Tier, UnitPlacement
-from tightfit.offload.tiers import TierStore, done_future
-from tightfit.offload.units import UnitSpec
+from tightfit.offload.tiers.stores import TierStore, done_future
+from tightfit.offload.step.units import UnitSpec
 from tightfit.utils import huge_pages
 
 

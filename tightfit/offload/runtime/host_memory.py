@@ -24,7 +24,7 @@ from concurrent.futures import Future
 import torch
 
 from tightfit.errors import UsageError
-from tightfit.offload.aligned import DIRECT_ALIGN, aligned_empty, mapped_empty
+from tightfit.offload.runtime.aligned import DIRECT_ALIGN, aligned_empty, mapped_empty
 
 
 class HostAllocator:

@@ -29,11 +29,11 @@ import torch
 import torch.nn as nn
 
 from tightfit.errors import UsageError
-from tightfit.offload.aligned import aligned_empty
-from tightfit.offload.engine import _ENGINES, OffloadEngine
-from tightfit.offload.flat_unit import EXP_AVG, EXP_AVG_SQ, OffloadUnit
+from tightfit.offload.runtime.aligned import aligned_empty
+from tightfit.offload.step.engine import _ENGINES, OffloadEngine
+from tightfit.offload.step.unit import EXP_AVG, EXP_AVG_SQ, OffloadUnit
 from tightfit.offload.placement import State
-from tightfit.offload.units import find_units
+from tightfit.offload.step.units import find_units
 
 _MOMENTS = (EXP_AVG, EXP_AVG_SQ)
 
