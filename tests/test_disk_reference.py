@@ -63,13 +63,13 @@ def test_raw_mixed_disk_reuses_laid_out_files(tmp_path):
 def test_raw_mixed_through_the_pools_idle_buffers(tmp_path):
     # The benchmark's same-memory reference: the pool lends its idle buffers (as bytes, lent ones left out) and the
     # raw loop moves its blocks through them, allocating nothing of its own.
-    from tightfit.offload.runtime.host_memory import BufferPool
+    from tightfit.offload.runtime.host_memory import HostPool
 
-    pool = BufferPool(capacity=None)
-    lent = pool.take(1 << 18, torch.float32)  # 1 MiB, stays lent
-    idle = [pool.take(1 << 18, torch.float32) for _ in range(2)]
-    for b in idle:
-        pool.give(b)
+    pool = HostPool(capacity=None)
+    lent = pool.reserve("kept", {"b": (1 << 18, torch.float32)})["b"]  # 1 MiB, stays granted
+    grant = pool.reserve("idle", {"a": (1 << 18, torch.float32), "b": (1 << 18, torch.float32)})
+    idle = list(grant.bufs.values())
+    grant.release()
     got = pool.idle_buffers()
     assert len(got) == 2 and all(g.dtype == torch.uint8 and g.numel() == 1 << 20 for g in got)
     assert {g.data_ptr() for g in got} == {b.data_ptr() for b in idle} and lent.data_ptr() not in {

@@ -66,16 +66,20 @@ def test_a_separate_master_refreshes_the_params_prefix_without_reading_the_froze
 
 def test_fp32_params_that_are_the_master_move_only_their_prefix(tmp_path):
     """fp32 compute: the params entry is the master. A unit whose stepped params are not kept for the next forward
-    reads only their trainable prefix; every unit writes only that prefix back."""
+    reads only their trainable prefix; every unit writes only that prefix back. The units fetched last in forward
+    (the root, and those that stay materialised for backward) read no master at all: their forward fetch's staging
+    buffer is it ([Note: master from the fetch])."""
     model, opt = _wrapped(tmp_path / "swap", torch.float32)
     engine = engine_of(model)
     units = [u for u in engine.units.values() if u.trainable]
     _step_io(model, opt, 0)
+    from_fetch = {"root", *engine.scheduler.first("backward")}
     read, written = _step_io(model, opt, 1)
     kept = [u for u in units if engine.cache.holds(u.name, PARAMS, u.version)]  # read whole for the next forward
     assert len(kept) < len(units)  # some unit read its prefix only
     trainable = sum(u.spec.train_numel for u in units)
-    assert read == 12 * trainable + 4 * sum(u.spec.numel if u in kept else u.spec.train_numel for u in units)
+    master = sum(0 if u.name in from_fetch else u.spec.numel if u in kept else u.spec.train_numel for u in units)
+    assert from_fetch < {u.name for u in units} and read == 12 * trainable + 4 * master
     assert written == 12 * trainable
     engine.close()
 

@@ -68,11 +68,12 @@ def test_streamed_params_on_host_optimizer_on_nvme():
     # Host tier: the fp32 params (master is separate: it lives on NVMe). NVMe: master 4 + grads 4 + moments 8.
     assert sm.phases["backward"]["host"]["states"] == 4 * ALL
     assert sm.peak("nvme") == 16 * ALL
-    # Pool ([Note: the pool]): NVMe-bound grads leave a CPU device through fp32 packs (the root's + two blocks');
-    # no params on NVMe, so no fetch staging; the root's optimizer working set + (depth + 1) blocks', each
-    # 4 (master) + 12 (grads, moments) + 4 (refreshed compute copy) bytes per element.
-    packs = 4 * ROOT + 2 * 4 * BLOCK
-    optim = 20 * ROOT + 2 * 20 * BLOCK
+    # Pool ([Note: the pool]): NVMe-bound grads leave a CPU device through ship jobs (the root's + two blocks'),
+    # each a pack (4 B) and an fp32 accumulator (4 B) per element; no params on NVMe, so no fetch staging; the
+    # root's step job + (depth + 1) blocks', each 4 (master) + 12 (grads, moments) bytes per element (the new
+    # compute params are cast in place into the host tier).
+    packs = 8 * ROOT + 2 * 8 * BLOCK
+    optim = 16 * ROOT + 2 * 16 * BLOCK
     assert mm.pool_parts(UNITS, p, 4, cuda=False) == {"grad packs": packs, "fetch staging": 0, "optimizer": optim}
     assert all(sm.phases[ph]["host"]["buffers"] == packs + optim for ph in mm.PHASES)  # allocated once, kept
     assert mm.process_bytes(sm, cuda=False, floor=0) == (4 * ALL + packs + optim
@@ -90,10 +91,14 @@ def test_minimum_is_backward_without_prefetch():
     # Everything in host memory on a CPU device: stepped in place, gradients added in place: no pool at all.
     assert mm.pool_minimum(UNITS, p, 4, cuda=False) == 0
     assert sum(mm.pool_parts(UNITS, p, 4, cuda=False).values()) == 0
-    # With a GPU every gradient leaves the device through a pack; master, grads and moments all on the host are
-    # stepped in place there (not split between tiers), so the packs are all the pool holds.
-    assert mm.pool_parts(UNITS, p, 4, cuda=True) == {"grad packs": 4 * ROOT + 2 * 4 * BLOCK, "fetch staging": 0,
-                                                     "optimizer": 0}
+    # With a GPU every gradient leaves the device through a pack (page-locked: whole pages); master, grads and
+    # moments all on the host are stepped in place there, so the packs are all the pool holds.
+    def page(n):
+        return -(-n // 4096) * 4096
+
+    assert mm.pool_parts(UNITS, p, 4, cuda=True) == {"grad packs": page(4 * ROOT) + 2 * page(4 * BLOCK),
+                                                     "fetch staging": 0, "optimizer": 0}
+    assert mm.largest_job(UNITS, p, 4, separate=True) == (page(4 * ROOT), "ship root")
 
 
 def test_resident_units_take_no_window_slot_and_bf16_keeps_a_master():
@@ -105,9 +110,10 @@ def test_resident_units_take_no_window_slot_and_bf16_keeps_a_master():
     assert parts["states"] == (2 + 4 + 4 + 8) * (ROOT + BLOCK)
     assert parts["window"] == 2 * (2 * BLOCK)  # two streamed blocks: fewer than depth + 2 slots
     assert parts["grads in flight"] == 2 * ROOT + 2 * 2 * BLOCK
-    # Pool: NVMe grads packed (two blocks' fp32), params fetched from NVMe through staging (running + 2
-    # prefetched), and (depth + 1) working sets of 4 + 12 + 2 bytes per element.
-    assert mm.pool_parts(UNITS, p, c, cuda=False) == {"grad packs": 2 * 4 * BLOCK, "fetch staging": 3 * 2 * BLOCK,
+    # Pool: NVMe grads shipped (two blocks' bf16 pack and fp32 accumulator), params fetched from NVMe through
+    # staging (running + 2 prefetched), and (depth + 1) step jobs of 4 (master) + 12 (grads, moments) + 2 (the
+    # cast of the new bf16 params, written to NVMe) bytes per element.
+    assert mm.pool_parts(UNITS, p, c, cuda=False) == {"grad packs": 2 * 6 * BLOCK, "fetch staging": 3 * 2 * BLOCK,
                                                       "optimizer": 3 * 18 * BLOCK}
     assert mm.state_bytes(UNITS[1], mm.State.MASTER, nvme, c) == 4 * BLOCK
 
@@ -115,7 +121,7 @@ def test_resident_units_take_no_window_slot_and_bf16_keeps_a_master():
 def test_pool_is_cut_to_the_room_but_never_below_one_working_set():
     p = Placement.everywhere(Tier.NVME, prefetch_depth=1)
     need = sum(mm.pool_parts(UNITS, p, 4, cuda=False).values())
-    one = 20 * ROOT  # the root's working set is the largest
+    one = 16 * ROOT  # the root's step job is the largest: its fp32 params (its master), grads and moments
     assert mm.pool_minimum(UNITS, p, 4, cuda=False) == one
     assert mm.pool_bytes(UNITS, p, 4, cuda=False) == need
     assert mm.pool_bytes(UNITS, p, 4, cuda=False, room=need + 1) == need

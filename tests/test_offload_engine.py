@@ -94,7 +94,7 @@ def test_states_rest_on_their_tiers_between_steps(tmp_path):
 
 def test_schedule_records_forward_and_backward_order():
     _, model, _ = train(tiny_gpt, Placement.everywhere(Tier.HOST), steps=2)
-    order = engine_of(model).schedule.order
+    order = engine_of(model).scheduler.order
     assert [u for u in order["forward"]] == ["blocks.0", "blocks.1", "blocks.2"]
     assert [u for u in order["backward"]] == ["blocks.2", "blocks.1", "blocks.0"]
 
@@ -133,8 +133,8 @@ def _delayed_packs(monkeypatch, gate: "threading.Event | None" = None, delay: fl
     """Make every gradient pack finish late: after `gate` is set, or `delay` seconds after the copy."""
     real = CpuMover.pack_grads
 
-    def pack_grads(self, grads, numel, dtype):
-        copied, out = real(self, grads, numel, dtype), Transfer()
+    def pack_grads(self, grads, buf):
+        copied, out = real(self, grads, buf), Transfer()
         out.issued.set_result(None)
 
         def finish() -> None:
@@ -207,15 +207,20 @@ def test_bad_input_raises_usage_errors(tmp_path):
 
 
 
-def test_step_during_backward_reads_nothing_it_already_holds(tmp_path):
+@pytest.mark.parametrize("device_memory", ["separate", "shared"])
+def test_step_during_backward_reads_nothing_it_already_holds(tmp_path, monkeypatch, device_memory):
     """fp32, every state on NVMe, optimizer stepping during backward: per steady step each params entry is read
-    only where no copy is in memory. The root: never (stepped in place, stays materialised). blocks.0: first in
-    the next forward, so it keeps its freshly stepped params; read once, in backward, and that read is also its
-    step's master. blocks.2: last in forward and first in backward, so it stays materialised in between; read
-    once. blocks.1: read in forward and in backward. Moments: read once each. Losses: bitwise those of torch."""
+    only where no copy is in memory. blocks.0: first in the next forward, so it keeps its freshly stepped params;
+    read once, in backward, and that read is also its step's master. blocks.2: last in forward and first in
+    backward, so it stays materialised in between; read once, in forward (its staging buffer, or on a CPU device
+    sharing host memory its materialised params, is its step's master). blocks.1: read in forward and in backward.
+    The root: read once in forward, its staging buffer its master; on a CPU device sharing host memory never
+    (stepped in place, it stays materialised). Moments: read once each. Losses: bitwise those of torch."""
     from collections import Counter
 
     from tightfit.offload.tiers.stores import DiskStore
+
+    monkeypatch.setenv("TIGHTFIT_CPU_DEVICE", device_memory)
 
     placement = Placement.everywhere(Tier.NVME, nvme_dir=str(tmp_path / "swap"), prefetch_depth=1)
     torch.manual_seed(0)
@@ -242,7 +247,7 @@ def test_step_during_backward_reads_nothing_it_already_holds(tmp_path):
         opt.zero_grad()
         losses.append(loss.item())
     params = {u: reads[(u, "params")] for u in ("root", "blocks.0", "blocks.1", "blocks.2")}
-    assert params == {"root": 0, "blocks.0": 1, "blocks.1": 2, "blocks.2": 1}
+    assert params == {"root": 0 if device_memory == "shared" else 1, "blocks.0": 1, "blocks.1": 2, "blocks.2": 1}
     for unit in ("root", "blocks.0", "blocks.1", "blocks.2"):
         assert reads[(unit, "exp_avg")] == reads[(unit, "exp_avg_sq")] == 1
         assert reads[(unit, "grads")] == 0  # final gradients go straight to the step

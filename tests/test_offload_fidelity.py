@@ -221,5 +221,6 @@ def test_optimizer_over_a_subset_with_step_during_backward(tmp_path):
     losses, model = run(placements(tmp_path)["nvme"])
     assert losses == run(None)[0]
     engine = engine_of(model)
-    assert engine.cache.held_bytes("root") == 0, "nothing held for a unit no optimizer steps"
+    # Nothing held for its step (gradients, moments): at most a copy of its current params for the next fetch.
+    assert engine.cache.entries("root") in ([], ["params"]), "held for a unit no optimizer steps"
     assert engine.units["root"].steps == [None] * len(engine.units["root"].trainable)

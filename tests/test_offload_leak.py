@@ -7,6 +7,7 @@ garbage collector cannot break; each step leaked part of its graph (~1.3 MB RSS 
 from __future__ import annotations
 
 import gc
+import time
 
 import torch
 
@@ -50,20 +51,29 @@ def test_a_fetched_staging_buffer_is_freed_when_the_pool_drops_it(tmp_path):
     import weakref
 
     from tightfit.offload.runtime.movers import CpuMover
-    from tightfit.offload.runtime.host_memory import BufferPool
+    from tightfit.offload.runtime.host_memory import HostPool
     from tightfit.offload.tiers.stores import DiskStore
 
     store = DiskStore(str(tmp_path), threads=2)
     store.allocate("u", {"params": (1 << 16, torch.float32)})
     store.save("u", "params", torch.arange(1 << 16, dtype=torch.float32)).result()
-    pool, dst = BufferPool(None), torch.empty(1 << 16)
+    pool, dst = HostPool(None), torch.empty(1 << 16)
     mover = CpuMover(pool)
     gc.disable()
     try:
-        mover.wait(mover.fetch(store, "u", "params", dst))
+        grant = pool.reserve("fetch u", {"params": (1 << 16, torch.float32)})
+        freed = weakref.ref(grant["params"])
+        t = mover.fetch(store, "u", "params", dst, staging=grant["params"])
+        grant.release(after=t.done)
+        del grant
+        mover.wait(t)
+        del t
         assert torch.equal(dst, torch.arange(1 << 16, dtype=torch.float32))
+        for _ in range(200):  # `done` wakes the waiter before its callbacks (the return) have run
+            if pool.idle_buffers():
+                break
+            time.sleep(0.005)
         (staging,) = pool.idle_buffers()
-        freed = weakref.ref(pool._free[(1 << 16, torch.float32)][0])
         del staging
         pool.clear()
         assert freed() is None, "a dropped staging buffer is still allocated"

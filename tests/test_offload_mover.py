@@ -8,6 +8,7 @@ Each regression test names its finding; each failed before its fix (see the comm
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future
 
 import pytest
@@ -19,8 +20,8 @@ from tightfit import Placement, Tier
 from tightfit.errors import UsageError
 from tightfit.offload.step.engine import engine_of
 from tightfit.offload.runtime.movers import CpuMover, MoverContractError
-from tightfit.offload.step.scheduler import Phase
-from tightfit.offload.runtime.host_memory import BufferPool, HostAllocator, RegisteredAllocator
+from tightfit.offload.step.scheduler import StepPhase
+from tightfit.offload.runtime.host_memory import HostAllocator, HostPool, RegisteredAllocator
 from tightfit.offload.tiers.stores import MemoryStore
 
 
@@ -59,11 +60,11 @@ class _SlowStore:
 
 
 def test_strict_mover_fails_a_copy_into_a_buffer_freed_while_it_was_pending():
-    pool = BufferPool(None)
+    pool = HostPool(None)
     mover = CpuMover(pool, strict=True, max_delay_s=0.0)
     store = _SlowStore(torch.arange(1024, dtype=torch.float32))
     dst = torch.empty(1024)
-    t = mover.fetch(store, "u", "params", dst)
+    t = mover.fetch(store, "u", "params", dst, staging=torch.empty(1024))
     dst.untyped_storage().resize_(0)  # freed without wait() or cancel(): the bug of finding 1
     store.gate.set()
     with pytest.raises(MoverContractError, match="freed or resized"):
@@ -73,24 +74,26 @@ def test_strict_mover_fails_a_copy_into_a_buffer_freed_while_it_was_pending():
 
 
 def test_strict_mover_fails_a_pool_buffer_given_back_while_a_copy_reads_it():
-    pool = BufferPool(None)
+    pool = HostPool(None)
     mover = CpuMover(pool, strict=True, max_delay_s=0.05)
     grads = [((0, torch.Size([256])), torch.ones(256))]
-    t = mover.pack_grads(grads, 256, torch.float32)
+    grant = pool.reserve("ship", {"pack": (256, torch.float32)})
+    t = mover.pack_grads(grads, grant["pack"])
     with pytest.raises(MoverContractError, match="given back while a pending copy"):
-        pool.give(pool._lent[next(iter(pool._lent))])
+        grant.give("pack")
     t.done.exception()  # let the copy finish before the mover goes
     mover.violations.clear()
     mover.close()
 
 
 def test_strict_pool_poisons_what_it_lends_and_takes_back():
-    pool = BufferPool(None, poison=True)
-    buf = pool.take(8, torch.float32)
-    assert torch.isnan(buf).all(), "a lent buffer reads as NaN until something writes it"
+    pool = HostPool(None, poison=True)
+    grant = pool.reserve("job", {"buf": (8, torch.float32)})
+    buf = grant["buf"]
+    assert torch.isnan(buf).all(), "a granted buffer reads as NaN until something writes it"
     buf.fill_(1.0)
     view = buf[:4]
-    pool.give(buf)
+    grant.give("buf")
     assert torch.isnan(view).all(), "a buffer given back reads as NaN through any view kept by mistake"
 
 
@@ -120,16 +123,23 @@ def test_evicting_a_unit_whose_fetch_is_in_flight_cancels_the_copy(tmp_path):
 
 def test_a_failed_read_returns_its_staging_buffer_and_raises_at_wait():
     """Finding 2. The read's error reaches whoever waits for the fetch, and its staging buffer goes back to the
-    pool (it used to stay lent forever)."""
-    pool = BufferPool(1 << 20)
+    pool (it used to stay lent forever): the transfer's `done` completes on failure too, and the grant gives the
+    buffer back after it."""
+    pool = HostPool(1 << 20)
     mover = CpuMover(pool, strict=True)
     store = _SlowStore(torch.zeros(1024), error=OSError(5, "Input/output error"))
-    t = mover.fetch(store, "u", "params", torch.empty(1024))
+    grant = pool.reserve("fetch u", {"params": (1024, torch.float32)})
+    t = mover.fetch(store, "u", "params", torch.empty(1024), staging=grant["params"])
+    grant.release(after=t.done)
     store.gate.set()
     with pytest.raises(OSError, match="Input/output"):
         mover.wait(t)
-    assert not pool._lent and pool.bytes == pool.live_bytes() == 4096
-    assert pool.has_room(1 << 20), "the buffer is idle again: the whole pool can be taken"
+    for _ in range(200):  # `done` wakes the waiter before its callbacks (the return) have run
+        if pool.room() == 1 << 20:
+            break
+        time.sleep(0.005)
+    assert not pool.holders() and pool.bytes == pool.live_bytes() == 4096
+    assert pool.room() == 1 << 20, "the buffer is idle again: the whole pool can be granted"
     mover.close()
 
 
@@ -140,7 +150,7 @@ def test_a_fetch_never_waits_for_a_device_copy_in_forward(tmp_path):
     losses, model, _ = train(tiny_gpt, Placement.everywhere(Tier.NVME, nvme_dir=str(tmp_path / "swap")), steps=4,
                              early=True)
     engine = engine_of(model)
-    assert engine.host_waits[Phase.FORWARD] == 0
+    assert engine.host_waits[StepPhase.FORWARD] == 0
     assert engine.pool.bytes == engine.pool.live_bytes() == engine.pool.allocator.held
     engine.close()
 
@@ -186,20 +196,20 @@ def test_pool_meters_what_a_rounding_caching_allocator_holds():
     """Finding 3. The pool counts the bytes its allocator holds (rounded, never given back), not the bytes it asked
     for: it used to count 3000 B for a 4096 B block and subtract what a drop did not free."""
     alloc = PowerOfTwoCaching()
-    pool = BufferPool(128 << 10, allocator=alloc)
+    pool = HostPool(128 << 10, allocator=alloc)
     sizes = [3000, 5000, 3000, 20000, 700, 20000, 9000]
     lent = []
     for i, n in enumerate(sizes):
-        lent.append(pool.take(n // 4, torch.float32))
+        lent.append(pool.reserve(f"job {i}", {"buf": (n // 4, torch.float32)}))
         if i % 2:
-            pool.give(lent.pop(0))
+            lent.pop(0).release()
         assert pool.bytes == alloc.held, (i, pool.bytes, alloc.held)
-    for buf in lent:
-        pool.give(buf)
+    for grant in lent:
+        grant.release()
     assert pool.bytes == alloc.held == 4096 + 8192 + 32768 + 1024 + 32768 + 16384
     # Dropping idle buffers to make room frees nothing with such an allocator: said at once, not waited for.
-    with pytest.raises(UsageError, match="none of it lent"):
-        pool.take(40000 // 4, torch.float32)
+    with pytest.raises(UsageError, match="none of it granted"):
+        pool.reserve("big", {"buf": (40000 // 4, torch.float32)})
     assert pool.bytes == alloc.held <= 128 << 10
 
 
@@ -213,14 +223,13 @@ def test_registered_allocator_pins_exact_pages_and_unpins_on_drop():
         registered[ptr] = nbytes
 
     alloc = RegisteredAllocator(register=register, unregister=registered.pop)
-    pool = BufferPool(1 << 20, allocator=alloc)
-    a, b = pool.take(1000, torch.float32), pool.take(3000, torch.bfloat16)
+    pool = HostPool(1 << 20, allocator=alloc)
+    ab = pool.reserve("two", {"a": (1000, torch.float32), "b": (3000, torch.bfloat16)})
     assert sorted(registered.values()) == [4096, 8192] and pool.bytes == alloc.held == 12288
-    pool.give(a)
-    pool.give(b)
-    big = pool.take(260_000, torch.float32)  # 254 pages: room only once the idle 4 KiB buffer is dropped
+    ab.release()
+    big = pool.reserve("big", {"x": (260_000, torch.float32)})  # 254 pages: room once the idle 4 KiB one is dropped
     assert sorted(registered.values()) == [8192, 254 * 4096] and pool.bytes == alloc.held == 8192 + 254 * 4096
-    pool.give(big)
+    big.release()
     pool.clear()
     assert not registered and pool.bytes == alloc.held == 0
 
@@ -354,7 +363,7 @@ def test_cross_device_store_copies_run_on_the_copier():
     assert calls == [(torch.device("meta"), torch.device("cpu"))]
 
 
-def test_refreshing_resident_params_needs_no_staging_on_one_memory():
+def test_refreshing_resident_params_needs_no_staging_on_one_memory(monkeypatch):
     """bf16 params on the device tier, fp32 master and moments on the host tier of a CPU machine: the step casts the
     new master into the device copy in place; a host budget with nothing left for staging (what the planner gives
     such a placement) must do (a staging buffer for the cast once made it fail)."""
@@ -362,6 +371,7 @@ def test_refreshing_resident_params_needs_no_staging_on_one_memory():
     from tightfit.offload.step.budget_checks import host_tier_bytes
 
     unit = UnitPlacement(params=Tier.DEVICE, master=Tier.HOST, grads=Tier.HOST, optim=Tier.HOST)
+    monkeypatch.setenv("TIGHTFIT_CPU_DEVICE", "shared")  # the CPU's own path: the device copy is host memory
     probe = tightfit.wrap(tiny_gpt(), Placement(default=unit), compute_dtype=torch.bfloat16)
     host = host_tier_bytes(engine_of(probe).units)
     engine_of(probe).close()

@@ -1,4 +1,4 @@
-"""Regression: an optimizer step under a host budget that fits about one unit's working set must finish.
+"""Regression: an optimizer step under a host budget that fits about one unit's largest job must finish.
 
 The read-ahead of the next unit once waited for pool buffers that the unit being stepped held: a deadlock. With
 optimizer states preloaded during backward, the preloads hold buffers until the step: they must leave it room to
@@ -32,7 +32,7 @@ SCRIPT = textwrap.dedent("""
     # Measure one unit's working set with an unbounded engine, then rebuild with a budget just above it.
     probe = model()
     tightfit.wrap(probe, Placement.everywhere("nvme", nvme_dir=sys.argv[1] + "/probe"))
-    work = max(u.step_bytes for u in engine_of(probe).units.values())
+    work = engine_of(probe).pool.largest_job  # the largest buffer set one job is granted at once
     kw = {}
     if sys.argv[4] == "tight-device":  # room for the root and two blocks: each block fetched as backward reaches it
         units = engine_of(probe).units

@@ -127,8 +127,8 @@ def test_engine_refusal_and_planner_use_the_same_numbers(tmp_path):
     c = 4
     minimum = sum(mm.device_minimum(sizes, p, c).values())
     assert plan.prediction.engine_device == sum(mm.device_parts(sizes, p, c, "backward").values())
-    pool_min = mm.pool_minimum(sizes, p, c, cuda=False)
-    assert pool_min == max(u.step_bytes for u in eng.units.values())  # the engine's own reservation per step
+    pool_min = mm.pool_minimum(sizes, p, c, eng.separate)
+    assert pool_min == eng.pool.largest_job  # the engine's own largest grant
     eng.close()
     with pytest.raises(UsageError, match="device budget"):
         tightfit.wrap(GPT(GCFG), replace(p, device_budget=minimum - 1), device="cpu")

@@ -27,7 +27,7 @@ import torch
 
 from tightfit.errors import UsageError
 from tightfit.offload.step.engine import OffloadEngine, engine_of_param
-from tightfit.offload.step.optimizer import Multipliers, step_one, step_units
+from tightfit.offload.step.optimizer import Multipliers
 
 
 class AdamW(torch.optim.Optimizer):
@@ -98,12 +98,12 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        stepped_early = bool(self.engine._early_steps)
+        stepped_early = self.engine.stepped_during_backward
         self.engine.wait_early_steps()  # units stepped during backward (step_during_backward)
         work = self._work()
         if not work and not stepped_early:
             self._warn_no_grads()
-        step_units(self.engine, work, Multipliers(self._grad_scales))
+        self.engine.step_units(work, Multipliers(self._grad_scales))
         self._grad_scales = []
         self._backwards_seen = self.engine.backwards
         return loss
@@ -134,9 +134,9 @@ class AdamW(torch.optim.Optimizer):
         def early(unit) -> None:  # main thread, when the unit's backward is done
             work = self._work(only=unit)
             if work:
-                self.engine.submit_early_step(unit, lambda: step_one(self.engine, unit, work[0][1], hyper))
+                self.engine.submit_early_step(unit, lambda: self.engine.stepper.step_one(unit, work[0][1], hyper))
 
-        self.engine.early_step = early
+        self.engine.declare_step(self._layout(), early)
 
     def preload_during_backward(self) -> None:
         """Start loading each unit's master weights and moments during the coming backward, for the `step()` after it.
@@ -146,7 +146,7 @@ class AdamW(torch.optim.Optimizer):
         its tier, under the backward compute, as far as the host budget has room; the step after backward then
         waits only for the gradients. The result is the same as without it.
         """
-        self.engine.preload_step = True
+        self.engine.declare_step(self._layout())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated gradients (they live in the engine's grads tier; `param.grad` is always None)."""
@@ -174,7 +174,7 @@ class AdamW(torch.optim.Optimizer):
         """Clip the global gradient norm like `torch.nn.utils.clip_grad_norm_`; returns the norm before clipping."""
         if norm_type != 2.0:
             raise UsageError("tightfit.optim.AdamW.clip_grad_norm_: only norm_type=2.0 is supported")
-        if self.engine.early_step is not None or self.engine._early_steps:
+        if self.engine.early_step is not None or self.engine.stepped_during_backward:
             raise UsageError("clip_grad_norm_: this step was started during backward (step_during_backward); "
                              "clipping needs every gradient first, so do not combine the two")
         norms = self.grad_norms()

@@ -44,7 +44,7 @@ import tightfit
 from tightfit.errors import UsageError
 from tightfit.integrations.optim_file import OPTIMIZER_FILE, load_optimizer, save_optimizer
 from tightfit.integrations.rng_file import RNG_FILE, load_rng, save_rng
-from tightfit.offload.step.engine import _ENGINES
+from tightfit.offload.step.engine import find_engine
 from tightfit.offload.placement import Placement
 from tightfit.optim import AdamW
 from tightfit.utils.safetensors_io import fsync_dir
@@ -100,7 +100,7 @@ class TightfitTrainer(transformers.Trainer):
         if args.fp16:
             raise UsageError("TightfitTrainer: TrainingArguments(fp16=True) unscales param.grad, which a wrapped "
                              "model does not have; use bf16=True, or compute_dtype=torch.float16 without fp16")
-        wrapped = model in _ENGINES
+        wrapped = find_engine(model) is not None
         if placement is not None:
             if wrapped:
                 raise UsageError("TightfitTrainer: the model is already wrapped; drop placement=... (or pass the "
@@ -111,7 +111,7 @@ class TightfitTrainer(transformers.Trainer):
         elif not wrapped:
             raise UsageError("TightfitTrainer: the model is not wrapped; pass placement=tightfit.Placement..."
                              " or call tightfit.wrap(model, ...) first")
-        engine = _ENGINES[model]
+        engine = find_engine(model)
         if engine.device.type != args.device.type:
             raise UsageError(f"TightfitTrainer: the model was wrapped for {engine.device} but TrainingArguments "
                              f"train on {args.device}; wrap with device=args.device (or set use_cpu)")
@@ -165,7 +165,7 @@ class TightfitTrainer(transformers.Trainer):
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """Save the model as `from_pretrained` (or peft's `PeftModel.from_pretrained`) reads it, streamed from the
         tiers; the training arguments as JSON (Trainer pickles them)."""
-        if self.model not in _ENGINES:
+        if find_engine(self.model) is None:
             return super()._save(output_dir, state_dict)
         if not self.args.should_save:
             return
@@ -220,9 +220,9 @@ class TightfitTrainer(transformers.Trainer):
         """Model weights on resume: the optimizer file holds every trainable parameter's fp32 master (loaded with
         it, exact even where the saved model is in a lower dtype) and frozen parameters never changed, so with that
         file there is nothing to read here. Without it (save_only_model), the saved model is loaded."""
-        if self.model in _ENGINES and (Path(resume_from_checkpoint) / OPTIMIZER_FILE).is_file():
+        if find_engine(self.model) is not None and (Path(resume_from_checkpoint) / OPTIMIZER_FILE).is_file():
             return
-        if self.model in _ENGINES and not _is_peft(self.model):
+        if find_engine(self.model) is not None and not _is_peft(self.model):
             from tightfit.models.hf_load import HFCheckpoint
             from tightfit.models.hf_wrap import fill_wrapped
 

@@ -111,23 +111,101 @@ def autograd_grad_bytes(u: UnitSize, c: int) -> int:
     return u.trainable * c
 
 
-def step_bytes(u: UnitSize, c: int) -> int:
-    """Pool bytes one unit's optimizer step may take: fp32 master, gradients and moments, and the compute copy
-    refreshed from the master. The engine reserves this much per unit it steps or reads ahead."""
-    return 4 * u.numel + 12 * u.trainable + u.numel * c
+PAGE = 4096
+"""What a page-locked staging buffer is rounded up to (host_memory.RegisteredAllocator: one mapping per buffer)."""
 
 
-def steps_through_pool(up: UnitPlacement, cuda: bool) -> bool:
-    """Does the unit's optimizer step go through pool buffers? States on NVMe always; on CUDA, states split
-    between the device and host tiers (the step runs on the CPU and its device states are copied)."""
-    tiers = {up.master, up.grads, up.optim}
-    return Tier.NVME in tiers or (cuda and Tier.DEVICE in tiers and len(tiers) > 1)
+def host_addressable(tier: Tier, separate: bool) -> bool:
+    """Can the CPU work on `tier`'s tensors in place? The host tier always; the device tier when device memory is
+    host memory (a CPU device that shares it, `separate` False)."""
+    return tier == Tier.HOST or (tier == Tier.DEVICE and not separate)
 
 
-def packs_grads(up: UnitPlacement, cuda: bool) -> bool:
-    """Do the unit's gradients leave the device through a pool buffer? On CUDA whenever their tier is not the
-    device; on a CPU device only for NVMe (host-tier gradients are added in place, the same memory)."""
-    return up.grads == Tier.NVME or (cuda and up.grads != Tier.DEVICE)
+def unit_jobs(u: UnitSize, up: UnitPlacement, c: int, separate: bool) -> dict[str, dict[str, tuple[int, int]]]:
+    """The host buffers each job of unit `u` is granted at once ([Note: jobs and grants] in runtime/host_memory.py):
+    job -> buffer -> (numel, bytes per element). The engine reserves exactly these (step/jobs.py), `wrap` refuses a
+    pool smaller than the largest, and the planner sizes the pool from them (`pool_parts`).
+
+    - "fetch": the params from NVMe pass through a staging buffer on their way to the device.
+    - "ship": gradients that leave the device (device memory apart from the host, or bound for NVMe) are packed in
+      their own dtype and, bound for NVMe, accumulated in fp32 (the old gradients read into the same buffer).
+    - "step": an optimizer step on the CPU works on a buffer for each of master, gradients and moments not in
+      host-addressable memory, and casts new compute params into a buffer when they go to a tier that is not memory
+      where the step ran. (fp32 params that are their own master: one buffer of the whole flat size.) A step of
+      master, gradients and moments all on the device runs there."""
+    n, big = u.trainable, u.numel
+    jobs: dict[str, dict[str, tuple[int, int]]] = {}
+    if up.params == Tier.NVME:
+        jobs["fetch"] = {"params": (big, c)}
+    if not n:
+        return jobs
+    if up.grads == Tier.NVME or (up.grads == Tier.HOST and separate):  # not addressable where computed
+        jobs["ship"] = {"pack": (n, c), **({"grads": (n, 4)} if up.grads == Tier.NVME else {})}
+    on_device = up.master == up.grads == up.optim == Tier.DEVICE
+    master_is_params = c == 4 and up.master == up.params
+    step: dict[str, tuple[int, int]] = {}
+    if not on_device:
+        if not host_addressable(up.master, separate):
+            step.update({"params": (big, 4)} if master_is_params else {"master": (n, 4)})
+        if not host_addressable(up.grads, separate):
+            step["grads"] = (n, 4)
+        if not host_addressable(up.optim, separate):
+            step.update(exp_avg=(n, 4), exp_avg_sq=(n, 4))
+    # The new compute params, cast from the master where the step ran, go to a tier that is not memory there.
+    if not master_is_params and (up.params == Tier.NVME or (not on_device and not host_addressable(up.params,
+                                                                                                   separate))):
+        step["cast"] = (n, c)
+    if step:
+        jobs["step"] = step
+    return jobs
+
+
+def job_bytes(buffers: dict[str, tuple[int, int]], separate: bool) -> int:
+    """Pool bytes of one job's buffers: page-rounded where the pool page-locks them (`separate`)."""
+    if not separate:
+        return sum(n * e for n, e in buffers.values())
+    return sum(-(-n * e // PAGE) * PAGE for n, e in buffers.values())
+
+
+def largest_job(units: list[UnitSize], p: Placement, c: int, separate: bool) -> tuple[int, str]:
+    """(bytes, "job of unit") of the largest buffer set any job asks for: the smallest pool that can run a step."""
+    best = (0, "")
+    for u in units:
+        for job, bufs in unit_jobs(u, p.of(u.name), c, separate).items():
+            best = max(best, (job_bytes(bufs, separate), f"{job} {u.name}"))
+    return best
+
+
+def pool_minimum(units: list[UnitSize], p: Placement, c: int, cuda: bool) -> int:
+    """The smallest pool the engine accepts: the largest single job (`largest_job`)."""
+    return largest_job(units, p, c, cuda)[0]
+
+
+def pool_parts(units: list[UnitSize], p: Placement, c: int, cuda: bool,
+               depth: int | None = None) -> dict[str, int]:
+    """What a pool needs for the schedule at prefetch `depth` to run without waiting for buffers ([Note: the pool]),
+    in jobs (`unit_jobs`): "grad packs" (the root's ship and two blocks': backward overlaps two), "fetch staging"
+    (the root's and the running block's + `depth` prefetched) and "optimizer" (the root's step and the stepped
+    block's + `depth` loading ahead). `cuda`: device memory apart from the host (a GPU, or the CPU suite's
+    GPU-shaped device)."""
+    depth = p.prefetch_depth if depth is None else depth
+
+    def part(job: str, blocks: int) -> int:
+        sizes = [(u.is_root, job_bytes(unit_jobs(u, p.of(u.name), c, cuda).get(job, {}), cuda)) for u in units]
+        return sum(b for root, b in sizes if root) + blocks * max((b for root, b in sizes if not root), default=0)
+
+    return {"grad packs": part("ship", 2), "fetch staging": part("fetch", depth + 1),
+            "optimizer": part("step", depth + 1)}
+
+
+def pool_bytes(units: list[UnitSize], p: Placement, c: int, cuda: bool, room: int | None = None,
+               depth: int | None = None) -> int:
+    """The pool capacity a plan gives the engine: what the schedule needs (`pool_parts`), cut to `room` (the
+    host bytes left; the engine then waits for buffers instead of growing), but never below `pool_minimum`."""
+    want = sum(pool_parts(units, p, c, cuda, depth).values())
+    if room is not None:
+        want = min(want, max(0, room))
+    return max(want, pool_minimum(units, p, c, cuda))
 
 
 # ---- per tier ----------------------------------------------------------------------------------------------------
@@ -169,39 +247,6 @@ def device_parts(units: list[UnitSize], p: Placement, c: int, phase: str = "back
 def device_minimum(units: list[UnitSize], p: Placement, c: int) -> dict[str, int]:
     """The smallest device budget the schedule can live with: the backward phase without prefetching."""
     return device_parts(units, p, c, "backward", depth=0)
-
-
-def pool_minimum(units: list[UnitSize], p: Placement, c: int, cuda: bool) -> int:
-    """The smallest pool the engine accepts: one unit's optimizer working set, for units stepped through it."""
-    return max((step_bytes(u, c) for u in units if u.trainable and steps_through_pool(p.of(u.name), cuda)),
-               default=0)
-
-
-def pool_parts(units: list[UnitSize], p: Placement, c: int, cuda: bool,
-               depth: int | None = None) -> dict[str, int]:
-    """What a pool needs for the schedule at prefetch `depth` to run without waiting for buffers ([Note: the pool]):
-    "grad packs", "fetch staging" and "optimizer"."""
-    depth = p.prefetch_depth if depth is None else depth
-    packed = [u for u in units if u.trainable and packs_grads(p.of(u.name), cuda)]
-    packs = sum(4 * u.trainable for u in packed if u.is_root)
-    packs += 2 * max((4 * u.trainable for u in packed if not u.is_root), default=0)
-    from_disk = [u for u in units if p.of(u.name).params == Tier.NVME]
-    staging = sum(params_bytes(u, c) for u in from_disk if u.is_root)
-    staging += (depth + 1) * max((params_bytes(u, c) for u in from_disk if not u.is_root), default=0)
-    stepped = [u for u in units if u.trainable and steps_through_pool(p.of(u.name), cuda)]
-    optim = sum(step_bytes(u, c) for u in stepped if u.is_root)
-    optim += (depth + 1) * max((step_bytes(u, c) for u in stepped if not u.is_root), default=0)
-    return {"grad packs": packs, "fetch staging": staging, "optimizer": optim}
-
-
-def pool_bytes(units: list[UnitSize], p: Placement, c: int, cuda: bool, room: int | None = None,
-               depth: int | None = None) -> int:
-    """The pool capacity a plan gives the engine: what the schedule needs (`pool_parts`), cut to `room` (the
-    host bytes left; the engine then waits for buffers instead of growing), but never below `pool_minimum`."""
-    want = sum(pool_parts(units, p, c, cuda, depth).values())
-    if room is not None:
-        want = min(want, max(0, room))
-    return max(want, pool_minimum(units, p, c, cuda))
 
 
 @dataclass

@@ -61,6 +61,8 @@ def wrap(model: nn.Module, placement: Placement | None = None, *, compute_dtype:
         raise UsageError("wrap(device=...): cuda was asked for but torch sees no CUDA device; use device='cpu'")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cpu":
+        device = torch.device("cpu")  # "cpu:0" is the CPU: one device, compared equal to every CPU tensor's
     engine = OffloadEngine(model, placement, compute_dtype or torch.float32, device, units, disk=disk)
     attach(model, engine)  # state_dict / load_state_dict through the tiers, parameter reads (module_state.py)
     return model

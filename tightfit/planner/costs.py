@@ -25,7 +25,8 @@ import math
 from dataclasses import dataclass, field, replace
 
 from tightfit.offload import memory_model as mm
-from tightfit.offload.placement import Placement, State, Tier
+from tightfit.offload.device_kind import separate_memory
+from tightfit.offload.placement import ROOT_UNIT, Placement, State, Tier
 from tightfit.planner.hardware import HardwareProfile
 from tightfit.planner.model_profile import ModelProfile, UnitProfile, Work
 
@@ -138,7 +139,7 @@ def step_memory(profile: ModelProfile, placement: Placement, hw: HardwareProfile
         room = placement.host_budget - mm.tier_states(units, placement, c)[Tier.HOST]
         if shares_ram(placement, hw):
             room -= mm.step_memory(units, placement, c, hw.cuda, act, pool=0).peak("device")
-    pool = mm.pool_bytes(units, placement, c, hw.cuda, room)
+    pool = mm.pool_bytes(units, placement, c, separate_memory("cuda" if hw.cuda else "cpu"), room)
     return mm.step_memory(units, placement, c, hw.cuda, act, pool)
 
 
@@ -179,6 +180,12 @@ def traffic(profile: ModelProfile, placement: Placement, shape: TrainShape) -> d
     t = {"h2d": 0.0, "d2h": 0.0, "nvme_read": 0.0, "nvme_write": 0.0, "h2d_opt": 0.0, "nvme_read_opt": 0.0,
          "nvme_write_opt": 0.0}
     a = shape.grad_accum
+    blocks = [u.name for u in profile.units if u.name != ROOT_UNIT]
+    # Fetched last in forward and kept for backward: their staging buffer is their step's fp32 master ([Note: master
+    # from the fetch] in offload/step/unit.py). (With a step declared before backward, as `tightfit train` does, every
+    # unit's backward fetch is; counted only for these, the reads are an upper bound.)
+    last_fetched = {ROOT_UNIT, *blocks[len(blocks) - placement.prefetch_depth:]} if placement.prefetch_depth else {
+        ROOT_UNIT}
     for u in profile.units:
         up = placement.of(u.name)
         p = u.numel * shape.compute_bytes
@@ -208,7 +215,7 @@ def traffic(profile: ModelProfile, placement: Placement, shape: TrainShape) -> d
             if state_bytes(u, State.MASTER, placement, shape):  # a separate master, counted above
                 t["nvme_write_opt"] += u.trainable * shape.compute_bytes  # the compute copy's refreshed prefix
             else:  # fp32 params are their own master: the step reads and rewrites their trainable prefix
-                t["nvme_read_opt"] += g
+                t["nvme_read_opt"] += 0 if u.name in last_fetched else g
                 t["nvme_write_opt"] += g
     return t
 

@@ -175,10 +175,10 @@ def swap_copy(unit, with_optim: bool) -> SwapCopy:
 def state_groups(model, opt):
     """What a checkpoint of `model` holds, a unit at a time: (group, [(key, tensor)]) read through memory, or a
     SwapCopy for a unit whose states are on NVMe. Plain models: `state_io.export_groups`."""
-    from tightfit.offload.step.engine import _ENGINES
+    from tightfit.offload.step.engine import find_engine
     from tightfit.offload.model_state.state_io import export_groups, export_unit, quiesce
 
-    engine = _ENGINES.get(model)
+    engine = find_engine(model)
     if engine is None:
         yield from export_groups(model, opt)
         return

@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from tightfit.errors import UsageError
 from tightfit.offload.runtime.aligned import aligned_empty
-from tightfit.offload.step.engine import _ENGINES, OffloadEngine
+from tightfit.offload.step.engine import OffloadEngine, find_engine
 from tightfit.offload.step.unit import EXP_AVG, EXP_AVG_SQ, OffloadUnit
 from tightfit.offload.placement import State
 from tightfit.offload.step.units import find_units
@@ -48,7 +48,7 @@ def export_state(model: nn.Module, opt: torch.optim.Optimizer | None = None, *,
 def export_groups(model: nn.Module, opt: torch.optim.Optimizer | None = None, *, trainable_only: bool = False
                   ) -> Iterator[tuple[str, list[tuple[str, torch.Tensor]]]]:
     """What `export_state` yields, one unit at a time: (unit name, [(key, CPU tensor), ...]), fresh copies."""
-    engine = _ENGINES.get(model)
+    engine = find_engine(model)
     if engine is None:
         yield from _export_plain(model, opt, trainable_only)
     else:
@@ -59,7 +59,7 @@ def import_state(model: nn.Module, opt: torch.optim.Optimizer | None, get: Calla
                  trainable_only: bool = False) -> None:
     """Load what `export_state` wrote (from a plain or a wrapped run) into `model` and, if given, `opt`.
     trainable_only: only parameters with requires_grad are read; frozen ones keep their values."""
-    engine = _ENGINES.get(model)
+    engine = find_engine(model)
     if engine is None:
         _import_plain(model, opt, get, trainable_only)
     else:

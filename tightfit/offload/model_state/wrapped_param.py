@@ -45,8 +45,8 @@ import torch.nn as nn
 from torch._C import DisableTorchFunctionSubclass
 
 from tightfit.errors import UsageError
-from tightfit.offload.step.unit import PARAMS, GradsState, OffloadUnit, ParamsState
-from tightfit.offload.step.scheduler import Phase
+from tightfit.offload.step.lifecycle import Event, ParamsState
+from tightfit.offload.step.unit import PARAMS, OffloadUnit
 from tightfit.offload.step.units import Slot
 
 
@@ -130,7 +130,7 @@ class OffloadedParameter(nn.Parameter):
         for a in (*args, *kwargs.values()) if kwargs else args:
             if isinstance(a, OffloadedParameter):
                 info = _SLOTS.get(id(a))
-                if info is not None and info.state.engine.phase is not Phase.IDLE:
+                if info is not None and info.state.engine.computing:
                     return _disabled(func, types, args, kwargs)
                 break
         if getattr(_local, "depth", 0):
@@ -173,13 +173,14 @@ def _engine_busy(info: ParamInfo) -> bool:
     """In the engine's forward or backward (its phase; BACKWARD from the first backward hook to the end of
     backward): the engine decides what is in memory; everything passes through."""
     engine = info.state.engine
-    return engine.phase is not Phase.IDLE or engine._in_backward
+    return engine.computing
 
 
 def _valid(info: ParamInfo) -> bool:
     """Does the parameter's storage hold its values now (materialised, resident, or staged for a load)?"""
     unit = info.unit
-    return unit.params_state in (ParamsState.RESIDENT, ParamsState.READY) or info.state.is_staged(unit)
+    return (unit.params_state in (ParamsState.RESIDENT, ParamsState.READY, ParamsState.KEPT_FOR_STEP)
+            or info.state.is_staged(unit))
 
 
 def _stable(info: ParamInfo) -> bool:
@@ -335,8 +336,7 @@ def _drop_grad(info: ParamInfo) -> None:
     unit.grad_norms[i] = None
     if not any(unit.has_grad):  # as engine.zero_grad does for the whole unit
         engine.cache.drop(unit.name, keep=(PARAMS,))
-        if unit.grads_state != GradsState.SHIPPING:
-            unit.grads_to(GradsState.EMPTY)
+        unit.life.on(Event.ZERO_GRAD)  # wait_grads: nothing is shipping
 
 
 # ---- foreign optimizers --------------------------------------------------------------------------------------

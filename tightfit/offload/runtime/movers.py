@@ -7,18 +7,21 @@ still reads it). Both movers now hand out the same `Transfer` and follow the sam
 complete copies late on purpose and check the rules (`strict`), which is how the test suite runs.
 
 [Note: the mover contract]
-1. `fetch(store, unit, entry, dst)` starts filling `dst` (a unit's device buffer) and returns a `Transfer`. Nothing
-   reads `dst` before `wait(transfer)`; nothing frees it before `wait` or `cancel`.
+1. `fetch(store, unit, entry, dst, staging)` starts filling `dst` (a unit's device buffer) and returns a `Transfer`;
+   from a tier that is not addressable memory the bytes pass through `staging`, a buffer of the caller's grant
+   (runtime/host_memory.py). Nothing reads `dst` before `wait(transfer)`; nothing frees it before `wait` or
+   `cancel`.
 2. `wait(transfer)` orders the compute after the copy. CUDA: the host waits only for a disk read still running (a
    copy cannot be issued before its bytes are in host memory), then the compute stream waits on the copy's event;
    the host never waits for the GPU. CPU: the compute "stream" is the host thread, so it waits for the copy.
 3. `cancel(transfer)`: `dst` is about to be freed. A copy not yet issued is dropped; one already issued is ordered
    before whatever the compute stream does next (CUDA: an event wait, no host sync; CPU: the host waits for it).
-4. `pack_grads(...)` starts copying gradients, in their own dtype, into a pooled host buffer; the transfer's
-   `done` future gives the buffer once the host may read it (CUDA: after the copy's event, seen by the one
-   completion thread). The gradients stay alive until the copy has read them.
-5. A pool buffer goes back to the pool only when every transfer that reads or writes it is done: the mover itself
-   returns a staging buffer from the transfer's completion, also when the read failed or the fetch was cancelled.
+4. `pack_grads(grads, buf)` starts copying gradients, in their own dtype, into `buf` (a granted host buffer); the
+   transfer's `done` completes once the host may read it (CUDA: after the copy's event, seen by the one completion
+   thread). The gradients stay alive until the copy has read them.
+5. The mover owns no host buffer. Whoever granted one gives it back after the `done` of every transfer that touches
+   it (`Grant.give(name, after=t.done)`); `done` completes also when the read failed or the fetch was cancelled,
+   and only then is nothing touching the buffer any more.
 6. The host waits for a device copy to complete only through `sync`, which counts it (`stats`): the engine does so
    only in backward under a tight device budget, never in forward.
 
@@ -37,12 +40,15 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import torch
 
-from tightfit.offload.runtime.host_memory import BufferPool
-from tightfit.offload.tiers.stores import TierStore
+from tightfit.offload.runtime.host_memory import HostPool
 from tightfit.utils import ranges
+
+if TYPE_CHECKING:
+    from tightfit.offload.tiers.stores import TierStore
 
 
 class MoverContractError(AssertionError):
@@ -54,7 +60,7 @@ class Transfer:
     `event` recorded) or was dropped; `done`: it is complete as the host sees it, with the host buffer it leaves
     (a pack) as result."""
 
-    __slots__ = ("issued", "done", "event", "lock", "cancelled", "running", "kept")
+    __slots__ = ("issued", "done", "event", "lock", "cancelled", "running")
 
     def __init__(self) -> None:
         self.issued: Future = Future()
@@ -63,7 +69,6 @@ class Transfer:
         self.lock = threading.Lock()  # orders issuing against cancelling
         self.cancelled = False
         self.running = False  # CPU only: the copy has started
-        self.kept: torch.Tensor | None = None  # a disk fetch's staging buffer, kept for the caller (CPU)
 
     def fail(self, error: BaseException) -> None:
         for f in (self.issued, self.done):
@@ -86,6 +91,11 @@ def strict_from_env() -> bool:
     return os.environ.get("TIGHTFIT_STRICT_MOVER", "") == "1"
 
 
+def strict_seed() -> int:
+    """Seed of the strict mode's random delays (TIGHTFIT_STRICT_SEED; 0): a stress test runs many."""
+    return int(os.environ.get("TIGHTFIT_STRICT_SEED", "0"))
+
+
 class CpuMover:
     """No GPU: the "device" is host memory with a budget, so a fetch is a memcpy, or a disk read and a memcpy.
 
@@ -94,7 +104,7 @@ class CpuMover:
     pending copy touches it, raise `MoverContractError` (on the caller's thread at once, or at the next mover call
     when a copy thread found it); the pool poisons lent and returned buffers."""
 
-    def __init__(self, pool: BufferPool, threads: int = 2, strict: bool = False, max_delay_s: float = 0.002,
+    def __init__(self, pool: HostPool, threads: int = 2, strict: bool = False, max_delay_s: float = 0.002,
                  seed: int = 0) -> None:
         self.pool = pool
         self.strict = strict
@@ -114,19 +124,19 @@ class CpuMover:
     # ---- the contract ------------------------------------------------------------------------------------------
 
     def fetch(self, store: TierStore, unit: str, entry: str, dst: torch.Tensor,
-              keep_staging: bool = False) -> Transfer:
-        """Start filling `dst` from the store. keep_staging: a disk read's staging buffer (the bytes just fetched)
-        is kept for the caller, returned by `wait`, instead of going back to the pool."""
+              staging: torch.Tensor | None = None) -> Transfer:
+        """Start filling `dst` from the store: directly from addressable memory, else read into `staging` (a
+        granted buffer, 4096-byte aligned for O_DIRECT, of `dst`'s size and dtype) and copied from there."""
         self._raise_violations()
         t = Transfer()
         span = _span(dst)  # what `dst` is now: the copy checks it is still there when it runs
         src = store.tensor(unit, entry)
         if src is not None:
-            self._issue(t, dst, span, src, staging=None, keep=False)
+            self._issue(t, dst, span, src)
             return t
-        # Disk: read into an aligned staging buffer (O_DIRECT needs 4096-byte aligned memory), then copy into place.
+        if staging is None:
+            raise ValueError(f"fetch of {unit}/{entry} from a tier that is not memory needs a staging buffer")
         # The copy is queued once the read is done, so no copy thread sits blocked on the disk.
-        staging = self.pool.take(dst.numel(), dst.dtype)
         read = store.load(unit, entry, staging, urgent=True)
         box = [staging]  # emptied on use: the read future keeps this callback as long as it lives
         del staging
@@ -134,22 +144,19 @@ class CpuMover:
         def on_read(done: Future) -> None:
             buf = box.pop()
             if done.exception() is not None:
-                self.pool.give(buf)  # a failed read returns its buffer too
                 t.fail(done.exception())
                 return
-            self._issue(t, dst, span, buf, staging=buf, keep=keep_staging)
+            self._issue(t, dst, span, buf)
 
         read.add_done_callback(on_read)
         return t
 
-    def wait(self, t: Transfer) -> torch.Tensor | None:
-        """Order the compute after `t` (here: the host waits for it); the staging buffer it kept, or None."""
+    def wait(self, t: Transfer) -> None:
+        """Order the compute after `t` (here: the host waits for it)."""
         self._raise_violations()
         with ranges.span("tightfit::wait"):  # compute blocked on a copy: what the profile shows as exposed
             t.done.result()
         self._raise_violations()
-        kept, t.kept = t.kept, None
-        return kept
 
     def cancel(self, t: Transfer) -> None:
         """The destination of `t` is about to be freed: drop the copy if it has not started, else wait for it."""
@@ -163,24 +170,17 @@ class CpuMover:
             t.done.result()
         except BaseException:  # noqa: BLE001 - the fetch's error dies with the buffer it was filling
             pass
-        if t.kept is not None:
-            self.pool.give(t.kept)
-            t.kept = None
 
     def sync(self, t: Transfer):
         """The host waits for `t` to complete (counted: on CUDA this is a wait for the GPU)."""
         self.stats["host_waits_on_device"] += 1
         return t.done.result()
 
-    def pack_grads(self, grads: list[tuple[tuple[int, torch.Size], torch.Tensor]], numel: int,
-                   dtype: torch.dtype) -> Transfer:
-        """Copy gradients into one pooled host buffer of `numel` elements of `dtype` (theirs: no conversion on the
-        way, the reader upcasts); `done` gives the buffer. `grads` pairs a slot's (offset, shape) in the unit's
-        flat layout with its gradient; regions of slots without one are left unwritten."""
+    def pack_grads(self, grads: list[tuple[tuple[int, torch.Size], torch.Tensor]], buf: torch.Tensor) -> Transfer:
+        """Copy gradients into `buf`, a granted host buffer of their dtype (no conversion on the way: the reader
+        upcasts). `grads` pairs a slot's (offset, shape) in the unit's flat layout with its gradient; regions of
+        slots without one are left unwritten."""
         self._raise_violations()
-        # Taken here, on the caller's thread: a full pool holds backward back ([Note: staging memory]), never a
-        # copy thread that a fetch's copy, returning a buffer, may be queued behind.
-        buf = self.pool.take(numel, dtype)
         t = Transfer()
         self.stats["bytes_to_host"] += sum(g.numel() for _, g in grads) * buf.element_size()  # what lands on the host
 
@@ -189,27 +189,30 @@ class CpuMover:
                 _region(buf, view).copy_(g)
 
         touches = [buf, *(g for _, g in grads)]
-        self._run(t, pack, touches, [_span(x) for x in touches], result=lambda: buf, label="tightfit::pack_grads")
+        self._run(t, pack, touches, [_span(x) for x in touches], label="tightfit::pack_grads")
         return t
 
-    def copy_in(self, src: torch.Tensor, dst: torch.Tensor, after: Future) -> Transfer:
-        """Fill `dst` from `src`, a pool buffer that goes back to the pool once copied and `after` is done."""
+    def copy_in(self, src: torch.Tensor, dst: torch.Tensor) -> Transfer:
+        """Fill `dst` (device memory) from `src`, a granted host buffer: its grant gives it back after `done`."""
         t = Transfer()
-        box = [src]
 
         def copy() -> None:
-            dst.copy_(box[0])
+            dst.copy_(src)
 
-        def finish() -> None:
-            self.pool.give_after(after, box.pop())  # the write-back `after` reads it too
-
-        self._run(t, copy, [dst, src], [_span(dst), _span(src)], on_done=finish, on_cancel=finish,
-                  label="tightfit::copy_in")
+        self._run(t, copy, [dst, src], [_span(dst), _span(src)], label="tightfit::copy_in")
         return t
 
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> Future:
-        """A plain copy between two memories, off the caller's thread (a tier store's load or save)."""
-        return self.copier.submit(dst.copy_, src)
+        """A plain copy between two memories, off the caller's thread (a tier store's load or save); late, in strict
+        mode, as a copy on a GPU's stream is."""
+        delay = self._rng.uniform(0, self.max_delay_s) if self.strict else 0.0
+
+        def copy() -> None:
+            if delay:
+                time.sleep(delay)
+            dst.copy_(src)
+
+        return self.copier.submit(copy)
 
     def close(self) -> None:
         self.copier.shutdown(wait=True)
@@ -217,28 +220,16 @@ class CpuMover:
 
     # ---- the machinery -----------------------------------------------------------------------------------------
 
-    def _issue(self, t: Transfer, dst: torch.Tensor, span: tuple[int, int], src: torch.Tensor,
-               staging: torch.Tensor | None, keep: bool) -> None:
+    def _issue(self, t: Transfer, dst: torch.Tensor, span: tuple[int, int], src: torch.Tensor) -> None:
         self.stats["bytes_to_device"] += dst.numel() * dst.element_size()
 
         def copy() -> None:
             dst.copy_(src)
 
-        def finish() -> None:
-            if staging is not None:
-                if keep:
-                    t.kept = staging
-                else:
-                    self.pool.give(staging)
+        self._run(t, copy, [dst, src], [span, _span(src)], label="tightfit::fetch")
 
-        def dropped() -> None:
-            if staging is not None:
-                self.pool.give(staging)
-
-        self._run(t, copy, [dst, src], [span, _span(src)], on_done=finish, on_cancel=dropped, label="tightfit::fetch")
-
-    def _run(self, t: Transfer, fn, touches: list[torch.Tensor], spans: list[tuple[int, int]], result=None,
-             on_done=None, on_cancel=None, label: str = "tightfit::copy") -> None:
+    def _run(self, t: Transfer, fn, touches: list[torch.Tensor], spans: list[tuple[int, int]],
+             label: str = "tightfit::copy") -> None:
         """Run `fn` on a copy thread (late, in strict mode), unless `t` is cancelled before it starts. `spans`: each
         touched tensor's storage (address, bytes) when the transfer was started; a copy whose buffer has changed
         since fails (always: copying into freed memory would not fail, it would corrupt)."""
@@ -255,8 +246,6 @@ class CpuMover:
             with t.lock:
                 if t.cancelled:
                     self._forget(t)
-                    if on_cancel is not None:
-                        on_cancel()
                     t.done.set_result(None)
                     return
                 t.running = True
@@ -266,21 +255,15 @@ class CpuMover:
                     fn()
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the transfer
                 self._forget(t)
-                if on_cancel is not None:
-                    on_cancel()
                 t.fail(e)
                 return
             self._forget(t)
-            if on_done is not None:
-                on_done()
-            t.done.set_result(result() if result is not None else None)
+            t.done.set_result(None)
 
         try:
             self.copier.submit(run)
         except RuntimeError as e:  # the mover was closed while a disk read was in flight
             self._forget(t)
-            if on_cancel is not None:
-                on_cancel()
             t.fail(e)
 
     def _check_alive(self, touches: list[torch.Tensor], spans: list[tuple[int, int]]) -> None:
@@ -340,40 +323,39 @@ class _Completions:
 
 
 class CudaMover:
-    """GPU: page-locked staging from the pool, a host-to-device and a device-to-host stream, events for ordering.
+    """GPU: page-locked staging granted by the pool, a host-to-device and a device-to-host stream, events for ordering.
 
     Hot path (the thread running forward or backward): only issues copies and `wait_event`s; it never waits for
-    the GPU. Staging buffers go back to the pool from the completion thread once their copy's event is reached.
+    the GPU. A transfer's `done` is completed by the completion thread once its copy's event is reached.
     """
 
-    def __init__(self, pool: BufferPool, device: torch.device) -> None:
+    def __init__(self, pool: HostPool, device: torch.device) -> None:
         self.pool = pool
         self.device = device
-        # h2d: parameter fetches (overlap the compute of the units before). d2h: gradient packs (overlap the
-        # backward of the units after). Both live as long as the engine.
+        # h2d: parameter fetches and uploads of refreshed compute params (overlap the compute of the units before).
+        # d2h: gradient packs and the tier stores' device-to-host copies (overlap the backward of the units after,
+        # and the optimizer). Both live as long as the engine.
         self.h2d = torch.cuda.Stream(device)
         self.d2h = torch.cuda.Stream(device)
         self.completions = _Completions()
-        # Plain copies of tier stores (device tier <-> pageable host buffers) run here, off the hot path.
-        self.copier = ThreadPoolExecutor(1, thread_name_prefix="tightfit-cuda-copy")
         self.stats: Counter = Counter()
 
     def _event(self):
         return torch.cuda.Event(blocking=True)
 
     def fetch(self, store: TierStore, unit: str, entry: str, dst: torch.Tensor,
-              keep_staging: bool = False) -> Transfer:
-        """As CpuMover.fetch; staging buffers are never kept here (`keep_staging` is ignored: the step of a unit
-        computed on a GPU does not run on its compute copy)."""
+              staging: torch.Tensor | None = None) -> Transfer:
+        """As CpuMover.fetch."""
         t = Transfer()
         # `dst` was (re)allocated on the compute stream; the copy must not start before that point of it.
         alloc = self._event()
         alloc.record(torch.cuda.current_stream(self.device))
         src = store.tensor(unit, entry)
         if src is not None:  # page-locked host (or device) memory: one async copy, issued now
-            self._issue(t, dst, src, alloc, staging=None)
+            self._issue(t, dst, src, alloc)
             return t
-        staging = self.pool.take(dst.numel(), dst.dtype)
+        if staging is None:
+            raise ValueError(f"fetch of {unit}/{entry} from a tier that is not memory needs a staging buffer")
         read = store.load(unit, entry, staging, urgent=True)
         box = [staging]
         del staging
@@ -381,30 +363,21 @@ class CudaMover:
         def on_read(done: Future) -> None:  # an NVMe thread
             buf = box.pop()
             if done.exception() is not None:
-                self.pool.give(buf)
                 t.fail(done.exception())
                 return
-            self._issue(t, dst, buf, alloc, staging=buf)
+            self._issue(t, dst, buf, alloc)
 
         read.add_done_callback(on_read)
         return t
 
-    def _issue(self, t: Transfer, dst: torch.Tensor, src: torch.Tensor, alloc, staging) -> None:
+    def _issue(self, t: Transfer, dst: torch.Tensor, src: torch.Tensor, alloc) -> None:
         with t.lock:
             if t.cancelled:
-                if staging is not None:
-                    self.pool.give(staging)
                 t.issued.set_result(None)
                 t.done.set_result(None)
                 return
             self._upload(t, dst, src, alloc)
-
-        def complete() -> None:
-            if staging is not None:
-                self.pool.give(staging)
-            t.done.set_result(None)
-
-        self.completions.add(t.event, complete)
+        self.completions.add(t.event, lambda: t.done.set_result(None))
 
     def _upload(self, t: Transfer, dst: torch.Tensor, src: torch.Tensor, after_event) -> None:
         """Issue `dst <- src` on the h2d stream after `after_event`; record its event on `t`, mark `t` issued."""
@@ -419,12 +392,11 @@ class CudaMover:
     def wait(self, t: Transfer) -> None:
         t.issued.result()  # a disk read still running: host memory, not the GPU
         torch.cuda.current_stream(self.device).wait_event(t.event)
-        return None
 
     def cancel(self, t: Transfer) -> None:
         with t.lock:
             if not t.issued.done():
-                t.cancelled = True  # issued never: the read's callback gives the staging buffer back
+                t.cancelled = True  # issued never: `done` completes when the read's callback sees this
                 self.stats["cancelled"] += 1
                 return
         if t.event is not None:  # the memory goes back to the compute stream's pool after the copy
@@ -434,11 +406,9 @@ class CudaMover:
         self.stats["host_waits_on_device"] += 1
         return t.done.result()
 
-    def pack_grads(self, grads: list[tuple[tuple[int, torch.Size], torch.Tensor]], numel: int,
-                   dtype: torch.dtype) -> Transfer:
+    def pack_grads(self, grads: list[tuple[tuple[int, torch.Size], torch.Tensor]], buf: torch.Tensor) -> Transfer:
         # In the gradients' own dtype: a copy that also converted would convert on the GPU (an unmetered fp32
         # temporary per gradient) and move twice the bytes; the gradient worker upcasts on the host.
-        buf = self.pool.take(numel, dtype)
         t = Transfer()
         produced = self._event()
         produced.record(torch.cuda.current_stream(self.device))
@@ -454,28 +424,41 @@ class CudaMover:
         t.event = ev
         t.issued.set_result(None)
         self.stats["bytes_to_host"] += sum(g.numel() for _, g in grads) * buf.element_size()  # what lands on the host
-        self.completions.add(ev, lambda: t.done.set_result(buf))
+        self.completions.add(ev, lambda: t.done.set_result(None))
         return t
 
-    def copy_in(self, src: torch.Tensor, dst: torch.Tensor, after: Future) -> Transfer:
-        """As CpuMover.copy_in: `src` is a page-locked pool buffer; the copy is issued now, after the compute
-        stream's work so far (earlier users of `dst`), and `src` goes back once copied and `after` is done."""
+    def copy_in(self, src: torch.Tensor, dst: torch.Tensor) -> Transfer:
+        """As CpuMover.copy_in: `src` is a page-locked granted buffer; the copy is issued now, after the compute
+        stream's work so far (earlier users of `dst`)."""
         t = Transfer()
         users = self._event()
         users.record(torch.cuda.current_stream(self.device))
         self._upload(t, dst, src, users)
-        box = [src]
-
-        def complete() -> None:
-            self.pool.give_after(after, box.pop())
-            t.done.set_result(None)
-
-        self.completions.add(t.event, complete)
+        self.completions.add(t.event, lambda: t.done.set_result(None))
         return t
 
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> Future:
-        return self.copier.submit(dst.copy_, src)
+        """A tier store's copy between device and host memory (device-tier states of a step on the CPU), on the d2h
+        or h2d stream after the compute stream's work so far; the future completes from the completion thread. No
+        thread blocks on the copy: the caller waits for the future when it needs the bytes."""
+        fut: Future = Future()
+        to_device = dst.device.type == "cuda"
+        stream = self.h2d if to_device else self.d2h
+        ready = self._event()
+        ready.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            stream.wait_event(ready)
+            dst.copy_(src, non_blocking=True)
+            for x in (dst, src):
+                if x.device.type == "cuda":
+                    x.record_stream(stream)
+            ev = self._event()
+            ev.record(stream)
+        if to_device:  # what computes with (or reads back) the device copy next is ordered after it
+            torch.cuda.current_stream(self.device).wait_event(ev)
+        self.stats["bytes_to_device" if to_device else "bytes_to_host"] += dst.numel() * dst.element_size()
+        self.completions.add(ev, lambda: fut.set_result(None))
+        return fut
 
     def close(self) -> None:
         self.completions.close()
-        self.copier.shutdown(wait=True)

@@ -5,7 +5,9 @@ meter or as a pool `take` that waits forever. The arithmetic is the memory model
 the planner predicts with: the smallest device budget is the backward phase without prefetching (device-tier
 states + the root unit + two blocks' params and gradients: two units overlap in backward, because a unit's
 backward starts when its output gradient is ready, which can be before the unit after it has accumulated its last
-parameter gradient); the smallest host budget is the host tier + one unit's optimizer working set.
+parameter gradient); the smallest host budget is the host tier + the largest single job's buffers ([Note: jobs and
+grants] in runtime/host_memory.py: a pool that holds the largest job cannot deadlock, and every budget accepted here
+runs).
 """
 
 from __future__ import annotations
@@ -42,9 +44,15 @@ def _placement_of(units: dict[str, OffloadUnit]) -> Placement:
     return Placement(units={u.name: u.placement for u in units.values()})
 
 
-def check_budgets(units: dict[str, OffloadUnit], p: Placement, device: torch.device) -> None:
-    """Raise a UsageError naming what does not fit when a budget cannot hold one step of these units."""
-    sizes, c, cuda = unit_sizes(units), _compute_bytes(units), device.type == "cuda"
+def largest_job(units: dict[str, OffloadUnit], separate: bool) -> tuple[int, str]:
+    """(bytes, "job of unit") of the largest buffer set any job of these units is granted at once."""
+    return mm.largest_job(unit_sizes(units), _placement_of(units), _compute_bytes(units), separate)
+
+
+def check_budgets(units: dict[str, OffloadUnit], p: Placement, separate: bool) -> None:
+    """Raise a UsageError naming what does not fit when a budget cannot hold one step of these units.
+    separate: device memory apart from host memory (device_kind.py)."""
+    sizes, c = unit_sizes(units), _compute_bytes(units)
     per_unit = _placement_of(units)
     if p.device_budget is not None:
         need = mm.device_minimum(sizes, per_unit, c)
@@ -57,9 +65,9 @@ def check_budgets(units: dict[str, OffloadUnit], p: Placement, device: torch.dev
                 "states off the device tier, or split the model into smaller units")
     if p.host_budget is not None:
         host = mm.tier_states(sizes, per_unit, c)[Tier.HOST]
-        work = mm.pool_minimum(sizes, per_unit, c, cuda)
+        work, job = mm.largest_job(sizes, per_unit, c, separate)
         if host + work > p.host_budget:
             raise UsageError(
                 f"host budget {format_size(p.host_budget)} is too small: host-tier states take "
-                f"{format_size(host)} and one unit's optimizer step needs {format_size(work)} "
-                "of staging; raise --cpu-mem, place states on nvme, or use smaller units")
+                f"{format_size(host)} and the largest job ({job}) needs {format_size(work)} of staging at "
+                "once; raise --cpu-mem, place states on nvme, or use smaller units")

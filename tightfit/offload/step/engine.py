@@ -1,21 +1,24 @@
-"""The offload engine: owns the units, the tier stores and the mover, and reacts to the hooks' events.
+"""The offload engine: owns the units, the tier stores, the mover and the workers, and reacts to the hooks' events.
 
 Why one object: everything that must agree about a step (which units are on the device, how many device bytes are
 in use, which gradients are still travelling) lives here, so the invariants are checked in one place. It is
 found through `engine_of(model)` / `engine_of_param(p)`, two weak registries keyed by object identity: nothing is
 attached to the model's parameters.
 
-Life of a unit's parameters in one step (see docs/ENGINE.md for the full picture):
-  forward start    -> materialise (wait for the prefetch, or fetch now); prefetch the next `depth` units
-  forward end      -> release (storage freed; autograd's saved views stay valid, see flat_unit's note), unless
-                      the unit is among the first `depth` of the coming backward (it stays, idle)
-  backward start   -> materialise again; prefetch the next units in backward order
-  grads complete   -> ship the gradients to the grads tier (accumulating), release
-  end of backward  -> ship/release whatever the per-unit events did not (unused parameters, frozen units)
-The root unit is materialised from the model's forward start until its gradients are complete; when it is stepped
-during backward on a CPU device it stays materialised into the next step ([Note: master from the fetch]).
+The engine turns hook events into lifecycle events (lifecycle.py) and asks the scheduler (scheduler.py) what to move
+ahead; the work itself is done by collaborators it builds and hands what they need: the gradient shipper
+(gradients.py), the step runner (optimizer.py), the mover and the host pool (runtime/). Life of a unit's params in
+one step (docs/ENGINE.md draws it):
+  forward start    -> materialise (wait for the prefetch, or fetch now); the scheduler's moves for the next units
+  forward end      -> release (storage freed; autograd's saved views stay valid, see unit.py's note), unless the
+                      unit is among the first `depth` of the coming backward (it stays, idle)
+  backward start   -> materialise again; the scheduler's moves (fetches; preloads when a step follows)
+  grads complete   -> ship the gradients to the grads tier (accumulating), release; a step during backward starts
+  end of backward  -> finish whatever the per-unit events did not (unused parameters, frozen units)
+The root unit is materialised from the model's forward start until its gradients are complete.
 
-The device budget is metered by `DeviceMeter` (device_meter.py, [Note: device budget]).
+The device budget is metered by `DeviceMeter` (runtime/device_meter.py, [Note: device budget]); host buffers are
+granted per job by the pool ([Note: jobs and grants], runtime/host_memory.py).
 """
 
 from __future__ import annotations
@@ -25,32 +28,52 @@ import time
 import warnings
 import weakref
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from tightfit.errors import UsageError
-from tightfit.offload.runtime.aligned import aligned_empty
-from tightfit.offload.step.budget_checks import check_budgets, host_tier_bytes
-from tightfit.offload.runtime.device_meter import DeviceMeter, autocast_outside_budget
-from tightfit.offload.step.unit import MASTER, PARAMS, GradsState, OffloadUnit, ParamsState
-from tightfit.offload.step.gradients import ship_grads
-from tightfit.offload.step.hooks import queue_end_of_backward, register_hooks, remove_hooks
-from tightfit.offload.runtime.host_cache import HostCache
-from tightfit.offload.step.optimizer import preload
+from tightfit.offload.device_kind import separate_memory
 from tightfit.offload.placement import ROOT_UNIT, Placement, State, Tier
-from tightfit.offload.step.scheduler import Phase, Schedule
-from tightfit.offload.runtime.movers import CpuMover, CudaMover, Transfer, strict_from_env
-from tightfit.offload.runtime.host_memory import BufferPool, HostAllocator, RegisteredAllocator
-from tightfit.offload.tiers.stores import DiskStore, MemoryStore, TierStore
+from tightfit.offload.runtime.futures import all_done
+from tightfit.offload.runtime.device_meter import DeviceMeter, autocast_outside_budget
+from tightfit.offload.runtime.host_cache import Held, HostCache
+from tightfit.offload.runtime.host_memory import Grant, HostAllocator, HostPool, RegisteredAllocator
+from tightfit.offload.runtime.movers import CpuMover, CudaMover, strict_from_env, strict_seed
+from tightfit.offload.runtime.workers import Timers, Worker
+from tightfit.offload.step.budget_checks import check_budgets, host_tier_bytes, largest_job
+from tightfit.offload.step.gradients import GradientShipper
+from tightfit.offload.step.hooks import queue_end_of_backward, register_hooks, remove_hooks
+from tightfit.offload.step.lifecycle import Event, ParamsState, Phase
+from tightfit.offload.step.master_io import initialise, read_master, write_master
+from tightfit.offload.step.optimizer import Multipliers, StepRunner, Work
+from tightfit.offload.step.scheduler import MoveKind, Scheduler, StepPhase
+from tightfit.offload.step.unit import PARAMS, OffloadUnit
 from tightfit.offload.step.units import UnitPolicy, find_units
 from tightfit.offload.step.write_backs import WriteBacks
+from tightfit.offload.tiers.stores import DiskStore, MemoryStore, TierStore
+
 from tightfit.utils.sizes import format_size
 
 _ENGINES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # wrapped model -> its engine
 _PARAM_ENGINE: WeakIdKeyDictionary = WeakIdKeyDictionary()  # wrapped parameter -> its engine
+
+@dataclass(frozen=True)
+class DeclaredStep:
+    """An optimizer step the optimizer has declared to follow the coming backward."""
+
+    units: frozenset[str]
+    """Units with parameters in the optimizer: the only ones preloaded, held for and stepped."""
+    early: Callable | None = None
+    """Step a unit as soon as its gradients land (`AdamW.step_during_backward`): callable(unit)."""
+
+
+WORKER_DELAY_S = 0.002
+"""Strict mode: the most a gradient or step job waits before it starts (runtime/workers.py)."""
 
 
 def engine_of(model: nn.Module) -> "OffloadEngine":
@@ -59,6 +82,11 @@ def engine_of(model: nn.Module) -> "OffloadEngine":
     if engine is None:
         raise UsageError("this model is not wrapped; call tightfit.wrap(model, placement) first")
     return engine
+
+
+def find_engine(model: nn.Module) -> "OffloadEngine | None":
+    """The engine of a wrapped model, None for any other model."""
+    return _ENGINES.get(model)
 
 
 def engine_of_param(p: torch.Tensor) -> "OffloadEngine | None":
@@ -118,69 +146,78 @@ class OffloadEngine:
         if placement.uses(Tier.NVME) and not placement.nvme_dir:
             raise UsageError("placement puts states on nvme but gives no nvme_dir; pass --nvme PATH")
 
-        # The mover ([Note: the mover contract], movers.py) and the host memory it stages through. On CUDA, staging
-        # buffers and the host tier's params are page-locked by `RegisteredAllocator` (exactly metered, freed when
-        # dropped); nothing else is. The strict CPU mover (copies complete late, the contract checked) is what the
-        # test suite runs.
+        # Device memory apart from host memory (a GPU; the CPU suite's GPU-shaped CPU device): every byte between
+        # them crosses by a copy through page-locked memory (device_kind.py). The mover ([Note: the mover contract])
+        # and the pool it stages through: page-locked by `RegisteredAllocator` on CUDA (exactly metered, freed when
+        # dropped); the same mappings, not locked, on a GPU-shaped CPU device. The strict CPU mover (copies complete
+        # late, the contract checked) is what the test suite runs.
         cuda = device.type == "cuda"
-        self._pinned = RegisteredAllocator() if cuda else None
-        staging = RegisteredAllocator() if cuda else HostAllocator()
-        self.pool = BufferPool(None, allocator=staging)  # capacity set below, once the host tier is known
-        self.mover = CudaMover(self.pool, device) if cuda else CpuMover(self.pool, strict=strict_from_env())
+        self.separate = separate_memory(device.type)
+        strict = strict_from_env()
+        self._pinned = RegisteredAllocator() if cuda else RegisteredAllocator(register=False) if self.separate else None
+        staging = RegisteredAllocator() if cuda else (RegisteredAllocator(register=False) if self.separate
+                                                      else HostAllocator())
+        self.pool = HostPool(None, allocator=staging)  # capacity set below, once the host tier is known
+        self.mover = CudaMover(self.pool, device) if cuda else CpuMover(self.pool, strict=strict, seed=strict_seed())
         # The stores, one per tier. Device: the compute device. Host: CPU memory. Disk: created only when some state
-        # is placed there. All live until `close`. Copies across devices run on the mover's copy thread.
+        # is placed there. All live until `close`. Copies across the two memories run on the mover, off the caller.
         copier = self.mover.copy_async
         self.stores: dict[Tier, TierStore] = {
-            Tier.DEVICE: MemoryStore(Tier.DEVICE, device, copier=copier),
+            Tier.DEVICE: MemoryStore(Tier.DEVICE, device, copier=copier, remote=self.separate),
             Tier.HOST: MemoryStore(Tier.HOST, torch.device("cpu"), pinned=self._pinned, copier=copier),
         }
         if placement.uses(Tier.NVME):
-            # `disk` (nvme.DiskTuning, from wrap): overrides of the disk tuning the store derives by itself.
+            # `disk` (DiskTuning, from wrap): overrides of the disk tuning the store derives by itself.
             self.stores[Tier.NVME] = DiskStore(placement.nvme_dir, placement.nvme_budget,
                                                threads=disk.threads if disk else None,
                                                chunk_bytes=disk.chunk_bytes if disk else None)
         self.units: dict[str, OffloadUnit] = {
-            s.name: OffloadUnit(s, placement.of(s.name), self.stores, compute_dtype, device) for s in specs}
-        check_budgets(self.units, placement, device)
+            s.name: OffloadUnit(s, placement.of(s.name), self.stores, compute_dtype, device, self.separate)
+            for s in specs}
+        try:
+            check_budgets(self.units, placement, self.separate)
+        except BaseException:
+            self._close_stores()
+            raise
 
-        # [Note: staging memory] in staging.py: every transfer and optimizer working buffer comes from this pool.
+        # [Note: jobs and grants] in host_memory.py: every transfer and optimizer buffer is granted by this pool.
         self.pool.capacity = (None if placement.host_budget is None
                               else placement.host_budget - host_tier_bytes(self.units))
-        # What is held ahead of (or past) a transfer, for every unit: one cache, one admission rule that keeps the
-        # largest unit's step working set free beside it ([Note: host cache admission], host_cache.py).
-        self.cache = HostCache(self.pool, reserve=max(u.step_bytes for u in self.units.values()))
+        self.pool.largest_job = largest_job(self.units, self.separate)[0]
+        self.cache = HostCache()  # what is held ahead of (or past) a transfer, for every unit
+        self.timers = Timers()
+        delay = WORKER_DELAY_S if strict else 0.0
         # Gradient worker: accumulates gradients that left the device into their host/disk tier, one unit after
         # another, overlapping the backward of the units after. One thread keeps micro-batches of a unit in order.
-        # Shut down by `close`.
-        self.grad_worker = ThreadPoolExecutor(1, thread_name_prefix="tightfit-grads")
         # Step thread: runs the optimizer step of a unit during backward (`AdamW.step_during_backward`), as soon
-        # as the unit's last gradients have landed, overlapping the backward of the units before it. Its futures
-        # are collected in `_early_steps` and awaited by the next `opt.step()`. Shut down by `close`.
-        self.step_worker = ThreadPoolExecutor(1, thread_name_prefix="tightfit-step")
-        self.early_step = None  # set by the optimizer for one backward: callable(unit) -> None
-        # Set by the optimizer for one backward (`AdamW.preload_during_backward`): a step follows it (after backward:
-        # it clips or unscales), so each unit's master and moments start loading as its backward starts.
-        self.preload_step = False
-        self._early_steps: list[Future] = []
+        # as the unit's last gradients have landed, overlapping the backward of the units before it; its futures
+        # are awaited by the next `opt.step()`. Both shut down by `close`.
+        self.grad_worker = Worker("tightfit-grads", delay, seed=strict_seed() + 1)
+        self.step_worker = Worker("tightfit-step", delay, seed=strict_seed() + 2)
         self.writes = WriteBacks()  # the optimizer's write-backs in flight (write_backs.py)
-        self.schedule = Schedule(placement.prefetch_depth)
-        self.phase = Phase.IDLE
-        self._in_backward = False
+        self.scheduler = Scheduler(placement.prefetch_depth)
         self.meter = DeviceMeter(self.stores[Tier.DEVICE], placement.device_budget, self.mover)
+        self.shipper = GradientShipper(self.pool, self.mover, self.cache, self.grad_worker, self.timers)
+        self.stepper = StepRunner(self.pool, self.cache, self.mover, self.writes, self.scheduler, self.timers,
+                                  device, self.separate)
+        self.phase = StepPhase.IDLE
+        # Declared by the optimizer for one backward (`declare_step`): a step of these units follows it, run during
+        # backward as each unit's gradients land (`early`), or after it (it clips or unscales); either way each unit's
+        # master and moments start loading as its backward starts.
+        self.declared: DeclaredStep | None = None
+        self._early_steps: list[Future] = []
         self._active: set[str] = set()  # units materialised because they compute now (not mere prefetches)
-        self._timers: dict[str, float] = {}
+        self._grads_charged: dict[str, int] = {}  # device bytes of this backward's param.grads, per unit
         self._warned_autocast = False
-        self._t_step = None
+        self._t_step = self._t_bwd = None
         self.backwards = 0  # backward passes finished (the optimizer warns when one left it nothing to step)
         self.on_close: list = []  # callables run first by `close` (module_state.attach's removal)
 
         try:
             for unit in self.units.values():
-                self._initialise(unit)
+                initialise(unit, self.stores, self.meta_init, self.compute_dtype)
         except BaseException:  # e.g. a full swap disk: a refused wrap leaves no threads, swap files or lock behind
-            for store in self.stores.values():
-                with contextlib.suppress(Exception):
-                    store.close()
+            self._close_stores()
             raise
         self.meter.charge(0)  # the peak starts at the device tier's states
         budget = placement.device_budget
@@ -204,73 +241,24 @@ class OffloadEngine:
             for slot in unit.spec.slots:
                 _PARAM_ENGINE[slot.param] = self
 
-    # ---- wrap time -------------------------------------------------------------------------------------------
+    def _close_stores(self) -> None:
+        for store in self.stores.values():
+            with contextlib.suppress(Exception):
+                store.close()
 
-    def _initialise(self, unit: OffloadUnit) -> None:
-        """Allocate the unit's entries in their stores, write the model's current values, bind the params."""
-        for tier, entries in unit.entries().items():
-            self.stores[tier].allocate(unit.name, entries)
-        if not self.meta_init:  # a model built on the meta device gets its values from import_state
-            master = aligned_empty(unit.spec.numel, torch.float32)
-            master.zero_()  # padding between parameters stays zero forever
-            for slot in unit.spec.slots:
-                slot.view(master).copy_(slot.param.detach())
-            self.write_master(unit, master)
-        unit.bind()
+    # ---- values ------------------------------------------------------------------------------------------------
 
     def write_master(self, unit: OffloadUnit, master: torch.Tensor) -> None:
-        """Store fp32 master values (a host tensor of the unit's flat size) and the compute params cast from them.
-        A separate master keeps only the trainable prefix ([Note: frozen parameters] in flat_unit.py)."""
-        if unit.master_entry == MASTER:
-            if unit.master_numel:
-                unit.store[State.MASTER].save(unit.name, MASTER, master[:unit.master_numel]).result()
-            unit.store[State.PARAMS].save(unit.name, PARAMS, master.to(self.compute_dtype)).result()
-        else:
-            unit.store[State.MASTER].save(unit.name, PARAMS, master).result()
+        """Store fp32 master values (a host tensor of the unit's flat size) and the compute params cast from them."""
+        write_master(unit, master, self.compute_dtype)
         if unit.on_device and not unit.resident:
             self.release(unit)  # the device copy is stale
         unit.version += 1  # and so is every cached copy
         self.cache.drop(unit.name)
 
-    def keeps_fresh(self, unit: OffloadUnit) -> bool:
-        """Should the step of `unit` keep its updated params in memory for the next forward's fetch?
-
-        Yes for the first units of the next forward (they are stepped last, and read again right away), when the
-        device is the CPU, the params are the fp32 master, and the pool has room for two working sets."""
-        if (self.device.type != "cpu" or unit.master_entry != PARAMS or unit.resident
-                or unit.name not in self.schedule.first(Phase.FORWARD)):
-            return False
-        return self.cache.admit(4 * unit.spec.numel)
-
-    def keeps_master(self, unit: OffloadUnit) -> bool:
-        """Should a params fetch of `unit` starting now keep its staging buffer for the unit's optimizer step?
-
-        Yes in backward when the unit will be stepped during it, the params are its fp32 master ([Note: master
-        from the fetch] in flat_unit.py) and the step would otherwise read them from disk again; and only while
-        the pool has room for two working sets, so kept buffers cannot starve the step thread that frees them."""
-        if (self.phase != Phase.BACKWARD or self.early_step is None or not unit.trainable
-                or unit.master_entry != PARAMS or self.cache.holds(unit.name, PARAMS, unit.version)
-                or unit.store[State.MASTER].tensor(unit.name, PARAMS) is not None):
-            return False
-        return self.cache.admit(4 * unit.spec.numel)
-
-    def steps_in_flat(self, unit: OffloadUnit) -> bool:
-        """Does the root unit's optimizer step run in place on its materialised params (CPU, fp32 master)?"""
-        return (unit.spec.is_root and self.early_step is not None and bool(unit.trainable)
-                and unit.master_entry == PARAMS and unit.flat.device.type == "cpu"
-                and unit.params_state == ParamsState.READY)
-
     def read_master(self, unit: OffloadUnit) -> torch.Tensor:
         """The unit's fp32 master values as a new host tensor."""
-        out = aligned_empty(unit.spec.numel, torch.float32)
-        if unit.master_entry == MASTER and unit.master_numel < unit.spec.numel:  # frozen tail: the compute copy
-            params = aligned_empty(unit.spec.numel, self.compute_dtype)
-            unit.store[State.PARAMS].load(unit.name, PARAMS, params).result()
-            out.copy_(params)
-            del params
-        if unit.master_numel:
-            unit.store[State.MASTER].load(unit.name, unit.master_entry, out[:unit.master_numel]).result()
-        return out
+        return read_master(unit, self.compute_dtype)
 
     # ---- device memory ---------------------------------------------------------------------------------------
 
@@ -292,6 +280,30 @@ class OffloadEngine:
     def host_waits(self) -> Counter:
         return self.meter.host_waits
 
+    @property
+    def computing(self) -> bool:
+        """Is a forward or backward of the model running?"""
+        return self.phase is not StepPhase.IDLE
+
+    def declare_step(self, units, early=None) -> None:
+        """The optimizer's word that a step of `units` (names) follows the coming backward; `early(unit)`: step each
+        unit as soon as its gradients land (`AdamW.step_during_backward`). Covers one backward."""
+        self.declared = DeclaredStep(frozenset(units), early)
+
+    @property
+    def step_follows(self) -> bool:
+        """Has the optimizer declared that a step follows the running backward?"""
+        return self.declared is not None
+
+    @property
+    def early_step(self):
+        """The declared step's `early` callable, or None."""
+        return self.declared.early if self.declared is not None else None
+
+    def _stepped(self, unit: OffloadUnit) -> bool:
+        """Will the declared step step `unit`?"""
+        return self.declared is not None and unit.name in self.declared.units
+
     def _make_room(self, keep: OffloadUnit, nbytes: int) -> bool:
         """Evict idle units, then wait for gradients still being packed, until `nbytes` fit; whether they do."""
         if self.meter.fits(nbytes):
@@ -302,38 +314,113 @@ class OffloadEngine:
         return self.meter.fits(nbytes)
 
     def materialise(self, unit: OffloadUnit) -> None:
+        """The unit computes now: its params on the device, waiting for the fetch in flight or fetching now."""
         self._active.add(unit.name)
         if unit.refresh is not None:  # the last step's new compute params are on their way
             self.mover.wait(unit.refresh)
             unit.refresh = None
-        if unit.params_state in (ParamsState.RESIDENT, ParamsState.READY):
+        state = unit.params_state
+        if state in (ParamsState.RESIDENT, ParamsState.READY):
+            return
+        if state == ParamsState.KEPT_FOR_STEP:  # stepped in place: the next forward uses them as they are
+            unit.life.on(Event.FETCHED)
             return
         t0 = time.perf_counter()
-        if unit.params_state == ParamsState.RELEASED:
+        if state == ParamsState.RELEASED:
             if not self._make_room(unit, unit.compute_bytes):
                 raise UsageError(
                     f"device budget {format_size(self.placement.device_budget)} exceeded materialising unit "
                     f"{unit.name!r} ({format_size(unit.compute_bytes)}; "
                     f"{format_size(self.device_in_use)} in use); raise --gpu-mem or lower prefetch_depth")
             self.meter.charge(unit.compute_bytes)
-            unit.start_fetch(self.mover, self.cache, keep_master=self.keeps_master(unit))
-        unit.finish_fetch(self.mover, self.cache)
-        self._time("params_wait_s", t0)
+            self._start_fetch(unit, firm=True)
+        unit.finish_fetch(self.mover)
+        self.timers.since("params_wait_s", t0)
+
+    def _start_fetch(self, unit: OffloadUnit, firm: bool) -> bool:
+        """Start the unit's params towards the device: from a copy the host cache holds, else from their tier through
+        the fetch job's staging buffer ([Note: jobs and grants]). firm: the unit computes now, wait for the buffer;
+        else (a prefetch) only if the pool has room now. Whether it started."""
+        held = self.cache.take(unit.name, PARAMS, unit.version) if unit.master_entry == PARAMS else None
+        if held is not None and held.prefix is not None:  # part of the params only: not for a fetch
+            held.release()
+            held = None
+        if held is not None:
+            if held.ready is not None:  # a master preloaded for a step that did not come: its read first
+                held.ready.result()
+            unit.start_fetch(self.mover, source=held.buf)
+            if self._keeps_master(unit):  # stays, as the master of the unit's step, once the copy has read it
+                self.cache.put(unit.name, PARAMS, Held(held.grant, unit.version,
+                                                       reading=all_done([unit.fetch.done, held.reading])))
+            else:
+                held.grant.release(after=[unit.fetch.done, held.reading])
+            return True
+        if "fetch" not in unit.jobs:
+            unit.start_fetch(self.mover)
+            return True
+        job, sizes = f"fetch {unit.name}", unit.jobs["fetch"]
+        grant = self.pool.reserve(job, sizes) if firm else self.pool.try_reserve(job, sizes)
+        if grant is None:
+            return False
+        unit.start_fetch(self.mover, staging=grant[PARAMS])
+        t = unit.fetch
+        if self._keeps_master(unit):
+            unit.keeping_master = True
+            version = unit.version
+            t.done.add_done_callback(lambda _f: self._kept_master(unit, grant, version, t))
+        else:
+            grant.release(after=t.done)
+        return True
+
+    def _keeps_master(self, unit: OffloadUnit) -> bool:
+        """Does a params fetch of `unit` starting now keep its staging buffer as the master of the unit's coming step?
+        ([Note: master from the fetch]) For fp32 params that are their master, when this is the unit's last fetch
+        before its step: in backward when the declared step steps it; in forward for the root and the units that
+        stay materialised for backward (no step is declared yet: kept on the chance, within the speculative bound,
+        and a valid copy for the next forward's fetch if no step comes)."""
+        if (not unit.trainable or unit.master_entry != PARAMS or PARAMS not in unit.jobs.get("step", {})
+                or self.cache.holds(unit.name, PARAMS, unit.version)):
+            return False
+        if self.phase == StepPhase.BACKWARD:
+            return self._stepped(unit)
+        return self.phase == StepPhase.FORWARD and (unit.spec.is_root or self.scheduler.keep_after_forward(unit.name))
+
+    def _kept_master(self, unit: OffloadUnit, grant: Grant, version: int, t) -> None:
+        """A fetch that keeps its staging buffer is done (any thread): the buffer goes to the host cache if the
+        speculative bound admits it, else back to the pool."""
+        unit.keeping_master = False
+        if t.cancelled or t.done.exception() is not None or not grant.speculate():
+            grant.release()
+            return
+        self.cache.put(unit.name, PARAMS, Held(grant, version))
 
     def _evict_idle(self, keep: OffloadUnit) -> None:
         """Release materialised units that are not computing (prefetches, units kept for backward) except `keep`."""
         for other in self.units.values():
             if (other is not keep and other.on_device and not other.resident and other.name not in self._active
-                    and not other.master_in_flat):
+                    and other.params_state != ParamsState.KEPT_FOR_STEP):
                 self.release(other)
 
-    def prefetch(self, names: list[str]) -> None:
-        for name in names:
-            unit = self.units[name]
-            if unit.resident or unit.on_device or not self.meter.fits(unit.compute_bytes):
-                continue
-            self.meter.charge(unit.compute_bytes)
-            unit.start_fetch(self.mover, self.cache, keep_master=self.keeps_master(unit))
+    def _fetch_ahead(self, name: str) -> bool:
+        """The scheduler's FETCH move: start the unit's params if the device and the pool have room now."""
+        unit = self.units[name]
+        if unit.resident or unit.on_device:
+            return True
+        if not self.meter.fits(unit.compute_bytes):
+            return False
+        self.meter.charge(unit.compute_bytes)
+        if not self._start_fetch(unit, firm=False):
+            self.meter.uncharge(unit.compute_bytes)
+            return False
+        return True
+
+    def _issue(self, moves) -> None:
+        self.scheduler.issue(moves, {MoveKind.FETCH: self._fetch_ahead, MoveKind.PRELOAD: self._preload})
+
+    def _preload(self, name: str) -> bool:
+        """The scheduler's PRELOAD move, for units the declared step will step."""
+        unit = self.units[name]
+        return not self._stepped(unit) or self.stepper.preload(unit)
 
     def release(self, unit: OffloadUnit) -> None:
         self._active.discard(unit.name)
@@ -343,9 +430,9 @@ class OffloadEngine:
         self.meter.uncharge(unit.compute_bytes)
 
     def release_all(self, keep_stepping: bool = False) -> None:
-        """Release every materialised unit; keep_stepping: except the root while its step runs in place."""
+        """Release every materialised unit; keep_stepping: except a root whose step runs in place."""
         for unit in self.units.values():
-            if not (keep_stepping and unit.master_in_flat):
+            if not (keep_stepping and unit.params_state == ParamsState.KEPT_FOR_STEP):
                 self.release(unit)
 
     # ---- events from the hooks -------------------------------------------------------------------------------
@@ -361,72 +448,75 @@ class OffloadEngine:
 
     def on_root_forward_start(self) -> None:
         self._check_autocast()
-        self.phase = Phase.FORWARD
+        self.phase = StepPhase.FORWARD
         self._t_step = time.perf_counter()
-        self.schedule.begin(Phase.FORWARD)
+        self.scheduler.begin(StepPhase.FORWARD)
         root = self.units[ROOT_UNIT]
+        root.life.on(Event.FORWARD_START)
         self.materialise(root)
-        if torch.is_grad_enabled():
-            root.awaiting_backward = True
-        self.prefetch(self.schedule.first(Phase.FORWARD))
+        self._issue(self.scheduler.moves(StepPhase.FORWARD, None, step_follows=False))
 
     def on_root_forward_end(self) -> None:
-        self.schedule.end(Phase.FORWARD)
-        self.phase = Phase.IDLE
-        if not torch.is_grad_enabled():
-            self.release(self.units[ROOT_UNIT])
-        self._time("forward_s", self._t_step)
+        self.scheduler.end(StepPhase.FORWARD)
+        self.phase = StepPhase.IDLE
+        root = self.units[ROOT_UNIT]
+        if torch.is_grad_enabled():
+            root.life.on(Event.FORWARD_END)
+        else:
+            root.life.on(Event.FORWARD_END_NO_GRAD)
+            self.release(root)
+        self.timers.since("forward_s", self._t_step)
 
     def on_unit_forward_start(self, unit: OffloadUnit) -> None:
-        nxt = self.schedule.visit(Phase.FORWARD, unit.name) if self.phase == Phase.FORWARD else []
+        unit.life.on(Event.FORWARD_START)
+        moves = (self.scheduler.moves(StepPhase.FORWARD, unit.name, step_follows=False)
+                 if self.phase == StepPhase.FORWARD else [])
         self.materialise(unit)
-        self.prefetch(nxt)
-        if torch.is_grad_enabled():
-            unit.awaiting_backward = True
+        self._issue(moves)
 
     def on_unit_forward_end(self, unit: OffloadUnit) -> None:
-        if (self.phase == Phase.FORWARD and torch.is_grad_enabled()
-                and unit.name in self.schedule.first(Phase.BACKWARD)):
-            # Among the first units of the coming backward: stay materialised instead of being read again right
-            # away (what DeepSpeed calls the reuse distance). It is no longer computing, so a fetch that needs
-            # the room can still evict it (`materialise`).
+        if not torch.is_grad_enabled():
+            unit.life.on(Event.FORWARD_END_NO_GRAD)
+            self.release(unit)
+            return
+        unit.life.on(Event.FORWARD_END)
+        if self.phase == StepPhase.FORWARD and self.scheduler.keep_after_forward(unit.name):
+            # Among the first units of the coming backward: it stays materialised instead of being read again right
+            # away. It is no longer computing, so a fetch that needs the room can still evict it (`materialise`).
             self._active.discard(unit.name)
             return
         self.release(unit)
 
     def _enter_backward(self) -> None:
-        if self._in_backward:
+        if self.phase == StepPhase.BACKWARD:
             return
-        self._in_backward = True
+        self.phase = StepPhase.BACKWARD
         root = self.units[ROOT_UNIT]
         self._charge_grads(root)  # the root's grads (the head's) come first and stay longest
-        if self.early_step is not None or self.preload_step:
-            preload(self, root)  # its moments load under the whole backward
         self._t_bwd = time.perf_counter()
-        self.phase = Phase.BACKWARD
-        self.schedule.begin(Phase.BACKWARD)
+        self.scheduler.begin(StepPhase.BACKWARD)
+        if self.step_follows:  # the root's master and moments load under the whole backward
+            self._issue(self.scheduler.preloads_ahead([ROOT_UNIT], 0))
         queue_end_of_backward(self._end_of_backward)
 
     def on_unit_backward_start(self, unit: OffloadUnit) -> None:
         self._enter_backward()
-        nxt = self.schedule.visit(Phase.BACKWARD, unit.name)
+        unit.life.on(Event.BACKWARD_START)
+        moves = self.scheduler.moves(StepPhase.BACKWARD, unit.name, self.step_follows)
         self._charge_grads(unit)
         self.materialise(unit)
-        self.prefetch(nxt)
-        if self.early_step is not None or self.preload_step:
-            preload(self, unit)  # its optimizer state loads under its own backward
+        self._issue(moves)
 
     def _charge_grads(self, unit: OffloadUnit) -> None:
         """Count the `param.grad`s autograd is about to produce for the unit (freed when they are shipped)."""
-        if not unit.grads_charged:
+        if unit.name not in self._grads_charged:
             self._make_room(unit, unit.grad_bytes)  # the budget's guarantee (check_budgets) covers computing units
-            unit.grads_charged = unit.grad_bytes
+            self._grads_charged[unit.name] = unit.grad_bytes
             self.meter.charge(unit.grad_bytes)
 
-    def _uncharge_grads(self, unit: OffloadUnit, packing: Transfer | None = None) -> None:
+    def _uncharge_grads(self, unit: OffloadUnit, packing=None) -> None:
         """Stop counting the unit's `param.grad`s: now, or once `packing` (their copy off the device) is done."""
-        self.meter.uncharge(unit.grads_charged, after=packing)
-        unit.grads_charged = 0
+        self.meter.uncharge(self._grads_charged.pop(unit.name, 0), after=packing)
 
     def on_grad(self, unit: OffloadUnit, index: int) -> None:
         self._enter_backward()
@@ -438,21 +528,26 @@ class OffloadEngine:
         self._maybe_finish(unit)
 
     def _maybe_finish(self, unit: OffloadUnit) -> None:
-        if unit.awaiting_backward and unit.open_calls <= 0 and len(unit.got) == len(unit.trainable):
+        if (unit.life.phase in (Phase.AWAITING_BACKWARD, Phase.BACKWARD) and unit.open_calls <= 0
+                and len(unit.got) == len(unit.trainable)):
             self._finish_backward(unit)
 
     def _finish_backward(self, unit: OffloadUnit) -> None:
-        self._uncharge_grads(unit, packing=ship_grads(self, unit))
-        if self.steps_in_flat(unit) and any(unit.has_grad):
-            unit.master_in_flat = True  # stays materialised: stepped in place, then used by the next forward
+        self._uncharge_grads(unit, packing=self.shipper.ship(unit, hold=self._stepped(unit)))
+        if (self.early_step is not None and self.stepper.steps_in_flat(unit) and any(unit.has_grad)
+                and unit.params_state == ParamsState.READY):
+            unit.life.on(Event.KEEP_FOR_STEP)  # stays materialised: stepped in place, then used by the next forward
         else:
             self.release(unit)
-        unit.reset_backward()
+        unit.life.on(Event.BACKWARD_END)
+        unit.got.clear()
+        unit.open_calls = 0
         if self.early_step is not None and any(unit.has_grad):
             self.early_step(unit)
 
     def submit_early_step(self, unit: OffloadUnit, run) -> None:
-        """Run `run()` (one unit's optimizer step) on the step thread once the unit's gradients have landed."""
+        """Run `run()` (one unit's optimizer step) on the step thread once the unit's gradients have landed. The
+        step reserves its buffers there, one step at a time ([Note: jobs and grants])."""
         pending = unit.grad_pending
 
         def after_grads() -> None:
@@ -461,6 +556,11 @@ class OffloadEngine:
             self.writes.add(run())  # the unit's write-backs, still in flight
 
         self._early_steps.append(self.step_worker.submit(after_grads))
+
+    @property
+    def stepped_during_backward(self) -> bool:
+        """Were units stepped during the last backward, not yet awaited by `wait_early_steps`?"""
+        return bool(self._early_steps)
 
     def wait_early_steps(self) -> None:
         """Wait for the units stepped during backward (not for their write-backs)."""
@@ -478,20 +578,18 @@ class OffloadEngine:
 
     def _end_of_backward(self) -> None:
         for unit in self.units.values():
-            if unit.awaiting_backward or unit.got:
+            if unit.life.phase in (Phase.AWAITING_BACKWARD, Phase.BACKWARD) or unit.got:
                 self._finish_backward(unit)
         for unit in self.units.values():
             self._uncharge_grads(unit)
         self.release_all(keep_stepping=True)  # prefetches the step did not use
-        self.early_step = None  # step_during_backward covers one backward
-        self.preload_step = False  # so does preload_during_backward
-        self.schedule.end(Phase.BACKWARD)
-        self.phase = Phase.IDLE
-        self._in_backward = False
+        self.declared = None  # a declared step covers one backward
+        self.scheduler.end(StepPhase.BACKWARD)
+        self.phase = StepPhase.IDLE
         self.backwards += 1
-        self._time("backward_s", self._t_bwd)
+        self.timers.since("backward_s", self._t_bwd)
 
-    # ---- gradients -------------------------------------------------------------------------------------------
+    # ---- gradients and the step ------------------------------------------------------------------------------
 
     def wait_grads(self) -> None:
         """Block until every gradient shipped so far has reached its tier."""
@@ -508,9 +606,19 @@ class OffloadEngine:
             # What was held for a step (gradients, master and moments loaded ahead) goes; params stay for the next
             # forward (a step's updated params, or a fetch's copy of values no step changed).
             self.cache.drop(unit.name, keep=(PARAMS,))
-            unit.has_grad = [False] * len(unit.trainable)
-            unit.grad_norms = [None] * len(unit.trainable)
-            unit.grads_to(GradsState.EMPTY)
+            unit.clear_grads()
+            unit.life.on(Event.ZERO_GRAD)
+
+    def step_units(self, work: list[Work], grad_scales: Multipliers) -> None:
+        """One optimizer step after backward over `work` (optim.AdamW.step), then the gradients are gone."""
+        t_wall = time.perf_counter()
+        self.wait_grads()
+        work = [w for w in work if w[1]]
+        if work:
+            self.release_all()  # a materialised copy would go stale
+        self.stepper.step_units(work, grad_scales)
+        self.zero_grad()
+        self.timers.since("optimizer_wall_s", t_wall)
 
     def locate(self, p: torch.Tensor) -> "tuple[OffloadUnit, int] | None":
         """(unit, index into unit.trainable) of a trainable parameter of this model; None if frozen."""
@@ -521,27 +629,21 @@ class OffloadEngine:
 
     def step_order(self) -> list[OffloadUnit]:
         """Units in the order the optimizer steps them: backward order (their gradients are ready first)."""
-        names = Schedule._distinct(self.schedule.order[Phase.BACKWARD])
-        names += [n for n in reversed(list(self.units)) if n not in names]
-        return [self.units[n] for n in names]
+        return [self.units[n] for n in self.scheduler.step_order(list(self.units))]
 
     # ---- introspection ---------------------------------------------------------------------------------------
-
-    def _time(self, key: str, t0: float | None) -> None:
-        if t0 is not None:
-            self._timers[key] = self._timers.get(key, 0.0) + time.perf_counter() - t0
 
     def timings(self) -> dict[str, float]:
         """Accumulated seconds since the last `reset_timings`: forward_s, backward_s (wall), params_wait_s (the
         main thread blocked on parameter fetches), grad_accumulate_s (grad worker), optimizer_s (step compute),
         optimizer_io_wait_s (step blocked on loads/writes), optimizer_wall_s; plus the disk store's stats."""
-        out = dict(self._timers)
+        out: dict = self.timers.snapshot()
         if Tier.NVME in self.stores:
             out["nvme"] = self.stores[Tier.NVME].stats()
         return out
 
     def reset_timings(self) -> None:
-        self._timers.clear()
+        self.timers.clear()
 
     def memory_report(self) -> dict:
         """Bytes per tier (in use and peak) and, per unit, bytes and placement of each state."""
@@ -585,11 +687,10 @@ class OffloadEngine:
             finally:
                 remove_hooks(self, self._handles)
                 self.cache.clear()
-                self.grad_worker.shutdown(wait=True)
-                self.step_worker.shutdown(wait=True)
+                self.grad_worker.shutdown()
+                self.step_worker.shutdown()
                 self.mover.close()
-                for store in self.stores.values():
-                    store.close()
+                self._close_stores()
                 self.pool.clear()
                 model = self.model
                 if model is not None:

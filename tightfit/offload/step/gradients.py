@@ -1,117 +1,129 @@
 """Shipping a unit's gradients off the device as soon as its backward is done, accumulating on their tier.
 
 Why right away: a unit's `param.grad`s are device memory the next units' backward needs. When the grads tier is
-addressable where the gradients are (the device tier; the host tier on a CPU-only machine) they are added in place
-at once. Otherwise the mover packs them into one pooled host buffer (CUDA: a D2H copy on its own stream; CPU: a
-memcpy on a copy thread) and the engine's gradient worker adds them to the host tier, or reads-adds-writes them on
-NVMe, while backward goes on. Accumulation is `old + new` in fp32, the same bits as torch's `param.grad += new`.
-The worker records each parameter's gradient norm as it goes (clipping and overflow checks need no second pass
-over the disk). When the optimizer has declared that a step follows this backward (`step_during_backward`,
-`preload_during_backward`), a unit's final packed gradients go straight to its step through the host cache
-(host_cache.py) instead of to disk and back.
+addressable where the gradients are (the device tier; the host tier of a CPU device that shares host memory) they
+are added in place at once. Otherwise the ship is a job ([Note: jobs and grants], runtime/host_memory.py): the
+thread running backward is granted the job's buffers at once (a pack in the gradients' own dtype, and an fp32
+accumulator when they go to disk), the mover copies them into the pack (CUDA: a device-to-host copy on its own
+stream), and the gradient worker adds them to their tier while backward goes on:
+- host tier: added straight from the pack into the fp32 tier tensor, the upcast inside the add (no second buffer);
+- NVMe: the old gradients read into the accumulator, the pack added to them, the sum written back.
+Accumulation is `old + new` in fp32, the same bits as torch's `param.grad += new` (every bf16/fp16 value is an fp32
+value, and the add rounds once). The worker records each parameter's gradient norm as it goes (clipping and overflow
+checks need no second pass over the disk). When the optimizer has declared that a step follows this backward, a
+unit's final accumulator goes straight to its step through the host cache instead of to disk and back, as far as
+the speculative bound admits it.
 """
 
 from __future__ import annotations
 
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
 
 import torch
 
-from tightfit.offload.step.unit import GRADS, GradsState, OffloadUnit
-from tightfit.offload.runtime.host_cache import Held
+from tightfit.offload.runtime.host_cache import Held, HostCache
+from tightfit.offload.runtime.host_memory import Grant, HostPool
+from tightfit.offload.runtime.workers import Timers, Worker
 from tightfit.offload.placement import State
+from tightfit.offload.step.lifecycle import Event
+from tightfit.offload.step.unit import GRADS, OffloadUnit
 
-if TYPE_CHECKING:
-    from tightfit.offload.step.engine import OffloadEngine
+
+class GradientShipper:
+    """Ships units' gradients to their tier. Collaborators: the pool that grants a ship's buffers, the mover that
+    packs, the host cache that may hold the final gradients for a step, the gradient worker, the timers."""
+
+    def __init__(self, pool: HostPool, mover, cache: HostCache, worker: Worker, timers: Timers) -> None:
+        self.pool = pool
+        self.mover = mover
+        self.cache = cache
+        self.worker = worker
+        self.timers = timers
+
+    def ship(self, unit: OffloadUnit, hold: bool):
+        """Move the unit's new `param.grad`s into its grads tier, accumulating; drop `param.grad`. Returns the
+        Transfer of their copy off the device while it may still read them (None when they were used up at once).
+        hold: a step follows this backward: the final gradients may wait for it in the host cache."""
+        pairs = []
+        for i in sorted(unit.got):
+            slot = unit.trainable[i]
+            g = slot.param.grad
+            if g is not None:
+                pairs.append((i, slot, g))
+                slot.param.grad = None  # the device memory goes back as soon as the copy below has read it
+        if not pairs:
+            return None
+        had = list(unit.has_grad)
+        new = {i for i, _, _ in pairs}
+        for i in new:
+            unit.has_grad[i] = True
+        if "ship" not in unit.jobs:  # addressable where computed: accumulate in place now (on the compute stream)
+            acc = unit.store[State.GRADS].tensor(unit.name, GRADS)
+            for i, slot, g in pairs:
+                view = slot.view(acc)
+                view.add_(g) if had[i] else view.copy_(g)
+            _record_norms(unit, acc)
+            unit.life.on(Event.GRADS_STORED)
+            return None
+        # The thread running backward holds no other grant: waiting here waits for ships and steps in flight, which
+        # finish on their own ([Note: jobs and grants]).
+        grant = self.pool.reserve(f"ship grads of {unit.name}", unit.jobs["ship"])
+        packed = self.mover.pack_grads([((slot.offset, slot.shape), g) for _, slot, g in pairs], grant["pack"])
+        unit.life.on(Event.GRADS_SHIPPED)
+        unit.grad_pending = self.worker.submit(self._accumulate, unit, grant, packed, unit.grad_pending, new, had,
+                                               hold)
+        return packed
+
+    def _accumulate(self, unit: OffloadUnit, grant: Grant, packed, previous: Future | None, new: set[int],
+                    had: list[bool], hold: bool) -> None:
+        """Gradient worker: add the packed new gradients into the unit's host or disk gradient entry."""
+        t0 = time.perf_counter()
+        try:
+            if previous is not None:
+                previous.result()  # the unit's earlier micro-batch first
+            packed.done.result()
+            pack = grant["pack"]
+            store = unit.store[State.GRADS]
+            acc = store.tensor(unit.name, GRADS)
+            if acc is not None:  # host memory: the upcast happens inside the add
+                _add_into(unit, acc, pack, new, had)
+                grant.release()
+                _record_norms(unit, acc)
+                unit.life.on(Event.GRADS_LANDED)
+                return
+            if any(had):
+                held = self.cache.take(unit.name, GRADS, unit.version)
+                if held is not None:  # the last micro-batch was declared, and was not: the old sums are here
+                    grant.give(GRADS)
+                    held.grant.move(GRADS, grant)
+                else:
+                    store.load(unit.name, GRADS, grant[GRADS]).result()
+            acc = grant[GRADS]
+            _add_into(unit, acc, pack, new, had)
+            grant.give("pack")
+            _record_norms(unit, acc)
+            # [Note: speculative holdings]: kept for the step only as far as the pool's bound admits it.
+            if hold and grant.speculate():
+                self.cache.put(unit.name, GRADS, Held(grant, unit.version, only_copy=True))
+                unit.life.on(Event.GRADS_HELD)
+                return
+            store.save(unit.name, GRADS, acc).result()
+            grant.release()
+            unit.life.on(Event.GRADS_LANDED)
+        except BaseException:
+            grant.release(after=[packed.done])
+            raise
+        finally:
+            self.timers.since("grad_accumulate_s", t0)
 
 
-def ship_grads(engine: OffloadEngine, unit: OffloadUnit):
-    """Move the unit's new `param.grad`s into its grads tier, accumulating; drop `param.grad`. Returns the
-    Transfer of their copy off the device while it may still read them (None when they were used up at once)."""
-    pairs = []
-    for i in sorted(unit.got):
-        slot = unit.trainable[i]
-        g = slot.param.grad
-        if g is not None:
-            pairs.append((i, slot, g))
-            slot.param.grad = None  # the device memory goes back as soon as the copy below has read it
-    if not pairs:
-        return None
-    had = list(unit.has_grad)
-    new = {i for i, _, _ in pairs}
+def _add_into(unit: OffloadUnit, acc: torch.Tensor, pack: torch.Tensor, new: set[int], had: list[bool]) -> None:
+    """acc += pack over the slots with new gradients (copied where the slot had none): old + new in fp32."""
     for i in new:
-        unit.has_grad[i] = True
-    acc = unit.store[State.GRADS].tensor(unit.name, GRADS)
-    if acc is not None and acc.device == engine.device:
-        # Addressable where the gradients are: accumulate in place now (ordered on the compute stream).
-        for i, slot, g in pairs:
-            view = slot.view(acc)
-            view.add_(g) if had[i] else view.copy_(g)
-        _record_norms(unit, acc)
-        unit.grads_to(GradsState.STORED)
-        return None
-    # Packed in the gradients' own dtype (the compute dtype): the copy off the device converts nothing and moves
-    # only their bytes; the worker upcasts to fp32 on the host, exactly (every bf16/fp16 value is an fp32 value).
-    packed = engine.mover.pack_grads([((slot.offset, slot.shape), g) for _, slot, g in pairs], unit.spec.train_numel,
-                                     pairs[0][2].dtype)
-    unit.grads_to(GradsState.SHIPPING)
-    # When a step follows this backward (declared by the optimizer), the unit's final gradients stay in the host
-    # cache for it instead of making a round trip to disk, as far as the cache admits them.
-    hold = engine.early_step is not None or engine.preload_step
-    unit.grad_pending = engine.grad_worker.submit(_accumulate_off_device, engine, unit, packed, unit.grad_pending,
-                                                  new, had, hold)
-    return packed
-
-
-def _accumulate_off_device(engine: OffloadEngine, unit: OffloadUnit, packed, previous: Future | None,
-                           new: set[int], had: list[bool], hold: bool = False) -> None:
-    """Grad worker: add a packed host copy of new gradients into the unit's host or disk gradient entry."""
-    t0 = time.perf_counter()
-    if previous is not None:
-        previous.result()
-    buf = packed.done.result()
-    if buf.dtype != torch.float32:  # upcast on the host: the fp32 buffer is what gets accumulated and written
-        wide = engine.pool.take(unit.spec.train_numel, torch.float32)
-        for i in new:
-            slot = unit.trainable[i]
-            slot.view(wide).copy_(slot.view(buf))
-        engine.pool.give(buf)
-        buf = wide
-    store = unit.store[State.GRADS]
-    acc = store.tensor(unit.name, GRADS)
-    if acc is not None:  # host memory
-        for i in new:
-            slot = unit.trainable[i]
-            view = slot.view(acc)
-            view.add_(slot.view(buf)) if had[i] else view.copy_(slot.view(buf))
-        _record_norms(unit, acc)
-    else:  # disk: read-modify-write through the packed buffer
-        if any(had):
-            held = engine.cache.take(unit.name, GRADS, unit.version)
-            if held is not None:  # the last micro-batch was declared, and was not: they are here
-                old = held.buf
-            else:
-                old = engine.pool.take(unit.spec.train_numel, torch.float32)
-                store.load(unit.name, GRADS, old).result()
-            for i, slot in enumerate(unit.trainable):
-                if had[i] and i in new:
-                    slot.view(buf).add_(slot.view(old))  # old + new: the same bits as torch's grad += new
-                elif had[i]:
-                    slot.view(buf).copy_(slot.view(old))
-            engine.pool.give(old)
-        _record_norms(unit, buf)
-        # [Note: host cache admission]: held only while a step's working set stays free beside them.
-        if hold and engine.cache.admit(buf.numel() * buf.element_size()):
-            engine.cache.put(unit.name, GRADS, Held(buf, unit.version, only_copy=True))
-            unit.grads_to(GradsState.HELD)
-            engine._time("grad_accumulate_s", t0)
-            return
-        store.save(unit.name, GRADS, buf).result()
-    engine.pool.give(buf)
-    unit.grads_to(GradsState.STORED)
-    engine._time("grad_accumulate_s", t0)
+        slot = unit.trainable[i]
+        view = slot.view(acc)
+        view.add_(slot.view(pack)) if had[i] else view.copy_(slot.view(pack))
 
 
 def _record_norms(unit: OffloadUnit, flat: torch.Tensor) -> None:

@@ -23,15 +23,9 @@ from concurrent.futures import wait as wait_futures
 import torch
 
 from tightfit.errors import UsageError
+from tightfit.offload.runtime.futures import done_future
 from tightfit.offload.tiers.nvme.io_queue import FETCH, LOAD, WRITE
 from tightfit.offload.placement import Tier
-
-
-def done_future(value=None) -> Future:
-    """A future that is already complete (what a synchronous copy returns)."""
-    f: Future = Future()
-    f.set_result(value)
-    return f
 
 
 def _nbytes(numel: int, dtype: torch.dtype) -> int:
@@ -74,15 +68,17 @@ class MemoryStore(TierStore):
     asynchronously: the compute params of the host tier. Masters, gradients and moments never take part in such a
     copy and stay pageable ([Note: metering what the allocator holds], staging.py).
     copier: `fn(dst, src) -> Future` running a copy off the caller's thread; used for loads and saves that cross
-    devices (the device tier of a GPU to or from a host buffer), so no hook or step waits for such a copy inline.
-    Copies within one memory are plain synchronous copies.
+    memories (the device tier of a GPU to or from a host buffer), so no hook or step waits for such a copy inline.
+    Copies within one memory are plain synchronous copies. remote: this store's memory is apart from the host's
+    even on a CPU (device_kind.py): every copy goes through the copier, as on a GPU.
     """
 
-    def __init__(self, tier: Tier, device: torch.device, pinned=None, copier=None) -> None:
+    def __init__(self, tier: Tier, device: torch.device, pinned=None, copier=None, remote: bool = False) -> None:
         self.tier = tier
         self.device = device
         self.pinned = pinned if device.type == "cpu" else None
         self.copier = copier
+        self.remote = remote  # every copy in or out crosses memories (device memory apart from the host's)
         # (unit, entry) -> 1-D tensor. Lives as long as the engine (freed by `close`).
         self._tensors: dict[tuple[str, str], torch.Tensor] = {}
         self.bytes = 0
@@ -102,7 +98,7 @@ class MemoryStore(TierStore):
         return self._tensors[(unit, entry)]
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> Future:
-        if self.copier is not None and dst.device != src.device:
+        if self.copier is not None and (self.remote or dst.device != src.device):
             return self.copier(dst, src)
         dst.copy_(src)
         return done_future()

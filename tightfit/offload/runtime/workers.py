@@ -1,0 +1,78 @@
+"""The engine's host threads besides the mover's: the gradient worker and the step thread, and the timers they share.
+
+Why a class of its own: these threads are where backward and the host overlap, and on a GPU backward runs many units
+ahead of them. On a CPU it rarely does (the same cores compute backward), so the strict test mode
+(TIGHTFIT_STRICT_MOVER=1, movers.py) starts every job after a random pause, as the strict mover starts every copy
+late: backward then outruns the workers as it does on a GPU, and an order that only a GPU's timing would show fails
+in the CPU suite ([Note: jobs and grants], host_memory.py).
+
+A worker is one thread: its jobs run in the order they were submitted (a unit's micro-batches, the units' steps).
+A job never waits for pool memory after it was submitted with its grant, except the step thread's own reservation at
+the start of a step, its only one ([Note: jobs and grants]).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+
+
+class Worker:
+    """One host thread running jobs in submission order. `max_delay_s` > 0 (strict mode): each job starts after a
+    random pause of up to that long. Shut down by `shutdown` (the engine's close)."""
+
+    def __init__(self, name: str, max_delay_s: float = 0.0, seed: int = 0) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=name)
+        self.max_delay_s = max_delay_s
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+
+    def submit(self, fn, *args) -> Future:
+        with self._lock:
+            delay = self._rng.uniform(0, self.max_delay_s) if self.max_delay_s else 0.0
+        if not delay:
+            return self._pool.submit(fn, *args)
+
+        def late():
+            time.sleep(delay)
+            return fn(*args)
+
+        return self._pool.submit(late)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class Timers:
+    """Seconds accumulated per key since the last `clear`, from any thread (`timings()` in the engine)."""
+
+    def __init__(self) -> None:
+        self._t: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def add(self, key: str, seconds: float) -> None:
+        with self._lock:
+            self._t[key] = self._t.get(key, 0.0) + seconds
+
+    def since(self, key: str, t0: float | None) -> None:
+        if t0 is not None:
+            self.add(key, time.perf_counter() - t0)
+
+    @contextmanager
+    def span(self, key: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(key, time.perf_counter() - t0)
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._t)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._t.clear()

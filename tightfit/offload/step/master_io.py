@@ -1,0 +1,52 @@
+"""A unit's fp32 master values in and out of its tiers, whole: at wrap time, for state dicts and checkpoints.
+
+Why apart from the step: these are not on the training path. They read or write a unit's values through its stores
+synchronously, with buffers of their own (not the pool's: no job of the step is running while they do), and the
+engine makes every cached or materialised copy stale afterwards (`OffloadEngine.write_master`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tightfit.offload.placement import State, Tier
+from tightfit.offload.runtime.aligned import aligned_empty
+from tightfit.offload.step.unit import MASTER, PARAMS, OffloadUnit
+from tightfit.offload.tiers.stores import TierStore
+
+
+def initialise(unit: OffloadUnit, stores: dict[Tier, TierStore], meta_init: bool, compute_dtype: torch.dtype) -> None:
+    """Allocate the unit's entries in their stores, write the model's current values, bind the params."""
+    for tier, entries in unit.entries().items():
+        stores[tier].allocate(unit.name, entries)
+    if not meta_init:  # a model built on the meta device gets its values from import_state
+        master = aligned_empty(unit.spec.numel, torch.float32)
+        master.zero_()  # padding between parameters stays zero forever
+        for slot in unit.spec.slots:
+            slot.view(master).copy_(slot.param.detach())
+        write_master(unit, master, compute_dtype)
+    unit.bind()
+
+
+def write_master(unit: OffloadUnit, master: torch.Tensor, compute_dtype: torch.dtype) -> None:
+    """Store fp32 master values (a host tensor of the unit's flat size) and the compute params cast from them.
+    A separate master keeps only the trainable prefix ([Note: frozen parameters] in unit.py)."""
+    if unit.master_entry == MASTER:
+        if unit.master_numel:
+            unit.store[State.MASTER].save(unit.name, MASTER, master[:unit.master_numel]).result()
+        unit.store[State.PARAMS].save(unit.name, PARAMS, master.to(compute_dtype)).result()
+    else:
+        unit.store[State.MASTER].save(unit.name, PARAMS, master).result()
+
+
+def read_master(unit: OffloadUnit, compute_dtype: torch.dtype) -> torch.Tensor:
+    """The unit's fp32 master values as a new host tensor."""
+    out = aligned_empty(unit.spec.numel, torch.float32)
+    if unit.master_entry == MASTER and unit.master_numel < unit.spec.numel:  # frozen tail: the compute copy
+        params = aligned_empty(unit.spec.numel, compute_dtype)
+        unit.store[State.PARAMS].load(unit.name, PARAMS, params).result()
+        out.copy_(params)
+        del params
+    if unit.master_numel:
+        unit.store[State.MASTER].load(unit.name, unit.master_entry, out[:unit.master_numel]).result()
+    return out
