@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 # Every engine in the test suite uses the strict CPU mover: copies complete late, on their own threads, and a buffer
-# freed, reused or read while a copy touches it fails loudly ([Note: the mover contract], tightfit/offload/runtime/movers.py).
+# freed, reused or read while a copy touches it fails loudly ([Note: the mover contract],
+# tightfit/offload/runtime/movers.py).
 # Subprocesses the tests start inherit it.
 os.environ.setdefault("TIGHTFIT_STRICT_MOVER", "1")
 

@@ -41,7 +41,8 @@ COMMON = textwrap.dedent("""
             mid = (lo + hi) // 2
             model = build()
             try:
-                tightfit.wrap(model, dataclasses.replace(placement, host_budget=mid), compute_dtype=dtype, device="cpu:0")
+                tightfit.wrap(model, dataclasses.replace(placement, host_budget=mid), compute_dtype=dtype,
+                              device="cpu:0")
             except UsageError:
                 lo = mid
                 continue
@@ -99,7 +100,8 @@ LLAMA = COMMON + textwrap.dedent("""
         ref = run(build, base, dtype, 3, "early", 1, batch_of)
         for factor in (1.0, 1.5):
             for mode in ("early", "preload"):
-                got = run(build, dataclasses.replace(base, host_budget=int(smallest * factor)), dtype, 3, mode, 1, batch_of)
+                budget = dataclasses.replace(base, host_budget=int(smallest * factor))
+                got = run(build, budget, dtype, 3, mode, 1, batch_of)
                 if mode == "early":
                     assert got == ref, (dtype, factor, got, ref)  # a budget changes no bit of the result
                 print("ok", tier, ratio, dtype, factor, mode, smallest, flush=True)

@@ -293,7 +293,7 @@ def test_a_dropped_wrapped_model_is_freed_with_its_engine_threads_and_swap_files
 
 
 def test_nvme_io_settings_given_to_wrap_reach_the_store(tmp_path):
-    # The disk's tuning is the probe's ([Note: disk tuning] in disk_tuning.py); wrap's advanced `disk` keyword overrides it.
+    # The disk's tuning is the probe's ([Note: disk tuning] in nvme/tuning.py); wrap's `disk` keyword overrides it.
     from tightfit.offload.tiers.nvme.store import DiskTuning
 
     placement = Placement.everywhere(Tier.NVME, nvme_dir=str(tmp_path / "swap"))

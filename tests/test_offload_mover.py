@@ -1,6 +1,6 @@
-"""The mover contract ([Note: the mover contract], tightfit/offload/runtime/movers.py) and the CUDA-path findings of issue
-15 that can be expressed on a CPU: the strict CPU mover completes copies late and checks the contract, so the bugs a
-GPU would hit show up here.
+"""The mover contract ([Note: the mover contract], tightfit/offload/runtime/movers.py) and the CUDA-path findings of
+issue 15 that can be expressed on a CPU: the strict CPU mover completes copies late and checks the contract, so the
+bugs a GPU would hit show up here.
 
 Each regression test names its finding; each failed before its fix (see the commit that adds it).
 """

@@ -35,7 +35,8 @@ def wrap(model: nn.Module, placement: Placement | None = None, *, compute_dtype:
     device: where to compute (default: CUDA if available, else the CPU, with `placement.device_budget`).
     units: which modules are units: a list of module paths (fnmatch patterns allowed) or a callable
         `(path, module) -> bool`; default: the children of every ModuleList of same-class children.
-    disk: advanced, for benchmarks and tests: `tightfit.offload.tiers.nvme.store.DiskTuning(threads=..., chunk_bytes=...)`
+    disk: advanced, for benchmarks and tests: `tightfit.offload.tiers.nvme.store.DiskTuning(
+        threads=..., chunk_bytes=...)`
         overrides the NVMe tier's I/O threads and largest transfer, which it otherwise takes from `tightfit probe`'s
         measurement of the swap folder's disk (8 threads and 4 MiB where none was made; [Note: disk tuning]).
     Use `tightfit.offload.engine_of(model)` for memory reports and timings.

@@ -1,7 +1,7 @@
 """Gather and restore full training state (weights + AdamW moments) across any parallel layout.
 
 Why full tensors: a distributed run then writes the *single-process* checkpoint format (`model.<name>`,
-`optim.<name>.exp_avg|exp_avg_sq|step`, tightfit.offload.model_state.state_io), so any run resumes any other — a different
+`optim.<name>.exp_avg|exp_avg_sq|step`, offload.model_state.state_io), so any run resumes any other — a different
 strategy, a different world size, or one process. The cost is gathering on rank 0 at save time, fine up to models
 whose full state fits in one host's memory; beyond that, torch.distributed.checkpoint (per-rank shards) is the
 tool, and not wired yet.

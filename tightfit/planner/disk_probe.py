@@ -2,7 +2,7 @@
 
 Why in the planner, not beside the tier: a disk is measured once, by `tightfit probe`, and the result is cached in
 the hardware profile (hardware.py). The training path only reads the cached figures
-(`tightfit.offload.tiers.nvme.store.disk_tuning`); nothing here runs while a model trains. The benchmarks' references (raw
+(`offload.tiers.nvme.store.disk_tuning`); nothing here runs while a model trains. The benchmarks' references (raw
 mixed reads and writes, the store's own bandwidth, fio) are in benchmarks/disk_reference.py.
 
 What is measured, each the way the tier spends it, on a scratch file in the swap folder itself (a folder, not a
@@ -74,7 +74,7 @@ class DiskProfile:
     read_Bps: float
     write_Bps: float
     device: str
-    """The folder's filesystem as "major:minor" (`tightfit.offload.tiers.nvme.store.device_of`): the tuning applies there."""
+    """The folder's filesystem as "major:minor" (`offload.tiers.nvme.store.device_of`): the tuning applies there."""
     threads: int
     """I/O threads for the tier = transfers in flight."""
     chunk_bytes: int

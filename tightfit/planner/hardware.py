@@ -67,7 +67,7 @@ class HardwareProfile:
     op_overhead_s: float = 10e-6
     """Seconds of fixed dispatch overhead per aten op (dominates small models on CPU)."""
     nvme_device: str = ""
-    """The filesystem the disk figures were measured on, as "major:minor" (`tightfit.offload.tiers.nvme.store.device_of`); the
+    """The filesystem the disk figures were measured on, as "major:minor" (`offload.tiers.nvme.store.device_of`); the
     NVMe tier takes the two below only for a swap folder there ([Note: disk tuning] in
     tightfit/offload/tiers/nvme/tuning.py)."""
     nvme_io_threads: int = 8

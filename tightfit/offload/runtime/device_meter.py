@@ -14,11 +14,14 @@ counted: leave headroom for them in the budget (the planner does).
 from __future__ import annotations
 
 from collections import Counter
+from typing import TYPE_CHECKING
 
 import torch
 
 from tightfit.offload.runtime.movers import Transfer
-from tightfit.offload.tiers.stores import TierStore
+
+if TYPE_CHECKING:
+    from tightfit.offload.tiers.stores import TierStore
 
 
 class DeviceMeter:

@@ -12,7 +12,6 @@ runs).
 
 from __future__ import annotations
 
-import torch
 
 from tightfit.errors import UsageError
 from tightfit.offload import memory_model as mm

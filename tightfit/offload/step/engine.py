@@ -39,10 +39,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 from tightfit.errors import UsageError
 from tightfit.offload.device_kind import separate_memory
 from tightfit.offload.placement import ROOT_UNIT, Placement, State, Tier
-from tightfit.offload.runtime.futures import all_done
 from tightfit.offload.runtime.device_meter import DeviceMeter, autocast_outside_budget
-from tightfit.offload.runtime.host_cache import Held, HostCache
-from tightfit.offload.runtime.host_memory import Grant, HostAllocator, HostPool, RegisteredAllocator
+from tightfit.offload.runtime.host_cache import HostCache
+from tightfit.offload.runtime.host_memory import HostAllocator, HostPool, RegisteredAllocator
 from tightfit.offload.runtime.movers import CpuMover, CudaMover, strict_from_env, strict_seed
 from tightfit.offload.runtime.workers import Timers, Worker
 from tightfit.offload.step.budget_checks import check_budgets, host_tier_bytes, largest_job
@@ -51,6 +50,7 @@ from tightfit.offload.step.hooks import queue_end_of_backward, register_hooks, r
 from tightfit.offload.step.lifecycle import Event, ParamsState, Phase
 from tightfit.offload.step.master_io import initialise, read_master, write_master
 from tightfit.offload.step.optimizer import Multipliers, StepRunner, Work
+from tightfit.offload.step.residency import Residency
 from tightfit.offload.step.scheduler import MoveKind, Scheduler, StepPhase
 from tightfit.offload.step.unit import PARAMS, OffloadUnit
 from tightfit.offload.step.units import UnitPolicy, find_units
@@ -200,13 +200,14 @@ class OffloadEngine:
         self.shipper = GradientShipper(self.pool, self.mover, self.cache, self.grad_worker, self.timers)
         self.stepper = StepRunner(self.pool, self.cache, self.mover, self.writes, self.scheduler, self.timers,
                                   device, self.separate)
+        self.residency = Residency(self.units, self.meter, self.mover, self.pool, self.cache, self.timers,
+                                   placement.device_budget, self._keeps_master, lambda: self.phase)
         self.phase = StepPhase.IDLE
         # Declared by the optimizer for one backward (`declare_step`): a step of these units follows it, run during
         # backward as each unit's gradients land (`early`), or after it (it clips or unscales); either way each unit's
         # master and moments start loading as its backward starts.
         self.declared: DeclaredStep | None = None
         self._early_steps: list[Future] = []
-        self._active: set[str] = set()  # units materialised because they compute now (not mere prefetches)
         self._grads_charged: dict[str, int] = {}  # device bytes of this backward's param.grads, per unit
         self._warned_autocast = False
         self._t_step = self._t_bwd = None
@@ -304,73 +305,12 @@ class OffloadEngine:
         """Will the declared step step `unit`?"""
         return self.declared is not None and unit.name in self.declared.units
 
-    def _make_room(self, keep: OffloadUnit, nbytes: int) -> bool:
-        """Evict idle units, then wait for gradients still being packed, until `nbytes` fit; whether they do."""
-        if self.meter.fits(nbytes):
-            return True
-        self._evict_idle(keep)
-        if not self.meter.fits(nbytes) and self.meter.packing:
-            self.meter.settle(wait=True, phase=self.phase)
-        return self.meter.fits(nbytes)
-
     def materialise(self, unit: OffloadUnit) -> None:
-        """The unit computes now: its params on the device, waiting for the fetch in flight or fetching now."""
-        self._active.add(unit.name)
-        if unit.refresh is not None:  # the last step's new compute params are on their way
-            self.mover.wait(unit.refresh)
-            unit.refresh = None
-        state = unit.params_state
-        if state in (ParamsState.RESIDENT, ParamsState.READY):
-            return
-        if state == ParamsState.KEPT_FOR_STEP:  # stepped in place: the next forward uses them as they are
-            unit.life.on(Event.FETCHED)
-            return
-        t0 = time.perf_counter()
-        if state == ParamsState.RELEASED:
-            if not self._make_room(unit, unit.compute_bytes):
-                raise UsageError(
-                    f"device budget {format_size(self.placement.device_budget)} exceeded materialising unit "
-                    f"{unit.name!r} ({format_size(unit.compute_bytes)}; "
-                    f"{format_size(self.device_in_use)} in use); raise --gpu-mem or lower prefetch_depth")
-            self.meter.charge(unit.compute_bytes)
-            self._start_fetch(unit, firm=True)
-        unit.finish_fetch(self.mover)
-        self.timers.since("params_wait_s", t0)
+        """The unit computes now (a hook's event): its params on the device."""
+        self.residency.materialise(unit)
 
-    def _start_fetch(self, unit: OffloadUnit, firm: bool) -> bool:
-        """Start the unit's params towards the device: from a copy the host cache holds, else from their tier through
-        the fetch job's staging buffer ([Note: jobs and grants]). firm: the unit computes now, wait for the buffer;
-        else (a prefetch) only if the pool has room now. Whether it started."""
-        held = self.cache.take(unit.name, PARAMS, unit.version) if unit.master_entry == PARAMS else None
-        if held is not None and held.prefix is not None:  # part of the params only: not for a fetch
-            held.release()
-            held = None
-        if held is not None:
-            if held.ready is not None:  # a master preloaded for a step that did not come: its read first
-                held.ready.result()
-            unit.start_fetch(self.mover, source=held.buf)
-            if self._keeps_master(unit):  # stays, as the master of the unit's step, once the copy has read it
-                self.cache.put(unit.name, PARAMS, Held(held.grant, unit.version,
-                                                       reading=all_done([unit.fetch.done, held.reading])))
-            else:
-                held.grant.release(after=[unit.fetch.done, held.reading])
-            return True
-        if "fetch" not in unit.jobs:
-            unit.start_fetch(self.mover)
-            return True
-        job, sizes = f"fetch {unit.name}", unit.jobs["fetch"]
-        grant = self.pool.reserve(job, sizes) if firm else self.pool.try_reserve(job, sizes)
-        if grant is None:
-            return False
-        unit.start_fetch(self.mover, staging=grant[PARAMS])
-        t = unit.fetch
-        if self._keeps_master(unit):
-            unit.keeping_master = True
-            version = unit.version
-            t.done.add_done_callback(lambda _f: self._kept_master(unit, grant, version, t))
-        else:
-            grant.release(after=t.done)
-        return True
+    def release(self, unit: OffloadUnit) -> None:
+        self.residency.release(unit)
 
     def _keeps_master(self, unit: OffloadUnit) -> bool:
         """Does a params fetch of `unit` starting now keep its staging buffer as the master of the unit's coming step?
@@ -385,55 +325,13 @@ class OffloadEngine:
             return self._stepped(unit)
         return self.phase == StepPhase.FORWARD and (unit.spec.is_root or self.scheduler.keep_after_forward(unit.name))
 
-    def _kept_master(self, unit: OffloadUnit, grant: Grant, version: int, t) -> None:
-        """A fetch that keeps its staging buffer is done (any thread): the buffer goes to the host cache if the
-        speculative bound admits it, else back to the pool."""
-        unit.keeping_master = False
-        if t.cancelled or t.done.exception() is not None or not grant.speculate():
-            grant.release()
-            return
-        self.cache.put(unit.name, PARAMS, Held(grant, version))
-
-    def _evict_idle(self, keep: OffloadUnit) -> None:
-        """Release materialised units that are not computing (prefetches, units kept for backward) except `keep`."""
-        for other in self.units.values():
-            if (other is not keep and other.on_device and not other.resident and other.name not in self._active
-                    and other.params_state != ParamsState.KEPT_FOR_STEP):
-                self.release(other)
-
-    def _fetch_ahead(self, name: str) -> bool:
-        """The scheduler's FETCH move: start the unit's params if the device and the pool have room now."""
-        unit = self.units[name]
-        if unit.resident or unit.on_device:
-            return True
-        if not self.meter.fits(unit.compute_bytes):
-            return False
-        self.meter.charge(unit.compute_bytes)
-        if not self._start_fetch(unit, firm=False):
-            self.meter.uncharge(unit.compute_bytes)
-            return False
-        return True
-
     def _issue(self, moves) -> None:
-        self.scheduler.issue(moves, {MoveKind.FETCH: self._fetch_ahead, MoveKind.PRELOAD: self._preload})
+        self.scheduler.issue(moves, {MoveKind.FETCH: self.residency.fetch_ahead, MoveKind.PRELOAD: self._preload})
 
     def _preload(self, name: str) -> bool:
         """The scheduler's PRELOAD move, for units the declared step will step."""
         unit = self.units[name]
         return not self._stepped(unit) or self.stepper.preload(unit)
-
-    def release(self, unit: OffloadUnit) -> None:
-        self._active.discard(unit.name)
-        if unit.resident or not unit.on_device:
-            return
-        unit.free(self.mover)
-        self.meter.uncharge(unit.compute_bytes)
-
-    def release_all(self, keep_stepping: bool = False) -> None:
-        """Release every materialised unit; keep_stepping: except a root whose step runs in place."""
-        for unit in self.units.values():
-            if not (keep_stepping and unit.params_state == ParamsState.KEPT_FOR_STEP):
-                self.release(unit)
 
     # ---- events from the hooks -------------------------------------------------------------------------------
 
@@ -483,7 +381,7 @@ class OffloadEngine:
         if self.phase == StepPhase.FORWARD and self.scheduler.keep_after_forward(unit.name):
             # Among the first units of the coming backward: it stays materialised instead of being read again right
             # away. It is no longer computing, so a fetch that needs the room can still evict it (`materialise`).
-            self._active.discard(unit.name)
+            self.residency.idle(unit)
             return
         self.release(unit)
 
@@ -510,7 +408,8 @@ class OffloadEngine:
     def _charge_grads(self, unit: OffloadUnit) -> None:
         """Count the `param.grad`s autograd is about to produce for the unit (freed when they are shipped)."""
         if unit.name not in self._grads_charged:
-            self._make_room(unit, unit.grad_bytes)  # the budget's guarantee (check_budgets) covers computing units
+            # the budget's guarantee (check_budgets) covers computing units
+            self.residency.make_room(unit, unit.grad_bytes)
             self._grads_charged[unit.name] = unit.grad_bytes
             self.meter.charge(unit.grad_bytes)
 
@@ -582,7 +481,7 @@ class OffloadEngine:
                 self._finish_backward(unit)
         for unit in self.units.values():
             self._uncharge_grads(unit)
-        self.release_all(keep_stepping=True)  # prefetches the step did not use
+        self.residency.release_all(keep_stepping=True)  # prefetches the step did not use
         self.declared = None  # a declared step covers one backward
         self.scheduler.end(StepPhase.BACKWARD)
         self.phase = StepPhase.IDLE
@@ -615,7 +514,7 @@ class OffloadEngine:
         self.wait_grads()
         work = [w for w in work if w[1]]
         if work:
-            self.release_all()  # a materialised copy would go stale
+            self.residency.release_all()  # a materialised copy would go stale
         self.stepper.step_units(work, grad_scales)
         self.zero_grad()
         self.timers.since("optimizer_wall_s", t_wall)

@@ -9,7 +9,7 @@ Adding a tier is adding a class here.
 - `MemoryStore(Tier.HOST)`: tensors in host memory; on CUDA machines the compute params are page-locked, so
   their copies to the GPU run asynchronously on a stream.
 - `DiskStore`: one safetensors file per unit ("<unit>.safetensors") in the swap folder, read and written at known
-  offsets by `tightfit.offload.tiers.nvme.store.NvmeStore` from its thread pool. Nothing is addressable; every use is a `load`.
+  offsets by `tiers.nvme.store.NvmeStore` from its thread pool. Nothing is addressable; every use is a `load`.
 
 Entries are named by (unit, entry), entry one of "params", "master", "grads", "exp_avg", "exp_avg_sq".
 """
