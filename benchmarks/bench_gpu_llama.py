@@ -17,6 +17,10 @@ random tokens, bf16 compute with fp32 master weights, AdamW without clipping:
 - tightfit: what `tightfit train --gpu-mem 24GiB` does: the planner places the states for the cap and the machine's
   RAM, `tightfit.wrap`, each unit's AdamW step during backward.
 - tightfit-host: the same with every state in host memory (`--offload host`): offloaded whatever the planner thinks.
+- tightfit-nvme: every state on NVMe (`--offload nvme`, a swap folder under `--nvme`, default a temporary folder).
+`--sides plain-uncapped,...` skips the capped plain side (out of memory under a 24 GiB cap: `make gpu-check` does).
+Each offloaded side also reports its bytes to and from the device and the disk per step (the engine's counters), for
+the floors' bound (bench_gpu_floors.py, scripts/gpu_check_report.py).
 Reported per side: median step time after `--warmup`, tokens/s, MFU, CUDA peaks (allocated and reserved), losses.
 MFU = model FLOPs per step (bench_gpu_util.step_flops: 6 x Linear weights x tokens + attention) / step time / the
 GPU's peak bf16 FLOP/s, from a datasheet table by device name, else a measured bf16 matrix product (both given).
@@ -37,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_gpu_util as util  # noqa: E402
 
-SIDES = ("plain", "tightfit", "tightfit-host")
+SIDES = ("plain", "plain-uncapped", "tightfit", "tightfit-host", "tightfit-nvme")
 
 
 def _which_model(args) -> tuple[str, str]:
@@ -113,7 +117,12 @@ def run_side(args, side: str) -> dict:
     cfg.train.micro_batch, cfg.train.seq_len, cfg.train.device = args.batch, args.seq, device.type
     cfg.train.precision = "bf16"
     cfg.optim.grad_clip, cfg.optim.lr, cfg.optim.weight_decay = 0.0, 1e-4, 0.1
-    cfg.memory.offload = {"plain": "none", "plain-uncapped": "none", "tightfit": "auto", "tightfit-host": "host"}[side]
+    cfg.memory.offload = {"plain": "none", "plain-uncapped": "none", "tightfit": "auto", "tightfit-host": "host",
+                          "tightfit-nvme": "nvme"}[side]
+    if side == "tightfit-nvme":
+        import tempfile
+
+        cfg.memory.nvme = args.nvme or tempfile.mkdtemp(prefix="tightfit-bench-")
     if device.type == "cuda" and side != "plain-uncapped":
         cfg.memory.gpu_mem = f"{args.gpu_mem_gib or args.cap_gib}GiB"
     mem = setup_memory(model, cfg, device, torch.bfloat16)  # plain: model.to(device) + fused AdamW
@@ -123,19 +132,30 @@ def run_side(args, side: str) -> dict:
         autocast = _autocast(device)  # as tightfit train runs bf16, plain or offloaded
         compute = loss_fn(mem.model)
 
-        def step(x, y) -> float:
-            with autocast():
-                loss = compute(x, y)
-            mem.backward(loss, last=True)
-            mem.clip_and_step(0.0)
-            return loss.item()
+        accum = args.host_accum if side == "tightfit-host" else 1
+        batch_of = _batches(args, device)
 
-        out = util.timed_steps(device, args.steps, args.warmup, _batches(args, device), step, args.batch * args.seq)
-        flops = util.step_flops(n_linear, n_layer, width, args.batch, args.seq)
+        def step(x, y) -> float:
+            total = 0.0
+            for micro in range(accum):  # micro-batch 0 is (x, y); the others the batches after the step's
+                if micro:
+                    x, y = batch_of(10_000 + micro)
+                with autocast():
+                    loss = compute(x, y) / accum
+                mem.backward(loss, last=micro == accum - 1)
+                total += loss.item()
+            mem.clip_and_step(0.0)
+            return total
+
+        tokens = accum * args.batch * args.seq
+        out = util.timed_steps(device, args.steps, args.warmup, batch_of, step, tokens)
+        flops = accum * util.step_flops(n_linear, n_layer, width, args.batch, args.seq)
+        out["tokens_per_step"] = tokens
         out.update(params=n_params, linear_params=n_linear, step_flops=flops, plan=mem.describe(),
                    achieved_flops=flops / out["median_step_s"])
         if side.startswith("tightfit"):
             out["engine_peaks"] = mem.peak_memory()
+            out["moved_per_step"] = util.moved_per_step(mem.model, args.steps)
         return out
     finally:
         mem.close()
@@ -158,8 +178,12 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the median")
     ap.add_argument("--cap-gib", type=float, default=24.0, help="GPU memory cap of every side but plain-uncapped")
     ap.add_argument("--gpu-mem-gib", type=float, default=None, help="tightfit's --gpu-mem (default: the cap)")
-    ap.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of {', '.join(SIDES)}")
+    ap.add_argument("--sides", default="plain,tightfit,tightfit-host,tightfit-nvme",
+                    help=f"comma-separated, of {', '.join(SIDES)}")
     ap.add_argument("--device", default=None, help="cuda (default where there is one) or cpu (smoke test)")
+    ap.add_argument("--nvme", default=None, help="swap folder of the tightfit-nvme side (default: a temporary one)")
+    ap.add_argument("--host-accum", type=int, default=1, help="micro-batches per step of the tightfit-host side "
+                    "(8: 32k tokens per step at 2 x 2048, where the CPU optimizer's time is spread over them)")
     ap.add_argument("--json-out", default=None, help="also write the figures to this file")
     ap.add_argument("--isolate", action="store_true", help="each side in its own process on the CPU too "
                     "(always so on a GPU)")
@@ -180,7 +204,7 @@ def parse_args(argv=None):
 
 def _child_argv(args) -> list[str]:
     keys = ("model", "layers", "gpt_layers", "hidden", "intermediate", "heads", "kv_heads", "vocab", "batch", "seq",
-            "steps", "warmup", "cap_gib", "gpu_mem_gib", "device")
+            "steps", "warmup", "cap_gib", "gpu_mem_gib", "device", "nvme", "host_accum")
     argv = []
     for k in keys:
         if getattr(args, k) is not None:
@@ -220,7 +244,7 @@ def main() -> None:
             r["mfu_vs_measured_matmul"] = r["achieved_flops"] / peak["measured_matmul_bf16_flops"]
     plain = next((results[s] for s in ("plain", "plain-uncapped") if "tokens_per_s" in results.get(s, {})), None)
     if plain:
-        for side in ("tightfit", "tightfit-host"):
+        for side in ("tightfit", "tightfit-host", "tightfit-nvme"):
             if "tokens_per_s" in results.get(side, {}):
                 results[side]["tokens_per_s_over_plain"] = results[side]["tokens_per_s"] / plain["tokens_per_s"]
     failed = [s for s in sides if "error" in results[s] and not (s == "plain" and "plain-uncapped" in results)]

@@ -91,11 +91,28 @@ def cap_device(device_name: str, cap_gib: float | None):
 
     device = torch.device(device_name)
     if device.type == "cuda":
+        device = torch.device("cuda", device.index or 0)  # set_device refuses a device without an index (torch 2.11)
         torch.cuda.set_device(device)
         if cap_gib:
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * 2**30 / total), device)
     return device
+
+
+def moved_per_step(model, steps: int) -> dict:
+    """A wrapped model's bytes per step to and from the device (the mover's counters) and the disk (the NVMe
+    store's), averaged over the run, and the parameters its CPU optimizer steps: what the floors' bound is computed
+    from (bench_gpu_floors.py, scripts/gpu_check_report.py)."""
+    from tightfit.offload import Tier, engine_of
+
+    engine = engine_of(model)
+    out = {k: engine.mover.stats[k] / steps for k in ("bytes_to_device", "bytes_to_host")}
+    if Tier.NVME in engine.stores:
+        st = engine.stores[Tier.NVME].stats()
+        out.update(nvme_read=st["bytes_read"] / steps, nvme_written=st["bytes_written"] / steps)
+    out["cpu_optimizer_params"] = sum(u.spec.train_numel for u in engine.units.values()
+                                      if u.placement.optim != Tier.DEVICE)
+    return out
 
 
 def _sync(device) -> None:

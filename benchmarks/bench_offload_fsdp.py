@@ -15,9 +15,10 @@ process (bench_gpu_util.py), so each has a clean CUDA context, its own cap
 - tightfit: what `tightfit train` does: the planner places every state for the same cap (`--gpu-mem`, the cap
   unless `--gpu-mem-gib` says otherwise) and the machine's RAM (no NVMe), `tightfit.wrap` with that plan,
   `tightfit.optim.AdamW` stepping each unit during backward (no clipping), the plan printed.
+- tightfit-at-fsdp2-peak (on a GPU): tightfit again, its `--gpu-mem` set to the bytes FSDP2 reserved at its peak.
 Reported per side: median step time over the steps after `--warmup`, tokens/s, the peaks of CUDA memory allocated
 and reserved (the cap bounds reserved bytes), the losses (they agree to bf16 rounding: a check that both train the
-same model); then tightfit's tokens/s over FSDP2's. A side that fails (out of memory under the cap) is reported
+same model); then tightfit's tokens/s over FSDP2's, under the cap and at FSDP2's peak. A side that fails (out of memory under the cap) is reported
 with its error and the exit status is 1. `--json-out PATH` also writes the figures there.
 Defaults (what `make gpu-check` runs): 24 layers x 2048 (1.2 B parameters), batch 2 x 1024 under an 8 GiB cap.
 FSDP2 keeps every block's activations (no checkpointing): about 70 KB per token per block in bf16, 3.4 GB here,
@@ -136,6 +137,7 @@ def run_tightfit(args) -> dict:
         out = util.timed_steps(device, args.steps, args.warmup, _batches(args, device), step, args.batch * args.seq)
         out["plan"] = mem.describe()
         out["engine_peaks"] = mem.peak_memory()
+        out["moved_per_step"] = util.moved_per_step(mem.model, args.steps)
         return out
     finally:
         mem.close()
@@ -193,6 +195,15 @@ def main() -> None:
     ok = all("error" not in results[s] for s in SIDES)
     if ok:
         results["tokens_per_s_ratio"] = results["tightfit"]["tokens_per_s"] / results["fsdp2"]["tokens_per_s"]
+    fsdp_peak = results["fsdp2"].get("peak_cuda_reserved")
+    if fsdp_peak and not args.gpu_mem_gib:
+        # tightfit's budget set to what FSDP2 itself reserved: as fast in no more memory?
+        gib = fsdp_peak / 2**30
+        argv = [str(a) for a in shape] + ["--gpu-mem-gib", f"{gib:.3f}", "--port", str(_free_port())]
+        r = results["tightfit-at-fsdp2-peak"] = util.run_side(__file__, "tightfit", argv, None)
+        r["gpu_mem_gib"] = gib
+        if "tokens_per_s" in r:
+            results["tokens_per_s_ratio_at_fsdp2_peak"] = r["tokens_per_s"] / results["fsdp2"]["tokens_per_s"]
     util.write_json(args.json_out, results)
     sys.exit(0 if ok else 1)
 

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# `make gpu-check`: on a machine with a CUDA GPU, run the CUDA tests and the GPU benchmarks (under 25 minutes in
-# all), and write every figure to one file, runs/gpu-check/figures.json (and figures.md to read).
+# `make gpu-check`: on a machine with a CUDA GPU, in one short call (under 6 minutes on one H100 or H200), run the
+# CUDA tests, measure the machine's floors, run the default `tightfit train` and the GPU benchmarks, and leave four
+# files in runs/gpu-check/: figures.json and figures.md (every figure), gpu-check.log (every stage's output) and
+# parts.tar.gz (what the stages wrote: JUnit XML, each benchmark's JSON, the train run's metrics, env.json).
 #
 # It downloads nothing: the GPU machines this project is lent reach no package registry and carry their own CUDA
 # torch. So it takes the first Python among $PYTHON, .venv/bin/python, python3, python whose torch sees a GPU, and
@@ -10,10 +12,15 @@
 #     tightfit there with `pip install --no-index --no-deps --no-build-isolation -e .` (nothing fetched: the build
 #     uses the setuptools already there); where pip cannot, a .pth file naming this checkout does the same job;
 #   - where no virtual environment can be made, runs everything with PYTHONPATH=. (tightfit from this checkout).
-# Stages, each under a time limit (seconds; they sum to 24 minutes):
-#   tests  (480)  pytest -m cuda tests/test_offload_cuda.py
-#   fsdp   (420)  benchmarks/bench_offload_fsdp.py: tightfit vs FSDP2 + CPUOffloadPolicy under one cap
-#   llama  (540)  benchmarks/bench_gpu_llama.py: a ~1B Llama offloaded under a 24 GiB cap vs plain PyTorch
+# Stages, each under a time limit (seconds; they sum to 6 minutes):
+#   tests  (70)   pytest -m cuda tests/test_offload_cuda.py (the H200 deadlock's scenario among them)
+#   floors (25)   benchmarks/bench_gpu_floors.py: CPU AdamW on the engine's threads, H2D/D2H alone and both at once,
+#                 the disk under the swap folder
+#   train  (45)   tightfit train, the default run (the README's `make train`) on the GPU
+#   fsdp   (95)   benchmarks/bench_offload_fsdp.py: tightfit vs FSDP2 + CPUOffloadPolicy under an 8 GiB cap, and
+#                 tightfit with its budget at FSDP2's measured peak
+#   llama  (125)  benchmarks/bench_gpu_llama.py: TinyLlama-1.1B's shape under a 24 GiB cap: plain PyTorch on the
+#                 whole GPU, tightfit's plan, every state on host (32k tokens per step), every state on NVMe
 # GPU_CHECK_STAGES="tests fsdp" runs some of them (a stage run again replaces only its own results, so stages run
 # one call at a time end in the same report); GPU_CHECK_OUT changes the folder. Exit status 0 when every stage ran
 # and passed. GPU_CHECK_SMOKE=1 checks this script itself on a machine without a GPU: any torch will do, the tests
@@ -22,9 +29,14 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${GPU_CHECK_OUT:-runs/gpu-check}
 venv=${GPU_CHECK_VENV:-runs/gpu-venv}
-stages=${GPU_CHECK_STAGES:-tests fsdp llama}
-mkdir -p "$out"
-report() { "${py:-python3}" scripts/gpu_check_report.py "$@" --out "$out"; }
+stages=${GPU_CHECK_STAGES:-tests floors train fsdp llama}
+parts="$out/parts"  # the stages' files, packed into parts.tar.gz at the end
+mkdir -p "$out" "$parts"
+[ -f "$out/parts.tar.gz" ] && tar -xzf "$out/parts.tar.gz" -C "$parts" 2>/dev/null  # stages run before stay
+log="$out/gpu-check.log"
+: >>"$log"
+report() { "${py:-python3}" scripts/gpu_check_report.py "$@" --out "$out" --parts "$parts"; }
+pack() { tar -czf "$out/parts.tar.gz" -C "$parts" . && rm -rf "$parts"; }
 
 # 1. A Python whose torch sees a CUDA GPU.
 smoke=${GPU_CHECK_SMOKE:-0}
@@ -41,8 +53,9 @@ done
 if [ -z "$base" ]; then
     why="no CUDA GPU: no Python here has a torch that sees one (tried: ${tried[*]:-none})"
     echo "gpu-check: $why" >&2
-    rm -f "$out/stages.tsv" "$out/env.json"
+    rm -f "$parts/stages.tsv" "$parts/env.json"
     report write --no-gpu "$why"
+    pack
     exit 1
 fi
 
@@ -68,13 +81,13 @@ if [ "$base" != "$(command -v .venv/bin/python 2>/dev/null)" ]; then
         rm -f "$site/_tightfit_checkout.pth"
         if "$py" -c "import setuptools" >/dev/null 2>&1 &&
             "$py" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-build-isolation -e . \
-                >"$out/install.log" 2>&1; then
+                >>"$log" 2>&1; then
             install="pip install --no-deps --no-build-isolation -e . into $venv (on $base)"
         else
             # What an editable install amounts to, without the package's metadata and console script.
             echo "$PWD" >"$site/_tightfit_checkout.pth"
             install="a .pth file naming this checkout in $venv (on $base); pip could not install offline"
-            install+=" (see $out/install.log)"
+            install+=" (see $log)"
             echo "gpu-check: $install" >&2
         fi
     else
@@ -82,54 +95,71 @@ if [ "$base" != "$(command -v .venv/bin/python 2>/dev/null)" ]; then
         install="PYTHONPATH=. with $base (no virtual environment could be made on it)"
     fi
 fi
-"$py" scripts/gpu_check_report.py env --out "$out" --install "$install"
+"$py" scripts/gpu_check_report.py env --out "$out" --parts "$parts" --install "$install"
 
-# 3. The stages, each under its time limit; each one's output also goes to $out/<stage>.log.
+# 3. The stages, each under its time limit; each one's output also goes to gpu-check.log.
 run_stage() {  # name limit_s command...
     local name=$1 limit=$2 t0 rc
     shift 2
-    echo "gpu-check: stage $name (limit ${limit}s): $*"
+    echo "gpu-check: stage $name (limit ${limit}s): $*" | tee -a "$log"
     t0=$(date +%s)
-    timeout --kill-after=30 "$limit" "$@" 2>&1 | tee "$out/$name.log"
+    timeout --kill-after=15 "$limit" "$@" 2>&1 | tee -a "$log"
     rc=${PIPESTATUS[0]}
-    sed -i "/^$name\t/d" "$out/stages.tsv" 2>/dev/null
+    sed -i "/^$name\t/d" "$parts/stages.tsv" 2>/dev/null
     printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$rc" "$(($(date +%s) - t0))" "$limit" "$(date -u +%FT%TZ)" \
-        >>"$out/stages.tsv"
+        >>"$parts/stages.tsv"
 }
 export PYTHONUNBUFFERED=1
+swap=$(mktemp -d "${TMPDIR:-/tmp}/tightfit-gpu-check-XXXXXX")  # the NVMe sides' swap folder, removed at the end
+trap 'rm -rf "$swap"' EXIT
 if [ "$smoke" = 1 ]; then
     echo "gpu-check: GPU_CHECK_SMOKE=1: tests collected only, benchmarks in their CPU smoke configurations" >&2
     collect=(--collect-only)
+    floors_shape=(--device cpu --numel 65536 --mib 4 --reps 1 --disk-mib 8)
+    train_shape=(--steps 3 --n-layer 1 --n-embd 32 --n-head 2 --seq-len 32 --eval-interval 3 --eval-batches 1)
     fsdp_shape=(--device cpu --layers 2 --embd 64 --batch 2 --seq 32 --steps 3 --warmup 1)
     llama_shape=(--device cpu --layers 2 --hidden 64 --intermediate 128 --heads 4 --kv-heads 2 --vocab 256 --seq 32
-        --batch 2 --steps 3 --warmup 1)
+        --batch 2 --steps 3 --warmup 1 --sides plain,tightfit,tightfit-host,tightfit-nvme --host-accum 2)
 else
     collect=()
-    fsdp_shape=(--layers 24 --embd 2048 --batch 2 --seq 1024 --cap-gib 8 --steps 8)
-    llama_shape=(--cap-gib 24)
+    floors_shape=()
+    train_shape=()
+    fsdp_shape=(--layers 24 --embd 2048 --batch 2 --seq 1024 --cap-gib 8 --steps 5 --warmup 2)
+    llama_shape=(--cap-gib 24 --steps 4 --warmup 1 --sides plain-uncapped,tightfit,tightfit-host,tightfit-nvme
+        --host-accum 8)
 fi
 for stage in $stages; do
     case $stage in
     tests)
-        rm -f "$out/cuda-tests.xml"
-        # A hung test (a deadlock the CPU suite cannot see) fails alone where pytest-timeout is installed; else the
-        # stage's limit stops them all.
+        rm -f "$parts/cuda-tests.xml"
+        # A hung test fails alone where pytest-timeout is installed; else the stage's limit stops them all.
         per_test=()
-        "$py" -c "import pytest_timeout" >/dev/null 2>&1 && per_test=(--timeout=150)
-        run_stage tests 480 "$py" -m pytest -q -m cuda -p no:cacheprovider tests/test_offload_cuda.py \
-            --junitxml="$out/cuda-tests.xml" "${per_test[@]}" "${collect[@]}" ;;
+        "$py" -c "import pytest_timeout" >/dev/null 2>&1 && per_test=(--timeout=60)
+        run_stage tests 70 "$py" -m pytest -q -m cuda -p no:cacheprovider tests/test_offload_cuda.py \
+            --junitxml="$parts/cuda-tests.xml" "${per_test[@]}" "${collect[@]}" ;;
+    floors)
+        rm -f "$parts/bench_gpu_floors.json"
+        run_stage floors 25 "$py" benchmarks/bench_gpu_floors.py --nvme "$swap/floors" "${floors_shape[@]}" \
+            --json-out "$parts/bench_gpu_floors.json" ;;
+    train)
+        rm -rf "$parts/train"
+        run_stage train 45 "$py" -m tightfit.cli train --out-dir "$swap/train" "${train_shape[@]}"
+        mkdir -p "$parts/train"
+        cp "$swap/train/metrics.jsonl" "$parts/train/" 2>/dev/null ;;
     fsdp)
-        rm -f "$out/bench_offload_fsdp.json"
-        run_stage fsdp 420 "$py" benchmarks/bench_offload_fsdp.py "${fsdp_shape[@]}" \
-            --json-out "$out/bench_offload_fsdp.json" ;;
+        rm -f "$parts/bench_offload_fsdp.json"
+        run_stage fsdp 95 "$py" benchmarks/bench_offload_fsdp.py "${fsdp_shape[@]}" \
+            --json-out "$parts/bench_offload_fsdp.json" ;;
     llama)
-        rm -f "$out/bench_gpu_llama.json"
-        run_stage llama 540 "$py" benchmarks/bench_gpu_llama.py "${llama_shape[@]}" \
-            --json-out "$out/bench_gpu_llama.json" ;;
+        rm -f "$parts/bench_gpu_llama.json"
+        run_stage llama 125 "$py" benchmarks/bench_gpu_llama.py "${llama_shape[@]}" --nvme "$swap/llama" \
+            --json-out "$parts/bench_gpu_llama.json" ;;
     *)
-        echo "gpu-check: unknown stage '$stage' (GPU_CHECK_STAGES takes tests, fsdp, llama)" >&2
+        echo "gpu-check: unknown stage '$stage' (GPU_CHECK_STAGES takes tests, floors, train, fsdp, llama)" >&2
         exit 2 ;;
     esac
 done
 report write
-exit $?
+rc=$?
+pack
+exit $rc

@@ -1,13 +1,16 @@
 """`make gpu-check`'s bookkeeping: the environment it ran in, and the one figures file (JSON + readable Markdown).
 
-    python scripts/gpu_check_report.py env --out runs/gpu-check --install "how tightfit was installed"
-    python scripts/gpu_check_report.py write --out runs/gpu-check [--no-gpu "why"]
+    python scripts/gpu_check_report.py env --out runs/gpu-check --parts runs/gpu-check/parts --install "how"
+    python scripts/gpu_check_report.py write --out runs/gpu-check --parts runs/gpu-check/parts [--no-gpu "why"]
 
-`env` runs under the Python that holds the CUDA torch and records it (env.json). `write` needs nothing but the
-standard library: it gathers what the stages left in the folder (stages.tsv: stage, exit status, seconds, limit,
-time; cuda-tests.xml: pytest's JUnit report; bench_*.json: each benchmark's figures) into figures.json and
-figures.md. A stage run again replaces its own files only, so stages run one at a time (GPU_CHECK_STAGES) end in the
-same report.
+`env` runs under the Python that holds the CUDA torch and records it (parts/env.json). `write` needs nothing but the
+standard library: it gathers what the stages left in the parts folder (stages.tsv: stage, exit status, seconds,
+limit, time; cuda-tests.xml: pytest's JUnit report; bench_*.json: each benchmark's figures; train/metrics.jsonl)
+into figures.json and figures.md in the output folder, and puts each offloaded step against the machine's floors:
+max(compute: plain PyTorch's step on the whole GPU, per token; transfers: its bytes to and from the device at the
+measured rates with both directions in flight, and to and from the disk; CPU optimizer: its parameters at the
+measured AdamW rate). A stage run again replaces its own files only, so stages run one at a time
+(GPU_CHECK_STAGES) end in the same report.
 """
 
 from __future__ import annotations
@@ -19,11 +22,11 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-BENCHES = {"fsdp": "bench_offload_fsdp.json", "llama": "bench_gpu_llama.json"}
+BENCHES = {"floors": "bench_gpu_floors.json", "fsdp": "bench_offload_fsdp.json", "llama": "bench_gpu_llama.json"}
 MODULES = ("pytest", "psutil", "numpy", "safetensors", "transformers", "setuptools")
 
 
-def env(out: Path, install: str) -> None:
+def env(out: Path, install: str) -> None:  # `out`: the parts folder
     import importlib.util
     import platform
 
@@ -48,9 +51,9 @@ def env(out: Path, install: str) -> None:
           f"{info['python']}; tightfit: {install}" + (f"; missing: {', '.join(missing)}" if missing else ""))
 
 
-def _stages(out: Path) -> dict:
+def _stages(parts: Path) -> dict:
     stages = {}
-    path = out / "stages.tsv"
+    path = parts / "stages.tsv"
     if path.exists():
         for line in path.read_text().splitlines():
             name, rc, seconds, limit, when = (line.split("\t") + [""] * 5)[:5]
@@ -59,8 +62,8 @@ def _stages(out: Path) -> dict:
     return stages
 
 
-def _tests(out: Path) -> dict | None:
-    path = out / "cuda-tests.xml"
+def _tests(parts: Path) -> dict | None:
+    path = parts / "cuda-tests.xml"
     if not path.exists():
         return None
     root = ET.parse(path).getroot()
@@ -83,25 +86,79 @@ def _tests(out: Path) -> dict | None:
     return {**counts, "cases": cases}
 
 
-def write(out: Path, no_gpu: str | None) -> int:
+def _train(parts: Path) -> dict | None:
+    """The default run's summary record (tightfit train's metrics.jsonl), and its plan comparison if logged."""
+    path = parts / "train" / "metrics.jsonl"
+    if not path.exists():
+        return None
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    summary = next((r for r in reversed(records) if r.get("kind") == "summary"), None)
+    return {"summary": summary, "records": len(records)}
+
+
+def floors_bound(side: dict, floors: dict, compute_s_per_token: float | None) -> dict | None:
+    """max(compute, transfers, CPU optimizer) of one offloaded side's step on the machine's floors, and the step's
+    ratio to it."""
+    moved = side.get("moved_per_step")
+    if not moved or "median_step_s" not in side:
+        return None
+    both_up, both_down = floors["both_h2d_bytes_per_s"], floors["both_d2h_bytes_per_s"]
+    parts = {"transfers_s": max(moved["bytes_to_device"] / both_up, moved["bytes_to_host"] / both_down),
+             "cpu_optimizer_s": moved.get("cpu_optimizer_params", 0) / floors["adamw_params_per_s"]}
+    if "nvme_read" in moved and floors.get("nvme_read_bytes_per_s"):
+        parts["disk_s"] = (moved["nvme_read"] / floors["nvme_read_bytes_per_s"]
+                           + moved["nvme_written"] / floors["nvme_write_bytes_per_s"])
+    if compute_s_per_token is not None:
+        parts["compute_s"] = compute_s_per_token * side.get("tokens_per_step", side["tokens_per_s"]
+                                                           * side["median_step_s"])
+    bound = max(parts.values())
+    return {**parts, "bound_s": bound, "bounded_by": max(parts, key=parts.get)[:-2],
+            "step_over_bound": side["median_step_s"] / bound if bound else None}
+
+
+def _bounds(figures: dict) -> None:
+    floors = figures.get("floors")
+    if not floors or "error" in floors:
+        return
+    llama = figures.get("llama") or {}
+    plain = llama.get("plain-uncapped") or llama.get("plain") or {}
+    per_token = 1 / plain["tokens_per_s"] if "tokens_per_s" in plain else None
+    for side in ("tightfit", "tightfit-host", "tightfit-nvme"):
+        if side in llama:
+            b = floors_bound(llama[side], floors, per_token)
+            if b:
+                llama[side]["floors"] = b
+    fsdp = figures.get("fsdp") or {}
+    for side in ("tightfit", "tightfit-at-fsdp2-peak"):
+        if side in fsdp:
+            b = floors_bound(fsdp[side], floors, None)
+            if b:
+                fsdp[side]["floors"] = b
+
+
+def write(out: Path, parts: Path, no_gpu: str | None) -> int:
     if no_gpu:  # nothing ran: whatever an earlier run left here is not this run's
         figures = {"command": "make gpu-check", "stages": {}, "status": f"not run: {no_gpu}"}
         (out / "figures.json").write_text(json.dumps(figures, indent=2) + "\n")
         (out / "figures.md").write_text(markdown(figures))
         print(f"gpu-check: {figures['status']}\ngpu-check: figures in {out / 'figures.json'}")
         return 1
-    figures: dict = {"command": "make gpu-check", "stages": _stages(out)}
-    if (out / "env.json").exists():
-        figures["env"] = json.loads((out / "env.json").read_text())
-    tests = _tests(out)
+    figures: dict = {"command": "make gpu-check", "stages": _stages(parts)}
+    if (parts / "env.json").exists():
+        figures["env"] = json.loads((parts / "env.json").read_text())
+    tests = _tests(parts)
     if tests is not None:
         figures["cuda_tests"] = tests
+    train = _train(parts)
+    if train is not None:
+        figures["train"] = train
     for stage, name in BENCHES.items():
-        path = out / name
+        path = parts / name
         if path.exists():
             figures[stage] = json.loads(path.read_text())
+    _bounds(figures)
     ok = bool(figures["stages"]) and all(s["exit_status"] == 0 for s in figures["stages"].values())
-    figures["status"] = "passed" if ok else "failed: see the stages' exit statuses and logs in this folder"
+    figures["status"] = "passed" if ok else "failed: see the stages' exit statuses and gpu-check.log"
     if os.environ.get("GPU_CHECK_SMOKE") == "1":
         figures["status"] = (f"smoke run of the script (GPU_CHECK_SMOKE=1, no GPU): {figures['status']}; "
                              "figures meaningless")
@@ -117,10 +174,13 @@ def _gib(n) -> str:
 
 def _side_row(name: str, r: dict) -> str:
     if "error" in r:
-        return f"| {name} | failed: {r['error'][:160].replace('|', '/')} | | | | |"
+        return f"| {name} | failed: {r['error'][:160].replace('|', '/')} | | | | | |"
     mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "-"
+    fl = r.get("floors")
+    bound = (f"{fl['step_over_bound']:.2f}x ({fl['bounded_by']} {fl['bound_s']:.3f} s)"
+             if fl and fl.get("step_over_bound") else "-")
     return (f"| {name} | {r['tokens_per_s']:,.0f} | {r['median_step_s']:.3f} | {mfu} | "
-            f"{_gib(r.get('peak_cuda_allocated'))} | {_gib(r.get('peak_cuda_reserved'))} |")
+            f"{_gib(r.get('peak_cuda_allocated'))} | {_gib(r.get('peak_cuda_reserved'))} | {bound} |")
 
 
 def markdown(f: dict) -> str:
@@ -135,6 +195,20 @@ def markdown(f: dict) -> str:
         lines += [f"| {n} | {s['exit_status']}{' (timed out)' if s['timed_out'] else ''} | {s['seconds']} | "
                   f"{s['limit_s']} | {s['ran_at']} |" for n, s in f["stages"].items()]
         lines.append("")
+    fl = f.get("floors")
+    if fl and "error" not in fl:
+        disk = (f"; disk {fl['nvme_read_bytes_per_s'] / 1e9:.2f} GB/s read, {fl['nvme_write_bytes_per_s'] / 1e9:.2f} GB/s "
+                "write" if fl.get("nvme_read_bytes_per_s") else "")
+        lines += ["## Floors (`benchmarks/bench_gpu_floors.py`)", "",
+                  f"CPU AdamW {fl['adamw_params_per_s'] / 1e9:.2f} Gparam/s on {fl['torch_threads']} threads; H2D "
+                  f"{fl['h2d_bytes_per_s'] / 1e9:.1f} GB/s, D2H {fl['d2h_bytes_per_s'] / 1e9:.1f} GB/s alone, "
+                  f"{fl['both_h2d_bytes_per_s'] / 1e9:.1f} + {fl['both_d2h_bytes_per_s'] / 1e9:.1f} GB/s both at "
+                  f"once{disk}.", ""]
+    tr = (f.get("train") or {}).get("summary")
+    if tr:
+        lines += ["## Default `tightfit train`", "",
+                  f"{tr.get('steps')} steps in {tr.get('seconds', 0):.1f} s, {tr.get('tokens_per_s', 0):,.0f} tok/s, "
+                  f"val loss {tr.get('val_loss')}; peaks {tr.get('peak_memory')}.", ""]
     t = f.get("cuda_tests")
     if t:
         lines += ["## CUDA tests (`pytest -m cuda tests/test_offload_cuda.py`)", "",
@@ -142,17 +216,19 @@ def markdown(f: dict) -> str:
         lines += [f"- {c['outcome']}: `{c['name']}`: {c.get('message', '')}" for c in t["cases"]
                   if c["outcome"] != "passed"]
         lines.append("")
-    header = ["| side | tokens/s | median step (s) | MFU | peak CUDA allocated | peak CUDA reserved |",
-              "| --- | --- | --- | --- | --- | --- |"]
+    header = ["| side | tokens/s | median step (s) | MFU | peak CUDA allocated | peak CUDA reserved | step / floors |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
     b = f.get("fsdp")
     if b:
         c = b["config"]
         lines += ["## tightfit vs FSDP2 + CPUOffloadPolicy (`benchmarks/bench_offload_fsdp.py`)", "",
                   f"GPT {c['layers']} layers x {c['embd']}, batch {c['batch']} x {c['seq']}, {c['dtype']}, cap "
                   f"{c['cap_gib']} GiB for both sides (set_per_process_memory_fraction).", ""] + header
-        lines += [_side_row(s, b[s]) for s in ("fsdp2", "tightfit") if s in b]
+        lines += [_side_row(s, b[s]) for s in ("fsdp2", "tightfit", "tightfit-at-fsdp2-peak") if s in b]
         if "tokens_per_s_ratio" in b:
-            lines += ["", f"tightfit / FSDP2 tokens/s: {b['tokens_per_s_ratio']:.2f}"]
+            lines += ["", f"tightfit / FSDP2 tokens/s: {b['tokens_per_s_ratio']:.2f} under the cap"
+                      + (f", {b['tokens_per_s_ratio_at_fsdp2_peak']:.2f} with tightfit's budget at FSDP2's peak"
+                         if "tokens_per_s_ratio_at_fsdp2_peak" in b else "")]
         lines.append("")
     b = f.get("llama")
     if b:
@@ -162,7 +238,12 @@ def markdown(f: dict) -> str:
         lines += ["## ~1B model, states offloaded under a cap (`benchmarks/bench_gpu_llama.py`)", "",
                   f"Model: {b['model']} ({b['model_note']}); batch {c['batch']} x {c['seq']}, bf16, cap "
                   f"{c['cap_gib']} GiB. MFU against {peak}.", ""] + header
-        lines += [_side_row(s, b[s]) for s in ("plain", "plain-uncapped", "tightfit", "tightfit-host") if s in b]
+        lines += [_side_row(s, b[s]) for s in ("plain", "plain-uncapped", "tightfit", "tightfit-host", "tightfit-nvme")
+                  if s in b]
+        host = b.get("tightfit-host", {})
+        if "tokens_per_s_over_plain" in host:
+            lines += ["", f"Every state on host, {host.get('tokens_per_step', 0):,} tokens per step: "
+                      f"{host['tokens_per_s_over_plain']:.2f}x plain PyTorch's tokens/s on the whole GPU."]
         lines.append("")
     return "\n".join(lines)
 
@@ -171,14 +252,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=["env", "write"])
     ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--parts", required=True, type=Path, help="where the stages left their files")
     ap.add_argument("--install", default="")
     ap.add_argument("--no-gpu", default=None, help="write a report saying why nothing ran")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    args.parts.mkdir(parents=True, exist_ok=True)
     if args.what == "env":
-        env(args.out, args.install)
+        env(args.parts, args.install)
     else:
-        sys.exit(write(args.out, args.no_gpu))
+        sys.exit(write(args.out, args.parts, args.no_gpu))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 FSDP_SMOKE = ["--device", "cpu", "--layers", "2", "--embd", "64", "--batch", "2", "--seq", "32", "--steps", "3",
               "--warmup", "1"]
 LLAMA_SMOKE = ["--device", "cpu", "--layers", "2", "--hidden", "64", "--intermediate", "128", "--heads", "4",
-               "--kv-heads", "2", "--vocab", "256", "--seq", "32", "--batch", "2", "--steps", "3", "--warmup", "1"]
+               "--kv-heads", "2", "--vocab", "256", "--seq", "32", "--batch", "2", "--steps", "3", "--warmup", "1",
+               "--host-accum", "2"]
+FLOORS_SMOKE = ["--device", "cpu", "--numel", "65536", "--mib", "4", "--reps", "1", "--disk-mib", "8"]
 
 
 def _start(args: list[str], **kw) -> subprocess.Popen:
@@ -38,18 +40,20 @@ def _finish(proc: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU answer of gpu_check.sh; a GPU machine would run it")
 def test_benchmarks_smoke_and_one_figures_file(tmp_path):
-    out = tmp_path / "gpu-check"
-    out.mkdir()
+    out, parts = tmp_path / "gpu-check", tmp_path / "gpu-check" / "parts"
+    parts.mkdir(parents=True)
     fsdp = _start([sys.executable, "benchmarks/bench_offload_fsdp.py", *FSDP_SMOKE, "--json-out",
-                   str(out / "bench_offload_fsdp.json")])
-    llama = _start([sys.executable, "benchmarks/bench_gpu_llama.py", *LLAMA_SMOKE, "--json-out",
-                    str(out / "bench_gpu_llama.json")])
+                   str(parts / "bench_offload_fsdp.json")])
+    llama = _start([sys.executable, "benchmarks/bench_gpu_llama.py", *LLAMA_SMOKE, "--nvme", str(tmp_path / "swap"),
+                    "--json-out", str(parts / "bench_gpu_llama.json")])
+    floors = _start([sys.executable, "benchmarks/bench_gpu_floors.py", *FLOORS_SMOKE, "--nvme",
+                     str(tmp_path / "disk"), "--json-out", str(parts / "bench_gpu_floors.json")])
     nogpu = _start(["bash", "scripts/gpu_check.sh"], env={"GPU_CHECK_OUT": str(tmp_path / "nogpu")})
-    for proc in (fsdp, llama):
+    for proc in (fsdp, llama, floors):
         rc, log = _finish(proc)
         assert rc == 0, log[-3000:]
 
-    b = json.loads((out / "bench_offload_fsdp.json").read_text())
+    b = json.loads((parts / "bench_offload_fsdp.json").read_text())
     assert b["fsdp2"]["optimizer"].startswith("torch.optim.AdamW(fused=True)")
     for side in ("fsdp2", "tightfit"):
         assert len(b[side]["losses"]) == 3 and b[side]["tokens_per_s"] > 0
@@ -57,36 +61,60 @@ def test_benchmarks_smoke_and_one_figures_file(tmp_path):
     assert abs(b["fsdp2"]["losses"][0] - b["tightfit"]["losses"][0]) < 0.05
     assert b["tokens_per_s_ratio"] > 0
 
-    b = json.loads((out / "bench_gpu_llama.json").read_text())
+    b = json.loads((parts / "bench_gpu_llama.json").read_text())
     assert b["model"] in ("llama", "gpt") and b["model_note"] and b["failed_sides"] == []
     assert b["peak"]["peak_flops"] > 0 and b["peak"]["peak_source"] == "measured bf16 matmul"
-    for side in ("plain", "tightfit", "tightfit-host"):
+    for side in ("plain", "tightfit", "tightfit-host", "tightfit-nvme"):
         r = b[side]
         assert r["step_flops"] > 6 * r["linear_params"] * 2 * 32 and 0 < r["mfu"]
     assert abs(b["plain"]["losses"][0] - b["tightfit"]["losses"][0]) < 0.05
-    assert b["tightfit-host"]["tokens_per_s_over_plain"] > 0
+    assert b["tightfit-host"]["tokens_per_s_over_plain"] > 0 and b["tightfit-host"]["tokens_per_step"] == 2 * 2 * 32
+    assert b["tightfit-nvme"]["moved_per_step"]["nvme_read"] > 0
 
-    # The report gathers the stages' files into one figures file.
-    (out / "stages.tsv").write_text("tests\t0\t60\t480\tT\nfsdp\t0\t9\t420\tT\nllama\t1\t12\t540\tT\n")
-    (out / "cuda-tests.xml").write_text(
+    # The report gathers the stages' files into one figures file, with each offloaded step against the floors.
+    (parts / "stages.tsv").write_text("tests\t0\t60\t480\tT\nfsdp\t0\t9\t420\tT\nllama\t1\t12\t540\tT\n")
+    (parts / "cuda-tests.xml").write_text(
         '<testsuites><testsuite tests="2" failures="1" errors="0" skipped="0">'
         '<testcase name="test_a" time="1.5"/><testcase name="test_b" time="2"><failure message="boom"/></testcase>'
         "</testsuite></testsuites>")
-    proc = subprocess.run([sys.executable, "scripts/gpu_check_report.py", "write", "--out", str(out)], cwd=ROOT,
-                          capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "scripts/gpu_check_report.py", "write", "--out", str(out), "--parts",
+                           str(parts)], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 1, proc.stderr  # the llama stage's exit status 1
     assert "figures.json" in proc.stdout
     figures = json.loads((out / "figures.json").read_text())
     assert figures["status"].startswith("failed") and figures["stages"]["fsdp"]["seconds"] == 9
     assert figures["cuda_tests"]["passed"] == 1 and figures["cuda_tests"]["cases"][1]["message"] == "boom"
     assert figures["fsdp"]["tightfit"]["tokens_per_s"] > 0 and figures["llama"]["plain"]["mfu"] > 0
+    assert figures["floors"]["adamw_params_per_s"] > 0 and figures["floors"]["nvme_read_bytes_per_s"] > 0
+    for side in ("tightfit", "tightfit-host", "tightfit-nvme"):
+        fl = figures["llama"][side]["floors"]
+        assert fl["bound_s"] == max(v for k, v in fl.items() if k.endswith("_s") and k != "bound_s") > 0
+        assert fl["step_over_bound"] > 0 and "compute_s" in fl
+    assert "disk_s" in figures["llama"]["tightfit-nvme"]["floors"]
     md = (out / "figures.md").read_text()
-    assert "FSDP2" in md and "| tightfit-host |" in md and "`test_b`: boom" in md
+    assert "FSDP2" in md and "| tightfit-nvme |" in md and "`test_b`: boom" in md and "Floors" in md
 
     # Where no Python has a CUDA torch, gpu_check.sh says so, in its figures file too, and fails.
     rc, log = _finish(nogpu)
     assert rc == 1 and "no CUDA GPU" in log, log
     assert json.loads((tmp_path / "nogpu" / "figures.json").read_text())["status"].startswith("not run: no CUDA GPU")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU machine runs the real stages")
+def test_the_script_leaves_at_most_eight_files(tmp_path):
+    """`make gpu-check` on a GPU is one short call whose files come back: four of them (the figures, the log, the
+    stages' parts in one tarball). Here its smoke mode, with the stages that need no GPU for real (floors, a tiny
+    train run)."""
+    out = tmp_path / "gpu-check"
+    proc = _start(["bash", "scripts/gpu_check.sh"], env={"GPU_CHECK_OUT": str(out), "GPU_CHECK_SMOKE": "1",
+                                                         "GPU_CHECK_STAGES": "floors train"})
+    rc, log = _finish(proc, timeout=240)
+    assert rc == 0, log[-3000:]
+    files = sorted(p.name for p in out.rglob("*") if p.is_file())
+    assert files == ["figures.json", "figures.md", "gpu-check.log", "parts.tar.gz"], files
+    figures = json.loads((out / "figures.json").read_text())
+    assert figures["floors"]["adamw_params_per_s"] > 0 and figures["train"]["summary"]["steps"] == 3
+    assert set(figures["stages"]) == {"floors", "train"}
 
 
 def test_a_failing_side_is_reported_and_the_others_still_run(tmp_path):

@@ -280,9 +280,23 @@ def tight_host(tmp: str, mode: str, device: str = "cuda", steps: int = 5) -> dic
 def test_tight_host_budget_on_nvme(mode, tmp_path):
     """In a subprocess with a timeout: a deadlock (a step waiting for buffers a fetch holds) fails the test instead
     of stalling the run."""
-    proc = subprocess.run([sys.executable, "-c", TIGHT_HOST, str(Path(__file__).parent), str(tmp_path), mode],
+    # `python -c` makes argv[0] "-c": the script reads argv[1..4] (the first GPU run passed three: an IndexError)
+    proc = subprocess.run([sys.executable, "-c", TIGHT_HOST, str(Path(__file__).parent), str(tmp_path), mode, "cuda"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["host_peak"] <= r["budget"], r
     assert max_rel_diff(r["losses"], r["ref"]) <= 1e-6
+
+
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_smallest_host_budget_trains_llama_on_the_gpu(tier, tmp_path):
+    """The first GPU run's deadlock (host states, backward far ahead of the gradient worker) on the GPU itself: the
+    scenario of tests/test_offload_deadlock.py with the model on CUDA, at the smallest host budget wrap accepts."""
+    pytest.importorskip("transformers")
+    from test_offload_deadlock import LLAMA
+
+    proc = subprocess.run([sys.executable, "-c", LLAMA, tier, "3"], capture_output=True, text=True, timeout=240,
+                          cwd=tmp_path, env={**os.environ, "DEADLOCK_DEVICE": "cuda", "HANG_S": "200"})
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    assert "finished" in proc.stdout.split("\n")

@@ -8,7 +8,7 @@ the functions below, so the bytes that decide a refusal are the bytes the plan p
 [Note: bytes per state] For a unit with N elements in its flat buffer (padding included), n of them trainable,
 compute dtype of c bytes:
   params N*c; master n*4 (frozen parameters have none; and no master at all when c is 4 and it shares the
-  params' tier: one tensor, `flat_unit.py`);
+  params' tier: one tensor, `step/unit.py`);
   grads n*4 (fp32, accumulated over micro-batches); optim n*8 (Adam's two moments, fp32).
 While a unit computes its backward, autograd's `param.grad`s add n*c on the device until they are shipped.
 
@@ -30,18 +30,19 @@ Streamed blocks are those whose params are not on the device tier; fewer than `d
 The smallest budget the schedule can live with is the backward phase at depth 0 (prefetches are optional: the
 engine starts one only when it fits): `check_budgets` refuses anything below it.
 
-[Note: the pool] Every host buffer of a transfer or an optimizer step comes from one pool whose capacity is the host
-budget less the host tier (`staging.py`). The pool keeps what it allocated (idle buffers are reused, dropped only
-for another size), and what the engine holds ahead (preloaded moments, kept fetch buffers, held gradients) is taken
-whenever the pool has room, so over a few steps the pool grows to its capacity: its predicted bytes *are* its
-capacity. The planner therefore sizes the capacity (`pool_bytes`) and hands the engine host budget = host tier +
-that, instead of all the RAM it has. A capacity holds:
-- fp32 packs of gradients leaving the device (a CUDA device, or NVMe-bound gradients on a CPU device): two per
-  block size (the running block's and the previous one's), one for the root;
-- staging for params fetched from NVMe: the running block and `depth` prefetched;
-- optimizer working sets of units whose step goes through buffers (a state on NVMe; on CUDA, states split between
-  device and host): the one stepped + `depth` read ahead, each the engine's reservation `step_bytes`;
-and never less than one working set, which the engine requires (`pool_minimum`).
+[Note: the pool] Every host buffer of a transfer or an optimizer step is granted, per job, by one pool whose capacity
+is the host budget less the host tier ([Note: jobs and grants] in runtime/host_memory.py). The pool keeps what it
+allocated (idle buffers are reused, dropped only for another size), and what the engine holds ahead (preloaded
+moments, kept fetch buffers, held gradients) is taken whenever its speculative share has room, so over a few steps
+the pool grows to its capacity: its predicted bytes *are* its capacity. The planner therefore sizes the capacity
+(`pool_bytes`) and hands the engine host budget = host tier + that, instead of all the RAM it has. In jobs
+(`unit_jobs`, the very buffer sets the engine reserves), a capacity holds:
+- the ships of gradients leaving the device (a GPU, or NVMe-bound gradients): two blocks' (the running block's and
+  the previous one's) and the root's;
+- the fetches of params from NVMe: the running block's and `depth` prefetched;
+- the steps of units whose step goes through buffers: the one stepped + `depth` preloaded;
+and never less than the largest single job, which the engine requires (`pool_minimum`): with that, no
+interleaving of the jobs can deadlock.
 
 Activations are the model's: the engine does not meter them. The planner passes its measured figures
 (`Activations`) and the model adds them to the device in forward and backward.

@@ -82,7 +82,7 @@ def _group_of(block: str, names) -> str | None:
 
 _RETIRED = ("nvme_threads", "nvme_chunk_bytes", "staging_buffers")
 """Fields older plan files carry and `from_dict` skips: the disk's tuning is the probe's now ([Note: disk tuning] in
-disk_tuning.py), and staging buffers were never read."""
+nvme/tuning.py), and staging buffers were never read."""
 
 
 @dataclass

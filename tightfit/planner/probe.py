@@ -126,7 +126,7 @@ def measure_adam(device: str, numel: int = 4 << 20) -> float:
 
 def measure_copies(nbytes: int = 256 << 20) -> tuple[float, float]:
     """(host->device, device->host) bytes/s: pinned copies on CUDA; on CPU, a memcpy as the engine does each: a
-    fetch copies into a flat buffer it has just re-allocated (fresh memory, advised huge pages: flat_unit.py,
+    fetch copies into a flat buffer it has just re-allocated (fresh memory, advised huge pages: step/unit.py,
     [Note: first touch]), a gradient pack into a pool buffer that stays allocated (touched memory)."""
     if torch.cuda.is_available():
         host = torch.empty(nbytes // 4, pin_memory=True)

@@ -1,6 +1,6 @@
 """Transparent huge pages for the flat buffers a fetch re-allocates: their first write at memcpy speed.
 
-[Note: first touch] Offloading re-creates a streamed unit's flat compute buffer at every fetch (flat_unit.py).
+[Note: first touch] Offloading re-creates a streamed unit's flat compute buffer at every fetch (step/unit.py).
 Above glibc's mmap threshold (32 MiB at most) each is a fresh mapping, and its first write faults once per 4 KiB
 page: measured on the 2-core CI VM, a copy into fresh memory ran at about a third of the speed of the same copy
 into touched memory (110 MB: 74 ms against 22 ms, 28,161 faults). Advised `MADV_HUGEPAGE` before that first write,

@@ -3,7 +3,7 @@
 Why: `tightfit.wrap` returns the model itself, and whatever users and frameworks do next with an `nn.Module`
 (`torch.save(model.state_dict())`, `save_pretrained`, peft's adapter save, `load_state_dict` of a checkpoint) goes
 through torch's state-dict machinery, which reads and writes the parameters. Between uses those are views of freed
-storage ([Note: flat buffer and storage resizing], flat_unit.py). So, on every module of the model:
+storage ([Note: flat buffer and storage resizing], step/unit.py). So, on every module of the model:
 
 - `state_dict()`: a post-hook replaces each wrapped parameter's entry by a copy of its **fp32 master** values (the
   training truth, whatever the compute dtype), read from the master's tier (device, host or NVMe), one unit at a

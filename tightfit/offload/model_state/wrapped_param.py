@@ -2,7 +2,7 @@
 forward/backward gives its value or one clear error, never a read of freed memory.
 
 Why a Parameter subclass: between uses a unit's parameters are views of a flat buffer whose storage is freed
-([Note: flat buffer and storage resizing], flat_unit.py): reading one (`p.sum()`, `print(p)`, `p.data`) would read
+([Note: flat buffer and storage resizing], step/unit.py): reading one (`p.sum()`, `print(p)`, `p.data`) would read
 freed memory (a segfault). Code outside tightfit reaches the parameters in ways no hook of torch's sees: any torch
 function, `p.data`, `p.grad`, `model.half()` (`_apply` calls `p.half()`), a `torch.optim.Optimizer`'s constructor
 (`add_param_group` reads `p.is_leaf`), `torch.nn.utils.clip_grad_norm_` (reads `p.grad`). Every one of those goes

@@ -82,7 +82,7 @@ def byte_view(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor's memory (no copy), for `os.preadv`/`os.pwrite`.
 
     Made with ctypes rather than numpy: a storage once shared with numpy can never be resized again, and the engine
-    resizes parameter storages (flat_unit.py). The view does not own the memory: the caller keeps `t` alive while
+    resizes parameter storages (step/unit.py). The view does not own the memory: the caller keeps `t` alive while
     the view is in use."""
     n = t.numel() * t.element_size()
     return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")

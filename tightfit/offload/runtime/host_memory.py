@@ -172,6 +172,12 @@ class Grant:
         """Hand buffer `name` over to grant `to` (under `as_name`); returns it."""
         return self.pool._move(self, name, to, as_name or name)
 
+    def rename(self, old: str, new: str) -> None:
+        """Call buffer `old` `new` (a pack that becomes the gradients it holds)."""
+        with self.pool._cond:
+            assert new not in self.bufs, f"{self}: already holds {new!r}"
+            self.bufs[new] = self.bufs.pop(old)
+
     def split(self) -> dict[str, "Grant"]:
         """One grant per buffer, of the same job and kind; this grant is left empty."""
         return self.pool._split(self, list(self.bufs))
@@ -317,32 +323,40 @@ class HostPool:
         _, new, spare = self._plan(sizes)
         return self.bytes - sum(self.allocator.size_of(b) for b in spare) + new <= self.capacity
 
-    def _plan(self, sizes: Sizes) -> tuple[dict[str, torch.Tensor], int, list[torch.Tensor]]:
-        """(idle buffers reused by name, bytes of the new ones, the idle buffers that could be released)."""
-        idle = {k: list(v) for k, v in self._free.items()}
+    def _plan(self, sizes: Sizes, spare: bool = True) -> tuple[dict[str, torch.Tensor], int, list[torch.Tensor]]:
+        """(idle buffers reused by name, bytes of the new ones, the idle buffers that could be released if `spare`)."""
+        taken: dict[tuple[int, torch.dtype], int] = {}
         reuse, new = {}, 0
         for name, key in sizes.items():
-            if idle.get(key):
-                reuse[name] = idle[key].pop()
+            idle = self._free.get(key, ())
+            k = taken.get(key, 0)
+            if k < len(idle):
+                reuse[name] = idle[len(idle) - 1 - k]
+                taken[key] = k + 1
             else:
                 new += self.allocator.cost(*key)
-        return reuse, new, [b for lst in idle.values() for b in lst]
+        if not spare:
+            return reuse, new, []
+        rest = [b for key, lst in self._free.items() for b in lst[:len(lst) - taken.get(key, 0)]]
+        return reuse, new, rest
 
     def _allocate(self, sizes: Sizes) -> dict[str, torch.Tensor] | None:
         """Grant the buffers of `sizes` now, releasing idle buffers of other sizes for room; None when even that
         leaves too little (some buffer is granted, and its return will make room). A pool that cannot make room
         with nothing granted never will: a UsageError."""
-        reuse, new, spare = self._plan(sizes)
-        spare.sort(key=self.allocator.size_of, reverse=True)  # the smallest go first
-        while self.capacity is not None and self.bytes + new > self.capacity and spare:
-            victim = spare.pop()
-            self._unidle(victim)
-            self.bytes -= self.allocator.release(victim)
-        if self.capacity is not None and self.bytes + new > self.capacity:
-            if not self._lent:
-                raise UsageError(f"host budget: {format_size(self.bytes)} held by the staging allocator and none of "
-                                 f"it granted, yet no room for {format_size(new)} more; raise --cpu-mem")
-            return None
+        bounded = self.capacity is not None
+        reuse, new, spare = self._plan(sizes, spare=bounded)
+        if bounded and self.bytes + new > self.capacity:
+            spare.sort(key=self.allocator.size_of, reverse=True)  # the smallest go first
+            while self.bytes + new > self.capacity and spare:
+                victim = spare.pop()
+                self._unidle(victim)
+                self.bytes -= self.allocator.release(victim)
+            if self.bytes + new > self.capacity:
+                if not self._lent:
+                    raise UsageError(f"host budget: {format_size(self.bytes)} held by the staging allocator and none "
+                                     f"of it granted, yet no room for {format_size(new)} more; raise --cpu-mem")
+                return None
         bufs: dict[str, torch.Tensor] = {}
         for name, key in sizes.items():
             if name in reuse:
@@ -359,7 +373,8 @@ class HostPool:
 
     def _unidle(self, buf: torch.Tensor) -> None:
         idle = self._free[(buf.numel(), buf.dtype)]
-        del idle[next(i for i, b in enumerate(idle) if b is buf)]  # by identity: `==` on tensors compares values
+        # By identity (`==` on tensors compares values), from the end: the buffer taken is usually the last.
+        del idle[next(i for i in range(len(idle) - 1, -1, -1) if idle[i] is buf)]
 
     def _track(self, grant: Grant) -> None:
         self._grants[id(grant)] = grant

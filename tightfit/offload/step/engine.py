@@ -315,15 +315,18 @@ class OffloadEngine:
     def _keeps_master(self, unit: OffloadUnit) -> bool:
         """Does a params fetch of `unit` starting now keep its staging buffer as the master of the unit's coming step?
         ([Note: master from the fetch]) For fp32 params that are their master, when this is the unit's last fetch
-        before its step: in backward when the declared step steps it; in forward for the root and the units that
-        stay materialised for backward (no step is declared yet: kept on the chance, within the speculative bound,
-        and a valid copy for the next forward's fetch if no step comes)."""
+        before its step: in backward when the declared step steps it; in forward, on a device apart from host memory,
+        for the root and the units that stay materialised for backward (no step is declared yet: kept on the chance,
+        within the speculative bound, and a valid copy for the next forward's fetch if no step comes)."""
         if (not unit.trainable or unit.master_entry != PARAMS or PARAMS not in unit.jobs.get("step", {})
                 or self.cache.holds(unit.name, PARAMS, unit.version)):
             return False
         if self.phase == StepPhase.BACKWARD:
             return self._stepped(unit)
-        return self.phase == StepPhase.FORWARD and (unit.spec.is_root or self.scheduler.keep_after_forward(unit.name))
+        # On a CPU device sharing host memory these units give their master from their materialised params instead
+        # (a memcpy, or the root's step in place): nothing to keep.
+        return (self.phase == StepPhase.FORWARD and self.separate
+                and (unit.spec.is_root or self.scheduler.keep_after_forward(unit.name)))
 
     def _issue(self, moves) -> None:
         self.scheduler.issue(moves, {MoveKind.FETCH: self.residency.fetch_ahead, MoveKind.PRELOAD: self._preload})
@@ -331,7 +334,9 @@ class OffloadEngine:
     def _preload(self, name: str) -> bool:
         """The scheduler's PRELOAD move, for units the declared step will step."""
         unit = self.units[name]
-        return not self._stepped(unit) or self.stepper.preload(unit)
+        in_flat = (self.early_step is not None and self.stepper.steps_in_flat(unit)
+                   and unit.params_state == ParamsState.READY)
+        return not self._stepped(unit) or self.stepper.preload(unit, in_flat)
 
     # ---- events from the hooks -------------------------------------------------------------------------------
 

@@ -7,7 +7,8 @@ thread running backward is granted the job's buffers at once (a pack in the grad
 accumulator when they go to disk), the mover copies them into the pack (CUDA: a device-to-host copy on its own
 stream), and the gradient worker adds them to their tier while backward goes on:
 - host tier: added straight from the pack into the fp32 tier tensor, the upcast inside the add (no second buffer);
-- NVMe: the old gradients read into the accumulator, the pack added to them, the sum written back.
+- NVMe: the old gradients read into the accumulator, the pack added to them, the sum written back (fp32 gradients
+  with nothing to add to are written from the pack itself: no accumulator is granted).
 Accumulation is `old + new` in fp32, the same bits as torch's `param.grad += new` (every bf16/fp16 value is an fp32
 value, and the add rounds once). The worker records each parameter's gradient norm as it goes (clipping and overflow
 checks need no second pass over the disk). When the optimizer has declared that a step follows this backward, a
@@ -68,7 +69,10 @@ class GradientShipper:
             return None
         # The thread running backward holds no other grant: waiting here waits for ships and steps in flight, which
         # finish on their own ([Note: jobs and grants]).
-        grant = self.pool.reserve(f"ship grads of {unit.name}", unit.jobs["ship"])
+        sizes = dict(unit.jobs["ship"])
+        if GRADS in sizes and sizes["pack"][1] == torch.float32 and not any(had):
+            del sizes[GRADS]  # fp32 and nothing to add to: the pack is the sum, written (or held) as it is
+        grant = self.pool.reserve(f"ship grads of {unit.name}", sizes)
         packed = self.mover.pack_grads([((slot.offset, slot.shape), g) for _, slot, g in pairs], grant["pack"])
         unit.life.on(Event.GRADS_SHIPPED)
         unit.grad_pending = self.worker.submit(self._accumulate, unit, grant, packed, unit.grad_pending, new, had,
@@ -92,7 +96,9 @@ class GradientShipper:
                 _record_norms(unit, acc)
                 unit.life.on(Event.GRADS_LANDED)
                 return
-            if any(had):
+            if GRADS not in grant:  # fp32, first gradients since the step: the pack is the sum
+                grant.rename("pack", GRADS)
+            elif any(had):
                 held = self.cache.take(unit.name, GRADS, unit.version)
                 if held is not None:  # the last micro-batch was declared, and was not: the old sums are here
                     grant.give(GRADS)
@@ -100,8 +106,9 @@ class GradientShipper:
                 else:
                     store.load(unit.name, GRADS, grant[GRADS]).result()
             acc = grant[GRADS]
-            _add_into(unit, acc, pack, new, had)
-            grant.give("pack")
+            if "pack" in grant:
+                _add_into(unit, acc, pack, new, had)
+                grant.give("pack")
             _record_norms(unit, acc)
             # [Note: speculative holdings]: kept for the step only as far as the pool's bound admits it.
             if hold and grant.speculate():

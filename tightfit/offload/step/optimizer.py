@@ -22,7 +22,7 @@ Collaborators (`StepRunner`): the pool and host cache, the mover (uploads of ref
 write-back tracker, the scheduler (what to preload, which units the next forward reads first), the timers.
 
 [Note: the frozen tail stays on its tier] A unit with frozen parameters (PEFT / LoRA) keeps them after its
-trainable prefix `[0, train_numel)` of the flat buffer ([Note: frozen parameters], flat_unit.py); a step changes
+trainable prefix `[0, train_numel)` of the flat buffer ([Note: frozen parameters], step/unit.py); a step changes
 only that prefix. So what goes back to a tier of the params entry is the prefix alone (`save(..., start=0)`): a
 separate master refreshes the compute copy's prefix without reading its frozen tail first, and fp32 params that
 are their own master are written back prefix only, and read prefix only when the step's buffer is not to be kept
@@ -150,17 +150,18 @@ class StepRunner:
 
     # ---- preloads -------------------------------------------------------------------------------------------------
 
-    def preload(self, unit: OffloadUnit) -> bool:
+    def preload(self, unit: OffloadUnit, in_flat: bool = False) -> bool:
         """Start loading the unit's master and moments into the host cache for its coming step, as one speculative
-        grant ([Note: speculative holdings]); False when the bound refused it (the scheduler stops there)."""
+        grant ([Note: speculative holdings]); False when the bound refused it (the scheduler stops there).
+        in_flat: the step will run in place on the unit's materialised params (`steps_in_flat`): no master."""
         if not unit.trainable or "step" not in unit.jobs:
             return True
         want = {}
         for name in (unit.master_entry, EXP_AVG, EXP_AVG_SQ):
             if name not in unit.jobs["step"] or self.cache.holds(unit.name, name, unit.version):
                 continue
-            if name == PARAMS and (unit.keeping_master or unit.params_state == ParamsState.KEPT_FOR_STEP):
-                continue  # on its way from the fetch, or stepped in place
+            if name == PARAMS and (in_flat or unit.keeping_master or unit.params_state == ParamsState.KEPT_FOR_STEP):
+                continue  # stepped in place, or on its way from the fetch
             want[name] = unit.jobs["step"][name]
         if not want:
             return True
@@ -278,11 +279,13 @@ class StepRunner:
             # The next forward copies from it (host_cache.py), if the speculative bound admits it.
             part = grant.part(PARAMS)
             if part.speculate():
-                self.cache.put(unit.name, PARAMS, Held(part, unit.version, reading=saved[PARAMS]))
+                self.cache.put(unit.name, PARAMS, Held(part, unit.version, reading=saved.pop(PARAMS)))
             else:
-                part.release(after=saved[PARAMS])
+                part.release(after=saved.pop(PARAMS))
+        for name, fut in saved.items():  # each buffer back as soon as its own write is done
+            grant.give(name, after=fut)
         if grant is not None:
-            grant.release(after=writes)
+            grant.release()  # what is left: no transfer touches it (a cast's return is already arranged)
         return writes
 
     def step_one(self, unit: OffloadUnit, groups: list[tuple[dict, list[int]]],

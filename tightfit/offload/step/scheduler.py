@@ -10,9 +10,11 @@ move, never a wrong result: materialisation always waits for the unit it needs.
 with its trace and look-ahead), in one queue per event, in the recorded order:
 - FETCH u: the params of one of the next `depth` units of the running phase (forward or backward), to the device;
   under the device budget (the device meter).
-- PRELOAD u: when a step follows this backward, the master and moments of the unit whose backward starts and of
-  the next `depth` units after it, into the host cache; and during the optimizer step after backward, of the next
-  `depth` units to step. Under the pool's speculative bound ([Note: speculative holdings], host_memory.py).
+- PRELOAD u: when a step follows this backward, the master and moments of the unit whose backward starts (they
+  load under its own backward compute, and its step comes right after it; loading further ahead only held more
+  memory longer: +0.2 GB on GPT-2-small all-NVMe, benchmarks/RESULTS.md batch Q); and during the optimizer step
+  after backward, of the next `depth` units to step. Under the pool's speculative bound ([Note: speculative
+  holdings], host_memory.py).
 The engine issues a queue front to back (`issue`); a move its budget refuses stops the moves of its kind behind it
 for this event (they come again at the next event, when a unit or its gradients have released memory): moves are
 never issued out of order, so room freed is taken by the unit needed first. The one retention rule: a unit whose
@@ -112,8 +114,8 @@ class Scheduler:
             return []
         ahead = self.visit(phase, unit) if unit is not None else self.first(phase)
         out = [Move(MoveKind.FETCH, u) for u in ahead]
-        if phase == StepPhase.BACKWARD and step_follows:
-            out += [Move(MoveKind.PRELOAD, u) for u in ([unit] if unit is not None else []) + ahead]
+        if phase == StepPhase.BACKWARD and step_follows and unit is not None:
+            out.append(Move(MoveKind.PRELOAD, unit))  # loads under the unit's own backward, which its step follows
         return out
 
     def preloads_ahead(self, order: list[str], index: int) -> list[Move]:

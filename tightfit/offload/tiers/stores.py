@@ -66,7 +66,7 @@ class MemoryStore(TierStore):
 
     pinned: an allocator of page-locked memory (staging.RegisteredAllocator) for the entries a GPU copies from
     asynchronously: the compute params of the host tier. Masters, gradients and moments never take part in such a
-    copy and stay pageable ([Note: metering what the allocator holds], staging.py).
+    copy and stay pageable ([Note: metering what the allocator holds], runtime/host_memory.py).
     copier: `fn(dst, src) -> Future` running a copy off the caller's thread; used for loads and saves that cross
     memories (the device tier of a GPU to or from a host buffer), so no hook or step waits for such a copy inline.
     Copies within one memory are plain synchronous copies. remote: this store's memory is apart from the host's
@@ -146,7 +146,7 @@ class DiskStore(TierStore):
         # a second run there is refused, a dead run's leftovers are cleaned, nothing else in it is touched.
         self.swap = SwapFolder.claim(folder)
         # I/O threads and largest transfer: the probe's for this folder's disk unless given ([Note: disk tuning] in
-        # disk_tuning.py); a tensor goes as few transfers as that allows ([Note: transfer size], nvme_transfer.py).
+        # nvme/tuning.py); a tensor goes as few transfers as that allows ([Note: transfer size], nvme/transfer.py).
         try:
             self.nvme = NvmeStore(self.swap.path, budget_bytes=budget_bytes, threads=threads, chunk_bytes=chunk_bytes)
         except BaseException:

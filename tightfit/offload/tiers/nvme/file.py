@@ -2,7 +2,7 @@
 
 Why a file of its own: how a tier file comes to exist (preallocated under a temporary name, never through a
 planted name or link) and what the store remembers about it while open (descriptors, O_DIRECT refused, entries
-whose last write failed) are one concept, the file's life; how bytes move through it is nvme_transfer.py's, and
+whose last write failed) are one concept, the file's life; how bytes move through it is nvme/transfer.py's, and
 what a request is, nvme.py's.
 
 [Note: failed writes] A request's `Future` carries its error: ENOSPC/EDQUOT a `UsageError` naming the folder,

@@ -7,7 +7,7 @@ is next read (the store orders that, tiers.py). In FIFO order a 300 MB write-bac
 end of one step sits in front of the first parameter read of the next forward, and the forward waits for it.
 Here every transfer carries a class, workers always take the oldest transfer of the most urgent class waiting,
 and within a class order is kept. Nothing is pre-empted: a transfer once started runs to completion, and transfers
-are cut into chunks of a few MB (nvme_transfer.py), so an urgent read waits at most for the chunks already running.
+are cut into chunks of a few MB (nvme/transfer.py), so an urgent read waits at most for the chunks already running.
 
 Starvation: lower classes run whenever no more urgent transfer waits. In training, urgent reads are bounded by
 the prefetch depth, so write-backs always drain between them.

@@ -6,16 +6,16 @@ Why this shape:
   (safetensors_file.py) starts every tensor at a multiple of 4096 bytes so it can be moved with O_DIRECT.
 - *preallocated, updated in place*: `create` reserves every block up front (posix_fallocate) and writes the header
   once; afterwards reads and writes touch only tensor bytes at known offsets. The file is complete and valid from
-  the moment it appears (it is built under a temporary name and renamed: nvme_file.py), and a full disk is met at
+  the moment it appears (it is built under a temporary name and renamed: nvme/file.py), and a full disk is met at
   `create`, where it is a clean `UsageError`, rather than halfway through a training step.
 - *positional I/O from a thread pool*: `threads` requests are in flight at once while Python keeps scheduling
   compute. The threads serve requests by priority class (io_queue.py): parameter fetches before optimizer loads
   before write-backs. A tensor goes as a few large transfers, through O_DIRECT where alignment allows
-  (nvme_transfer.py, [Note: transfer size]).
+  (nvme/transfer.py, [Note: transfer size]).
 
 This file is the store: files by name, requests on their entries, waiting and flushing. Its parts, each in a file
-of its own: the disk's tuning (disk_tuning.py, [Note: disk tuning]), one open file and its failed entries
-(nvme_file.py, [Note: failed writes]), the transfers (nvme_transfer.py), the bandwidth counters (nvme_stats.py).
+of its own: the disk's tuning (nvme/tuning.py, [Note: disk tuning]), one open file and its failed entries
+(nvme/file.py, [Note: failed writes]), the transfers (nvme/transfer.py), the bandwidth counters (nvme/stats.py).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class NvmeStore:
     folder: the swap folder (created if missing). budget_bytes: most bytes the files this store creates may take
     (None: the disk's free space). threads: I/O threads = requests in flight. direct: use O_DIRECT where possible.
     chunk_bytes: largest single transfer (a multiple of 4096). threads and chunk_bytes: None takes what
-    `disk_tuning(folder)` gives ([Note: disk tuning] in disk_tuning.py). keep: leave the created files on `close`.
+    `disk_tuning(folder)` gives ([Note: disk tuning] in nvme/tuning.py). keep: leave the created files on `close`.
     """
 
     def __init__(
@@ -87,7 +87,7 @@ class NvmeStore:
         self._files: dict[str, NvmeFile] = {}
         # Serialises create/attach/delete, so two callers cannot both pass the budget check for the same bytes.
         self._layout_lock = threading.Lock()
-        # Guards _files, _pending and the files' bookkeeping (nvme_file.py); never held while waiting on I/O.
+        # Guards _files, _pending and the files' bookkeeping (nvme/file.py); never held while waiting on I/O.
         self._lock = threading.Lock()
         # The I/O threads: each runs one chunk (one pwrite/preadv) at a time, overlapping compute on the caller's
         # threads and each other. Live until close(), which drains them.
@@ -172,7 +172,7 @@ class NvmeStore:
         priority: the request's class in the I/O queue (io_queue.py). start: the element of the entry `src[0]` goes
         to, given to write a range of the entry (e.g. the trainable prefix of a unit's params, whose frozen rest
         never changes); None: `src` is the whole entry (its size is checked). A range goes through O_DIRECT as far
-        as its file offset and `src`'s address allow (nvme_transfer.plan), buffered otherwise.
+        as its file offset and `src`'s address allow (transfer.plan), buffered otherwise.
         """
         return self._submit("write", file, name, src, priority, start)
 
@@ -202,7 +202,7 @@ class NvmeStore:
 
     def stats(self) -> dict:
         """Bytes moved and busy seconds per direction, with the bandwidth they give (bytes / busy second); busy time
-        counts concurrent chunks once and idle gaps not at all (nvme_stats.py says how, and what each key is)."""
+        counts concurrent chunks once and idle gaps not at all (nvme/stats.py says how, and what each key is)."""
         return self._stats.snapshot()
 
     def failed(self, file: str) -> list[str]:
@@ -285,7 +285,7 @@ class NvmeStore:
 
     def _submit(self, kind: str, file: str, name: str, t: torch.Tensor, priority: int, start: int | None) -> Future:
         """Start moving `t` to or from elements [start, start + t.numel()) of entry `name`, one transfer per part
-        of the plan (nvme_transfer.plan) on the I/O threads; the Future completes when the last one is done."""
+        of the plan (transfer.plan) on the I/O threads; the Future completes when the last one is done."""
         f = self._file(file)
         e = self._entry(f, file, name)
         if t.device.type != "cpu" or not t.is_contiguous():

@@ -15,7 +15,7 @@ bytes may go through O_DIRECT, how large a transfer is, what a short or failed `
 
 [Note: transfer size] A tensor of n bytes is cut into ceil(n / chunk_bytes) equal transfers in whole 4096-byte
 blocks: as few and as large as `chunk_bytes` (the largest request the disk takes, at most 4 MiB: [Note: disk
-tuning] in disk_tuning.py; 4 MiB on the benchmark VM) allows. The disk serves large requests better (4 MiB reads
+tuning] in nvme/tuning.py; 4 MiB on the benchmark VM) allows. The disk serves large requests better (4 MiB reads
 moved about 1.5x the bytes per queue slot of 512 KiB reads), and the several entries a training step has in flight
 keep its queue busy. Measured side by side on the benchmark VM with 7 MB entries (benchmarks/RESULTS.md, batch
 E): cutting each entry one piece per I/O thread (>= 512 KiB, so that a lone fetch fills the queue) gave reads at

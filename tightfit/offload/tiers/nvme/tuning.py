@@ -28,7 +28,7 @@ class DiskTuning:
     threads: int | None = None
     """I/O threads = transfers in flight at once."""
     chunk_bytes: int | None = None
-    """Largest single transfer, a multiple of 4096 ([Note: transfer size] in nvme_transfer.py)."""
+    """Largest single transfer, a multiple of 4096 ([Note: transfer size] in nvme/transfer.py)."""
 
 
 DEFAULT_TUNING = DiskTuning(threads=8, chunk_bytes=4 << 20)

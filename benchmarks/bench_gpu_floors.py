@@ -1,0 +1,119 @@
+"""The machine's floors, what an offloaded step cannot beat: the CPU optimizer's rate and the host<->device links.
+
+    python benchmarks/bench_gpu_floors.py --json-out runs/gpu-check/floors.json   # on a GPU machine
+    python benchmarks/bench_gpu_floors.py --device cpu                              # smoke: the code path
+
+- CPU AdamW: `torch._fused_adamw_` (what the engine's step runs) over fp32 params, grads and moments of `--numel`
+  elements, with the engine's threads (torch's intra-op threads as this process has them), in parameters per second.
+- Host<->device copies of `--mib` MiB between page-locked host memory and the GPU: host-to-device alone,
+  device-to-host alone, and both at once on two streams (what an offloaded step does: fetches up, gradients down),
+  in bytes per second each way.
+- With `--nvme DIR`: the disk under DIR, read and written with O_DIRECT at 8 transfers in flight (the planner's
+  burst probe, `tightfit.planner.disk_probe.probe_disk`, over `--disk-mib` MiB).
+`bench_gpu_llama.py` and `bench_offload_fsdp.py` put each offloaded step against max(compute, transfers, CPU
+optimizer) on these figures (scripts/gpu_check_report.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def _median_seconds(fn, sync, reps: int) -> float:
+    times = []
+    for i in range(reps + 2):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        if i >= 2:  # the first runs warm the kernels, the pages and the clocks
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def adam_rate(numel: int, reps: int) -> float:
+    """Parameters per second of the fused CPU AdamW step over one flat buffer set."""
+    import torch
+
+    p, g, m, v = (torch.rand(numel) for _ in range(4))
+    step = torch.tensor(0.0)
+
+    def run() -> None:
+        torch._fused_adamw_([p], [g], [m], [v], [], [step], amsgrad=False, lr=1e-3, beta1=0.9, beta2=0.999,
+                            weight_decay=0.1, eps=1e-8, maximize=False)
+
+    return numel / _median_seconds(run, lambda: None, reps)
+
+
+def copy_rates(device: str, nbytes: int, reps: int) -> dict:
+    """Bytes per second host->device, device->host, and each way while both run at once."""
+    import torch
+
+    if device != "cuda":
+        a, b = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+        t = _median_seconds(lambda: b.copy_(a), lambda: None, reps)
+        return {"h2d": nbytes / t, "d2h": nbytes / t, "both_h2d": nbytes / t, "both_d2h": nbytes / t}
+    host_up = torch.empty(nbytes // 4, pin_memory=True)
+    host_down = torch.empty(nbytes // 4, pin_memory=True)
+    dev_up = torch.empty(nbytes // 4, device="cuda")
+    dev_down = torch.ones(nbytes // 4, device="cuda")
+    up, down = torch.cuda.Stream(), torch.cuda.Stream()
+    sync = torch.cuda.synchronize
+
+    def h2d() -> None:
+        with torch.cuda.stream(up):
+            dev_up.copy_(host_up, non_blocking=True)
+
+    def d2h() -> None:
+        with torch.cuda.stream(down):
+            host_down.copy_(dev_down, non_blocking=True)
+
+    def both() -> None:
+        h2d()
+        d2h()
+
+    t_up, t_down, t_both = (_median_seconds(f, sync, reps) for f in (h2d, d2h, both))
+    return {"h2d": nbytes / t_up, "d2h": nbytes / t_down, "both_h2d": nbytes / t_both, "both_d2h": nbytes / t_both}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--numel", type=int, default=64 << 20, help="parameters of the AdamW measurement")
+    ap.add_argument("--mib", type=int, default=1024, help="MiB of each copy")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--device", default=None, help="cuda (default where there is one) or cpu (smoke test)")
+    ap.add_argument("--nvme", default=None, help="also measure the disk under this folder")
+    ap.add_argument("--disk-mib", type=int, default=1024)
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args(argv)
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    out = {"benchmark": "bench_gpu_floors", "device": device, "torch_threads": torch.get_num_threads(),
+           "adamw_params_per_s": adam_rate(args.numel, args.reps), "adamw_numel": args.numel,
+           "copy_bytes": args.mib << 20, **{f"{k}_bytes_per_s": v for k, v in
+                                           copy_rates(device, args.mib << 20, args.reps).items()}}
+    if device == "cuda":
+        out["gpu"] = torch.cuda.get_device_name(0)
+    if args.nvme:
+        from tightfit.planner.disk_probe import probe_disk
+
+        Path(args.nvme).mkdir(parents=True, exist_ok=True)
+        disk = probe_disk(args.nvme, args.disk_mib << 20)
+        out.update(nvme_read_bytes_per_s=disk.read_Bps, nvme_write_bytes_per_s=disk.write_Bps)
+    print(f"CPU AdamW {out['adamw_params_per_s'] / 1e9:.2f} Gparam/s on {out['torch_threads']} threads; "
+          f"H2D {out['h2d_bytes_per_s'] / 1e9:.1f} GB/s, D2H {out['d2h_bytes_per_s'] / 1e9:.1f} GB/s, both at once "
+          f"{out['both_h2d_bytes_per_s'] / 1e9:.1f} + {out['both_d2h_bytes_per_s'] / 1e9:.1f} GB/s", file=sys.stderr)
+    text = json.dumps(out, indent=2)
+    print(text)
+    if args.json_out:
+        Path(args.json_out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
