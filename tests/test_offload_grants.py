@@ -1,0 +1,85 @@
+"""The host pool's grants and the unit lifecycle, on their own ([Note: jobs and grants], runtime/host_memory.py;
+step/lifecycle.py): what makes the engine deadlock-free is checked here without a model."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from tightfit.offload.runtime.host_memory import EngineStall, HostPool
+from tightfit.offload.step.lifecycle import Event, GradsState, Lifecycle, ParamsState, Phase
+
+F32 = torch.float32
+
+
+def test_a_job_is_granted_all_of_its_buffers_or_waits_for_all():
+    pool = HostPool(4000)
+    held = pool.reserve("step blocks.0", {"master": (500, F32)})  # 2000 of 4000 B
+    got = []
+
+    def second() -> None:
+        got.append(pool.reserve("ship grads of blocks.1", {"pack": (250, F32), "grads": (300, F32)}))  # 2200 B
+
+    t = threading.Thread(target=second)
+    t.start()
+    time.sleep(0.1)
+    assert not got and pool.bytes == 2000, "nothing of the set is taken while the whole does not fit"
+    held.release()
+    t.join(5)
+    assert got and set(got[0].bufs) == {"pack", "grads"} and pool.waits == 1
+    got[0].release()
+
+
+def test_a_wait_past_the_limit_names_the_job_and_who_holds_the_pool():
+    pool = HostPool(4000, wait_limit_s=0.2)
+    holder = pool.reserve("step blocks.3", {"master": (800, F32)})
+    with pytest.raises(EngineStall, match=r"fetch blocks.7 waited .* held by: grant of 'step blocks.3'"):
+        pool.reserve("fetch blocks.7", {"params": (600, F32)})
+    holder.release()
+
+
+def test_speculation_leaves_the_largest_job_room():
+    """Held-ahead grants together stay within capacity - largest job, and none is granted while a job waits: the
+    firm jobs in flight then always leave the largest job its room."""
+    pool = HostPool(10_000)
+    pool.largest_job = 6000
+    first = pool.try_reserve("preload a", {"m": (500, F32)}, speculative=True)  # 2000 B
+    assert first is not None and pool.speculative_bytes == 2000
+    assert pool.try_reserve("preload b", {"m": (600, F32)}, speculative=True) is None  # 2400 more: over 4000
+    second = pool.try_reserve("preload c", {"m": (500, F32)}, speculative=True)
+    assert second is not None and pool.speculative_bytes == 4000
+    # A job that takes a preload over keeps it counted as speculative while it waits, firm once granted.
+    job = pool.reserve("step a", {"grads": (1000, F32)}, adopt=[first])
+    assert set(job.bufs) == {"m", "grads"} and not job.speculative and pool.speculative_bytes == 2000
+    # Firm -> speculative (a pack kept as held gradients) only within the bound.
+    assert not job.speculate()  # 6000 B would exceed the bound
+    job.give("grads")
+    assert job.speculate() and pool.speculative_bytes == 4000
+    for g in (job, second):
+        g.release()
+    assert pool.speculative_bytes == 0 and not pool.holders()
+
+
+def test_the_lifecycle_takes_events_in_order_only():
+    life = Lifecycle("blocks.0", resident=False)
+    for event in (Event.FETCH, Event.FETCHED, Event.FORWARD_START, Event.FORWARD_END, Event.EVICT, Event.FETCH,
+                  Event.FETCHED, Event.BACKWARD_START, Event.GRADS_SHIPPED, Event.BACKWARD_END):
+        life.on(event)
+    assert (life.params, life.phase, life.grads) == (ParamsState.READY, Phase.IDLE, GradsState.SHIPPING)
+    with pytest.raises(AssertionError, match="blocks.0: fetch in params state ready"):
+        life.on(Event.FETCH)
+    with pytest.raises(AssertionError, match="stepped in grads state shipping"):
+        life.on(Event.STEPPED)  # a step before the gradients have landed
+    life.on(Event.GRADS_SHIPPED)  # a second micro-batch's ship: two in flight, the last to land decides
+    life.on(Event.GRADS_LANDED)
+    assert life.grads == GradsState.SHIPPING
+    life.on(Event.GRADS_HELD)
+    assert life.grads == GradsState.HELD
+    life.on(Event.STEPPED)
+    assert life.grads == GradsState.EMPTY
+    resident = Lifecycle("root", resident=True)
+    resident.on(Event.EVICT)  # resident params never move
+    assert resident.params == ParamsState.RESIDENT
