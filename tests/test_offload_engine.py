@@ -366,3 +366,13 @@ def test_a_wrongly_declared_last_micro_batch_changes_nothing(tmp_path):
         losses.append(total)
     assert losses == train(tiny_gpt, steps=3, accum=3, clip=0.05)[0]
     engine_of(model).close()
+
+
+def test_cpu_0_is_the_cpu(tmp_path):
+    """`device="cpu:0"` compared unequal to every CPU tensor's device, and took the GPU's branches at random places
+    (the first GPU run's README); it is the CPU."""
+    model = tightfit.wrap(tiny_gpt(), Placement.everywhere(Tier.HOST), device="cpu:0")
+    engine = engine_of(model)
+    assert engine.device == torch.device("cpu") == torch.zeros(1).device
+    loss_of(model, *batch(0)).backward()
+    engine.close()
