@@ -83,3 +83,20 @@ def test_the_lifecycle_takes_events_in_order_only():
     resident = Lifecycle("root", resident=True)
     resident.on(Event.EVICT)  # resident params never move
     assert resident.params == ParamsState.RESIDENT
+
+
+def test_workers_run_their_kernels_on_their_thread_budget():
+    """[Note: thread budget]: on a GPU machine the gradient worker and the step thread split the cores (one left for
+    the launch thread); a worker's count is its own, the caller's stays."""
+    from tightfit.offload.runtime.workers import Worker, thread_budget
+
+    assert thread_budget(16, cuda=True) == {"grads": 4, "step": 11}
+    assert thread_budget(2, cuda=True) == {"grads": 1, "step": 1}
+    assert thread_budget(16, cuda=False) == {"grads": None, "step": None}
+    before = torch.get_num_threads()
+    worker = Worker("test-budget", threads=1)
+    try:
+        assert worker.submit(torch.get_num_threads).result() == 1
+    finally:
+        worker.shutdown()
+    assert torch.get_num_threads() == before

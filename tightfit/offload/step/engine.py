@@ -43,7 +43,7 @@ from tightfit.offload.runtime.device_meter import DeviceMeter, autocast_outside_
 from tightfit.offload.runtime.host_cache import HostCache
 from tightfit.offload.runtime.host_memory import HostAllocator, HostPool, RegisteredAllocator
 from tightfit.offload.runtime.movers import CpuMover, CudaMover, strict_from_env, strict_seed
-from tightfit.offload.runtime.workers import Timers, Worker
+from tightfit.offload.runtime.workers import Timers, Worker, thread_budget
 from tightfit.offload.step.budget_checks import check_budgets, host_tier_bytes, largest_job
 from tightfit.offload.step.gradients import GradientShipper
 from tightfit.offload.step.hooks import queue_end_of_backward, register_hooks, remove_hooks
@@ -192,8 +192,10 @@ class OffloadEngine:
         # Step thread: runs the optimizer step of a unit during backward (`AdamW.step_during_backward`), as soon
         # as the unit's last gradients have landed, overlapping the backward of the units before it; its futures
         # are awaited by the next `opt.step()`. Both shut down by `close`.
-        self.grad_worker = Worker("tightfit-grads", delay, seed=strict_seed() + 1)
-        self.step_worker = Worker("tightfit-step", delay, seed=strict_seed() + 2)
+        # Their intra-op threads: [Note: thread budget] in workers.py.
+        budget = thread_budget(torch.get_num_threads(), cuda)
+        self.grad_worker = Worker("tightfit-grads", delay, seed=strict_seed() + 1, threads=budget["grads"])
+        self.step_worker = Worker("tightfit-step", delay, seed=strict_seed() + 2, threads=budget["step"])
         self.writes = WriteBacks()  # the optimizer's write-backs in flight (write_backs.py)
         self.scheduler = Scheduler(placement.prefetch_depth)
         self.meter = DeviceMeter(self.stores[Tier.DEVICE], placement.device_budget, self.mover)
