@@ -127,9 +127,9 @@ def test_staging_is_pinned_and_the_device_budget_is_real_memory(tmp_path):
     assert engine.device_peak <= budget
     assert offload_peak < 0.5 * plain_peak, (offload_peak, plain_peak)
     assert engine.pool.pin
-    buf = engine.pool.take(1024, torch.float32)
-    assert buf.is_pinned()
-    engine.pool.give(buf)
+    grant = engine.pool.reserve("test", {"buf": (1024, torch.float32)})
+    assert grant["buf"].is_pinned()
+    grant.release()
     assert max_rel_diff(losses, train(build, steps=3, device="cuda")[0]) <= 1e-6
     engine.close()
 

@@ -19,6 +19,8 @@ whose children all share one class are units; everything else belongs to `ROOT_U
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 import weakref
 from dataclasses import dataclass, field, replace
@@ -494,7 +496,8 @@ def _trace(model, unit_mods, units, micro_batch, seq_len, dtype, cuda) -> tuple[
     ids = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
     run = _loss_fn(model, _vocab(model))
     try:
-        with _FusedAttention(cuda), tracer, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with _FusedAttention(cuda), _hf_meta_compat(), tracer, \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = run(lambda a, k=None: functional_call(model, {**params, **buffers}, a, k), ids)
             tracer.unit, tracer.phase = ROOT_UNIT, "bwd"
             loss.backward()
@@ -511,6 +514,31 @@ def _trace(model, unit_mods, units, micro_batch, seq_len, dtype, cuda) -> tuple[
     for u in units.values():
         u.bwd = bwd.scaled(u.fwd.flops / total_fwd)
     return tracer.peaks()
+
+
+@contextlib.contextmanager
+def _hf_meta_compat():
+    """Let Hugging Face's masking code run on meta tensors, as it runs on the real batch.
+
+    Without a cache and an attention mask (fine-tuning: `use_cache=False`, what gradient checkpointing sets),
+    transformers' `masking_utils.find_packed_sequence_indices` decides from the position ids whether several
+    sequences are packed in a row, with a data-dependent `.all()`: `.item()` on meta, which fails, and the planner fell
+    back to a formula for every Llama, Mistral, Qwen2, Gemma, Phi and GPT-2 fine-tune (issue 26). The trace's position
+    ids are 0..T-1 in every row, for which the function answers None (not packed): it does here, on meta."""
+    try:
+        import transformers.masking_utils as mu
+    except ImportError:  # transformers not installed, or a version without it: nothing to do
+        yield
+        return
+    real = getattr(mu, "find_packed_sequence_indices", None)
+    if real is None:
+        yield
+        return
+    mu.find_packed_sequence_indices = lambda position_ids: None if position_ids.is_meta else real(position_ids)
+    try:
+        yield
+    finally:
+        mu.find_packed_sequence_indices = real
 
 
 def _formula(units: dict[str, UnitProfile], micro_batch: int, seq_len: int, nbytes: int) -> int:
