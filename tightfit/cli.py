@@ -62,8 +62,7 @@ def _cmd_train(cfg: Config, argv: list[str]) -> int:
         return launch(cfg, argv)
     from tightfit.train.loop import train
 
-    train(cfg)
-    return 0
+    return train(cfg).exit_code  # 128 + the signal's number when one stopped it (a checkpoint saved)
 
 
 def _disk_volume(text: str | None, nvme: str | None) -> int | None:

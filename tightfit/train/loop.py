@@ -25,6 +25,7 @@ from tightfit.train.checkpoint_writer import check_room, checkpoint_bytes, clean
 from tightfit.train.divergence import describe_key, diverged
 from tightfit.train.data import TokenDataset, data_generator, load_tokens
 from tightfit.train.memory import MemorySetup, setup_memory
+from tightfit.train.signals import GracefulStop
 from tightfit.train.progress import Progress, format_duration
 from tightfit.train.tensorboard import open_sink
 from tightfit.utils.sizes import format_size
@@ -64,6 +65,10 @@ class Summary:
     tokens_per_s: float
     checkpoint: Path | None
     peak_memory: dict[str, int] = field(default_factory=dict)
+    stopped_by: str | None = None
+    """The signal that stopped the run at the end of a step (SIGTERM, SIGHUP, SIGINT), if one did."""
+    exit_code: int = 0
+    """What `tightfit train` exits with: 128 + the signal's number after a signal, else 0."""
 
 
 def load_dataset(cfg: Config, tokenizer) -> TokenDataset:
@@ -130,11 +135,12 @@ def train(cfg: Config, *, quiet: bool = False) -> Summary:
     from tightfit.utils.run_lock import RunLock
 
     # One run per --out-dir (utils/run_lock.py): a second one is refused with one line naming this run's PID.
-    with RunLock.acquire(cfg.train.out_dir, "--out-dir"):
-        return _train(cfg, quiet=quiet)
+    # A stop signal ends the run at the end of a step, with a checkpoint (signals.py).
+    with RunLock.acquire(cfg.train.out_dir, "--out-dir"), GracefulStop() as stopper:
+        return _train(cfg, quiet=quiet, stopper=stopper)
 
 
-def _train(cfg: Config, *, quiet: bool) -> Summary:
+def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> Summary:
     from tightfit.models.build import build_model, hf_path, model_loss
     from tightfit.models.tokenizer import get_tokenizer
 
@@ -290,6 +296,8 @@ def _train(cfg: Config, *, quiet: bool) -> Summary:
                 stop = f"--stop-at {t.stop_at} reached"
             elif t.max_time and time.perf_counter() - t_start > t.max_time:
                 stop = f"--max-time {t.max_time:g}s reached at step {step}"
+            elif stopper is not None and stopper.received and step < t.steps:
+                stop = f"{stopper.received} received; stopped at step {step}"
             if stop:
                 say(f"{stop}; continue with --resume" if t.keep_checkpoints else f"{stop} (no checkpoint: "
                     "--keep-checkpoints 0)")
@@ -299,6 +307,8 @@ def _train(cfg: Config, *, quiet: bool) -> Summary:
                 break
 
         seconds = time.perf_counter() - t_start
+        # A signal that stopped the run before its last step (one during the final save lets the run end as it is).
+        signalled = stopper.received if stopper is not None and stopper.received and step < t.steps else None
         progress.close()
         if profiler is not None:
             say(f"profile: {', '.join(str(f) for f in profiler.close())}")
@@ -310,7 +320,8 @@ def _train(cfg: Config, *, quiet: bool) -> Summary:
             say(f"exported the model in the Hugging Face layout to {t.export_hf}")
         summary = Summary(steps_done=step - start_step, final_step=step, train_loss=loss_val, val_loss=val_loss,
                           seconds=seconds, tokens_per_s=(step - start_step) * tokens_per_step / max(seconds, 1e-9),
-                          checkpoint=path, peak_memory=mem.peak_memory())
+                          checkpoint=path, peak_memory=mem.peak_memory(),
+                          stopped_by=signalled, exit_code=stopper.exit_code if signalled else 0)
         progress.log({"kind": "summary", "steps": summary.steps_done, "final_step": step, "train_loss": loss_val,
                       "val_loss": val_loss, "seconds": seconds, "tokens_per_s": summary.tokens_per_s,
                       "peak_memory": summary.peak_memory})
