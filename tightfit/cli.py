@@ -52,6 +52,9 @@ def _world_size(cfg: Config) -> int:
 
 
 def _cmd_train(cfg: Config, argv: list[str]) -> int:
+    from tightfit.train.preflight import check_outputs
+
+    check_outputs(cfg)  # every path the run writes, before the first step (train/preflight.py)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         from tightfit.parallel.run import run_worker
 

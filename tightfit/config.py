@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import sys
 import types
 import typing
@@ -268,6 +269,10 @@ def validate(cfg: Config) -> None:
     for name, value in non_negative.items():
         if value < 0:
             raise UsageError(f"{flag_name(name)}: must not be negative, got {value}")
+    most = 4 * (os.cpu_count() or 1)
+    if t.threads > most:  # 100,000 segfaulted in OpenMP; thousands made a step take minutes
+        raise UsageError(f"--threads: at most {most} on this machine (4 x its {os.cpu_count()} CPUs), got {t.threads}; "
+                         "0 takes torch's default")
     for name in ("beta1", "beta2"):
         if not 0.0 <= getattr(o, name) < 1.0:
             raise UsageError(f"{flag_name(name)}: must be in [0, 1), got {getattr(o, name)}")

@@ -25,6 +25,7 @@ from tightfit.train.checkpoint_writer import check_room, checkpoint_bytes, clean
 from tightfit.train.divergence import describe_key, diverged
 from tightfit.train.data import TokenDataset, data_generator, load_tokens
 from tightfit.train.memory import MemorySetup, setup_memory
+from tightfit.train.preflight import check_outputs
 from tightfit.train.signals import GracefulStop
 from tightfit.train.progress import Progress, format_duration
 from tightfit.train.tensorboard import open_sink
@@ -134,6 +135,7 @@ def train(cfg: Config, *, quiet: bool = False) -> Summary:
     """Run `tightfit train` with a validated config. Raises UsageError on bad input."""
     from tightfit.utils.run_lock import RunLock
 
+    check_outputs(cfg)  # every path the run writes, before anything runs (preflight.py)
     # One run per --out-dir (utils/run_lock.py): a second one is refused with one line naming this run's PID.
     # A stop signal ends the run at the end of a step, with a checkpoint (signals.py).
     with RunLock.acquire(cfg.train.out_dir, "--out-dir"), GracefulStop() as stopper:
