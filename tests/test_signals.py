@@ -59,4 +59,4 @@ def test_a_stop_signal_saves_a_checkpoint_that_resumes(tiny_args, tmp_path, sig)
     resumed = subprocess.run([sys.executable, "-m", "tightfit.cli", "train", *tiny_args, "--steps", str(step + 2),
                               "--resume"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert f"at step {step}" in resumed.stdout and f"done: 2 steps" in resumed.stdout
+    assert f"at step {step}" in resumed.stdout and "done: 2 steps" in resumed.stdout
