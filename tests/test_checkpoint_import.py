@@ -208,3 +208,33 @@ def test_checksums_are_verified_on_every_read(tmp_path):
     c = ckpt.load_checkpoint(folder)
     with pytest.raises(UsageError, match="fails its checksum"):
         c.get("model.w")
+
+
+def test_an_invalid_rng_state_is_refused_before_anything_is_loaded(good_run, tmp_path, capsys):
+    """The right size and a valid checksum, but not a state torch accepts: it failed with a RuntimeError after the
+    tiers were filled (issue 27); now one line, before."""
+    def mutate(t):
+        t["rng.data"] = torch.full_like(t["rng.data"], 255)
+    _, args = _craft(good_run, tmp_path, mutate)
+    _refused(args, capsys, "random-number state is not valid")
+
+
+def test_a_non_finite_tensor_with_a_valid_checksum_is_refused(good_run, tmp_path, capsys):
+    """tightfit never commits a non-finite tensor; a crafted file with NaNs and a matching CRC loaded in silence and
+    was then called the last good checkpoint (issue 27)."""
+    import zlib
+
+    folder, args = _craft(good_run, tmp_path)
+    index = json.loads((folder / INDEX).read_text())
+    key = "model.ln_f.weight"
+    shard = folder / index["weight_map"][key] if "weight_map" in index else folder / "root.safetensors"
+    raw = bytearray(shard.read_bytes())
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    lo, hi = header[key]["data_offsets"]
+    nan = torch.full(((hi - lo) // 4,), float("nan"))
+    raw[8 + n + lo:8 + n + hi] = nan.numpy().tobytes()
+    shard.write_bytes(bytes(raw))
+    index["tensors"][key]["crc32"] = zlib.crc32(nan.numpy().tobytes())
+    (folder / INDEX).write_text(json.dumps(index))
+    _refused(args, capsys, key, "NaN or infinite")

@@ -115,7 +115,23 @@ class Checkpoint:
         if zlib.crc32(tensor_bytes(t)) != self.crcs[name]:
             raise UsageError(f"--resume: {self.entries[name].file}: tensor {name!r} fails its checksum (bit rot or a "
                              "modified file); delete that checkpoint folder to resume from an older one")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):  # tightfit never commits one (divergence.py)
+            raise UsageError(f"--resume: {self.entries[name].file}: tensor {name!r} holds NaN or infinite values (a "
+                             "crafted or foreign file: tightfit commits only finite states); delete that checkpoint "
+                             "folder to resume from an older one")
         return t
+
+    def check_rng(self) -> None:
+        """The saved RNG states are ones torch accepts, checked on scratch generators before anything is loaded (a
+        state of the right size and checksum can still be invalid, and failed only after the tiers were filled)."""
+        states = self.rng_states()
+        try:
+            torch.Generator().set_state(states[RNG_TORCH])
+            torch.Generator().set_state(states[RNG_DATA])
+        except RuntimeError as e:
+            why = str(e).splitlines()[0]
+            raise UsageError(f"--resume: {self.path}: its saved random-number state is not valid ({why}); delete "
+                             "that checkpoint folder to resume from an older one") from None
 
     def rng_states(self) -> dict[str, torch.Tensor]:
         return {k: self.get(k) for k in (RNG_TORCH, RNG_DATA, RNG_CUDA) if k in self.entries}

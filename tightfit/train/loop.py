@@ -176,6 +176,7 @@ def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> 
     resume_from = ckpt.load_checkpoint(out_dir) if t.resume else None
     if resume_from is not None:
         ckpt.check_compatible(resume_from, [(n, tuple(p.shape)) for n, p in model.named_parameters()])
+        resume_from.check_rng()  # before any tier is written
 
     mem: MemorySetup = setup_memory(model, cfg, device, dtype)
     pending = None  # the checkpoint being written (a CheckpointWriter), if any
