@@ -238,3 +238,23 @@ def test_a_non_finite_tensor_with_a_valid_checksum_is_refused(good_run, tmp_path
     index["tensors"][key]["crc32"] = zlib.crc32(nan.numpy().tobytes())
     (folder / INDEX).write_text(json.dumps(index))
     _refused(args, capsys, key, "NaN or infinite")
+
+
+def test_an_index_nested_too_deep_or_a_numeric_shard_name_is_one_line(good_run, tmp_path, capsys):
+    """json.loads raises RecursionError, not ValueError, at depth; a weight_map value that is a number failed in
+    sorted() with a TypeError (issue 27)."""
+    folder, args = _craft(good_run, tmp_path)
+    index = json.loads((folder / INDEX).read_text())
+    (folder / INDEX).write_text("[" * 200_000 + "]" * 200_000)
+    _refused(args, capsys, INDEX, "nested too deeply")
+    index["weight_map"]["model.ln_f.weight"] = 7
+    (folder / INDEX).write_text(json.dumps(index))
+    _refused(args, capsys, INDEX, "weight_map")
+
+
+def test_a_shard_header_nested_too_deep_is_one_line(good_run, tmp_path, capsys):
+    folder, args = _craft(good_run, tmp_path)
+    shard = folder / "root.safetensors"
+    body = ("[" * 100_000 + "]" * 100_000).encode()
+    shard.write_bytes(struct.pack("<Q", len(body)) + body)
+    _refused(args, capsys, "root.safetensors")

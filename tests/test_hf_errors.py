@@ -117,3 +117,23 @@ def test_unexpected_tensors_are_reported_and_ignored(tmp_path):
     with pytest.warns(UserWarning, match=r"ignoring 1 checkpoint tensors .*model\.rotary_emb\.inv_freq"):
         loaded = load_hf_model(folder)
     assert not torch.equal(loaded.model.rotary_emb.inv_freq, torch.ones(4))  # recomputed, not the stray tensor
+
+
+def test_a_weights_file_without_tensors_and_integer_weights_are_refused(tmp_path):
+    """An empty model.safetensors trained from random weights with exit 0; an integer tensor of the right shape
+    failed deep in torch with a RuntimeError (issue 27)."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    tiny_llama().save_pretrained(folder)
+    save_file({}, str(folder / "model.safetensors"))
+    with pytest.raises(UsageError, match=r"model\.safetensors: holds no tensor"):
+        load_hf_model(folder)
+    torch.manual_seed(0)
+    state = transformers.AutoModelForCausalLM.from_config(tiny_llama()).state_dict()
+    state = {k: v.contiguous() for k, v in state.items()}
+    state["model.norm.weight"] = torch.ones_like(state["model.norm.weight"], dtype=torch.int32)
+    save_file(state, str(folder / "model.safetensors"))
+    with pytest.raises(UsageError, match=r"tensor 'model\.norm\.weight' is stored as int32"):
+        load_hf_model(folder)

@@ -20,7 +20,6 @@ without the `model.` / `transformer.` prefix, as in the original GPT-2 release) 
 
 from __future__ import annotations
 
-import json
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ import torch.nn as nn
 from tightfit.errors import UsageError
 from tightfit.models.hf_safetensors import TensorEntry, TensorReader, read_header
 from tightfit.models.hf_units import slot_units
+from tightfit.utils import untrusted_json
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -85,8 +85,8 @@ def _weight_entries(folder: Path) -> dict[str, TensorEntry]:
     index = folder / INDEX_NAME
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            if not isinstance(weight_map, dict):
+            weight_map = untrusted_json.loads(index.read_text())["weight_map"]
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise TypeError
         except (ValueError, KeyError, TypeError):
             raise UsageError(f"{index}: not a valid index (expected JSON with a 'weight_map' object)") from None
@@ -105,7 +105,11 @@ def _weight_entries(folder: Path) -> dict[str, TensorEntry]:
                 entries[name] = in_file[name]
         return entries
     if (folder / SINGLE_NAME).is_file():
-        return read_header(folder / SINGLE_NAME)[0]
+        entries = read_header(folder / SINGLE_NAME)[0]
+        if not entries:  # it would train from random weights, and say nothing (issue 27)
+            raise UsageError(f"{folder / SINGLE_NAME}: holds no tensor; copy the weights again, or remove the file to "
+                             "train from config.json's random initialisation on purpose")
+        return entries
     shards = sorted(folder.glob("model-*-of-*.safetensors"))
     if shards:
         raise UsageError(f"{folder}: has sharded weights ({shards[0].name}, ...) but no {INDEX_NAME}; copy the index "
@@ -191,6 +195,9 @@ def _match(slots: list[_Slot], ckpt: HFCheckpoint, prefix: str) -> set[str]:
         if e is not None and e.shape != s.shape:
             raise UsageError(f"{e.file}: tensor {e.name!r} has shape {list(e.shape)} but the model built from "
                              f"config.json expects {list(s.shape)}; the weights and config.json do not match")
+        if e is not None and s.dtype.is_floating_point and not e.dtype.is_floating_point:
+            raise UsageError(f"{e.file}: tensor {e.name!r} is stored as {str(e.dtype).replace('torch.', '')}, the "
+                             "model's is a floating-point weight; the weights and config.json do not match")
     return used
 
 

@@ -26,6 +26,7 @@ import torch
 
 from tightfit.errors import UsageError
 from tightfit.utils.safetensors_format import CODE_TO_DTYPE, DTYPE_TO_CODE, MAX_HEADER
+from tightfit.utils import untrusted_json
 
 
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for is little-endian
@@ -61,7 +62,7 @@ def read_header(file: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
             (n,) = struct.unpack("<Q", raw)
             if n > MAX_HEADER:
                 raise ValueError(f"header length {n} is implausible")
-            header = json.loads(f.read(n))
+            header = untrusted_json.loads(f.read(n))
         size = file.stat().st_size
     except (OSError, ValueError) as e:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise UsageError(f"{file}: not a readable safetensors file ({e}); re-export it with safetensors") from None

@@ -21,7 +21,6 @@ and the learning-rate schedule is a pure function of the step.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import re
 import zlib
@@ -38,6 +37,7 @@ from tightfit.offload.tiers.nvme.safetensors_file import is_padding
 from tightfit.train.checkpoint_writer import INDEX, CheckpointWriter, committed
 from tightfit.utils.safetensors_format import CODE_TO_DTYPE
 from tightfit.utils.safetensors_io import tensor_bytes
+from tightfit.utils import untrusted_json
 
 FORMAT = "tightfit-checkpoint/2"
 CHECKPOINT_NAME = "checkpoints"
@@ -158,7 +158,7 @@ def load_checkpoint(path: Path, flag: str = "--resume") -> Checkpoint:
         raise UsageError(f"{flag}: no checkpoint in {path} (the folder does not exist or holds no committed "
                          "checkpoint); drop --resume to start fresh")
     try:
-        index = json.loads((folder / INDEX).read_text())
+        index = untrusted_json.loads((folder / INDEX).read_text())
     except (OSError, ValueError) as e:
         raise _bad(folder / INDEX, f"is not readable JSON ({e})") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
@@ -171,7 +171,8 @@ def load_checkpoint(path: Path, flag: str = "--resume") -> Checkpoint:
         raise _bad(folder / INDEX, "has no config object or signature string")
     scaler = _check_scaler(folder, index.get("loss_scaler"))
     weight_map, tensors = index.get("weight_map"), index.get("tensors")
-    if (not isinstance(weight_map, dict) or not isinstance(tensors, dict) or set(weight_map) != set(tensors)):
+    if (not isinstance(weight_map, dict) or not isinstance(tensors, dict) or set(weight_map) != set(tensors)
+            or not all(isinstance(v, str) for v in weight_map.values())):
         raise _bad(folder / INDEX, "has no matching weight_map and tensors objects")
     shapes, dtypes, crcs, views = {}, {}, {}, {}
     for key, info in tensors.items():

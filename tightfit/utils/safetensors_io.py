@@ -30,6 +30,7 @@ from safetensors import safe_open
 
 from tightfit.errors import UsageError
 from tightfit.utils.safetensors_format import DTYPE_TO_CODE
+from tightfit.utils import untrusted_json
 
 
 def fsync_dir(path: Path) -> None:
@@ -165,7 +166,7 @@ def open_checked(path: str | Path, flag: str, what: str = "safetensors file"):
         end = 0
         with open(path, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n))
+            header = untrusted_json.loads(f.read(n))
         for k in keys:
             end = max(end, header[k]["data_offsets"][1])
         if path.stat().st_size < 8 + n + end:

@@ -27,6 +27,7 @@ import torch
 
 from tightfit.errors import UsageError
 from tightfit.utils.safetensors_format import CODE_TO_DTYPE, DTYPE_TO_CODE, MAX_HEADER
+from tightfit.utils import untrusted_json
 
 PAD_PREFIX = "__tightfit_pad__."
 """Name prefix of the padding tensors that keep every real tensor 4096-aligned."""
@@ -100,7 +101,7 @@ def read_layout(path: str | Path) -> tuple[dict[str, Entry], int]:
             n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
             if not 0 < n <= min(MAX_HEADER, size - 8):
                 raise ValueError("bad header length")
-            header = json.loads(f.read(n))
+            header = untrusted_json.loads(f.read(n))
         data_start = 8 + n
         entries: dict[str, Entry] = {}
         end = 0
