@@ -49,3 +49,16 @@ def test_hf_model_plain_and_streamed_to_nvme_agree_and_export(tiny_args, tmp_pat
 def test_export_hf_refuses_the_reference_gpt(tiny_args, capsys, tmp_path):
     assert main(["train", *tiny_args, "--steps", "2", "--export-hf", str(tmp_path / "x")]) == 2
     assert "--export-hf" in capsys.readouterr().err
+
+
+def test_export_hf_from_a_finished_run_without_training_more(tiny_args, tmp_path, llama_folder):
+    """A run that ended without --export-hf exports later with --resume at its final step (issue 27: refused with
+    "ask for more than that", so exporting cost more training)."""
+    out = tmp_path / "run"
+    trained = _run(tiny_args, out, "--model", f"hf:{llama_folder}", "--offload", "host")
+    export = tmp_path / "export"
+    _run(tiny_args, out, "--model", f"hf:{llama_folder}", "--offload", "host", "--resume", "--export-hf",
+         str(export))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(export)
+    for name, p in loaded.named_parameters():
+        assert torch.equal(p.detach(), trained[f"model.{name}"]), name

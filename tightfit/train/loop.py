@@ -206,8 +206,18 @@ def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> 
 
             with checkpoint_values(HFCheckpoint.open(hf_folder)) as get:
                 mem.import_state(get)
+        if start_step == t.steps and t.export_hf:  # export what a finished run saved, without training more
+            export_hf(model, mem, t.export_hf)
+            say(f"exported the model of {resume_from.path} (step {start_step}) in the Hugging Face layout to "
+                f"{t.export_hf}")
+            summary = Summary(steps_done=0, final_step=start_step, train_loss=float("nan"), val_loss=float("nan"),
+                              seconds=0.0, tokens_per_s=0.0, checkpoint=resume_from.path,
+                              peak_memory=mem.peak_memory())
+            mem.close()
+            return summary
         if start_step >= t.steps:
-            raise UsageError(f"--steps: the checkpoint is already at step {start_step}; ask for more than that")
+            raise UsageError(f"--steps: the checkpoint is already at step {start_step}; ask for more than that (or, "
+                             f"to export it, --steps {start_step} with --export-hf)")
 
         out_dir.mkdir(parents=True, exist_ok=True)
         removed = clean_leftovers(ckpt_root)
