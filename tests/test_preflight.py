@@ -81,3 +81,10 @@ def test_a_name_that_is_not_utf8_and_too_many_threads_are_one_line(tiny_args, tm
     args = [a for a in tiny_args]
     args[args.index("--threads") + 1] = "100000"
     assert "--threads: at most" in _one_line(_train(args))
+
+
+def test_the_out_dir_as_swap_folder_is_named_not_called_another_run(tiny_args, tmp_path):
+    """Both lock their folder: the run refused itself as "in use by another tightfit run" with its own PID."""
+    out = tmp_path / "run"
+    err = _one_line(_train(tiny_args, "--offload", "nvme", "--nvme", str(out), out=out))
+    assert "--nvme" in err and "--out-dir too" in err and "PID" not in err

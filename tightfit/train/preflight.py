@@ -85,6 +85,13 @@ def check_outputs(cfg) -> None:
         check_folder(out / TENSORBOARD, f"--out-dir ({TENSORBOARD}/)")
     if t.plot:
         check_file(out / "run.png", "--plot (run.png in --out-dir)")
+    if cfg.memory.nvme:
+        from tightfit.config import parse_nvme
+
+        swap = Path(parse_nvme(cfg.memory.nvme)[0])
+        if swap.resolve() == out.resolve():  # both lock their folder: the run would refuse itself by its own PID
+            raise UsageError(f"--nvme: {swap} is the --out-dir too; give the swap files a folder of their own "
+                             f"(e.g. --nvme {out / 'swap'})")
     if t.export_hf:
         check_folder(Path(t.export_hf), "--export-hf")
     if t.profile:
