@@ -33,11 +33,20 @@ def _run(capsys, *argv) -> tuple[int, str, str]:
 
 
 def test_named_profiles_load_and_state_their_assumptions():
+    sizes = {"gpu24-pcie4": 24, "gpu40-pcie4": 40, "gpu80-pcie5": 80, "h100-sxm": 80, "h100-pcie": 80, "h200": 139,
+             "a100-40gb": 40, "a100-80gb": 80, "l4": 24, "rtx4090": 24}
+    assert set(PROFILES) == set(sizes)
     for name in PROFILES:
         hw = load_hardware(name)
-        assert hw.cuda and hw.gpu_total in (24 * GiB, 40 * GiB, 80 * GiB)
-        assert hw.assumptions and hw.nvme_free > 0 and hw.host_total >= 64 * GiB
+        assert hw.cuda and hw.gpu_total == sizes[name] * GiB
+        assert hw.assumptions and hw.nvme_free > 0 and hw.host_total >= 48 * GiB
         assert hw.key == f"named:{name}"
+    # Each figure of a rented GPU is said to be measured or assumed; the H200's measured ones are the lent machine's.
+    for name in ("h100-sxm", "h100-pcie", "h200", "a100-40gb", "a100-80gb", "l4", "rtx4090"):
+        text = " ".join(load_hardware(name).assumptions)
+        assert "assumed" in text
+    h200 = load_hardware("h200")
+    assert "measured" in h200.assumptions[0] and h200.matmul_rate(8192) == 797e12
 
 
 @pytest.mark.parametrize("suffix", [".json", ".toml"])

@@ -1,4 +1,6 @@
-"""Named what-if machines for `tightfit plan --hardware NAME`: one GPU of 24, 40 or 80 GiB on PCIe 4 or 5.
+"""Named what-if machines for `tightfit plan --hardware NAME`: one GPU of a class (24, 40 or 80 GiB on PCIe 4 or 5), or
+one GPU of a model people rent (H100 SXM / PCIe, H200, A100 40 / 80 GB, L4, RTX 4090) with the share of a machine
+such a GPU usually comes with.
 
 Why named profiles: the common question is about a class of machine nobody has at hand yet. Each profile is
 written in the file format `hardware_file.py` reads (so it doubles as an example of it), and every figure that is
@@ -60,3 +62,53 @@ PROFILES: dict[str, dict] = {
                         "a CUDA training process holds 3 GiB of RSS before its model (CUDA context, libraries)"]},
 }
 """Name -> profile in the file format (hardware_file.py)."""
+
+# The shape of an achieved bf16 matmul rate against its smallest side, as a share of what it reaches at 4096 and above
+# (the classes' tables above): small matmuls do not fill the GPU.
+_MATMUL_SHAPE = {"128": 0.36, "256": 0.55, "512": 0.7, "1024": 0.8, "2048": 0.93, "4096": 1.0, "8192": 1.0}
+
+
+def _rented(name: str, *, gib: int, peak: float, achieved: float, mem_tbs: float, pcie: int, host_gib: int,
+            cores: int, measured: list[str] = (), achieved_note: str = "assumed 0.7 of the data sheet's peak") -> dict:
+    """A profile of one rented GPU: data-sheet capacities, achieved rates stated as assumed (or measured)."""
+    link = {4: ("PCIe 4.0 x16", 25, 32), 5: ("PCIe 5.0 x16", 50, 64)}[pcie]
+    adam = round(1.5e9 * max(1.0, cores / 16) ** 0.7, -8)
+    nvme = _PCIE5_NVME if pcie == 5 else _PCIE4_NVME
+    return {
+        "cuda": True, "device_name": name, "gpu_total": f"{gib}GiB", "host_total": f"{host_gib}GiB",
+        "host_available": f"{int(host_gib * 0.94)}GiB", "nvme_free": "3TiB" if pcie == 5 else "1.5TiB",
+        "nvme_read_bw": "11GB/s" if pcie == 5 else "6.0GB/s", "nvme_write_bw": "9GB/s" if pcie == 5 else "4.5GB/s",
+        "h2d_bw": f"{link[1]}GB/s", "d2h_bw": f"{link[1]}GB/s", "mem_bw": f"{int(mem_tbs * 850)}GB/s",
+        "cpu_adam_rate": adam, "device_adam_rate": round(mem_tbs * 850e9 / 32, -9),
+        "matmul_flops": {k: round(achieved * v, -12) for k, v in _MATMUL_SHAPE.items()},
+        "op_overhead_s": 10e-6, "runtime_rss": "3GiB", "threads": cores,
+        "assumptions": [*measured,
+                        f"GPU: {name}, {gib} GiB; bf16 matmul reaching {achieved / 1e12:.0f} TFLOP/s at size 4096 "
+                        f"and above ({achieved_note}; data sheet {peak / 1e12:.0f} dense), down to "
+                        f"{achieved * 0.36 / 1e12:.0f} at 128 tokens; memory-bound ops at {mem_tbs * 0.85:.2f} TB/s "
+                        f"(0.85 of {mem_tbs} TB/s)",
+                        f"{link[0]}: {link[1]} GB/s pinned copies each way ({link[2]} GB/s link)",
+                        f"host share: {host_gib} GiB RAM, {cores} cores running fused AdamW at {adam / 1e9:.1f} G "
+                        "params/s (assumed)",
+                        *nvme,
+                        "a CUDA training process holds 3 GiB of RSS before its model (CUDA context, libraries)"]}
+
+
+PROFILES.update({
+    "h100-sxm": _rented("NVIDIA H100 SXM 80GB", gib=80, peak=989e12, achieved=690e12, mem_tbs=3.35, pcie=5,
+                        host_gib=220, cores=24),
+    "h100-pcie": _rented("NVIDIA H100 PCIe 80GB", gib=80, peak=756e12, achieved=530e12, mem_tbs=2.0, pcie=5,
+                         host_gib=180, cores=24),
+    # The H200 this project was lent (2026-11-26, ../shared/gpu-runs/2026-11-26/): what was measured there is said so.
+    "h200": _rented("NVIDIA H200", gib=139, peak=989e12, achieved=797e12, mem_tbs=4.8, pcie=5, host_gib=125, cores=16,
+                    achieved_note="measured: an 8192^3 bf16 matmul on the H200 lent on 2026-11-26",
+                    measured=["measured on the H200 lent on 2026-11-26: 139.8 GiB visible to torch, 16 CPU cores, "
+                              "125 GiB RAM, bf16 matmul 797 TFLOP/s at 8192; every other figure assumed"]),
+    "a100-40gb": _rented("NVIDIA A100 40GB", gib=40, peak=312e12, achieved=230e12, mem_tbs=1.55, pcie=4,
+                         host_gib=85, cores=12, achieved_note="assumed 0.74 of the data sheet's peak"),
+    "a100-80gb": _rented("NVIDIA A100 80GB", gib=80, peak=312e12, achieved=230e12, mem_tbs=2.0, pcie=4,
+                         host_gib=170, cores=12, achieved_note="assumed 0.74 of the data sheet's peak"),
+    "l4": _rented("NVIDIA L4", gib=24, peak=121e12, achieved=85e12, mem_tbs=0.3, pcie=4, host_gib=48, cores=8),
+    "rtx4090": _rented("NVIDIA GeForce RTX 4090", gib=24, peak=165e12, achieved=150e12, mem_tbs=1.0, pcie=4,
+                       host_gib=64, cores=16, achieved_note="assumed 0.9 of the data sheet's peak (fp32 accumulate)"),
+})
