@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 
 from tightfit.errors import UsageError
+from tightfit.utils.run_lock import check_folder_path
 
 
 def _printable(path: Path, flag: str) -> None:
@@ -36,11 +37,9 @@ def _no_symlink(path: Path, flag: str) -> None:
 
 def _writable_from(path: Path, flag: str) -> None:
     """The nearest existing folder at or above `path` must be a folder tightfit may write in."""
+    check_folder_path(path, flag)  # no file on the way
     for parent in [path, *path.parents]:
-        if parent.exists() or parent.is_symlink():
-            if not parent.is_dir():
-                raise UsageError(f"{flag}: {parent} is a file, not a folder, so {path} cannot be created there; "
-                                 f"choose another {flag}")
+        if parent.exists():
             if not os.access(parent, os.W_OK | os.X_OK):
                 read_only = bool(os.statvfs(parent).f_flag & os.ST_RDONLY)
                 why = "Read-only file system" if read_only else "Permission denied"

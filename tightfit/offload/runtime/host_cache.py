@@ -87,10 +87,6 @@ class HostCache:
         with self._lock:
             return sorted(e for u, e in self._entries if u == unit)
 
-    def held_bytes(self, unit: str) -> int:
-        with self._lock:
-            return sum(h.buf.numel() * h.buf.element_size() for (u, _), h in self._entries.items() if u == unit)
-
     def drop(self, unit: str, keep: tuple[str, ...] = ()) -> None:
         """Give back the unit's entries except those named in `keep`."""
         with self._lock:

@@ -44,6 +44,7 @@ import torch
 
 from tightfit.errors import UsageError
 from tightfit.offload.runtime.aligned import DIRECT_ALIGN, aligned_empty, mapped_empty
+from tightfit.offload.runtime.futures import all_done
 from tightfit.utils.sizes import format_size
 
 Sizes = dict[str, tuple[int, torch.dtype]]
@@ -186,10 +187,6 @@ class Grant:
         """Buffer `name` as a grant of its own (same job and kind)."""
         return self.pool._split(self, [name])[name]
 
-    def commit(self) -> None:
-        """Speculative -> firm: the job that uses these buffers has started."""
-        self.pool._set_speculative(self, False)
-
     def speculate(self) -> bool:
         """Firm -> speculative, if the speculative bound admits it now; else False and nothing changes."""
         return self.pool._set_speculative(self, True)
@@ -298,13 +295,6 @@ class HostPool:
         self._poison_all(bufs.values())
         return grant
 
-    def speculation_room(self) -> int | None:
-        """Bytes more that speculative grants may hold now (None: no bound)."""
-        if self.capacity is None:
-            return None
-        with self._cond:
-            return max(0, self.capacity - self.largest_job - self.speculative_bytes)
-
     def _check_fits(self, job: str, sizes: Sizes) -> None:
         need = self.cost(sizes)
         if self.capacity is not None and need > self.capacity:
@@ -384,29 +374,20 @@ class HostPool:
     # ---- giving back ----------------------------------------------------------------------------------------------
 
     def _give(self, grant: Grant, name: str, after) -> None:
-        pending = [f for f in _as_list(after) if not f.done()]
         with self._cond:
             buf = grant.bufs.pop(name)
             if grant.speculative:
                 self.speculative_bytes -= self.allocator.size_of(buf)
             if not grant.bufs:
                 self._grants.pop(id(grant), None)
-        if not pending:
+        last = all_done(_as_list(after))
+        if last is None:
             self._return(buf)
             return
-        # Returned once the last transfer touching it is done. The callbacks hold the buffer only until then: a
+        # Returned once the last transfer touching it is done. The callback holds the buffer only until then: a
         # Future keeps its callbacks as long as it lives.
-        box, remaining, lock = [buf], [len(pending)], threading.Lock()
-
-        def one_done(_f) -> None:
-            with lock:
-                remaining[0] -= 1
-                last = remaining[0] == 0
-            if last:
-                self._return(box.pop())
-
-        for f in pending:
-            f.add_done_callback(one_done)
+        box = [buf]
+        last.add_done_callback(lambda _f: self._return(box.pop()))
 
     def _return(self, buf: torch.Tensor) -> None:
         if self.guard is not None:

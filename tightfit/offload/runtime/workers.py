@@ -17,7 +17,6 @@ import random
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 
 import torch
 
@@ -78,14 +77,6 @@ class Timers:
 
     def since(self, key: str, t0: float | None) -> None:
         if t0 is not None:
-            self.add(key, time.perf_counter() - t0)
-
-    @contextmanager
-    def span(self, key: str):
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
             self.add(key, time.perf_counter() - t0)
 
     def snapshot(self) -> dict[str, float]:

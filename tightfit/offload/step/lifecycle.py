@@ -85,6 +85,9 @@ _TRANSITIONS: dict[Event, tuple[str, dict]] = {
     Event.FORWARD_START: ("phase", {H.IDLE: H.FORWARD, H.AWAITING_BACKWARD: H.FORWARD, H.FORWARD: H.FORWARD,
                                     H.BACKWARD: H.FORWARD}),
     Event.FORWARD_END: ("phase", {H.FORWARD: H.AWAITING_BACKWARD, H.AWAITING_BACKWARD: H.AWAITING_BACKWARD}),
+    # A call under no_grad: a unit awaiting its backward (called again, e.g. for evaluation) still awaits it.
+    Event.FORWARD_END_NO_GRAD: ("phase", {H.FORWARD: H.IDLE, H.IDLE: H.IDLE,
+                                          H.AWAITING_BACKWARD: H.AWAITING_BACKWARD, H.BACKWARD: H.BACKWARD}),
     Event.BACKWARD_START: ("phase", {H.AWAITING_BACKWARD: H.BACKWARD, H.BACKWARD: H.BACKWARD,
                                      H.FORWARD: H.BACKWARD}),
     Event.BACKWARD_END: ("phase", {H.AWAITING_BACKWARD: H.IDLE, H.BACKWARD: H.IDLE, H.FORWARD: H.IDLE,
@@ -112,11 +115,6 @@ class Lifecycle:
 
     def on(self, event: Event) -> None:
         """Apply `event`; an event the current state does not allow is an AssertionError naming both."""
-        if event is Event.FORWARD_END_NO_GRAD:  # back to where the call found the unit
-            with self._lock:
-                if self.phase == Phase.FORWARD:
-                    self.phase = Phase.IDLE
-            return
         field, moves = _TRANSITIONS[event]
         with self._lock:
             old = getattr(self, field)
