@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -55,8 +56,8 @@ def test_infinite_weight_decay_keeps_the_good_checkpoint_and_resume_is_exact(tin
         train(cfg, quiet=True)
     msg = str(e.value)
     assert "diverged at step 4" in msg and "parameter " in msg and "inf" in msg, msg
-    assert "last good checkpoint is step 3" in msg and not msg.startswith("--lr")
-    assert "--weight-decay" in msg and "--lr" in msg  # causes listed, none singled out
+    assert "newest healthy checkpoint is step 3" in msg and "--resume --resume-step 3 --lr" in msg
+    assert "--weight-decay" in msg and "--grad-clip" in msg  # the other causes are listed
     assert [s for s, _ in committed(tmp_path / "run" / "checkpoints")] == [3]
     assert all(torch.equal(good[k], v) for k, v in read_all(tmp_path / "run").items())
 
@@ -68,29 +69,87 @@ def test_infinite_weight_decay_keeps_the_good_checkpoint_and_resume_is_exact(tin
         assert torch.equal(ref[k], got[k]), k
 
 
-@pytest.mark.parametrize("placement", ["plain", "host"])
-def test_huge_learning_rate_saves_nothing_non_finite(tiny_args, tmp_path, capsys, placement):
+def _advice(err: str) -> tuple[bool, list[str]]:
+    """(resume?, flags) the divergence message advises: continue from the newest healthy checkpoint, or start over."""
+    m = re.search(r"continue from it with (--resume --resume-step \d+ .*?)\. Other", err) or re.search(
+        r"start over in a new --out-dir with (.*?)\. Other", err)
+    assert m, err
+    return m.group(1).startswith("--resume"), m.group(1).split()
+
+
+DIVERGING = {
+    # the first update wrecks the model: no checkpoint worth resuming, the advice is to start over
+    "lr-at-once": ["--n-embd", "64", "--lr", "9.99", "--warmup-steps", "2", "--weight-decay", "0"],
+    # healthy for a few steps during the warm-up, then a spike, then inf: resume from before the spike
+    "lr-slow": ["--n-embd", "64", "--lr", "9.99", "--warmup-steps", "100", "--weight-decay", "0", "--grad-clip", "0"],
+    # everything extreme at once (a resumed run): the advice must undo the weight decay and the clipping too
+    "extreme": ["--lr", "9.99", "--min-lr", "9.99", "--warmup-steps", "0", "--weight-decay", "1000",
+                "--grad-clip", "0", "--keep-checkpoints", "3"],
+}
+
+
+@pytest.mark.parametrize("placement", ["plain", "host", "nvme"])
+@pytest.mark.parametrize("variant", list(DIVERGING))
+def test_following_the_divergence_advice_trains_on(tiny_args, tmp_path, capsys, placement, variant):
+    """A divergence names a checkpoint that resuming from helps and the flags that do it: followed to the letter,
+    the run trains to its end (issue 27). Nothing non-finite is saved; retention kept the healthy checkpoint."""
     run = _args(tiny_args, tmp_path / "run", placement, tmp_path)
-    assert main(["train", *run, "--steps", "3"]) == 0
+    resumed = variant == "extreme"
+    if resumed:  # three healthy steps first, then the same run continued with extreme settings
+        assert main(["train", *run, "--steps", "3"]) == 0
     capsys.readouterr()
-    assert main(["train", *run, "--steps", "40", "--resume", "--lr", "9.99", "--min-lr", "9.99",
-                 "--warmup-steps", "0", "--weight-decay", "1000", "--save-interval", "1", "--grad-clip", "0",
-                 "--keep-checkpoints", "3"]) == 2
+    diverging = [*run, "--steps", "120", "--save-interval", "1", *DIVERGING[variant], *(["--resume"] * resumed)]
+    assert main(["train", *diverging]) == 2
     err = _error_line(capsys)
-    assert "training diverged at step" in err and "last good checkpoint is step" in err
-    assert any(w in err for w in ("the loss became", "the gradient norm became", "parameter ", "Adam")), err
-    steps = [s for s, _ in committed(tmp_path / "run" / "checkpoints")]
-    assert steps and len(steps) <= 3 and f"step {steps[-1]} in" in err
+    assert "training diverged at step" in err and "learning rate in force" in err, err
     assert _all_finite(tmp_path / "run")
-    # The last good checkpoint loads and trains (a notice says the settings changed). Its weights are finite but
-    # may be far too large to continue from: then that is found at once, in one line, and nothing is replaced.
-    code = main(["train", *run, "--steps", str(steps[-1] + 2), "--resume"])
-    out, err = capsys.readouterr()
-    assert f"resumed from {tmp_path / 'run' / 'checkpoints'}/step-{steps[-1]:08d} at step {steps[-1]}" in out
-    assert "notice: resuming with settings changed since the checkpoint: --lr 9.99 -> 0.004" in out
-    assert code == 0 or (code == 2 and "training diverged" in err and "Traceback" not in err)
-    assert latest(tmp_path / "run").name == f"step-{(steps[-1] + 2) if code == 0 else steps[-1]:08d}"
-    assert _all_finite(tmp_path / "run")
+    resume, flags = _advice(err)
+    if variant == "lr-slow":
+        assert resume and "the loss first spiked at step" in err, err
+    if variant == "extreme":
+        assert resume and "--resume-step 3" in err and "--weight-decay 0.1" in err and "--grad-clip 1" in err, err
+    if resume:
+        assert main(["train", *diverging, *flags]) == 0, capsys.readouterr().err
+    else:
+        again = [*_args(tiny_args, tmp_path / "again", placement, tmp_path), "--steps", "120", "--save-interval",
+                 "1", *DIVERGING[variant], *flags]
+        assert main(["train", *again]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "done: " in out and "inside a loss spike" not in out, out
+
+
+def test_a_spike_keeps_the_newest_healthy_checkpoint(tiny_args, tmp_path, capsys):
+    """--keep-checkpoints 1 through a loss spike: the checkpoints taken inside it are marked suspect and the one
+    before it stays, so `--resume-step` can go back to it; the newer ones go once the resumed run commits."""
+    from tightfit.train.health import HEALTHY, SUSPECT, verdict_of
+
+    run = _args(tiny_args, tmp_path / "run", "plain", tmp_path) + ["--n-embd", "64"]
+    assert main(["train", *run, "--steps", "12", "--save-interval", "1", *DIVERGING["lr-slow"][2:]]) == 0
+    out = capsys.readouterr().out
+    assert "warning: the loss spiked at step" in out and "warning: the final checkpoint (step 12)" in out, out
+    found = committed(tmp_path / "run" / "checkpoints")
+    assert len(found) == 2 and found[-1][0] == 12, found
+    good, newest = found
+    assert verdict_of(good[1]) == HEALTHY and verdict_of(newest[1]) == SUSPECT
+    assert f"the newest healthy one is step {good[0]}" in out
+    end = good[0] + 3
+    assert main(["train", *run, "--steps", str(end), "--resume", "--resume-step", str(good[0]), "--lr", "0.004",
+                 "--save-interval", "1", "--keep-checkpoints", "2"]) == 0
+    out = capsys.readouterr().out
+    assert f"resumed from {good[1]} at step {good[0]}" in out
+    assert f"removed the checkpoints of step 12: this run, resumed from step {good[0]}, replaces them" in out
+    assert [s for s, _ in committed(tmp_path / "run" / "checkpoints")] == [end - 1, end]
+
+
+def test_resume_step_names_what_is_there(tiny_args, tmp_path, capsys):
+    run = _args(tiny_args, tmp_path / "run", "plain", tmp_path)
+    assert main(["train", *run, "--steps", "3", "--save-interval", "1", "--keep-checkpoints", "2"]) == 0
+    capsys.readouterr()
+    assert main(["train", *run, "--steps", "5", "--resume", "--resume-step", "1"]) == 2
+    assert _error_line(capsys) == (f"tightfit: error: --resume-step: {tmp_path / 'run'} holds no checkpoint of step "
+                                   "1; it holds step 2, 3")
+    assert main(["train", *run, "--steps", "5", "--resume-step", "2"]) == 2
+    assert "--resume-step" in _error_line(capsys)
 
 
 def test_non_finite_gradient_norm_is_named(tiny_args, tmp_path, monkeypatch):
@@ -106,10 +165,12 @@ def test_non_finite_gradient_norm_is_named(tiny_args, tmp_path, monkeypatch):
 
     monkeypatch.setattr(memory.PlainMemory, "clip_grad_norm", clip)
     cfg = _config(_args(tiny_args, tmp_path / "run", "plain", tmp_path) + ["--steps", "5", "--save-interval", "1"])
-    with pytest.raises(UsageError, match=r"diverged at step 3: the gradient norm became inf; the last good "
-                                         r"checkpoint is step 2"):
+    with pytest.raises(UsageError, match=r"diverged at step 3: the gradient norm became inf \(learning rate in "
+                                         r"force [^)]*\); the newest healthy checkpoint is step 1 .* --resume "
+                                         r"--resume-step 1 --lr"):
         train(cfg, quiet=True)
-    assert [s for s, _ in committed(tmp_path / "run" / "checkpoints")] == [2]
+    # Step 2's weights gave the inf norm: that checkpoint is suspect, and the healthy one before it stays.
+    assert [s for s, _ in committed(tmp_path / "run" / "checkpoints")] == [1, 2]
 
 
 def test_keep_checkpoints_keeps_the_newest(tiny_args, tmp_path):

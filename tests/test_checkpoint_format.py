@@ -3,15 +3,19 @@ of a killed save cleaned at the next start, the disk a checkpoint needs checked 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import random
+import shutil
 import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,7 +57,7 @@ def test_queue_bounds_the_memory_held(tmp_path, monkeypatch):
     release = threading.Event()
     real = cw.write_shard
     monkeypatch.setattr(cw, "write_shard", lambda *a: (release.wait(30), real(*a))[1])
-    writer = cw.CheckpointWriter(tmp_path / "c", 1, keep=1, queue_bytes=6000)
+    writer = cw.CheckpointWriter(tmp_path / "c", 1, queue_bytes=6000)
     writer.put("a", [("model.a", torch.zeros(1024))])  # 4 KiB: taken by the writer thread, held until written
     done = threading.Event()
     threading.Thread(target=lambda: (writer.put("b", [("model.b", torch.zeros(1024))]), done.set())).start()
@@ -97,7 +101,7 @@ class _LateEnd(threading.Event):
 def test_no_writer_thread_outlives_wait_or_abort(tmp_path, how):
     """A distributed rank ends its process right after its last save ([Note: leaving the process group]): once
     `wait()` or `abort()` returns, the writer thread has ended, not merely signalled that it is done."""
-    writer = cw.CheckpointWriter(tmp_path / "c", 1, keep=1)
+    writer = cw.CheckpointWriter(tmp_path / "c", 1)
     writer._done = _LateEnd()  # before any group: the thread is waiting for work and has not touched it
     writer.put("a", [("model.a", torch.zeros(16))])
     if how == "wait":
@@ -119,29 +123,90 @@ def test_non_finite_tensor_is_never_committed(tmp_path):
 
 
 def test_leftovers_of_a_killed_save_are_cleaned_at_the_next_start(tiny_args, tmp_path, capsys):
+    """Only what a save or a removal of tightfit's left is removed: folders that carry its marker (or are empty);
+    a folder the user made is never removed, even one named like a checkpoint or a partial save (issue 27)."""
     assert main(["train", *tiny_args, "--steps", "3", "--offload", "none"]) == 0
     root = tmp_path / "run" / "checkpoints"
-    (root / ".partial-step-00000009-4242").mkdir()
-    (root / ".partial-step-00000009-4242" / "blocks.0.safetensors").write_bytes(b"x" * 100)
-    (root / "step-00000007").mkdir()  # a checkpoint whose removal was cut short: its index went first
-    (root / "step-00000007" / "root.safetensors").write_bytes(b"x")
-    (root / "notes.txt").write_text("mine")  # not tightfit's: never touched
-    (root / "step-mine").mkdir()
+    partial = root / ".partial-step-00000009-4242"  # a save killed mid-way: the marker is its first file
+    partial.mkdir()
+    (partial / cw.OWNED).touch()
+    (partial / "blocks.0.safetensors").write_bytes(b"x" * 100)
+    removing = root / ".removing-step-00000002-4242"  # a removal killed after the rename
+    removing.mkdir()
+    (removing / cw.OWNED).touch()
+    (removing / "index.json").write_text("{}")
+    (root / ".removing-step-00000001-4242").mkdir()  # killed after the marker went, before the folder did
+    user = {"step-00000007": "root.safetensors", ".partial-step-00000008-1": "mine.txt", "step-mine": "x"}
+    for folder, file in user.items():  # the user's folders: no marker
+        (root / folder).mkdir()
+        (root / folder / file).write_bytes(b"precious")
+    (root / "notes.txt").write_text("mine")
     capsys.readouterr()
     assert main(["train", *tiny_args, "--steps", "5", "--resume", "--offload", "none"]) == 0
     out = capsys.readouterr().out
-    assert "removed what an interrupted save left" in out and ".partial-step-00000009-4242" in out
-    assert "step-00000007" in out
-    assert sorted(p.name for p in root.iterdir()) == ["notes.txt", "step-00000005", "step-mine"]
+    assert ("removed what an interrupted save left in " f"{root}: .partial-step-00000009-4242, "
+            ".removing-step-00000001-4242, .removing-step-00000002-4242") in out, out
+    assert sorted(p.name for p in root.iterdir()) == sorted([*user, "notes.txt", "step-00000005"])
+    for folder, file in user.items():
+        assert (root / folder / file).read_bytes() == b"precious"
+
+
+def test_a_removal_cut_short_anywhere_leaves_a_checkpoint_or_a_leftover(tmp_path, monkeypatch):
+    """[Note: owned leftovers]: a kill at any point of a removal leaves either the whole checkpoint or a folder
+    the next start removes; never a `step-*` folder with shards missing."""
+    root = tmp_path / "c"
+    ckpt.save_checkpoint(root, [("model.w", torch.ones(4))], step=1, config={}, signature="", rng=RNG)
+    files = sorted(p.name for p in (root / "step-00000001").iterdir())
+    for cut in range(len(files) + 3):  # die after `cut` filesystem operations of the removal
+        shutil.rmtree(root, ignore_errors=True)
+        ckpt.save_checkpoint(root, [("model.w", torch.ones(4))], step=1, config={}, signature="", rng=RNG)
+        ops = [0]
+        real = {"unlink": Path.unlink, "rmdir": Path.rmdir, "replace": os.replace}
+
+        def counted(name):
+            def op(*a, **k):
+                if ops[0] >= cut:
+                    raise KeyboardInterrupt
+                ops[0] += 1
+                return real[name](*a, **k)
+            return op
+
+        monkeypatch.setattr(Path, "unlink", counted("unlink"))
+        monkeypatch.setattr(Path, "rmdir", counted("rmdir"))
+        monkeypatch.setattr(cw.os, "replace", counted("replace"))
+        with contextlib.suppress(KeyboardInterrupt):
+            cw._remove_checkpoint(root / "step-00000001")
+        monkeypatch.undo()
+        left = [p.name for p in root.iterdir()]
+        if "step-00000001" in left:
+            assert sorted(p.name for p in (root / "step-00000001").iterdir()) == sorted({*files, cw.OWNED})
+        cw.clean_leftovers(root)
+        assert [p.name for p in root.iterdir()] in ([], ["step-00000001"]), (cut, left)
 
 
 def test_a_run_whose_checkpoint_cannot_fit_is_refused_before_training(tiny_args, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(cw, "free_bytes", lambda path: 100 << 10)
     assert main(["train", *tiny_args, "--steps", "3", "--offload", "none"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("tightfit: error: --out-dir: a checkpoint of this model needs ")
-    assert re.search(r"needs [0-9.]+ KiB but .* has 100.0 KiB free", err) and len(err.splitlines()) == 1
+    assert err.startswith("tightfit: error: --out-dir: 2 checkpoints of this model (--keep-checkpoints 1, and the "
+                          "next one written beside them before the oldest goes) need ")
+    assert re.search(r"need [0-9.]+ KiB but .* has 100.0 KiB free", err) and len(err.splitlines()) == 1
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_the_disk_check_counts_the_new_checkpoint_beside_the_kept_ones(tiny_args, tmp_path, capsys, monkeypatch):
+    """Room for one checkpoint is not enough: the next is written before the kept one goes (issue 27). Resumed, the
+    kept one is already on the disk and only the new one is asked for."""
+    assert main(["train", *tiny_args, "--steps", "2", "--offload", "none"]) == 0
+    per = sum(p.stat().st_size for p in ckpt.latest(tmp_path / "run").iterdir())
+    capsys.readouterr()
+    monkeypatch.setattr(cw, "free_bytes", lambda path: int(per * 1.5))
+    fresh = [a if a != str(tmp_path / "run") else str(tmp_path / "fresh") for a in tiny_args]
+    assert main(["train", *fresh, "--steps", "2", "--offload", "none"]) == 2
+    assert "2 checkpoints of this model" in capsys.readouterr().err
+    assert main(["train", *tiny_args, "--steps", "4", "--offload", "none", "--resume"]) == 0
+    assert main(["train", *tiny_args, "--steps", "6", "--offload", "none", "--resume", "--keep-checkpoints", "2"]) == 2
+    assert "2 checkpoints of this model (--keep-checkpoints 2" in capsys.readouterr().err
 
 
 def test_checkpoint_size_estimate_covers_what_is_written(tiny_args, tmp_path):

@@ -88,3 +88,33 @@ def test_the_out_dir_as_swap_folder_is_named_not_called_another_run(tiny_args, t
     out = tmp_path / "run"
     err = _one_line(_train(tiny_args, "--offload", "nvme", "--nvme", str(out), out=out))
     assert "--nvme" in err and "--out-dir too" in err and "PID" not in err
+
+
+def test_a_model_too_large_to_build_is_refused_before_it_is_allocated(tiny_args):
+    """--n-embd 1048576 is 26 trillion parameters at this depth: measured on the meta device and refused in one line, instead of
+    an allocation that kills the process (issue 27)."""
+    err = _one_line(_train(tiny_args, "--n-embd", "1048576", "--n-head", "16"))
+    assert err.startswith("tightfit: error: --n-embd/--n-layer/--seq-len: this model has 26,388,")
+    assert "to build its fp32 weights" in err and "choose a smaller model" in err
+
+
+@pytest.mark.parametrize("offload", ["none", "auto"])
+def test_the_build_check_counts_what_the_placement_keeps(tiny_args, tmp_path, monkeypatch, capsys, offload):
+    """With --offload none the states stay where they are computed (16 bytes a parameter), otherwise only the fp32
+    weights are built before the planner places them (4 bytes): 6.6 M parameters against 10 MiB available."""
+    import psutil
+
+    import tightfit.models.build as build
+    from tightfit.cli import main
+
+    class Memory:
+        available = 10 << 20
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Memory)
+    monkeypatch.setattr(build, "build_model", lambda *a, **k: pytest.fail("allocated before the check"))
+    args = [*tiny_args, "--n-embd", "512", "--n-layer", "2", "--steps", "2", "--offload", offload]
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err
+    assert ("for its weights, gradients and Adam moments in fp32" if offload == "none" else
+            "to build its fp32 weights") in err, err
+    assert ("use --offload auto" in err) == (offload == "none")

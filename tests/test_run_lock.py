@@ -15,6 +15,7 @@ import torch
 from tightfit.cli import main
 from tightfit.errors import UsageError
 from tightfit.offload.tiers.nvme.store import NvmeStore
+from tightfit.offload.tiers.nvme.file import MANIFEST
 from tightfit.offload.tiers.nvme.swap_folder import RUN_PREFIX, SwapFolder
 from tightfit.utils.run_lock import LOCK_NAME, RunLock
 
@@ -132,22 +133,33 @@ def test_nvme_run_leaves_user_files_and_symlinks_untouched(tiny_args, tmp_path, 
 
 
 def test_leftovers_of_a_dead_run_are_cleaned_and_named(tiny_args, tmp_path, capsys):
+    """A dead run's swap files go when its manifest lists them; nothing else does: not a user's file in its folder,
+    not a folder named like one without a manifest (issue 27)."""
     swap = tmp_path / "swap"
     dead = swap / f"{RUN_PREFIX}999999-0badf00d"
     dead.mkdir(parents=True)
+    (dead / MANIFEST).write_text("root.safetensors\nblocks.0.safetensors\nblocks.1.safetensors\n")
     for name in ("root.safetensors", "blocks.0.safetensors.partial", "blocks.1.safetensors.corrupt"):
         (dead / name).write_bytes(b"\0" * 4096)
-    mixed = swap / f"{RUN_PREFIX}999998-0badf00d"  # a dead run's folder where the user put a file
+    mixed = swap / f"{RUN_PREFIX}999998-0badf00d"  # a dead run's folder where the user put files
     mixed.mkdir()
+    (mixed / MANIFEST).write_text("root.safetensors\n../escape.safetensors\n")
     (mixed / "root.safetensors").write_bytes(b"\0" * 10)
     (mixed / "notes.txt").write_text("mine")
+    (mixed / "weights.safetensors").write_text("mine too")  # named like a swap file, but not listed
+    (swap / "escape.safetensors").write_text("mine")
+    unlisted = swap / f"{RUN_PREFIX}123-abcd"  # named like a run's folder, but no manifest: the user's
+    unlisted.mkdir()
+    (unlisted / "weights.safetensors").write_text("precious")
     assert main(["train", *tiny_args, "--steps", "2", "--offload", "nvme", "--nvme", str(swap)]) == 0
     out = capsys.readouterr().out
     assert f"removed the leftovers of a dead run (PID 999999) from --nvme: {dead} (3 swap files, 12.0 KiB)" in out
     assert "PID 999998" in out and "the folder stays" in out
+    assert f"left {unlisted} in place" in out and "no manifest" in out
     assert not dead.exists()
-    assert [p.name for p in mixed.iterdir()] == ["notes.txt"]
-    assert {p.name for p in swap.iterdir()} == {mixed.name}
+    assert sorted(p.name for p in mixed.iterdir()) == [MANIFEST, "notes.txt", "weights.safetensors"]
+    assert (unlisted / "weights.safetensors").read_text() == "precious"
+    assert {p.name for p in swap.iterdir()} == {mixed.name, unlisted.name, "escape.safetensors"}
 
 
 def test_two_engines_of_one_process_share_the_swap_folder(tmp_path):

@@ -72,6 +72,8 @@ class TrainConfig:
                                   "after a new one is committed); 0: write none (a benchmark, a throwaway run)")
     out_dir: str = _f("runs/default", "folder for checkpoints and metrics.jsonl")
     resume: bool = _f(False, "continue from the checkpoint in --out-dir")
+    resume_step: int = _f(0, "with --resume: the step of the checkpoint to continue from (0: the newest); the "
+                             "newer ones are removed when this run commits its first checkpoint")
     export_hf: str | None = _f(None, "at the end, also save the model to this folder in the Hugging Face layout")
     max_time: float = _f(0.0, "stop after this many seconds of training (0: no limit)")
     stop_at: int = _f(0, "stop with a checkpoint after this step, keeping the schedule of --steps (0: run to --steps)")
@@ -264,7 +266,8 @@ def validate(cfg: Config) -> None:
             raise UsageError(f"{flag_name(name)}: must be a positive integer, got {value}")
     non_negative = {"save_interval": t.save_interval, "keep_checkpoints": t.keep_checkpoints,
                     "warmup_steps": o.warmup_steps, "threads": t.threads, "max_time": t.max_time,
-                    "stop_at": t.stop_at, "grad_clip": o.grad_clip, "weight_decay": o.weight_decay,
+                    "stop_at": t.stop_at, "resume_step": t.resume_step, "grad_clip": o.grad_clip,
+                    "weight_decay": o.weight_decay,
                     "tp": cfg.parallel.tp, "pp": cfg.parallel.pp}
     for name, value in non_negative.items():
         if value < 0:
@@ -281,6 +284,8 @@ def validate(cfg: Config) -> None:
             if getattr(cfg.memory, name) is not None:
                 raise UsageError(f"{flag_name(name)}: has no effect with --offload none (plain PyTorch, every state "
                                  f"on the compute device); drop it, or use --offload auto to let it shape the plan")
+    if t.resume_step and not t.resume:
+        raise UsageError("--resume-step: chooses the checkpoint --resume continues from; add --resume")
     if t.keep_checkpoints == 0:
         for name, value in (("save_interval", t.save_interval), ("stop_at", t.stop_at), ("resume", t.resume)):
             if value:

@@ -34,7 +34,8 @@ from tightfit import __version__
 from tightfit.errors import UsageError
 from tightfit.models.hf_safetensors import TensorEntry, TensorReader, read_header
 from tightfit.offload.tiers.nvme.safetensors_file import is_padding
-from tightfit.train.checkpoint_writer import INDEX, CheckpointWriter, committed
+from tightfit.train.health import read_record
+from tightfit.train.checkpoint_writer import INDEX, CheckpointWriter, committed, prune
 from tightfit.utils.safetensors_format import CODE_TO_DTYPE
 from tightfit.utils.safetensors_io import tensor_bytes
 from tightfit.utils import untrusted_json
@@ -102,6 +103,8 @@ class Checkpoint:
     shapes: dict[str, list[int]]
     dtypes: dict[str, torch.dtype]
     loss_scaler: dict | None = None
+    health: dict | None = None
+    """The run's loss around this step and the checkpoint's verdict (health.py); None when it has no record."""
     entries: dict[str, TensorEntry] = field(default_factory=dict)
     crcs: dict[str, int] = field(default_factory=dict)
     _reader: TensorReader = field(default_factory=TensorReader)
@@ -147,16 +150,32 @@ def latest(out_dir: Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-def load_checkpoint(path: Path, flag: str = "--resume") -> Checkpoint:
-    """Open and check the newest checkpoint under `path` (--out-dir, its checkpoints folder, or one step folder).
+def select(path: Path, step: int | None = None, flag: str = "--resume") -> Path:
+    """The checkpoint folder to resume: `path` itself when it is one, else the one of `step` under it (--out-dir or
+    its checkpoints folder), else the newest. One-line UsageError when there is none."""
+    path = Path(path)
+    if (path / INDEX).is_file():
+        return path
+    found = committed(path) or committed(path / CHECKPOINT_NAME)
+    if not found:
+        raise UsageError(f"{flag}: no checkpoint in {path} (the folder does not exist or holds no committed "
+                         "checkpoint); drop --resume to start fresh")
+    if not step:
+        return found[-1][1]
+    for s, folder in found:
+        if s == step:
+            return folder
+    raise UsageError(f"--resume-step: {path} holds no checkpoint of step {step}; it holds step "
+                     f"{', '.join(str(s) for s, _ in found)}")
+
+
+def load_checkpoint(path: Path, flag: str = "--resume", step: int | None = None) -> Checkpoint:
+    """Open and check a checkpoint under `path` (--out-dir, its checkpoints folder, or one step folder): the one
+    of `step`, else the newest (`select`).
 
     Checks everything that does not need the model ([Note: what loading checks] in docs/CHECKPOINTS.md); the
     model's side is `check_compatible`. Raises a one-line UsageError naming the file."""
-    path = Path(path)
-    folder = path if (path / INDEX).is_file() else latest(path)
-    if folder is None:
-        raise UsageError(f"{flag}: no checkpoint in {path} (the folder does not exist or holds no committed "
-                         "checkpoint); drop --resume to start fresh")
+    folder = select(path, step, flag)
     try:
         index = untrusted_json.loads((folder / INDEX).read_text())
     except (OSError, ValueError) as e:
@@ -188,7 +207,7 @@ def load_checkpoint(path: Path, flag: str = "--resume") -> Checkpoint:
     entries = _read_shards(folder, weight_map, shapes, dtypes, views)
     _check_rng(folder, shapes, dtypes)
     return Checkpoint(path=folder, step=step, config=config, signature=signature, shapes=shapes, dtypes=dtypes,
-                      loss_scaler=scaler, entries=entries, crcs=crcs)
+                      loss_scaler=scaler, entries=entries, crcs=crcs, health=read_record(folder))
 
 
 def _read_shards(folder: Path, weight_map: dict, shapes: dict, dtypes: dict, views: dict
@@ -301,10 +320,11 @@ def index_fields(*, step: int, config: dict, signature: str, loss_scaler: dict |
 
 def start_save(root: Path, groups: Iterable[tuple[str, list[tuple[str, torch.Tensor]]]], *, step: int, config: dict,
                signature: str, rng: dict[str, torch.Tensor], loss_scaler: dict | None = None,
-               keep: int = 1) -> CheckpointWriter:
+               health: dict | None = None) -> CheckpointWriter:
     """Hand every group to a background writer and return it: once this returns, the caller may change the
-    model (the groups are its own copies); `wait()` on the writer gives the committed folder."""
-    writer = CheckpointWriter(Path(root), step, keep=keep)
+    model (the groups are its own copies); `wait()` on the writer gives the committed folder. The caller prunes
+    older checkpoints after the commit (checkpoint_writer.prune)."""
+    writer = CheckpointWriter(Path(root), step)
     try:
         for g in groups:
             if isinstance(g, tuple):
@@ -315,7 +335,7 @@ def start_save(root: Path, groups: Iterable[tuple[str, list[tuple[str, torch.Ten
     except BaseException:
         writer.abort()
         raise
-    writer.close(index_fields(step=step, config=config, signature=signature, loss_scaler=loss_scaler))
+    writer.close(index_fields(step=step, config=config, signature=signature, loss_scaler=loss_scaler), health)
     return writer
 
 
@@ -339,12 +359,13 @@ def save_checkpoint(root: Path, tensors: Iterable[tuple[str, torch.Tensor]], *, 
     """Write a checkpoint from a flat (key, tensor) stream and wait for its commit. `root`: the checkpoints folder
     (<out-dir>/checkpoints). UsageError when a tensor is non-finite or the disk fails; the previous one survives."""
     writer = start_save(Path(root), group_by_key(tensors), step=step, config=config, signature=signature, rng=rng,
-                        loss_scaler=loss_scaler, keep=keep)
+                        loss_scaler=loss_scaler)
     path = writer.wait()
     if path is None:
         nf = writer.non_finite
         raise UsageError(f"training diverged: checkpoint tensor {nf.key} holds {nf.what} at step {step}; nothing was "
                          f"saved for step {step}, the previous checkpoint in {root} is kept")
+    prune(Path(root), keep)
     return path
 
 

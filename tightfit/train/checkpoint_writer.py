@@ -15,15 +15,22 @@ Layout of `<out-dir>/checkpoints/` (docs/CHECKPOINTS.md):
         blocks.0.safetensors
         ...
         rng.safetensors             RNG states
+        health.json                 the run's loss around this step, and the checkpoint's verdict (health.py)
     .partial-step-00000020-<pid>/   being written (or left by a killed run)
+    .removing-step-00000005-<pid>/  being removed (or left by a killed run)
 
-[Note: commit] A save writes every shard into a `.partial-...` folder and fsyncs each, then writes `index.json`
-(temporary name, fsync, rename), then renames the folder to `step-NNNNNNNN` and fsyncs `checkpoints/`. A kill at any
-moment leaves either the old set of committed checkpoints or the old set plus the new one: a `step-*` folder
-always holds a complete index and every shard it names. Only then are checkpoints beyond `--keep-checkpoints`
-removed, oldest first, index first (so a half-removed folder is a leftover, never a checkpoint). Leftovers
-(`.partial-*` folders; `step-*` folders without an index) are removed at the next start, named in the log;
-nothing else in the folder is touched. Extra disk at the peak: the checkpoint being written.
+[Note: commit] A save writes every shard into a `.partial-...` folder and fsyncs each, then `health.json`, then
+`index.json` (temporary name, fsync, rename), then renames the folder to `step-NNNNNNNN` and fsyncs `checkpoints/`.
+A kill at any moment leaves either the old set of committed checkpoints or the old set plus the new one: a
+`step-*` folder always holds a complete index and every shard it names. Only then does the trainer remove
+checkpoints (`prune`): beyond `--keep-checkpoints`, oldest first, but never the newest healthy one (health.py).
+
+[Note: owned leftovers] Every folder a save creates holds a marker file (`OWNED`) from its first moment until its
+last: a removal renames the checkpoint to `.removing-...` first, then deletes everything but the marker, then the
+marker, then the (empty) folder. So a kill leaves a leftover that carries the marker or is empty, and the next
+start removes exactly those (`clean_leftovers`, named in the log). A folder without the marker - one the user made,
+even if named like a checkpoint or a partial save - is never removed. Extra disk at the peak: the checkpoint being
+written.
 
 [Note: nothing non-finite is saved] Every floating tensor is checked finite (`torch.aminmax`: ~7 GB/s on one core,
 NaN and inf propagate into min or max) in the writer thread, where its bytes pass anyway, before the index is
@@ -33,6 +40,7 @@ trainer reports what diverged.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -44,13 +52,17 @@ from pathlib import Path
 import torch
 
 from tightfit.errors import UsageError
+from tightfit.train.health import HEALTHY, verdict_of
 from tightfit.utils.safetensors_format import DTYPE_TO_CODE
 from tightfit.utils.safetensors_io import crc32_of, fsync_dir, tensor_bytes, write_shard
 from tightfit.utils.sizes import format_size
 
 INDEX = "index.json"
+OWNED = ".tightfit-owned"
+"""The marker of a folder a save created ([Note: owned leftovers])."""
 _STEP_RE = re.compile(r"^step-(\d{8,})$")
 _PARTIAL_PREFIX = ".partial-step-"
+_REMOVING_PREFIX = ".removing-step-"
 
 
 def step_dir_name(step: int) -> str:
@@ -70,31 +82,74 @@ def committed(root: Path) -> list[tuple[int, Path]]:
 
 
 def clean_leftovers(root: Path) -> list[str]:
-    """Remove what a killed save left in `root` ([Note: commit]); returns the names removed. Touches only names
-    tightfit writes: `.partial-step-*` folders and `step-*` folders without an index."""
+    """Remove what a killed save or removal left in `root` ([Note: owned leftovers]); returns the names removed.
+    Touches only `.partial-step-*` and `.removing-step-*` folders that hold the marker or are empty."""
     removed = []
     if not root.is_dir():
         return removed
     for p in sorted(root.iterdir()):
-        stale = (p.name.startswith(_PARTIAL_PREFIX) or (_STEP_RE.match(p.name) and not (p / INDEX).is_file()))
-        if stale and p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p, ignore_errors=True)
+        if not p.name.startswith((_PARTIAL_PREFIX, _REMOVING_PREFIX)) or p.is_symlink() or not p.is_dir():
+            continue
+        if (p / OWNED).is_file() or not any(p.iterdir()):
+            _remove_owned(p)
             removed.append(p.name)
     return removed
 
 
+def _make_owned(folder: Path) -> None:
+    folder.mkdir()
+    fd = os.open(folder / OWNED, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    os.close(fd)
+
+
+def _remove_owned(folder: Path) -> None:
+    """Everything in `folder` but the marker, then the marker, then the folder ([Note: owned leftovers])."""
+    for entry in sorted(folder.iterdir(), key=lambda e: e.name == OWNED):
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+    folder.rmdir()
+
+
 def _remove_checkpoint(folder: Path) -> None:
-    """Index first: a folder half-removed by a kill is a leftover, never a checkpoint with missing shards."""
-    (folder / INDEX).unlink(missing_ok=True)
-    fsync_dir(folder)
-    shutil.rmtree(folder, ignore_errors=True)
+    """Rename first: a kill leaves a `.removing-*` leftover, never a checkpoint with missing shards. A committed
+    checkpoint of an older tightfit has no marker: it gets one before the rename."""
+    fd = os.open(folder / OWNED, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    os.close(fd)
+    m = _STEP_RE.match(folder.name)
+    gone = folder.with_name(f"{_REMOVING_PREFIX}{m.group(1) if m else folder.name}-{os.getpid()}")
+    if gone.is_dir() and not gone.is_symlink():  # this process's own earlier removal of that step, interrupted
+        _remove_owned(gone)
+    os.replace(folder, gone)
+    fsync_dir(folder.parent)
+    _remove_owned(gone)
 
 
-def prune(root: Path, keep: int) -> None:
-    """Keep the newest `keep` committed checkpoints, remove the others (oldest first)."""
+def prune(root: Path, keep: int, *, healthy=None) -> list[int]:
+    """Keep the newest `keep` committed checkpoints and the newest healthy one; remove the others, oldest first.
+    `healthy(folder)` tells a healthy checkpoint (default: its health.json's verdict). Returns the steps removed."""
+    healthy = healthy or (lambda folder: verdict_of(folder) == HEALTHY)
     found = committed(root)
-    for _, folder in found[:max(0, len(found) - keep)]:
-        _remove_checkpoint(folder)
+    protect = next((step for step, folder in reversed(found) if healthy(folder)), None)
+    removed = []
+    for step, folder in found[:max(0, len(found) - keep)]:
+        if step != protect:
+            _remove_checkpoint(folder)
+            removed.append(step)
+    return removed
+
+
+def drop_newer(root: Path, resumed: int, saved: int) -> list[int]:
+    """Remove the committed checkpoints after `resumed` but `saved`: a run resumed from an older checkpoint
+    (--resume-step) replaces the later ones of the run it continues once it commits its own (`saved`). Returns
+    the steps removed."""
+    removed = []
+    for s, folder in committed(root):
+        if s > resumed and s != saved:
+            _remove_checkpoint(folder)
+            removed.append(s)
+    return removed
 
 
 @dataclass
@@ -128,13 +183,14 @@ class CheckpointWriter:
     `failed()` tells without waiting. `abort()` drops everything.
     """
 
-    def __init__(self, root: Path, step: int, *, keep: int, queue_bytes: int = 256 << 20) -> None:
-        self.root, self.step, self.keep = root, step, keep
+    def __init__(self, root: Path, step: int, *, queue_bytes: int = 256 << 20) -> None:
+        self.root, self.step = root, step
         self.final = root / step_dir_name(step)
         self.partial = root / f"{_PARTIAL_PREFIX}{step:08d}-{os.getpid()}"
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(self.partial, ignore_errors=True)
-        self.partial.mkdir()
+        if self.partial.is_dir() and (self.partial / OWNED).is_file():
+            _remove_owned(self.partial)
+        _make_owned(self.partial)
         self.queue_bytes = queue_bytes
         self.non_finite: NonFinite | None = None
         self.error: BaseException | None = None
@@ -147,6 +203,7 @@ class CheckpointWriter:
         self._queue: list[tuple[str, list[tuple[str, torch.Tensor]]]] = []
         self._queued = 0
         self._fields: dict | None = None
+        self._health: dict | None = None
         self._aborted = False
         self._done = threading.Event()
         self.result: Path | None = None
@@ -188,9 +245,11 @@ class CheckpointWriter:
             self._queue.append((file, copy))
             self._cv.notify_all()
 
-    def close(self, fields: dict) -> None:
-        """No more groups; commit with these index fields once everything queued is written."""
+    def close(self, fields: dict, health: dict | None = None) -> None:
+        """No more groups; commit with these index fields (and this health record: health.py) once everything
+        queued is written."""
         with self._cv:
+            self._health = health
             self._fields = fields
             self._cv.notify_all()
 
@@ -266,8 +325,9 @@ class CheckpointWriter:
         except BaseException as e:  # a bug: reported by wait() with its traceback
             self.error = e
         finally:
-            if self.result is None:
-                shutil.rmtree(self.partial, ignore_errors=True)
+            if self.result is None and self.partial.is_dir():
+                with contextlib.suppress(OSError):
+                    _remove_owned(self.partial)
             with self._cv:
                 self._queue.clear()
                 self._queued = 0
@@ -326,7 +386,11 @@ class CheckpointWriter:
         return True
 
     def _commit(self) -> Path:
-        """[Note: commit]: the index, then the folder's name; then the checkpoints beyond --keep-checkpoints go."""
+        """[Note: commit]: the health record, the index, then the folder's name. Pruning is the caller's (`prune`)."""
+        if self._health is not None:
+            from tightfit.train.health import write_record
+
+            write_record(self.partial, self._health)
         index = {**self._fields, "weight_map": self._weight_map, "tensors": self._tensors}
         tmp = self.partial / f".{INDEX}.tmp"
         with open(tmp, "w") as f:
@@ -339,7 +403,6 @@ class CheckpointWriter:
             _remove_checkpoint(self.final)
         os.replace(self.partial, self.final)
         fsync_dir(self.root)
-        prune(self.root, self.keep)
         return self.final
 
 
@@ -358,16 +421,23 @@ def checkpoint_bytes(named_shapes: list[tuple[str, tuple[int, ...]]], trainable:
     return total
 
 
-def check_room(out_dir: Path, need: int, flag: str = "--out-dir") -> tuple[int, int]:
-    """(need, free) for a checkpoint in `out_dir`; UsageError when it cannot fit. A save writes the new checkpoint
-    beside the kept ones before it removes any ([Note: commit]), so it needs its full size free."""
+def check_room(out_dir: Path, per_checkpoint: int, *, keep: int = 1, kept: int = 0,
+               flag: str = "--out-dir") -> tuple[int, int]:
+    """(need, free) for the checkpoints a run will write in `out_dir`; UsageError when they cannot fit. A save
+    writes the new checkpoint beside the kept ones before it removes any ([Note: commit]), so the disk must take
+    `keep` of them plus the one being written, less the `kept` ones already there (a resumed run's)."""
+    count = max(1, keep + 1 - kept)
+    need = count * per_checkpoint
     probe = out_dir
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     free = free_bytes(probe)
     if need > free:
-        raise UsageError(f"{flag}: a checkpoint of this model needs {format_size(need)} but {probe} has "
-                         f"{format_size(free)} free; free space there or pick another {flag}")
+        what = ("a checkpoint of this model needs" if count == 1 else
+                f"{count} checkpoints of this model (--keep-checkpoints {keep}, and the next one written beside "
+                f"them before the oldest goes) need")
+        raise UsageError(f"{flag}: {what} {format_size(need)} but {probe} has {format_size(free)} free; free space "
+                         f"there, keep fewer checkpoints, or pick another {flag}")
     return need, free
 
 

@@ -21,10 +21,12 @@ from tightfit.errors import UsageError
 from tightfit.offload.step.loss_scale import load_scaler_state, scaler_state
 from tightfit.train import checkpoint as ckpt
 from tightfit.train.checkpoint_swap import state_groups
-from tightfit.train.checkpoint_writer import check_room, checkpoint_bytes, clean_leftovers
+from tightfit.train.checkpoint_writer import (check_room, checkpoint_bytes, clean_leftovers, committed, drop_newer,
+                                              prune)
 from tightfit.train.divergence import describe_key, diverged
+from tightfit.train.health import SUSPECT, RunHealth, set_verdict, verdict_of
 from tightfit.train.data import TokenDataset, data_generator, load_tokens
-from tightfit.train.memory import MemorySetup, setup_memory
+from tightfit.train.memory import MemorySetup, check_buildable, setup_memory
 from tightfit.train.preflight import check_outputs
 from tightfit.train.signals import GracefulStop
 from tightfit.train.progress import Progress, format_duration
@@ -165,6 +167,8 @@ def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> 
     # the planned tiers after wrapping (one unit in host memory at a time): it may be larger than RAM.
     hf_folder = hf_path(cfg.model.model)
     stream_weights = hf_folder is not None and cfg.memory.offload != "none"
+    if not stream_weights:  # measured on the meta device first: one too large to build is refused, not allocated
+        check_buildable(build_meta_model(cfg), cfg, device.type)
     model = build_model(cfg.model, vocab_size=dataset.vocab_size, block_size=t.seq_len,
                         device="meta" if stream_weights else "cpu")
 
@@ -173,7 +177,7 @@ def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> 
                          "the reference GPT's weights are in the checkpoint")
     # load_checkpoint refuses a missing, truncated or foreign file with a one-line --resume error.
     # Every tensor's name, shape and dtype is checked against this model, and the metadata, before any is loaded.
-    resume_from = ckpt.load_checkpoint(out_dir) if t.resume else None
+    resume_from = ckpt.load_checkpoint(out_dir, step=t.resume_step) if t.resume else None
     if resume_from is not None:
         ckpt.check_compatible(resume_from, [(n, tuple(p.shape)) for n, p in model.named_parameters()])
         resume_from.check_rng()  # before any tier is written
@@ -225,9 +229,10 @@ def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> 
             say(f"removed what an interrupted save left in {ckpt_root}: {', '.join(removed)}")
         if t.keep_checkpoints:
             trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-            need, free = check_room(out_dir, checkpoint_bytes(mem.named_shapes(), trainable))
-            say(f"checkpoint: {format_size(need)} per save in {ckpt_root} ({format_size(free)} free now, keeping "
-                f"{t.keep_checkpoints}{shares_disk(cfg, out_dir)})")
+            per = checkpoint_bytes(mem.named_shapes(), trainable)
+            need, free = check_room(out_dir, per, keep=t.keep_checkpoints, kept=len(committed(ckpt_root)))
+            say(f"checkpoint: {format_size(per)} per save in {ckpt_root} ({format_size(free)} free now, keeping "
+                f"{t.keep_checkpoints}: {format_size(need)} more at the peak{shares_disk(cfg, out_dir)})")
         else:
             say("checkpoint: none (--keep-checkpoints 0)")
         val_batches = dataset.val_batches(t.eval_batches, t.micro_batch, seed=t.seed + 1)
@@ -243,6 +248,25 @@ def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> 
         last_good = None  # (step, folder) of the newest committed checkpoint
         if resume_from is not None:
             last_good = (resume_from.step, resume_from.path)
+        # The loss around each checkpoint, and the verdicts retention and the divergence message go by (health.py).
+        health = RunHealth.resumed(resume_from.health if resume_from is not None else None)
+        awaiting: dict[int, Path] = {}  # committed checkpoints whose verdict waits for the next step's loss
+        saved_steps: list[int] = []  # every checkpoint this run committed
+
+        def judge(committed_one: bool = False, final: bool = False) -> None:
+            """Write the verdicts the last step decided, then prune what retention no longer keeps. `final`: no
+            step follows; a checkpoint still waiting is judged by its own step's loss."""
+            decided = committed_one
+            for s in sorted(awaiting):
+                verdict = health.verdict(s, final=final)
+                if verdict is not None:
+                    set_verdict(awaiting.pop(s), *verdict)
+                    decided = True
+            if decided and t.keep_checkpoints:
+                prune(ckpt_root, t.keep_checkpoints)
+
+        def divergence(at: int, what: str) -> UsageError:
+            return diverged(at, what, root=ckpt_root, lr=lr, spike=health.first_spike, optim=o)
 
         def settle() -> None:
             """Wait for the save in progress; a non-finite tensor in it is the run's divergence."""
@@ -253,8 +277,17 @@ def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> 
             path = writer.wait()
             if path is None:
                 nf = writer.non_finite
-                raise diverged(writer.step, f"{describe_key(nf.key)} became {nf.what}", last_good)
+                judge()
+                raise divergence(writer.step, f"{describe_key(nf.key)} became {nf.what}")
             last_good = (writer.step, path)
+            # Resumed from an older checkpoint (--resume-step): its first commit replaces the later ones.
+            newer = drop_newer(ckpt_root, start_step, writer.step) if not saved_steps else []
+            saved_steps.append(writer.step)
+            if newer:
+                say(f"removed the checkpoints of step {', '.join(map(str, newer))}: this run, resumed from step "
+                    f"{start_step}, replaces them")
+            awaiting[writer.step] = path
+            judge(committed_one=True)
 
         def save(step: int) -> None:
             nonlocal pending
@@ -263,14 +296,14 @@ def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> 
             settle()  # one save at a time: its memory and disk are what the plan counted
             pending = ckpt.start_save(ckpt_root, state_groups(model, opt), step=step, config=cfg.to_dict(),
                                       signature=ckpt.model_signature(mem.named_shapes()), rng=ckpt.capture_rng(gen),
-                                      loss_scaler=scaler_state(scaler), keep=t.keep_checkpoints)
+                                      loss_scaler=scaler_state(scaler), health=health.record(step))
 
         if t.profile:
             from tightfit.train.profiling import StepProfiler
 
             profiler = StepProfiler(t.profile, plan=getattr(mem, "plan", None), cuda=device.type == "cuda")
         t_start = time.perf_counter()
-        step, loss_val, val_loss, grad_norm = start_step, float("nan"), float("nan"), None
+        step, loss_val, val_loss, grad_norm, lr = start_step, float("nan"), float("nan"), None, o.lr
         while step < t.steps:
             lr = lr_at(step, cfg)
             for group in opt.param_groups:
@@ -286,14 +319,21 @@ def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> 
             step += 1
             loss_val = loss_sum.item()
             # An fp16 scaler skips a step whose gradients overflowed (its norm is inf then): not a divergence.
+            checked_norm = grad_norm if scaler is None else None
             bad = (f"the loss became {loss_val}" if not math.isfinite(loss_val) else
-                   f"the gradient norm became {grad_norm}" if grad_norm is not None and scaler is None
-                   and not math.isfinite(grad_norm) else None)
+                   f"the gradient norm became {grad_norm}" if checked_norm is not None
+                   and not math.isfinite(checked_norm) else None)
+            notice = health.observe(step, loss_val, checked_norm, lr)
+            if notice:
+                say(notice)
             if bad:
-                settle()  # a save in flight commits (the last good one) or names what diverged first
-                raise diverged(step, bad, last_good)
+                settle()  # a save in flight commits or names what diverged first
+                judge()
+                raise divergence(step, bad)
             if pending is not None and pending.done():
                 settle()
+            elif awaiting:
+                judge()
             progress.tick(step, loss_val)  # the status line on a terminal; nothing otherwise
             if profiler is not None:
                 profiler.step()
@@ -327,7 +367,15 @@ def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> 
             say(f"profile: {', '.join(str(f) for f in profiler.close())}")
         save(step)
         settle()
+        judge(final=True)
         path = last_good[1] if last_good else None
+        if path is not None and verdict_of(path) == SUSPECT:
+            from tightfit.train.divergence import resume_candidate
+
+            good = resume_candidate(ckpt_root)
+            say(f"warning: the final checkpoint (step {step}) was taken inside a loss spike (from step "
+                f"{health.first_spike.step if health.first_spike else '?'}); "
+                + (f"the newest healthy one is step {good[0]} in {good[1]}" if good else "no healthy one was kept"))
         if t.export_hf:
             export_hf(model, mem, t.export_hf)
             say(f"exported the model in the Hugging Face layout to {t.export_hf}")

@@ -26,6 +26,31 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def check_buildable(meta_model: nn.Module, cfg: Config, device_type: str) -> None:
+    """Refuse, before a byte is allocated, a model whose construction alone cannot fit this machine's memory.
+
+    The model is built on the CPU in fp32 before the planner places its states (4 bytes a parameter); with
+    `--offload none` every state stays where it is computed (weights, gradients, two Adam moments: 16 bytes a
+    parameter). The planner's full check comes after construction; this one keeps a reference model larger than RAM
+    (`--n-embd 1048576`, `--seq-len 100000000`) from being allocated at all."""
+    from tightfit.errors import UsageError
+    from tightfit.utils.sizes import format_size
+
+    n = sum(p.numel() for p in meta_model.parameters())
+    available = psutil.virtual_memory().available
+    plain_cpu = cfg.memory.offload == "none" and device_type == "cpu"
+    need = n * (16 if plain_cpu else 4)
+    if need > available:
+        what = "for its weights, gradients and Adam moments in fp32" if plain_cpu else "to build its fp32 weights"
+        hf = cfg.model.model != "gpt"
+        fix = ("use --offload auto (its states then go to the disk as needed) or a smaller model" if plain_cpu
+               else "choose a smaller model" + ("" if hf else " (--n-layer, --n-embd, --seq-len)"))
+        flag = "--model" if hf else "--n-embd/--n-layer/--seq-len"
+        raise UsageError(f"{flag}: this model has {n:,} parameters and needs "
+                         f"{format_size(need)} {what}, more than the {format_size(available)} of memory this "
+                         f"machine has available; {fix}")
+
+
 class MemorySetup(Protocol):
     """What the training loop needs from whatever holds the model's states."""
 

@@ -96,11 +96,30 @@ def open_file(path: Path, entries: dict[str, Entry], size: int, owned: bool, dir
     return NvmeFile(path, entries, size, fd, dfd, owned, direct=dfd is not None)
 
 
+MANIFEST = ".tightfit-files"
+"""The file in a swap folder that lists every file the run created there, each written before the file itself:
+after a kill, what it lists is what may be removed (swap_folder.py)."""
+
+
+def record_created(folder: Path, name: str) -> None:
+    """Add `name` to `folder`'s manifest, when the folder has one (a run's swap folder does)."""
+    try:
+        fd = os.open(folder / MANIFEST, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return
+    try:
+        os.write(fd, f"{name}\n".encode())
+    finally:
+        os.close(fd)
+
+
 def preallocate(folder: Path, path: Path, header: bytes, size: int) -> None:
     """Write `header` and reserve `size` bytes under a temporary name, then link it to `path`: valid, or not
     there. Both names are created exclusively ([Note: owned files] in nvme.py): nothing at either is overwritten.
+    Both are in the folder's manifest before either exists (`record_created`).
     """
     tmp = path.with_name(path.name + ".partial")
+    record_created(folder, path.name)
     try:
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     except FileExistsError:

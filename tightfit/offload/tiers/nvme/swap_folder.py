@@ -8,8 +8,9 @@ Why: the NVMe tier writes its swap files into a folder the user names, which may
   reused), mode 0700, and the NVMe store creates every file in it with O_EXCL | O_NOFOLLOW (nvme.py);
 - at close it removes its swap files and the subfolder; nothing outside the subfolder is removed, ever;
 - a run killed with -9 cannot clean up, so the next run that takes the lock (a free lock means the holder is
-  dead) removes the leftovers of dead runs' subfolders and says so in its log. Only regular files whose names the
-  NVMe store produces are removed; a subfolder holding anything else is left in place, with a notice.
+  dead) removes the leftovers of dead runs' subfolders and says so in its log. Only the files the dead run's
+  manifest lists are removed (nvme/file.py: a name is recorded before its file is created, so every file a run
+  made is listed); a subfolder without a manifest, or holding anything else, is left in place, with a notice.
 - Several engines of one process (two wrapped models) share the lock: each has its own subfolder, the lock is
   taken by the first and released by the last, and leftovers are cleaned only when the lock is first taken (when
   no live subfolder of this process exists there).
@@ -19,11 +20,13 @@ from __future__ import annotations
 
 import os
 import secrets
+import stat
 import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
+from tightfit.offload.tiers.nvme.file import MANIFEST
 from tightfit.utils.run_lock import RunLock
 from tightfit.utils.sizes import format_size
 
@@ -32,29 +35,50 @@ _HELD: dict[Path, list] = {}
 _HELD_LOCK = threading.Lock()
 
 RUN_PREFIX = "tightfit-run-"
-SWAP_SUFFIXES = (".safetensors", ".safetensors.partial", ".safetensors.corrupt")
-"""Names the NVMe store gives the files it writes (nvme.py): the only names ever removed."""
 
 
-def _is_swap_file(entry: os.DirEntry) -> bool:
-    return entry.name.endswith(SWAP_SUFFIXES) and entry.is_file(follow_symlinks=False)
+def _listed(folder: Path) -> list[str] | None:
+    """The names `folder`'s manifest lists (each with the names the store derives from it), or None when it has no
+    readable manifest. A listed name that is not a plain file name of a swap file is ignored."""
+    try:
+        fd = os.open(folder / MANIFEST, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as f:
+            text = f.read(16 << 20).decode("utf-8", "replace")
+    except OSError:
+        return None
+    names = []
+    for name in text.splitlines():
+        if name.endswith(".safetensors") and "/" not in name and "\0" not in name and not name.startswith("."):
+            names += [name + suffix for suffix in ("", ".partial", ".corrupt")]
+    return names
 
 
-def _remove_swap_files(folder: Path) -> tuple[int, int, bool]:
-    """Remove the swap files in `folder` (not following symlinks), then the folder if that empties it.
-    Returns (files removed, bytes freed, folder removed)."""
+def _remove_swap_files(folder: Path) -> tuple[int, int, bool] | None:
+    """Remove the files `folder`'s manifest lists (regular files only, not following symlinks), then the manifest
+    and the folder if that empties it. Returns (files removed, bytes freed, folder removed); None when the folder
+    has no manifest (nothing is removed: tightfit cannot tell its files from the user's)."""
+    names = _listed(folder)
+    if names is None:
+        return None
     files = freed = 0
+    for name in dict.fromkeys(names):
+        try:
+            st = os.stat(folder / name, follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            continue
+        try:
+            os.unlink(folder / name)
+        except FileNotFoundError:
+            continue
+        files += 1
+        freed += st.st_size
     with os.scandir(folder) as it:
-        entries = list(it)
-    for entry in entries:
-        if _is_swap_file(entry):
-            size = entry.stat(follow_symlinks=False).st_size
-            try:
-                os.unlink(entry.path)
-            except FileNotFoundError:
-                continue
-            files += 1
-            freed += size
+        others = [e.name for e in it if e.name != MANIFEST]
+    if others:
+        return files, freed, False
+    (folder / MANIFEST).unlink(missing_ok=True)
     try:
         folder.rmdir()
         return files, freed, True
@@ -100,6 +124,7 @@ class SwapFolder:
                     break
                 except FileExistsError:
                     continue
+            os.close(os.open(path / MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
         except BaseException:
             _unhold(root)
             raise
@@ -140,11 +165,16 @@ def clean_leftovers(root: Path) -> list[str]:
         try:
             if entry.stat(follow_symlinks=False).st_uid != os.getuid():
                 continue  # another user's: not ours to judge
-            files, freed, gone = _remove_swap_files(folder)
+            removed = _remove_swap_files(folder)
         except OSError as e:
             lines.append(f"tightfit: could not clean the leftovers of a dead run in {folder} ({e.strerror})")
             continue
         pid = entry.name[len(RUN_PREFIX):].split("-")[0]
+        if removed is None:
+            lines.append(f"tightfit: left {folder} in place: it looks like a dead run's swap folder (PID {pid}) but "
+                         f"has no manifest of the files tightfit wrote there; delete it yourself if it is not needed")
+            continue
+        files, freed, gone = removed
         what = f"{files} swap file{'s' if files != 1 else ''}, {format_size(freed)}"
         if gone:
             lines.append(f"tightfit: removed the leftovers of a dead run (PID {pid}) from --nvme: {folder} "
