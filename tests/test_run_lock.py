@@ -189,3 +189,28 @@ def test_distributed_launch_refuses_a_held_out_dir_before_starting_workers(tiny_
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
     assert f"PID {pid}" in proc.stderr and time.time() - t0 < 60
+
+
+def test_a_swap_folder_deleted_under_the_run_is_named_as_such(tiny_args, tmp_path, capsys, monkeypatch):
+    """Deleting the run's swap subfolder by hand used to read 'cannot write the checkpoint ... free space'; it is
+    named for what it is, and the previous checkpoint stays (issue 27)."""
+    import shutil
+
+    import tightfit.train.checkpoint_swap as cs
+    from tightfit.train.checkpoint_writer import committed
+
+    real = cs.swap_copy
+
+    def deleted_meanwhile(unit, with_optim):
+        copy = real(unit, with_optim)
+        if copy.ranges[0][1].parent.exists() and committed(tmp_path / "run" / "checkpoints"):
+            shutil.rmtree(copy.ranges[0][1].parent)
+        return copy
+
+    monkeypatch.setattr(cs, "swap_copy", deleted_meanwhile)
+    swap = tmp_path / "swap"
+    assert main(["train", *tiny_args, "--steps", "4", "--save-interval", "2", "--offload", "nvme", "--nvme",
+                 str(swap)]) == 2
+    err = _one_line(capsys)
+    assert "--nvme: the swap file " in err and "is gone (was " in err and "free space" not in err, err
+    assert [s for s, _ in committed(tmp_path / "run" / "checkpoints")] == [2]

@@ -31,6 +31,7 @@ from tightfit.offload.step.unit import EXP_AVG, EXP_AVG_SQ
 from tightfit.offload.placement import State
 from tightfit.offload.tiers.nvme.safetensors_file import plan_layout
 from tightfit.offload.tiers.stores import DiskStore
+from tightfit.train.checkpoint_writer import SwapFileGone
 from tightfit.utils.safetensors_io import tensor_bytes
 
 MASTER_ENTRY = "master"
@@ -112,8 +113,11 @@ def filesystem_type(path: Path) -> str:
 def _copy_range(src: Path, src_off: int, dst_fd: int, dst_off: int, nbytes: int, kernel: bool) -> None:
     """`nbytes` from `src` at `src_off` to `dst_fd` at `dst_off`. kernel: copy_file_range (a reflink, or a server
     side copy: SHARES_BLOCKS), falling back where the kernel refuses it (EXDEV: another filesystem); else a loop of
-    16 MiB pread/pwrite blocks."""
-    fd = os.open(src, os.O_RDONLY)
+    16 MiB pread/pwrite blocks. SwapFileGone when `src` is no longer there."""
+    try:
+        fd = os.open(src, os.O_RDONLY)
+    except FileNotFoundError:
+        raise SwapFileGone(src) from None
     try:
         done = 0
         buf = None

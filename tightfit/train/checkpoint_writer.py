@@ -152,6 +152,15 @@ def drop_newer(root: Path, resumed: int, saved: int) -> list[int]:
     return removed
 
 
+class SwapFileGone(Exception):
+    """A swap file a checkpoint copies from (checkpoint_swap.py) was removed under the run: its swap folder was
+    deleted by hand. Not a disk error: freeing space would not help."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(str(path))
+        self.path = path
+
+
 @dataclass
 class NonFinite:
     """The first tensor the writer found non-finite, and how."""
@@ -237,6 +246,11 @@ class CheckpointWriter:
         file = self._file_name(copy.group)
         try:
             copy.write(self.partial / file)
+        except SwapFileGone as e:
+            raise UsageError(f"--nvme: the swap file {e.path} is gone (was {e.path.parent} deleted while the run "
+                             f"used it?); the checkpoint of step {self.step} cannot be taken from it and the previous "
+                             "one is untouched: continue from that with --resume, and leave the swap folder alone "
+                             "while a run uses it") from None
         except OSError as e:
             if self.non_finite is not None or self.error is not None:
                 return  # the writer stopped meanwhile and removed the folder: wait() reports why
