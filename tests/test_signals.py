@@ -104,3 +104,18 @@ def test_sigterm_during_checkpoint_writes_resumes_bit_identically(tiny_args, tmp
 @pytest.mark.slow
 def test_sigterm_during_checkpoint_writes_ten_trials(tiny_args, tmp_path):
     _trials(tiny_args, tmp_path, trials=10)
+
+
+def test_no_save_on_signal_stops_without_a_checkpoint(tiny_args, tmp_path):
+    """--no-save-on-signal: the signal still ends the run at the end of its step with 143, but writes no final
+    checkpoint; the one saved before stays the one --resume continues from."""
+    proc = _start([*tiny_args, "--save-interval", "2", "--no-save-on-signal"], steps=20_000)
+    lines = _wait_for_steps(proc, 3)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-2000:]
+    assert "then stopping without a checkpoint (--no-save-on-signal)" in err
+    stopped = int(re.search(r"stopped at step (\d+) without a checkpoint of it", out).group(1))
+    root = Path(tiny_args[tiny_args.index("--out-dir") + 1]) / "checkpoints"
+    steps = sorted(int(p.name[5:]) for p in root.glob("step-*"))
+    assert steps and steps[-1] == stopped - stopped % 2 and steps[-1] >= 2, (steps, stopped, "".join(lines))

@@ -72,6 +72,8 @@ class TrainConfig:
                                   "after a new one is committed); 0: write none (a benchmark, a throwaway run)")
     out_dir: str = _f("runs/default", "folder for checkpoints and metrics.jsonl")
     resume: bool = _f(False, "continue from the checkpoint in --out-dir")
+    save_on_signal: bool = _f(True, "on SIGTERM, SIGHUP or SIGINT, stop at the end of the step with a checkpoint "
+                                    "(--no-save-on-signal: stop without one; a save in flight still completes)")
     resume_step: int = _f(0, "with --resume: the step of the checkpoint to continue from (0: the newest); the "
                              "newer ones are removed when this run commits its first checkpoint")
     export_hf: str | None = _f(None, "at the end, also save the model to this folder in the Hugging Face layout")
@@ -80,7 +82,8 @@ class TrainConfig:
     seed: int = _f(1337, "random seed (model init, data order)")
     device: str = _f("auto", "where to compute", ("auto", "cpu", "cuda"))
     precision: str = _f("auto", "compute precision (auto: bf16 on CUDA, fp32 on CPU)", ("auto", "fp32", "bf16", "fp16"))
-    threads: int = _f(0, "CPU threads for torch (0: torch's default)")
+    threads: int = _f(0, "CPU threads for torch (0: torch's default; more than the machine's cores are capped "
+                         "at them, with a notice)")
     tensorboard: str = _f("auto", "metrics to TensorBoard in --out-dir/tensorboard (auto: when it is installed)",
                           ("auto", "on", "off"))
     profile: str | None = _f(None, "write a measured Chrome trace of 3 real steps (torch.profiler, with the engine's "
@@ -224,6 +227,10 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
             if tp is bool:
                 group.add_argument(flag_name(f.name), dest=f"{sec_name}.{f.name}", action="store_const",
                                    const=True, default=None, help=help_text)
+                if f.default is True:  # a setting on by default is turned off by its --no- form
+                    group.add_argument("--no-" + flag_name(f.name)[2:], dest=f"{sec_name}.{f.name}",
+                                       action="store_const", const=False, default=None,
+                                       help=f"turn {flag_name(f.name)} off")
             else:
                 # Values stay strings here; _set converts and validates them so the error names the flag.
                 group.add_argument(flag_name(f.name), dest=f"{sec_name}.{f.name}", default=None,
@@ -272,10 +279,6 @@ def validate(cfg: Config) -> None:
     for name, value in non_negative.items():
         if value < 0:
             raise UsageError(f"{flag_name(name)}: must not be negative, got {value}")
-    most = 4 * (os.cpu_count() or 1)
-    if t.threads > most:  # 100,000 segfaulted in OpenMP; thousands made a step take minutes
-        raise UsageError(f"--threads: at most {most} on this machine (4 x its {os.cpu_count()} CPUs), got {t.threads}; "
-                         "0 takes torch's default")
     for name in ("beta1", "beta2"):
         if not 0.0 <= getattr(o, name) < 1.0:
             raise UsageError(f"{flag_name(name)}: must be in [0, 1), got {getattr(o, name)}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -140,7 +141,7 @@ def train(cfg: Config, *, quiet: bool = False) -> Summary:
     check_outputs(cfg)  # every path the run writes, before anything runs (preflight.py)
     # One run per --out-dir (utils/run_lock.py): a second one is refused with one line naming this run's PID.
     # A stop signal ends the run at the end of a step, with a checkpoint (signals.py).
-    with RunLock.acquire(cfg.train.out_dir, "--out-dir"), GracefulStop() as stopper:
+    with RunLock.acquire(cfg.train.out_dir, "--out-dir"), GracefulStop(save=cfg.train.save_on_signal) as stopper:
         return _train(cfg, quiet=quiet, stopper=stopper)
 
 
@@ -150,7 +151,12 @@ def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> 
 
     t, o = cfg.train, cfg.optim
     if t.threads:
-        torch.set_num_threads(t.threads)
+        cores = os.cpu_count() or 1
+        if t.threads > cores:  # 100,000 segfaulted in OpenMP; thousands made a step take minutes
+            if not quiet:
+                print(f"notice: --threads {t.threads} is more than this machine's {cores} cores; using {cores}",
+                      flush=True)
+        torch.set_num_threads(min(t.threads, cores))
     device = resolve_device(cfg)
     dtype = resolve_precision(cfg, device)
     out_dir = Path(t.out_dir)
@@ -352,8 +358,13 @@ def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> 
             elif stopper is not None and stopper.received and step < t.steps:
                 stop = f"{stopper.received} received; stopped at step {step}"
             if stop:
-                say(f"{stop}; continue with --resume" if t.keep_checkpoints else f"{stop} (no checkpoint: "
-                    "--keep-checkpoints 0)")
+                if not t.keep_checkpoints:
+                    say(f"{stop} (no checkpoint: --keep-checkpoints 0)")
+                elif stopper is not None and stopper.received and not t.save_on_signal:
+                    say(f"{stop} without a checkpoint of it (--no-save-on-signal); --resume continues from the "
+                        "last one saved")
+                else:
+                    say(f"{stop}; continue with --resume")
                 if step % t.eval_interval:
                     val_loss = evaluate(model, val_batches, model_loss, device, autocast)
                     progress.eval(step, val_loss)
@@ -365,7 +376,8 @@ def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> 
         progress.close()
         if profiler is not None:
             say(f"profile: {', '.join(str(f) for f in profiler.close())}")
-        save(step)
+        if signalled is None or t.save_on_signal:
+            save(step)
         settle()
         judge(final=True)
         path = last_good[1] if last_good else None
