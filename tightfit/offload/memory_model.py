@@ -211,13 +211,18 @@ def pool_bytes(units: list[UnitSize], p: Placement, c: int, cuda: bool, room: in
 
 # ---- per tier ----------------------------------------------------------------------------------------------------
 
-def tier_states(units: list[UnitSize], p: Placement, c: int) -> dict[Tier, int]:
-    """Bytes of every unit's states on each tier."""
+def tier_states(units: list[UnitSize], p: Placement, c: int, separate: bool = False) -> dict[Tier, int]:
+    """Bytes of every unit's states on each tier. `separate` (device memory apart from the host's): the host tier's
+    compute params are page-locked for the copies to the device, one mapping each, so each is rounded up to PAGE
+    (stores.MemoryStore, host_memory.RegisteredAllocator)."""
     out = dict.fromkeys(Tier, 0)
     for u in units:
         up = p.of(u.name)
         for s in State:
-            out[up.tier(s)] += state_bytes(u, s, up, c)
+            n = state_bytes(u, s, up, c)
+            if separate and s is State.PARAMS and up.params == Tier.HOST:
+                n = -(-n // PAGE) * PAGE
+            out[up.tier(s)] += n
     return out
 
 
@@ -274,12 +279,12 @@ class StepMemory:
 
 
 def step_memory(units: list[UnitSize], p: Placement, c: int, cuda: bool, act: Activations | None = None,
-                pool: int | None = None) -> StepMemory:
+                pool: int | None = None, separate: bool | None = None) -> StepMemory:
     """Bytes of every phase of one step of `units` under `p` ([Note: phases]). `pool`: the pool's capacity
     (default: `pool_bytes` with no room limit); it is allocated from the first step on, so it counts in every
     phase. `act`: activations, counted on the device in forward (saved) and backward (peak)."""
     act = act or Activations()
-    states = tier_states(units, p, c)
+    states = tier_states(units, p, c, cuda if separate is None else separate)
     pool = pool_bytes(units, p, c, cuda) if pool is None else pool
     out: dict[str, dict[str, dict[str, int]]] = {}
     root_grads = sum(autograd_grad_bytes(u, c) for u in units if u.is_root)

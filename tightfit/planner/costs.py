@@ -134,13 +134,14 @@ def step_memory(profile: ModelProfile, placement: Placement, hw: HardwareProfile
     at its peak), never below one working set."""
     units, c = unit_sizes(profile), shape.compute_bytes
     act = activations(profile, set(placement.checkpoint_units))
+    separate = separate_memory("cuda" if hw.cuda else "cpu")
     room = None
     if placement.host_budget is not None:
-        room = placement.host_budget - mm.tier_states(units, placement, c)[Tier.HOST]
+        room = placement.host_budget - mm.tier_states(units, placement, c, separate)[Tier.HOST]
         if shares_ram(placement, hw):
-            room -= mm.step_memory(units, placement, c, hw.cuda, act, pool=0).peak("device")
-    pool = mm.pool_bytes(units, placement, c, separate_memory("cuda" if hw.cuda else "cpu"), room)
-    return mm.step_memory(units, placement, c, hw.cuda, act, pool)
+            room -= mm.step_memory(units, placement, c, hw.cuda, act, pool=0, separate=separate).peak("device")
+    pool = mm.pool_bytes(units, placement, c, separate, room)
+    return mm.step_memory(units, placement, c, hw.cuda, act, pool, separate=separate)
 
 
 def memory(profile: ModelProfile, placement: Placement, hw: HardwareProfile, shape: TrainShape,

@@ -359,6 +359,7 @@ def _search(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: Train
     p = _promote(p, items, groups, profile, hw, b, shape)
     p = _demote(p, items, groups, profile, hw, b, shape)
     p = _promote(p, items, groups, profile, hw, b, shape)
+    p = _trim(p, items, groups, profile, hw, b, shape, reasons)
     pred = predict(profile, p, hw, shape)
     while violations(pred, b) and p.prefetch_depth > 1:  # a shallower window may be what makes it fit
         p = replace(p, prefetch_depth=p.prefetch_depth - 1)
@@ -412,6 +413,39 @@ def _demote(p, items, groups, profile, hw, b, shape) -> Placement:
         pred = predict_mem(profile, p, hw, shape)
         if _host_ok(pred, b):
             break
+    return p
+
+
+TRIM_TOLERANCE = 0.03
+"""Device residency that makes the predicted step faster by less than this fraction is given back."""
+
+
+def _trim(p, items, groups, profile, hw, b, shape, reasons: list[str]) -> Placement:
+    """The fastest plan, then the smallest: the greedy fill promotes whatever fits, also where the step is bound by
+    something device residency does not shorten (the CPU optimizer, the disk); give back, least touched first,
+    every device-resident group whose return to host memory keeps the predicted step within TRIM_TOLERANCE of the
+    fastest and the plan within its budgets."""
+    fastest = predict(profile, p, hw, shape)
+    if fastest.step_s <= 0 or violations(fastest, b):
+        return p
+    limit = fastest.step_s * (1 + TRIM_TOLERANCE)
+    for unit, group in reversed(items):
+        up = p.of(unit)
+        states = groups[group]
+        if up.tier(states[0]) != Tier.DEVICE:
+            continue
+        if group != "optimizer" and up.optim == Tier.DEVICE:
+            continue  # the device optimizer needs this unit's gradients (and master) on the device
+        trial = _set(p, unit, states, Tier.HOST)
+        pred = predict(profile, trial, hw, shape)
+        if pred.step_s <= limit and not violations(pred, b):
+            p = trial
+    after = predict(profile, p, hw, shape)
+    saved = fastest.peak.get("device", 0) - after.peak.get("device", 0)
+    if saved > 0:
+        reasons.append(f"device: {format_size(saved)} less than the fullest plan, for a predicted step within "
+                       f"{TRIM_TOLERANCE:.0%} of its {fastest.step_s * 1e3:.0f} ms (bound by {fastest.bottleneck}: "
+                       "more residency would not shorten it)")
     return p
 
 

@@ -29,13 +29,13 @@ def _compute_bytes(units: dict[str, OffloadUnit]) -> int:
     return next(iter(units.values())).compute_dtype.itemsize
 
 
-def tier_bytes(units: dict[str, OffloadUnit], tier: Tier) -> int:
-    """Bytes of every unit's states on `tier`."""
-    return mm.tier_states(unit_sizes(units), _placement_of(units), _compute_bytes(units))[tier]
+def tier_bytes(units: dict[str, OffloadUnit], tier: Tier, separate: bool = False) -> int:
+    """Bytes of every unit's states on `tier` (`separate`: mm.tier_states)."""
+    return mm.tier_states(unit_sizes(units), _placement_of(units), _compute_bytes(units), separate)[tier]
 
 
-def host_tier_bytes(units: dict[str, OffloadUnit]) -> int:
-    return tier_bytes(units, Tier.HOST)
+def host_tier_bytes(units: dict[str, OffloadUnit], separate: bool = False) -> int:
+    return tier_bytes(units, Tier.HOST, separate)
 
 
 def _placement_of(units: dict[str, OffloadUnit]) -> Placement:
@@ -63,7 +63,7 @@ def check_budgets(units: dict[str, OffloadUnit], p: Placement, separate: bool) -
                 f"{format_size(need['grads in flight'])}: two units overlap in backward); raise --gpu-mem, move "
                 "states off the device tier, or split the model into smaller units")
     if p.host_budget is not None:
-        host = mm.tier_states(sizes, per_unit, c)[Tier.HOST]
+        host = mm.tier_states(sizes, per_unit, c, separate)[Tier.HOST]
         work, job = mm.largest_job(sizes, per_unit, c, separate)
         if host + work > p.host_budget:
             raise UsageError(

@@ -182,7 +182,7 @@ class OffloadEngine:
 
         # [Note: jobs and grants] in host_memory.py: every transfer and optimizer buffer is granted by this pool.
         self.pool.capacity = (None if placement.host_budget is None
-                              else placement.host_budget - host_tier_bytes(self.units))
+                              else placement.host_budget - host_tier_bytes(self.units, self.separate))
         self.pool.largest_job = largest_job(self.units, self.separate)[0]
         self.cache = HostCache()  # what is held ahead of (or past) a transfer, for every unit
         self.timers = Timers()
