@@ -241,8 +241,17 @@ class _FusedAttention(TorchFunctionMode):
         if func is F.scaled_dot_product_attention:
             q, k, v = args[:3]
             mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+            dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
             causal = kwargs.get("is_causal", args[5] if len(args) > 5 else False)
-            if mask is None and q.shape[-1] == v.shape[-1] and q.shape[:-2] == k.shape[:-2]:
+            if kwargs.get("enable_gqa") and q.dim() == k.dim() >= 3 and k.shape[-3] and \
+                    q.shape[-3] % k.shape[-3] == 0:
+                # Grouped-query attention: the kernels take the key/value heads repeated to the query's.
+                k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+                v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+            # With dropout the CPU has no fused kernel (the math path saves the [T, T] probabilities and the
+            # mask); CUDA's flash kernel draws its dropout from a seed it saves.
+            fused = not dropout or self.cuda
+            if fused and mask is None and q.shape[-1] == v.shape[-1] and q.shape[:-2] == k.shape[:-2]:
                 scale = kwargs.get("scale")
                 if self.cuda and q.dtype in (torch.float16, torch.bfloat16):
                     out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)
