@@ -44,6 +44,14 @@ the pool grows to its capacity: its predicted bytes *are* its capacity. The plan
 and never less than the largest single job, which the engine requires (`pool_minimum`): with that, no
 interleaving of the jobs can deadlock.
 
+[Note: the save] A checkpoint is taken between two steps, outside the engine's meters and its pool: each unit's
+fp32 master and moments are read into fresh host buffers, a piece of EXPORT_PIECE bytes (or one larger parameter) at
+a time, and handed to the writer thread, which holds what it has queued (CHECKPOINT_QUEUE) while the next piece
+waits. So a save adds that much to what the process holds at rest: its floor, the host tier and the pool (and, on a
+CPU-only machine, the device tier's states). It used to read a unit whole: a 3B Llama's root (394M embedding
+parameters, 4.7 GB of master and moments) made the save, not backward, the run's peak, beyond its plan. Units whose
+master and moments are NVMe files are copied file to file through 16 MiB buffers (`save_bytes`).
+
 Activations are the model's: the engine does not meter them. The planner passes its measured figures
 (`Activations`) and the model adds them to the device in forward and backward.
 """
@@ -207,6 +215,42 @@ def pool_bytes(units: list[UnitSize], p: Placement, c: int, cuda: bool, room: in
     if room is not None:
         want = min(want, max(0, room))
     return max(want, pool_minimum(units, p, c, cuda))
+
+
+# ---- a checkpoint's save ([Note: the save]) -----------------------------------------------------------------------
+
+CHECKPOINT_QUEUE = 256 << 20
+"""Bytes of units the checkpoint writer holds queued for the disk (tightfit/train/checkpoint_writer.py: `put`
+blocks past it, but always admits one group when the queue is empty)."""
+EXPORT_PIECE = 64 << 20
+"""Bytes of one piece of a unit's export (state_io.export_pieces): what a save reads from the tiers at once, beyond
+one parameter larger than that."""
+COPY_BUFFERS = 2 * (16 << 20)
+"""A unit copied file to file: the trainer's copy block and the writer's read-back piece."""
+
+
+def copied_by_file(u: UnitSize, up: UnitPlacement) -> bool:
+    """A unit whose fp32 master and moments are NVMe files, all its parameters trainable: its checkpoint shard is a
+    copy of byte ranges of those files (tightfit/train/checkpoint_swap.py), not a pass through memory."""
+    return up.master == Tier.NVME and up.optim == Tier.NVME and u.trainable == u.numel
+
+
+def export_bytes(u: UnitSize) -> int:
+    """Host bytes of a unit's whole export: its fp32 master and two moments (state_io)."""
+    return 4 * u.numel + 8 * u.trainable
+
+
+def save_bytes(units: list[UnitSize], p: Placement, largest_param: int = 0) -> int:
+    """[Note: the save] Host bytes a checkpoint's save holds beyond the process at rest: the writer's queue (up to
+    CHECKPOINT_QUEUE, or one piece larger than that) and the next piece read while it waits for room; a piece is
+    EXPORT_PIECE bytes or one fp32 parameter of `largest_param` elements. Never more than the units read through
+    memory export in all; units copied by file add their copy buffers."""
+    read = [export_bytes(u) for u in units if not copied_by_file(u, p.of(u.name))]
+    copies = COPY_BUFFERS if len(read) < len(units) else 0
+    if not read:
+        return copies
+    piece = max(EXPORT_PIECE, 4 * largest_param)
+    return min(sum(read), max(CHECKPOINT_QUEUE, piece) + piece) + copies
 
 
 # ---- per tier ----------------------------------------------------------------------------------------------------

@@ -43,6 +43,8 @@ class TrainShape:
     """micro_batch * seq_len, for tokens/s."""
     grad_clip: bool = True
     """Clipping needs the global gradient norm before any unit's update: the optimizer cannot overlap backward."""
+    checkpoints: bool = True
+    """The run saves checkpoints (`--keep-checkpoints` > 0): a save's host bytes count in its RSS."""
 
 
 @dataclass
@@ -78,10 +80,22 @@ class Prediction:
     """What the engine itself meters on the device at its peak (everything but activations): its count in
     "backward end", where all the root's gradients are in flight, which need not be the device's peak phase."""
 
+    save_bytes: int = 0
+    """Host bytes a checkpoint's save holds beyond the process at rest ([Note: the save] in memory_model.py)."""
+    device_states: int = 0
+    """The device tier's states: what of the device a CPU-only machine's RAM still holds between steps."""
+
     def rss(self, cuda: bool) -> int:
         """Predicted peak RSS of the training process ([Note: process RSS]): floor + host tier and pool (+ the
-        device on a CPU-only machine: the same RAM, at its peak in backward with the pool full)."""
-        return self.runtime_rss + self.peak.get("host", 0) + (0 if cuda else self.peak.get("device", 0))
+        device on a CPU-only machine: the same RAM, at its peak in backward with the pool full), or the same at rest
+        with a checkpoint being saved (`rss_parts` says which)."""
+        return max(self.rss_parts(cuda).values())
+
+    def rss_parts(self, cuda: bool) -> dict[str, int]:
+        """{"step": the RSS at the step's peak, "save": the RSS while a checkpoint is saved}."""
+        rest = self.runtime_rss + self.peak.get("host", 0)
+        return {"step": rest + (0 if cuda else self.peak.get("device", 0)),
+                "save": rest + (0 if cuda else self.device_states) + self.save_bytes}
 
 
 def unit_sizes(profile: ModelProfile) -> list[mm.UnitSize]:
@@ -152,6 +166,9 @@ def memory(profile: ModelProfile, placement: Placement, hw: HardwareProfile, sha
     pred.peak = {t.value: sm.peak(t.value) for t in Tier}
     pred.breakdown = {t.value: sm.peak_parts(t.value) for t in Tier}
     pred.engine_device = sm.engine_device()
+    units = unit_sizes(profile)
+    pred.save_bytes = mm.save_bytes(units, placement, profile.largest_param) if shape.checkpoints else 0
+    pred.device_states = mm.tier_states(units, placement, shape.compute_bytes)[Tier.DEVICE]
     return pred
 
 

@@ -136,6 +136,9 @@ class ModelProfile:
     act_at_root_end: int | None = None
     """Activation bytes live from the root's last gradient (a language model's embedding) to backward's end, when
     all the root's gradients are in flight. None when unknown: `act_peak`."""
+    largest_param: int = 0
+    """Elements of the model's largest parameter: what a checkpoint's save may read at once beyond its pieces
+    ([Note: the save] in memory_model.py). 0 when unknown (a plan file written before it was kept)."""
 
     @property
     def act_transient(self) -> int:
@@ -460,7 +463,7 @@ def profile_model(model: nn.Module, micro_batch: int, seq_len: int, compute_dtyp
         act_peak, root_grads, act_end = _formula(units, micro_batch, seq_len, DTYPE_BYTES[compute_dtype]), None, None
         measured, note = False, f"meta trace failed ({type(e).__name__}: {e}); activations and work estimated"
     return ModelProfile(list(units.values()), compute_dtype, micro_batch, seq_len, act_peak, measured, note,
-                        root_grads, act_end)
+                        root_grads, act_end, max((p.numel() for p in model.parameters()), default=0))
 
 
 def _trace(model, unit_mods, units, micro_batch, seq_len, dtype, cuda) -> tuple[int, int, int]:

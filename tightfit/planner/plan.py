@@ -111,6 +111,10 @@ class Plan:
                 ("process RSS", "rss_peak", pr.rss(self.hardware.cuda), True),
                 ("step time", "step_s", pr.step_s, False)]
 
+    def _save_bound(self) -> bool:
+        parts = self.prediction.rss_parts(self.hardware.cuda)
+        return parts["save"] > parts["step"]
+
     def _figure(self, key: str) -> str:
         _, _, value, is_bytes = next(f for f in self.figures() if f[1] == key)
         return format_size(value) if is_bytes else f"{value * 1e3:.1f} ms"
@@ -127,7 +131,8 @@ class Plan:
         peaks = ", ".join(f"{t} {self._figure(t + '_peak')}/{self._budget_text(t)}" for t in TIERS
                           if pr.peak.get(t, 0) or t != "nvme")
         lines = [f"plan ({self.mode}): {len(self.profile.units)} units x 4 states: {where}",
-                 f"  predicted peak: {peaks}, process RSS {self._figure('rss_peak')}",
+                 f"  predicted peak: {peaks}, process RSS {self._figure('rss_peak')}"
+                 + (" (saving a checkpoint)" if self._save_bound() else ""),
                  f"  device: the engine's own count at most {self._figure('device_engine_peak')}; activations "
                  f"{format_size(pr.breakdown.get('device', {}).get('activations', 0))} at the device's peak",
                  f"  predicted step: {self._figure('step_s')} ({pr.tokens_per_s:,.0f} tokens/s), "
@@ -163,8 +168,11 @@ class Plan:
             lines.append(f"{t:<8}{format_size(tb[t]):>12}{format_size(pr.peak.get(t, 0)):>16}"
                          f"{self._budget_text(t):>14}   {parts}")
         # The process's RSS holds the host tier; a GPU's memory is not in it ([Note: process RSS] in costs.py).
+        parts = pr.rss_parts(self.hardware.cuda)
         lines.append(f"predicted RSS (process floor {format_size(pr.runtime_rss)} + host"
-                     f"{' + CPU device' if not self.hardware.cuda else ''}): {self._figure('rss_peak')}")
+                     f"{' + CPU device' if not self.hardware.cuda else ''}): {self._figure('rss_peak')}"
+                     + (f", while a checkpoint is saved ({format_size(pr.save_bytes)} of it read for the writer; "
+                        f"{format_size(parts['step'])} in the step)" if parts["save"] > parts["step"] else ""))
         lines.append("")
         lines.append(f"schedule: prefetch depth {p.prefetch_depth}, "
                      f"checkpointed units {len(p.checkpoint_units)}, tiled linears {len(p.tiled_linears)}")

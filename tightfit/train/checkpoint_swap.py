@@ -180,7 +180,7 @@ def state_groups(model, opt):
     """What a checkpoint of `model` holds, a unit at a time: (group, [(key, tensor)]) read through memory, or a
     SwapCopy for a unit whose states are on NVMe. Plain models: `state_io.export_groups`."""
     from tightfit.offload.step.engine import find_engine
-    from tightfit.offload.model_state.state_io import export_groups, export_unit, quiesce
+    from tightfit.offload.model_state.state_io import export_groups, export_pieces, quiesce
 
     engine = find_engine(model)
     if engine is None:
@@ -193,4 +193,5 @@ def state_groups(model, opt):
                 store.wait()  # no request in flight on the files being copied
             yield swap_copy(unit, opt is not None)
         else:
-            yield unit.name, export_unit(engine, unit, opt is not None)
+            for piece in export_pieces(engine, unit, opt is not None):  # a large unit: several shards
+                yield unit.name, piece

@@ -46,12 +46,14 @@ import os
 import re
 import shutil
 import threading
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from tightfit.errors import UsageError
+from tightfit.offload.memory_model import CHECKPOINT_QUEUE
 from tightfit.train.health import HEALTHY, verdict_of
 from tightfit.utils.safetensors_format import DTYPE_TO_CODE
 from tightfit.utils.safetensors_io import crc32_of, fsync_dir, tensor_bytes, write_shard
@@ -184,6 +186,30 @@ def _non_finite(t: torch.Tensor) -> str | None:
     return None
 
 
+VERIFY_CHUNK = 16 << 20
+"""Bytes of a copied shard read back at once by the writer thread (`_read_back`)."""
+
+
+def _read_back(f, start: int, numel: int, dtype: torch.dtype) -> tuple[int, str | None]:
+    """(CRC-32, `_non_finite`'s answer) of `numel` elements of `dtype` at byte `start` of file `f`, read in
+    VERIFY_CHUNK pieces: the CRC continues from piece to piece, so it equals the whole tensor's."""
+    per = max(1, VERIFY_CHUNK // dtype.itemsize)
+    buf = torch.empty(min(per, max(numel, 1)), dtype=dtype)
+    crc, done = 0, 0
+    while done < numel:
+        n = min(per, numel - done)
+        piece = buf[:n]
+        f.seek(start + done * dtype.itemsize)
+        if f.readinto(tensor_bytes(piece)) != n * dtype.itemsize:
+            raise OSError(f"short read of {f.name}")
+        what = _non_finite(piece)
+        if what is not None:
+            return crc, what
+        crc = zlib.crc32(tensor_bytes(piece), crc)
+        done += n
+    return crc, None
+
+
 class CheckpointWriter:
     """One checkpoint being written by a background thread; see the module docstring.
 
@@ -192,7 +218,7 @@ class CheckpointWriter:
     `failed()` tells without waiting. `abort()` drops everything.
     """
 
-    def __init__(self, root: Path, step: int, *, queue_bytes: int = 256 << 20) -> None:
+    def __init__(self, root: Path, step: int, *, queue_bytes: int = CHECKPOINT_QUEUE) -> None:
         self.root, self.step = root, step
         self.final = root / step_dir_name(step)
         self.partial = root / f"{_PARTIAL_PREFIX}{step:08d}-{os.getpid()}"
@@ -353,31 +379,37 @@ class CheckpointWriter:
                           f"({e.strerror or e}); the previous checkpoint is untouched; free space and resume with "
                           "--resume")
 
-    def _record(self, key: str, file: str, t: torch.Tensor, crc: int, view: tuple[str, int] | None = None) -> None:
+    def _record(self, key: str, file: str, t: torch.Tensor, crc: int) -> None:
+        self._record_entry(key, file, t.dtype, tuple(t.shape), t.numel(), crc)
+
+    def _record_entry(self, key: str, file: str, dtype: torch.dtype, shape: tuple[int, ...], numel: int, crc: int,
+                      view: tuple[str, int] | None = None) -> None:
         if key in self._weight_map:
             raise ValueError(f"checkpoint tensor {key!r} written twice")
         self._weight_map[key] = file
-        self._tensors[key] = {"dtype": DTYPE_TO_CODE[t.dtype], "shape": list(t.shape), "crc32": crc}
+        self._tensors[key] = {"dtype": DTYPE_TO_CODE[dtype], "shape": list(shape), "crc32": crc}
         if view is not None:
             self._tensors[key].update(entry=view[0], offset=view[1])
-        self.bytes_written += t.numel() * t.element_size()
+        self.bytes_written += numel * dtype.itemsize
 
     def _verify_copy(self, file: str, copy) -> bool:
-        """Sync a copied shard, then read it back a tensor at a time: finite, CRC-32, index entries as views."""
+        """Sync a copied shard, then read it back in VERIFY_CHUNK pieces (the writer's memory stays bounded however
+        large a tensor is): each tensor finite, its CRC-32, its index entry as a view."""
         from tightfit.offload.tiers.nvme.safetensors_file import read_layout
 
         entries, _ = read_layout(self.partial / file)
         with open(self.partial / file, "rb") as f:
             os.fsync(f.fileno())  # durable before the index can name it ([Note: commit])
             for v in copy.views:
-                t = torch.empty(v.shape, dtype=v.dtype)
-                f.seek(entries[v.entry].offset + v.offset * v.dtype.itemsize)
-                f.readinto(tensor_bytes(t))
-                what = _non_finite(t)
+                start = entries[v.entry].offset + v.offset * v.dtype.itemsize
+                numel = 1
+                for d in v.shape:
+                    numel *= int(d)
+                crc, what = _read_back(f, start, numel, v.dtype)
                 if what is not None:
                     self.non_finite = NonFinite(v.key, what)
                     return False
-                self._record(v.key, file, t, crc32_of(t), (v.entry, v.offset))
+                self._record_entry(v.key, file, v.dtype, v.shape, numel, crc, (v.entry, v.offset))
         for key, t in copy.small:
             what = _non_finite(t)
             if what is not None:

@@ -13,8 +13,9 @@ reading a unit's states from their tiers only when its turn comes; `import_state
 `get(key)` callable (e.g. a safetensors file's `get_tensor`) one unit at a time. `get` raises KeyError for a
 missing key; missing optimizer keys mean "fresh optimizer state", a missing model key is an error, and a value of
 another shape is an error too (never broadcast into a parameter). `export_groups` yields the same tensors a unit at
-a time (the engine's units; a plain model grouped the same way), each tensor a fresh copy the caller owns: a
-checkpoint writer holds them while training goes on (train/checkpoint_writer.py).
+a time (the engine's units, a large one in pieces of EXPORT_PIECE bytes; a plain model grouped the same way), each
+tensor a fresh copy the caller owns: a checkpoint writer holds them while training goes on
+(train/checkpoint_writer.py).
 
 `trainable_only=True` limits both to the parameters with `requires_grad` (and their moments): the state an optimizer
 changes. Frozen parameters (a LoRA fine-tune's base weights) never change in training, so a resumable checkpoint
@@ -29,9 +30,10 @@ import torch
 import torch.nn as nn
 
 from tightfit.errors import UsageError
+from tightfit.offload.memory_model import EXPORT_PIECE
 from tightfit.offload.runtime.aligned import aligned_empty
 from tightfit.offload.step.engine import OffloadEngine, find_engine
-from tightfit.offload.step.unit import EXP_AVG, EXP_AVG_SQ, OffloadUnit
+from tightfit.offload.step.unit import EXP_AVG, EXP_AVG_SQ, PARAMS, OffloadUnit
 from tightfit.offload.placement import State
 from tightfit.offload.step.units import find_units
 
@@ -149,21 +151,47 @@ def quiesce(engine: OffloadEngine) -> None:
     engine.wait_writes()
 
 
-def export_unit(engine: OffloadEngine, unit: OffloadUnit, with_optim: bool, trainable_only: bool = False
-                ) -> list[tuple[str, torch.Tensor]]:
-    """One unit's (key, tensor) pairs, read from its tiers into fresh host tensors (after `quiesce`)."""
-    master = engine.read_master(unit)
-    items = [(f"model.{slot.name}", slot.view(master).clone())
-             for slot in (unit.trainable if trainable_only else unit.spec.slots)]
-    del master
+def export_pieces(engine: OffloadEngine, unit: OffloadUnit, with_optim: bool, trainable_only: bool = False,
+                  piece_bytes: int = EXPORT_PIECE) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """One unit's (key, tensor) pairs in pieces of at most `piece_bytes` (a larger tensor is a piece of its own),
+    each tensor read from its tier on its own into a fresh host tensor when its piece is asked for: a unit's export
+    never holds the whole unit (a 3B Llama's embedding is 4.7 GB of master and moments). Keys: the parameters,
+    then per stepped parameter its moments and step count."""
+    slots = unit.trainable if trainable_only else unit.spec.slots
+    reads = [(f"model.{slot.name}", slot.numel * 4, lambda slot=slot: _read_master_slot(engine, unit, slot))
+             for slot in slots]
     if with_optim and not unit.moments_empty:
-        moments = _read_moments(unit)
         for i, slot in enumerate(unit.trainable):
             if unit.steps[i] is None:
                 continue
-            items += [(f"optim.{slot.name}.{entry}", slot.view(moments[entry]).clone()) for entry in _MOMENTS]
-            items.append((f"optim.{slot.name}.step", unit.steps[i].detach().cpu().clone()))
-    return items
+            for entry in _MOMENTS:
+                reads.append((f"optim.{slot.name}.{entry}", slot.numel * 4,
+                              lambda slot=slot, entry=entry: _read_slot(unit, State.OPTIM, entry, slot)))
+            reads.append((f"optim.{slot.name}.step", 4, lambda i=i: unit.steps[i].detach().cpu().clone()))
+    piece, held = [], 0
+    for key, nbytes, read in reads:
+        if piece and held + nbytes > piece_bytes:
+            yield piece
+            piece, held = [], 0
+        piece.append((key, read()))
+        held += nbytes
+    if piece:
+        yield piece
+
+
+def _read_slot(unit: OffloadUnit, state: State, entry: str, slot, dtype: torch.dtype = torch.float32
+               ) -> torch.Tensor:
+    out = torch.empty(slot.numel, dtype=dtype)
+    unit.store[state].load(unit.name, entry, out, start=slot.offset).result()
+    return out.view(slot.shape)
+
+
+def _read_master_slot(engine: OffloadEngine, unit: OffloadUnit, slot) -> torch.Tensor:
+    """One parameter's fp32 master values (a frozen one past the master's end: its compute copy, upcast), as
+    `master_io.read_master` reads the whole unit."""
+    if slot.offset + slot.numel <= unit.master_numel:
+        return _read_slot(unit, State.MASTER, unit.master_entry, slot)
+    return _read_slot(unit, State.PARAMS, PARAMS, slot, engine.compute_dtype).float()
 
 
 def _export_wrapped(engine: OffloadEngine, with_optim: bool, trainable_only: bool = False):
@@ -171,7 +199,8 @@ def _export_wrapped(engine: OffloadEngine, with_optim: bool, trainable_only: boo
     for unit in engine.units.values():
         if trainable_only and not unit.trainable:
             continue
-        yield unit.name, export_unit(engine, unit, with_optim, trainable_only)
+        for piece in export_pieces(engine, unit, with_optim, trainable_only):
+            yield unit.name, piece
 
 
 def _import_wrapped(engine: OffloadEngine, with_optim: bool, get, trainable_only: bool = False):
