@@ -263,3 +263,17 @@ def test_the_fastest_plan_then_the_smallest(capsys):
     rows = {r.group(1): r.group(2) for r in re.finditer(r"^(device|host|nvme)\s+(\S+ \S+)", out, re.M)}
     assert rows["device"] == "0 B", rows  # no device-resident state: each one bought less than 3%
     assert "bottleneck: cpu optimizer" in out
+
+
+def test_the_plan_says_what_more_memory_buys(tmp_path, capsys):
+    """The summary names what bounds the step and what twice each memory would make of it, each figure planned
+    again (issue 26, item 5): the 7B what-if is disk-bound, so more GPU memory buys nothing and more RAM (the
+    optimizer states off the disk) most of the step."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
+    rc, out, err = _run(capsys, "plan", "--hardware", "gpu24-pcie4", "--model", f"hf:{tmp_path}", "--micro-batch",
+                        "1", "--seq-len", "4096", "--nvme", "/mnt/swap")
+    assert rc == 0, err
+    m = re.search(r"what more memory buys \(the step is bound by nvme\): 2x the GPU memory: no faster; 2x the host "
+                  r"memory \(--cpu-mem ([0-9.]+) GiB\): 22851 -> ([0-9]+) ms", out)
+    assert m, out
+    assert int(m.group(2)) < 22851 / 2

@@ -144,7 +144,7 @@ class Plan:
             extras.append("tiling " + ", ".join(f"{k} x{v}" for k, v in p.tiled_linears.items()))
         if extras:
             lines.append("  " + "; ".join(extras))
-        lines += [f"  {r}" for r in self.reasons if r.startswith("warning:")]
+        lines += [f"  {r}" for r in self.reasons if r.startswith(("warning:", "what more memory buys"))]
         return "\n".join(lines)
 
     def table(self) -> str:

@@ -71,6 +71,13 @@ def make_plan(model: nn.Module, cfg, hardware: HardwareProfile | None = None, na
                             f"least volume measured that holds this run's {format_size(swap)} of swap")
     if (disk := plan.disk_warning()) is not None:
         plan.reasons.append(disk)
+    if mode == "auto":
+        from tightfit.planner.suggest import what_more_buys
+
+        line = what_more_buys(profile, plan.hardware, budgets, shape, cfg.memory.checkpointing, names,
+                              plan.prediction.step_s, plan.prediction.bottleneck)
+        if line:
+            plan.reasons.append(line)
     if not plan.profile.measured:  # printed wherever the plan is: the summary, `tightfit plan`, --json
         plan.reasons.append(f"warning: activations not measured: {plan.profile.note}; a formula (16 hidden-sized "
                             "tensors saved per block) with a 25% margin stands in, which has been 42-71% short "

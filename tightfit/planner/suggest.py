@@ -144,3 +144,31 @@ def _nvme_need(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: Tr
         return _search_units(profile, hw, trial, shape, checkpointing).prediction.peak["nvme"]
     except _NoFit:
         return sum(u.trainable * 16 + u.numel * shape.compute_bytes for u in profile.units)
+
+
+def what_more_buys(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainShape, checkpointing: str,
+                   names: Naming, step_s: float, bottleneck: str) -> str | None:
+    """One line for a plan that fits: what twice the GPU memory, and twice the host memory, would make of the
+    predicted step, each planned again with that figure ([Note: true figures]). None when neither can be planned."""
+    from tightfit.planner.search import _search_units
+
+    out = []
+    for key, tier in ((("gpu_mem", "GPU"),) if not b.shared else ()) + (("cpu_mem", "host"),):
+        now = b.given.get(key)
+        if now is None:
+            now = b.device if key == "gpu_mem" else b.host + (0 if hw.cuda else hw.runtime_rss)
+        if not now:
+            continue
+        try:
+            more = _search_units(profile, hw, with_given(b, hw, names, key, 2 * now), shape, checkpointing)
+        except _NoFit:
+            continue
+        t = more.prediction.step_s
+        if t < step_s * 0.97:
+            out.append(f"2x the {tier} memory ({names.set(key, _round_up_text(2 * now))}): {step_s * 1e3:.0f} -> "
+                       f"{t * 1e3:.0f} ms")
+        else:
+            out.append(f"2x the {tier} memory: no faster")
+    if not out:
+        return None
+    return f"what more memory buys (the step is bound by {bottleneck}): " + "; ".join(out)
