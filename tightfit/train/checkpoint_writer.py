@@ -468,7 +468,7 @@ def checkpoint_bytes(named_shapes: list[tuple[str, tuple[int, ...]]], trainable:
 
 
 def check_room(out_dir: Path, per_checkpoint: int, *, keep: int = 1, kept: int = 0,
-               flag: str = "--out-dir") -> tuple[int, int]:
+               flag: str = "--out-dir", note: str = "") -> tuple[int, int]:
     """(need, free) for the checkpoints a run will write in `out_dir`; UsageError when they cannot fit. A save
     writes the new checkpoint beside the kept ones before it removes any ([Note: commit]), so the disk must take
     `keep` of them plus the one being written, less the `kept` ones already there (a resumed run's)."""
@@ -482,8 +482,8 @@ def check_room(out_dir: Path, per_checkpoint: int, *, keep: int = 1, kept: int =
         what = ("a checkpoint of this model needs" if count == 1 else
                 f"{count} checkpoints of this model (--keep-checkpoints {keep}, and the next one written beside "
                 f"them before the oldest goes) need")
-        raise UsageError(f"{flag}: {what} {format_size(need)} but {probe} has {format_size(free)} free; free space "
-                         f"there, keep fewer checkpoints, or pick another {flag}")
+        raise UsageError(f"{flag}: {what} {format_size(need)} but {probe} has {format_size(free)} free{note}; free "
+                         f"space there, keep fewer checkpoints, or pick another {flag}")
     return need, free
 
 

@@ -122,16 +122,14 @@ def export_hf(model: torch.nn.Module, mem: MemorySetup, folder: str) -> None:
     save_hf_model(model, folder, tensors=mem.export_state(), strip_prefix="model.")
 
 
-def shares_disk(cfg: Config, out_dir: Path) -> str:
-    """A note when the swap folder is on the --out-dir's filesystem: its files (already allocated when the room
-    for a checkpoint is checked) and the checkpoints share one disk."""
+def shares_disk(cfg: Config, out_dir: Path) -> bool:
+    """Is the swap folder on the --out-dir's filesystem? Then its files (already allocated when the room for a
+    checkpoint is checked) and the checkpoints share one disk."""
     from tightfit.config import parse_nvme
     from tightfit.offload.tiers.nvme.store import device_of
 
     swap = parse_nvme(cfg.memory.nvme)[0] if cfg.memory.nvme and cfg.memory.offload != "none" else None
-    if swap is not None and device_of(swap) == device_of(out_dir):
-        return "; the --nvme swap files, already allocated, share this disk"
-    return ""
+    return swap is not None and device_of(swap) == device_of(out_dir)
 
 
 def train(cfg: Config, *, quiet: bool = False) -> Summary:
@@ -236,9 +234,11 @@ def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> 
         if t.keep_checkpoints:
             trainable = {n for n, p in model.named_parameters() if p.requires_grad}
             per = checkpoint_bytes(mem.named_shapes(), trainable)
-            need, free = check_room(out_dir, per, keep=t.keep_checkpoints, kept=len(committed(ckpt_root)))
+            swap_note = "the --nvme swap files, already allocated, share this disk" if shares_disk(cfg, out_dir) else ""
+            need, free = check_room(out_dir, per, keep=t.keep_checkpoints, kept=len(committed(ckpt_root)),
+                                    note=f" ({swap_note})" if swap_note else "")
             say(f"checkpoint: {format_size(per)} per save in {ckpt_root} ({format_size(free)} free now, keeping "
-                f"{t.keep_checkpoints}: {format_size(need)} more at the peak{shares_disk(cfg, out_dir)})")
+                f"{t.keep_checkpoints}: {format_size(need)} more at the peak{'; ' + swap_note if swap_note else ''})")
         else:
             say("checkpoint: none (--keep-checkpoints 0)")
         val_batches = dataset.val_batches(t.eval_batches, t.micro_batch, seed=t.seed + 1)
