@@ -186,7 +186,7 @@ def test_a_removal_cut_short_anywhere_leaves_a_checkpoint_or_a_leftover(tmp_path
 
 def test_a_run_whose_checkpoint_cannot_fit_is_refused_before_training(tiny_args, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(cw, "free_bytes", lambda path: 100 << 10)
-    assert main(["train", *tiny_args, "--steps", "3", "--offload", "none"]) == 2
+    assert main(["train", *tiny_args, "--steps", "3", "--offload", "none", "--save-interval", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("tightfit: error: --out-dir: 2 checkpoints of this model (--keep-checkpoints 1, and the "
                           "next one written beside them before the oldest goes) need ")
@@ -202,11 +202,16 @@ def test_the_disk_check_counts_the_new_checkpoint_beside_the_kept_ones(tiny_args
     capsys.readouterr()
     monkeypatch.setattr(cw, "free_bytes", lambda path: int(per * 1.5))
     fresh = [a if a != str(tmp_path / "run") else str(tmp_path / "fresh") for a in tiny_args]
-    assert main(["train", *fresh, "--steps", "2", "--offload", "none"]) == 2
+    assert main(["train", *fresh, "--steps", "2", "--offload", "none", "--save-interval", "1"]) == 2
     assert "2 checkpoints of this model" in capsys.readouterr().err
-    assert main(["train", *tiny_args, "--steps", "4", "--offload", "none", "--resume"]) == 0
-    assert main(["train", *tiny_args, "--steps", "6", "--offload", "none", "--resume", "--keep-checkpoints", "2"]) == 2
+    assert main(["train", *fresh, "--steps", "2", "--offload", "none"]) == 0  # one save: room for one
+    assert main(["train", *tiny_args, "--steps", "4", "--offload", "none", "--resume", "--save-interval", "1"]) == 0
+    assert main(["train", *tiny_args, "--steps", "6", "--offload", "none", "--resume", "--keep-checkpoints", "2",
+                 "--save-interval", "1"]) == 2
     assert "2 checkpoints of this model (--keep-checkpoints 2" in capsys.readouterr().err
+    # "Keep everything" asks room only for what the run writes: one more checkpoint here, not 10^11.
+    assert main(["train", *tiny_args, "--steps", "6", "--offload", "none", "--resume", "--keep-checkpoints",
+                 "100000000000"]) == 0
 
 
 def test_checkpoint_size_estimate_covers_what_is_written(tiny_args, tmp_path):

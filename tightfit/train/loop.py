@@ -235,8 +235,9 @@ def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> 
             trainable = {n for n, p in model.named_parameters() if p.requires_grad}
             per = checkpoint_bytes(mem.named_shapes(), trainable)
             swap_note = "the --nvme swap files, already allocated, share this disk" if shares_disk(cfg, out_dir) else ""
+            saves = 1 + ((t.steps - 1 - start_step) // t.save_interval if t.save_interval else 0)  # + the last
             need, free = check_room(out_dir, per, keep=t.keep_checkpoints, kept=len(committed(ckpt_root)),
-                                    note=f" ({swap_note})" if swap_note else "")
+                                    saves=saves, note=f" ({swap_note})" if swap_note else "")
             say(f"checkpoint: {format_size(per)} per save in {ckpt_root} ({format_size(free)} free now, keeping "
                 f"{t.keep_checkpoints}: {format_size(need)} more at the peak{'; ' + swap_note if swap_note else ''})")
         else:
