@@ -208,3 +208,29 @@ def test_keep_checkpoints_0_refuses_what_needs_a_checkpoint(tiny_args, capsys, f
     assert main(["train", *tiny_args, "--keep-checkpoints", "0", *flag]) == 2
     err = _error_line(capsys)
     assert flag[0] in err or "--keep-checkpoints" in err
+
+
+@pytest.mark.parametrize("crafted", ["not json", "[1, 2]", '{"verdict": "healthy", "loss": "x"}', "fifo", "symlink",
+                                     "deep", '{"verdict": "healthy", "reference_loss": NaN}'])
+def test_a_crafted_health_record_changes_nothing(tiny_args, tmp_path, capsys, crafted):
+    """health.json is untrusted like the rest of a checkpoint: a bad one is no record (no protection, no advice),
+    never a traceback or a hang, and resuming trains as from any checkpoint (issue 27)."""
+    import os
+
+    from tightfit.train.health import HEALTH, read_record
+
+    run = _args(tiny_args, tmp_path / "run", "plain", tmp_path)
+    assert main(["train", *run, "--steps", "2"]) == 0
+    folder = latest(tmp_path / "run")
+    (folder / HEALTH).unlink()
+    if crafted == "fifo":
+        os.mkfifo(folder / HEALTH)
+    elif crafted == "symlink":
+        (folder / HEALTH).symlink_to("/dev/zero")
+    elif crafted == "deep":
+        (folder / HEALTH).write_text("[" * 100000 + "]" * 100000)
+    else:
+        (folder / HEALTH).write_text(crafted)
+    assert read_record(folder) is None
+    capsys.readouterr()
+    assert main(["train", *run, "--steps", "3", "--resume"]) == 0, capsys.readouterr().err

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -151,8 +152,11 @@ def write_record(folder: Path, record: dict) -> None:
 def read_record(folder: Path) -> dict | None:
     """The checkpoint's health record, or None when it has none or it is not a well-formed one (a crafted or
     damaged record only loses the protection and the advice; it changes nothing in training)."""
-    try:
-        with open(folder / HEALTH, "rb") as f:
+    try:  # a regular file only: not through a symlink, never blocking on a FIFO
+        fd = os.open(folder / HEALTH, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return None
             rec = untrusted_json.loads(f.read(1 << 16).decode())
     except (OSError, ValueError, UnicodeDecodeError):
         return None
