@@ -318,12 +318,13 @@ class StepMemory:
         return dict(self.phases[phase][tier])
 
     def engine_device(self) -> int:
-        """The engine's own device count at its peak (everything but activations)."""
-        return max(self.at(ph, "device") - self.phases[ph]["device"].get("activations", 0) for ph in PHASES)
+        """The engine's own device count at its peak (everything but activations and the libraries' workspace)."""
+        return max(self.at(ph, "device") - self.phases[ph]["device"].get("activations", 0)
+                   - self.phases[ph]["device"].get("workspace", 0) for ph in PHASES)
 
 
 def step_memory(units: list[UnitSize], p: Placement, c: int, cuda: bool, act: Activations | None = None,
-                pool: int | None = None, separate: bool | None = None) -> StepMemory:
+                pool: int | None = None, separate: bool | None = None, workspace: int = 0) -> StepMemory:
     """Bytes of every phase of one step of `units` under `p` ([Note: phases]). `pool`: the pool's capacity
     (default: `pool_bytes` with no room limit); it is allocated from the first step on, so it counts in every
     phase. `act`: activations, counted on the device in forward (saved) and backward (peak)."""
@@ -339,6 +340,8 @@ def step_memory(units: list[UnitSize], p: Placement, c: int, cuda: bool, act: Ac
         if phase == "backward":  # the root's last gradient is not there yet
             dev["grads in flight"] -= root_grads - early
         dev["activations"] = {"forward": act.saved, "backward": act.peak, "backward end": late, "step": 0}[phase]
+        if workspace:
+            dev["workspace"] = workspace  # the math libraries' (cuBLAS's), held from the first matmul on
         out[phase] = {"device": dev, "host": {"states": states[Tier.HOST], "buffers": pool},
                       "nvme": {"states": states[Tier.NVME]}}
     return StepMemory(out)

@@ -155,7 +155,8 @@ def step_memory(profile: ModelProfile, placement: Placement, hw: HardwareProfile
         if shares_ram(placement, hw):
             room -= mm.step_memory(units, placement, c, hw.cuda, act, pool=0, separate=separate).peak("device")
     pool = mm.pool_bytes(units, placement, c, separate, room)
-    return mm.step_memory(units, placement, c, hw.cuda, act, pool, separate=separate)
+    return mm.step_memory(units, placement, c, hw.cuda, act, pool, separate=separate,
+                          workspace=hw.device_workspace if hw.cuda else 0)
 
 
 def memory(profile: ModelProfile, placement: Placement, hw: HardwareProfile, shape: TrainShape,

@@ -66,6 +66,10 @@ class HardwareProfile:
     the smallest side] in model_profile.py)."""
     op_overhead_s: float = 10e-6
     """Seconds of fixed dispatch overhead per aten op (dominates small models on CPU)."""
+    device_workspace: int = 0
+    """Device bytes the math libraries allocate through torch's caching allocator besides any tensor: cuBLAS's
+    workspace for the compute stream (PyTorch's default: 32 MiB from compute capability 9.0, Hopper; 8 MiB before).
+    Counted in `torch.cuda.max_memory_allocated`, not in the engine's meter; the probe measures it (0 on a CPU)."""
     nvme_device: str = ""
     """The filesystem the disk figures were measured on, as "major:minor" (`offload.tiers.nvme.store.device_of`); the
     NVMe tier takes the two below only for a swap folder there ([Note: disk tuning] in
@@ -180,7 +184,7 @@ def machine_key() -> str:
     return f"{socket.gethostname()}|{devs}|threads={torch.get_num_threads()}"
 
 
-PROBE_VERSION = 2
+PROBE_VERSION = 3
 """Bumped whenever a probed figure changes meaning. 2: matmul rates by the smallest side ([Note: matmul rate by the
 smallest side] in model_profile.py; they were by square size)."""
 

@@ -30,7 +30,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 _BYTES = ("gpu_total", "gpu_free", "host_total", "host_available", "nvme_free", "nvme_chunk_bytes", "runtime_rss",
-          "nvme_measured_bytes")
+          "nvme_measured_bytes", "device_workspace")
 _RATES_BPS = ("nvme_read_bw", "nvme_write_bw", "nvme_mixed_bw", "h2d_bw", "d2h_bw", "mem_bw")
 _NUMBERS = ("cpu_adam_rate", "device_adam_rate", "op_overhead_s", "measured_at")
 _INTS = ("nvme_io_threads", "threads")

@@ -15,11 +15,14 @@ inside the plan.
 from __future__ import annotations
 
 _PCIE4_NVME = ["NVMe: one PCIe 4.0 SSD, 6.0 GB/s sequential O_DIRECT read, 4.5 GB/s write, 1.5 TiB free"]
+_WORKSPACE_8 = ("8 MiB of cuBLAS workspace on the device (PyTorch's default before compute capability 9.0: "
+                "4096 KiB x 2 + 16 KiB x 8)")
+_WORKSPACE_32 = "32 MiB of cuBLAS workspace on the device (PyTorch's default from compute capability 9.0, Hopper)"
 _PCIE5_NVME = ["NVMe: one PCIe 5.0 SSD, 11 GB/s sequential O_DIRECT read, 9 GB/s write, 3 TiB free"]
 
 PROFILES: dict[str, dict] = {
     "gpu24-pcie4": {
-        "cuda": True, "device_name": "24 GiB GPU, PCIe 4.0 x16 (RTX 4090 class)",
+        "cuda": True, "device_workspace": "8MiB", "device_name": "24 GiB GPU, PCIe 4.0 x16 (RTX 4090 class)",
         "gpu_total": "24GiB", "host_total": "64GiB", "host_available": "60GiB", "nvme_free": "1.5TiB",
         "nvme_read_bw": "6.0GB/s", "nvme_write_bw": "4.5GB/s", "h2d_bw": "25GB/s", "d2h_bw": "25GB/s",
         "mem_bw": "900GB/s", "cpu_adam_rate": 1.5e9, "device_adam_rate": 25e9,
@@ -31,9 +34,10 @@ PROFILES: dict[str, dict] = {
                         "PCIe 4.0 x16: 25 GB/s pinned copies each way (32 GB/s link)",
                         "host: 64 GiB RAM, 60 GiB available, 16 cores running fused AdamW at 1.5 G params/s",
                         *_PCIE4_NVME,
-                        "a CUDA training process holds 3 GiB of RSS before its model (CUDA context, libraries)"]},
+                        "a CUDA training process holds 3 GiB of RSS before its model (CUDA context, libraries)",
+                        _WORKSPACE_8]},
     "gpu40-pcie4": {
-        "cuda": True, "device_name": "40 GiB GPU, PCIe 4.0 x16 (A100 40GB PCIe class)",
+        "cuda": True, "device_workspace": "8MiB", "device_name": "40 GiB GPU, PCIe 4.0 x16 (A100 40GB PCIe class)",
         "gpu_total": "40GiB", "host_total": "128GiB", "host_available": "120GiB", "nvme_free": "1.5TiB",
         "nvme_read_bw": "6.0GB/s", "nvme_write_bw": "4.5GB/s", "h2d_bw": "25GB/s", "d2h_bw": "25GB/s",
         "mem_bw": "1300GB/s", "cpu_adam_rate": 2.5e9, "device_adam_rate": 40e9,
@@ -45,9 +49,10 @@ PROFILES: dict[str, dict] = {
                         "PCIe 4.0 x16: 25 GB/s pinned copies each way (32 GB/s link)",
                         "host: 128 GiB RAM, 120 GiB available, 32 cores running fused AdamW at 2.5 G params/s",
                         *_PCIE4_NVME,
-                        "a CUDA training process holds 3 GiB of RSS before its model (CUDA context, libraries)"]},
+                        "a CUDA training process holds 3 GiB of RSS before its model (CUDA context, libraries)",
+                        _WORKSPACE_8]},
     "gpu80-pcie5": {
-        "cuda": True, "device_name": "80 GiB GPU, PCIe 5.0 x16 (H100 PCIe class)",
+        "cuda": True, "device_workspace": "32MiB", "device_name": "80 GiB GPU, PCIe 5.0 x16 (H100 PCIe class)",
         "gpu_total": "80GiB", "host_total": "256GiB", "host_available": "240GiB", "nvme_free": "3TiB",
         "nvme_read_bw": "11GB/s", "nvme_write_bw": "9GB/s", "h2d_bw": "50GB/s", "d2h_bw": "50GB/s",
         "mem_bw": "1700GB/s", "cpu_adam_rate": 2.5e9, "device_adam_rate": 55e9,
@@ -59,7 +64,8 @@ PROFILES: dict[str, dict] = {
                         "PCIe 5.0 x16: 50 GB/s pinned copies each way (64 GB/s link)",
                         "host: 256 GiB RAM, 240 GiB available, 32 cores running fused AdamW at 2.5 G params/s",
                         *_PCIE5_NVME,
-                        "a CUDA training process holds 3 GiB of RSS before its model (CUDA context, libraries)"]},
+                        "a CUDA training process holds 3 GiB of RSS before its model (CUDA context, libraries)",
+                        _WORKSPACE_32]},
 }
 """Name -> profile in the file format (hardware_file.py)."""
 
@@ -69,7 +75,8 @@ _MATMUL_SHAPE = {"128": 0.36, "256": 0.55, "512": 0.7, "1024": 0.8, "2048": 0.93
 
 
 def _rented(name: str, *, gib: int, peak: float, achieved: float, mem_tbs: float, pcie: int, host_gib: int,
-            cores: int, measured: list[str] = (), achieved_note: str = "assumed 0.7 of the data sheet's peak") -> dict:
+            cores: int, hopper: bool, measured: list[str] = (),
+            achieved_note: str = "assumed 0.7 of the data sheet's peak") -> dict:
     """A profile of one rented GPU: data-sheet capacities, achieved rates stated as assumed (or measured)."""
     link = {4: ("PCIe 4.0 x16", 25, 32), 5: ("PCIe 5.0 x16", 50, 64)}[pcie]
     adam = round(1.5e9 * max(1.0, cores / 16) ** 0.7, -8)
@@ -82,6 +89,7 @@ def _rented(name: str, *, gib: int, peak: float, achieved: float, mem_tbs: float
         "cpu_adam_rate": adam, "device_adam_rate": round(mem_tbs * 850e9 / 32, -9),
         "matmul_flops": {k: round(achieved * v, -12) for k, v in _MATMUL_SHAPE.items()},
         "op_overhead_s": 10e-6, "runtime_rss": "3GiB", "threads": cores,
+        "device_workspace": "32MiB" if hopper else "8MiB",
         "assumptions": [*measured,
                         f"GPU: {name}, {gib} GiB; bf16 matmul reaching {achieved / 1e12:.0f} TFLOP/s at size 4096 "
                         f"and above ({achieved_note}; data sheet {peak / 1e12:.0f} dense), down to "
@@ -91,24 +99,26 @@ def _rented(name: str, *, gib: int, peak: float, achieved: float, mem_tbs: float
                         f"host share: {host_gib} GiB RAM, {cores} cores running fused AdamW at {adam / 1e9:.1f} G "
                         "params/s (assumed)",
                         *nvme,
-                        "a CUDA training process holds 3 GiB of RSS before its model (CUDA context, libraries)"]}
+                        "a CUDA training process holds 3 GiB of RSS before its model (CUDA context, libraries)",
+                        _WORKSPACE_32 if hopper else _WORKSPACE_8]}
 
 
 PROFILES.update({
     "h100-sxm": _rented("NVIDIA H100 SXM 80GB", gib=80, peak=989e12, achieved=690e12, mem_tbs=3.35, pcie=5,
-                        host_gib=220, cores=24),
+                        host_gib=220, cores=24, hopper=True),
     "h100-pcie": _rented("NVIDIA H100 PCIe 80GB", gib=80, peak=756e12, achieved=530e12, mem_tbs=2.0, pcie=5,
-                         host_gib=180, cores=24),
+                         host_gib=180, cores=24, hopper=True),
     # The H200 this project was lent (2026-11-26, ../shared/gpu-runs/2026-11-26/): what was measured there is said so.
     "h200": _rented("NVIDIA H200", gib=139, peak=989e12, achieved=797e12, mem_tbs=4.8, pcie=5, host_gib=125, cores=16,
+                    hopper=True,
                     achieved_note="measured: an 8192^3 bf16 matmul on the H200 lent on 2026-11-26",
                     measured=["measured on the H200 lent on 2026-11-26: 139.8 GiB visible to torch, 16 CPU cores, "
                               "125 GiB RAM, bf16 matmul 797 TFLOP/s at 8192; every other figure assumed"]),
     "a100-40gb": _rented("NVIDIA A100 40GB", gib=40, peak=312e12, achieved=230e12, mem_tbs=1.55, pcie=4,
-                         host_gib=85, cores=12, achieved_note="assumed 0.74 of the data sheet's peak"),
+                         host_gib=85, cores=12, hopper=False, achieved_note="assumed 0.74 of the data sheet's peak"),
     "a100-80gb": _rented("NVIDIA A100 80GB", gib=80, peak=312e12, achieved=230e12, mem_tbs=2.0, pcie=4,
-                         host_gib=170, cores=12, achieved_note="assumed 0.74 of the data sheet's peak"),
-    "l4": _rented("NVIDIA L4", gib=24, peak=121e12, achieved=85e12, mem_tbs=0.3, pcie=4, host_gib=48, cores=8),
+                         host_gib=170, cores=12, hopper=False, achieved_note="assumed 0.74 of the data sheet's peak"),
+    "l4": _rented("NVIDIA L4", gib=24, peak=121e12, achieved=85e12, mem_tbs=0.3, pcie=4, host_gib=48, cores=8, hopper=False),
     "rtx4090": _rented("NVIDIA GeForce RTX 4090", gib=24, peak=165e12, achieved=150e12, mem_tbs=1.0, pcie=4,
-                       host_gib=64, cores=16, achieved_note="assumed 0.9 of the data sheet's peak (fp32 accumulate)"),
+                       host_gib=64, cores=16, hopper=False, achieved_note="assumed 0.9 of the data sheet's peak (fp32 accumulate)"),
 })

@@ -116,6 +116,19 @@ def measure_op_overhead(device: str) -> float:
     return _timeit(lambda: step(device)) / max(1, n_ops)
 
 
+def measure_device_workspace() -> int:
+    """Bytes a first bf16 linear layer's forward and backward leave allocated on the GPU beyond its tensors: the
+    math libraries' workspaces (cuBLAS's, per stream), which torch's caching allocator holds for the process."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    torch.nn.functional.linear(x, w).sum().backward()
+    torch.cuda.synchronize()
+    held = sum(t.numel() * t.element_size() for t in (x, w, x.grad, w.grad))
+    return max(0, torch.cuda.memory_allocated() - before - held)
+
+
 def measure_adam(device: str, numel: int = 4 << 20) -> float:
     """Parameters per second of torch's fused AdamW (fp32 params, grads and moments)."""
     p = torch.nn.Parameter(_operand(numel, device=device))
@@ -207,6 +220,7 @@ def run_probe(folder: str | None = None, save: bool = True, sustained: bool = Tr
         mem_bw=measure_mem_bw(device),
         cpu_adam_rate=cpu_adam, device_adam_rate=measure_adam("cuda") if cuda else cpu_adam,
         matmul_flops=measure_matmul(device, dtype), op_overhead_s=measure_op_overhead(device),
+        device_workspace=measure_device_workspace() if cuda else 0,
         runtime_rss=measure_runtime_rss(), threads=torch.get_num_threads(), measured_at=time.time(),
         probe_version=PROBE_VERSION)
     hw = current(hw, folder)
