@@ -119,3 +119,31 @@ def test_no_save_on_signal_stops_without_a_checkpoint(tiny_args, tmp_path):
     root = Path(tiny_args[tiny_args.index("--out-dir") + 1]) / "checkpoints"
     steps = sorted(int(p.name[5:]) for p in root.glob("step-*"))
     assert steps and steps[-1] == stopped - stopped % 2 and steps[-1] >= 2, (steps, stopped, "".join(lines))
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_stop_signal_stops_every_rank_of_a_distributed_run_at_one_step(tiny_args, tmp_path, sig):
+    """`tightfit train --nproc-per-node 2`: the signal reaches the launcher, which hands it to every rank; the ranks
+    vote after each step, stop at the same one with a checkpoint, and the launcher exits 128 + the signal's number
+    with one line on stderr (issue 27). Before, the ranks died with torchrun's traceback and no checkpoint."""
+    from parallel_launch import free_port, rank_env
+
+    args = list(tiny_args)
+    args[args.index("--log-interval") + 1] = "1"
+    proc = subprocess.Popen([sys.executable, "-m", "tightfit.cli", "train", *args, "--steps", "20000",
+                             "--nproc-per-node", "2", "--master-port", str(free_port()), "--strategy", "ddp"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**rank_env(), "PYTHONUNBUFFERED": "1"})
+    _wait_for_steps(proc, 3)
+    proc.send_signal(getattr(signal, sig))
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + getattr(signal, sig), (proc.returncode, err[-3000:])
+    assert err.strip().splitlines() == [f"tightfit: {sig} received: finishing this step, then saving a checkpoint"
+                                        + (" (Ctrl-C again to stop at once)" if sig == "SIGINT" else "")], err
+    step = int(re.search(rf"{sig} received; stopped at step (\d+); continue with --resume", out).group(1))
+    ckpt = Path(tiny_args[tiny_args.index("--out-dir") + 1]) / "checkpoints" / f"step-{step:08d}"
+    assert (ckpt / "index.json").is_file()
+    resumed = subprocess.run([sys.executable, "-m", "tightfit.cli", "train", *tiny_args, "--steps", str(step + 2),
+                              "--resume"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"at step {step}" in resumed.stdout and "done: 2 steps" in resumed.stdout

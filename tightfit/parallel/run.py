@@ -31,8 +31,10 @@ batches each rank is dealt (evaluation pads a rank's share with uncounted passes
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -45,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from tightfit.errors import UsageError
+from tightfit.train.signals import GracefulStop
 from tightfit.parallel.mesh import build_mesh, init_distributed, leave_process, shutdown
 from tightfit.parallel.parallelize import make_optimizer, parallelize
 from tightfit.parallel.plan import ParallelPlan, plan_from_config
@@ -100,10 +103,38 @@ def launch(cfg, argv: list[str]) -> int:
     # worker starts) and tells its workers so, so rank 0 does not take it again.
     with RunLock.acquire(cfg.train.out_dir, "--out-dir"):
         env[_LOCK_HELD_ENV] = str(Path(cfg.train.out_dir).resolve())
+        # [Note: signals under torchrun] torchrun runs in a session of its own, so a terminal's Ctrl-C or hang-up
+        # reaches this launcher only; it hands the signal to every rank (torchrun's own handler would tear the
+        # workers down and print its traceback). The ranks vote after each step, stop together with a checkpoint
+        # and end normally; the launcher then exits as a process that signal ended (128 + its number).
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        received: list[int] = []
+
+        def forward(signum, frame) -> None:
+            received.append(signum)
+            for child in _descendants(proc.pid):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(child, signum)
+
+        old = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
         try:
-            return subprocess.run(cmd, env=env).returncode
-        except KeyboardInterrupt:  # torchrun forwards the signal to the workers
-            return 130
+            code = proc.wait()
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+        if received and code == 0:
+            return 128 + received[0]
+        return code
+
+
+def _descendants(pid: int) -> list[int]:
+    """The PIDs of every process below `pid` (torchrun's workers), deepest last."""
+    import psutil
+
+    try:
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
 
 
 _LOCK_HELD_ENV = "TIGHTFIT_OUT_DIR_LOCKED"
@@ -162,8 +193,10 @@ def run_worker(cfg) -> NoReturn:
     """A rank's whole process under `tightfit train` (WORLD_SIZE > 1): run, report, leave.
 
     Every way out ends in `leave_process` ([Note: leaving the process group], mesh.py), after `run_distributed`
-    has destroyed the process group: status 0 after a run, 2 with one line for bad input, 130 when interrupted,
-    1 with the traceback for a bug (a lost peer already left with 1 inside `run_distributed`)."""
+    has destroyed the process group: status 0 after a run (also one a stop signal ended at a step, with its
+    checkpoint: the launcher exits with the signal's code, [Note: signals under torchrun]), 2 with one line for bad
+    input, 130 when interrupted at once, 1 with the traceback for a bug (a lost peer already left with 1 inside
+    `run_distributed`)."""
     code = 0
     try:
         run_distributed(cfg)
@@ -193,7 +226,10 @@ def run_distributed(cfg, timeout_s: float | None = None) -> dict:
     lock = None
     try:
         lock = _lock_out_dir(cfg, env)
-        summary = _train(cfg, env)
+        # A stop signal ends the run at the end of a step, with a checkpoint, on every rank at the same step: the
+        # ranks vote after each step (signals.py; the launcher forwards the signal to every rank).
+        with GracefulStop(save=cfg.train.save_on_signal, announce=env.rank == 0) as stopper:
+            summary = _train(cfg, env, stopper)
         with collective("the final barrier before leaving the process group"):
             dist.barrier()
         return summary
@@ -215,7 +251,7 @@ def _is_comm_failure(e: BaseException) -> bool:
         k in text for k in ("gloo", "nccl", "connection", "timed out", "timeout", "peer", "socket", "broken pipe"))
 
 
-def _train(cfg, env) -> dict:
+def _train(cfg, env, stopper: GracefulStop | None = None) -> dict:
     from tightfit.models.build import build_model
     from tightfit.models.tokenizer import get_tokenizer
     from tightfit.train import checkpoint as ckpt
@@ -240,7 +276,7 @@ def _train(cfg, env) -> dict:
     torch.manual_seed(t.seed)  # same seed on every rank: identical initial weights
     model = build_model(cfg.model, vocab_size=dataset.vocab_size, block_size=t.seq_len)
     start_step = 0
-    resume = ckpt.load_checkpoint(ckpt_path) if t.resume and ckpt_path.exists() else None
+    resume = ckpt.load_checkpoint(ckpt_path, step=t.resume_step) if t.resume and ckpt_path.exists() else None
     if t.resume and resume is None:
         raise UsageError(f"--resume: no checkpoint in {out_dir}; drop --resume to start fresh")
     if resume is not None:
@@ -311,6 +347,7 @@ def _train(cfg, env) -> dict:
             return pm.global_loss(total / max(1, len(mine)), weight=len(mine))
 
     step, loss, val_loss, t0 = start_step, float("nan"), float("nan"), time.perf_counter()
+    signalled = 0  # the signal that stopped the run, agreed by every rank
     while step < t.steps:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
@@ -342,13 +379,20 @@ def _train(cfg, env) -> dict:
         elif t.max_time and _any_rank(time.perf_counter() - t0 > t.max_time,  # clocks differ: decide together
                                       f"the --max-time vote after step {step}"):
             stop = f"--max-time {t.max_time:g}s reached at step {step}"
+        elif step < t.steps and (signum := _max_rank((stopper.signum or 0) if stopper else 0,
+                                                      f"the stop-signal vote after step {step}")):
+            signalled = signum
+            stop = f"{signal.Signals(signum).name} received; stopped at step {step}"
         if stop:
-            say(f"{stop}; continue with --resume", flush=True)
+            say(f"{stop}; continue with --resume" if not signalled or t.save_on_signal else
+                f"{stop} without a checkpoint of it (--no-save-on-signal); --resume continues from the last one "
+                "saved", flush=True)
             if step % t.eval_interval:
                 val_loss = evaluate(step)
                 progress.eval(step, val_loss)
             break
-    path, full = _save(pm, opt, env, ckpt_path, step, cfg, gen)
+    path, full = (None, None) if signalled and not t.save_on_signal else _save(pm, opt, env, ckpt_path, step, cfg,
+                                                                                gen)
     seconds = time.perf_counter() - t0
     if t.export_hf and env.rank == 0:
         from tightfit.models.hf_save import save_hf_model
@@ -361,7 +405,8 @@ def _train(cfg, env) -> dict:
         with collective("the barrier after rank 0 exported the Hugging Face folder"):
             dist.barrier()
     summary = {"steps": step - start_step, "final_step": step, "train_loss": loss, "val_loss": val_loss,
-               "seconds": seconds, "strategy": plan.name, "mesh": list(plan.dims.shape())}
+               "seconds": seconds, "strategy": plan.name, "mesh": list(plan.dims.shape()),
+               "stopped_by": signal.Signals(signalled).name if signalled else None}
     progress.log({"kind": "summary", **summary})
     say(f"done: {step - start_step} steps in {seconds:.1f}s, train loss {loss:.4f}, val loss {val_loss:.4f} "
         f"nats/token; checkpoint {path}", flush=True)
@@ -379,12 +424,17 @@ def _memory(device: torch.device) -> dict[str, int]:
 
 def _any_rank(flag: bool, what: str) -> bool:
     """True on every rank if it is true on any (one tiny all-reduce): a decision all ranks must take together."""
-    t = torch.tensor([1.0 if flag else 0.0])
+    return bool(_max_rank(1 if flag else 0, what))
+
+
+def _max_rank(value: int, what: str) -> int:
+    """The largest of every rank's `value` (one tiny all-reduce), the same on every rank."""
+    t = torch.tensor([float(value)])
     if torch.cuda.is_available() and dist.get_backend() == "nccl":
         t = t.cuda()
     with collective(what):
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    return int(t.item())
 
 
 def _save(pm, opt, env, path: Path, step: int, cfg, gen) -> tuple[Path | None, dict | None]:

@@ -22,8 +22,8 @@ SIGNALS = tuple(s for s in (getattr(signal, n, None) for n in ("SIGTERM", "SIGHU
 class GracefulStop:
     """Context manager: while inside, a stop signal sets `received` (its name) instead of ending the process."""
 
-    def __init__(self, save: bool = True) -> None:
-        self.save = save
+    def __init__(self, save: bool = True, announce: bool = True) -> None:
+        self.save, self.announce = save, announce  # announce: say so on stderr (one rank of several does)
         self.received: str | None = None
         self.signum: int | None = None
         self._old: dict[int, object] = {}
@@ -41,6 +41,8 @@ class GracefulStop:
                 raise KeyboardInterrupt  # Ctrl-C a second time: now
             return
         self.received, self.signum = name, signum
+        if not self.announce:
+            return
         then = "saving a checkpoint" if self.save else "stopping without a checkpoint (--no-save-on-signal)"
         print(f"tightfit: {name} received: finishing this step, then {then}"
               + (" (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""), file=sys.stderr, flush=True)
