@@ -121,7 +121,7 @@ def test_no_save_on_signal_stops_without_a_checkpoint(tiny_args, tmp_path):
     assert steps and steps[-1] == stopped - stopped % 2 and steps[-1] >= 2, (steps, stopped, "".join(lines))
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("sig", ["SIGTERM", pytest.param("SIGINT", marks=pytest.mark.slow)])
 def test_a_stop_signal_stops_every_rank_of_a_distributed_run_at_one_step(tiny_args, tmp_path, sig):
     """`tightfit train --nproc-per-node 2`: the signal reaches the launcher, which hands it to every rank; the ranks
     vote after each step, stop at the same one with a checkpoint, and the launcher exits 128 + the signal's number
