@@ -366,3 +366,19 @@ def test_a_copied_shard_is_read_back_in_bounded_pieces(tmp_path, monkeypatch):
     path.write_bytes(b"x" * 100 + bytes(tensor_bytes(t)))
     with open(path, "rb") as f:
         assert cw._read_back(f, 100, 1000, torch.float32)[1] == "nan"
+
+
+def test_a_partial_folder_name_in_the_way_is_left_alone(tmp_path):
+    """A `.partial-step-N-<pid>` folder without tightfit's marker (a copy that landed while a stopped save removed
+    its folder, once; or anyone's) is neither reused nor removed: the save takes another name and commits (the
+    fresh-check of 2026-11-26 failed with FileExistsError here)."""
+    import os
+
+    root = tmp_path / "c"
+    root.mkdir()
+    foreign = root / f".partial-step-00000001-{os.getpid()}"
+    foreign.mkdir()
+    (foreign / "blocks.0.safetensors").write_bytes(b"left")
+    path = ckpt.save_checkpoint(root, [("model.w", torch.ones(4))], step=1, config={}, signature="", rng=RNG)
+    assert path == root / "step-00000001" and (foreign / "blocks.0.safetensors").read_bytes() == b"left"
+    assert cw.clean_leftovers(root) == []  # not tightfit's: kept

@@ -44,6 +44,7 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import shutil
 import threading
 import zlib
@@ -221,11 +222,20 @@ class CheckpointWriter:
     def __init__(self, root: Path, step: int, *, queue_bytes: int = CHECKPOINT_QUEUE) -> None:
         self.root, self.step = root, step
         self.final = root / step_dir_name(step)
-        self.partial = root / f"{_PARTIAL_PREFIX}{step:08d}-{os.getpid()}"
         root.mkdir(parents=True, exist_ok=True)
+        self.partial = root / f"{_PARTIAL_PREFIX}{step:08d}-{os.getpid()}"
         if self.partial.is_dir() and (self.partial / OWNED).is_file():
-            _remove_owned(self.partial)
-        _make_owned(self.partial)
+            _remove_owned(self.partial)  # this process's own, from a save of this step that failed
+        while True:  # a name nothing holds: never into a folder of someone else's
+            try:
+                _make_owned(self.partial)
+                break
+            except FileExistsError:
+                self.partial = root / f"{_PARTIAL_PREFIX}{step:08d}-{os.getpid()}-{secrets.token_hex(4)}"
+        # Guards the partial folder between the trainer's file copies (`put_copy`) and its removal by the writer
+        # thread when the save stops: a copy never lands in a folder being removed (it would outlive its marker).
+        self._folder_lock = threading.Lock()
+        self._folder_gone = False
         self.queue_bytes = queue_bytes
         self.non_finite: NonFinite | None = None
         self.error: BaseException | None = None
@@ -267,11 +277,12 @@ class CheckpointWriter:
         """A unit whose states are on NVMe (checkpoint_swap.SwapCopy): its shard is copied from the swap files now,
         on the caller's thread (the copy must be of this step's state); checked and checksummed later, on the
         writer thread, from the copy."""
-        if self._done.is_set():
-            return  # stopped (a non-finite tensor, a disk error): wait() reports why
         file = self._file_name(copy.group)
         try:
-            copy.write(self.partial / file)
+            with self._folder_lock:
+                if self._folder_gone:
+                    return  # stopped (a non-finite tensor, a disk error): wait() reports why
+                copy.write(self.partial / file)
         except SwapFileGone as e:
             raise UsageError(f"--nvme: the swap file {e.path} is gone (was {e.path.parent} deleted while the run "
                              f"used it?); the checkpoint of step {self.step} cannot be taken from it and the previous "
@@ -365,9 +376,11 @@ class CheckpointWriter:
         except BaseException as e:  # a bug: reported by wait() with its traceback
             self.error = e
         finally:
-            if self.result is None and self.partial.is_dir():
-                with contextlib.suppress(OSError):
-                    _remove_owned(self.partial)
+            if self.result is None:
+                with self._folder_lock:
+                    self._folder_gone = True
+                    with contextlib.suppress(OSError):
+                        _remove_owned(self.partial)
             with self._cv:
                 self._queue.clear()
                 self._queued = 0
