@@ -382,3 +382,20 @@ def test_a_partial_folder_name_in_the_way_is_left_alone(tmp_path):
     path = ckpt.save_checkpoint(root, [("model.w", torch.ones(4))], step=1, config={}, signature="", rng=RNG)
     assert path == root / "step-00000001" and (foreign / "blocks.0.safetensors").read_bytes() == b"left"
     assert cw.clean_leftovers(root) == []  # not tightfit's: kept
+
+
+def test_checkpoints_that_cannot_fit_beside_the_swap_are_refused_before_it_is_filled(tiny_args, tmp_path, capsys,
+                                                                                      monkeypatch):
+    """The swap files of an all-NVMe run take the disk first: a run whose checkpoints would not fit beside them is
+    refused on its plan, before the engine allocates and fills them (the 3.4B Llama was refused 50 s in, after
+    writing 47.5 GiB of swap)."""
+    import tightfit.train.memory as memory
+
+    swap = tmp_path / "swap"
+    monkeypatch.setattr(memory.OffloadMemory, "__init__", lambda *a, **k: pytest.fail("the engine was built"))
+    real = cw.free_bytes
+    monkeypatch.setattr(cw, "free_bytes", lambda path: min(real(path), 3 << 19))  # 1.5 MiB: the swap is 0.7 MiB
+    assert main(["train", *tiny_args, "--steps", "3", "--offload", "nvme", "--nvme", str(swap),
+                 "--save-interval", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "of --nvme swap files this plan keeps share this disk" in err, err

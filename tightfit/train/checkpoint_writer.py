@@ -481,18 +481,18 @@ def checkpoint_bytes(named_shapes: list[tuple[str, tuple[int, ...]]], trainable:
 
 
 def check_room(out_dir: Path, per_checkpoint: int, *, keep: int = 1, kept: int = 0, saves: int | None = None,
-               flag: str = "--out-dir", note: str = "") -> tuple[int, int]:
+               flag: str = "--out-dir", note: str = "", reserved: int = 0) -> tuple[int, int]:
     """(need, free) for the checkpoints a run will write in `out_dir`; UsageError when they cannot fit. A save
     writes the new checkpoint beside the kept ones before it removes any ([Note: commit]), so the disk must take
     `keep` of them plus the one being written, less the `kept` ones already there (a resumed run's), and never
-    more than the `saves` this run makes."""
+    more than the `saves` this run makes; `reserved` bytes there are spoken for (swap files not yet allocated)."""
     on_disk = keep + 1 if saves is None else min(keep + 1, kept + saves)
     count = max(1, on_disk - kept)
     need = count * per_checkpoint
     probe = out_dir
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
-    free = free_bytes(probe)
+    free = max(0, free_bytes(probe) - reserved)  # reserved: what the run will take there before its first save
     if need > free:
         what = ("a checkpoint of this model needs" if count == 1 else
                 f"{count} checkpoints of this model (--keep-checkpoints {keep}, and the next one written beside "

@@ -186,7 +186,25 @@ def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> 
         ckpt.check_compatible(resume_from, [(n, tuple(p.shape)) for n, p in model.named_parameters()])
         resume_from.check_rng()  # before any tier is written
 
-    mem: MemorySetup = setup_memory(model, cfg, device, dtype)
+    start_step = resume_from.step if resume_from is not None else 0
+    shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+
+    def room(swap_to_come: int = 0) -> tuple[int, int, int, str]:
+        """(per checkpoint, need, free, note): the checkpoints this run keeps fit `--out-dir` (check_room)."""
+        per = checkpoint_bytes(shapes, trainable)
+        shared = shares_disk(cfg, out_dir)
+        note = ("" if not shared else "the --nvme swap files, already allocated, share this disk" if not swap_to_come
+                else f"the {format_size(swap_to_come)} of --nvme swap files this plan keeps share this disk")
+        saves = 1 + ((t.steps - 1 - start_step) // t.save_interval if t.save_interval else 0)  # + the last
+        need, free = check_room(out_dir, per, keep=t.keep_checkpoints, kept=len(committed(ckpt_root)), saves=saves,
+                                note=f" ({note})" if note else "", reserved=swap_to_come if shared else 0)
+        return per, need, free, note
+
+    # The checkpoints must fit beside the swap files: checked on the plan, before the engine fills them.
+    early = (lambda plan: room(plan.prediction.peak.get("nvme", 0))) if t.keep_checkpoints and t.steps > start_step \
+        else None
+    mem: MemorySetup = setup_memory(model, cfg, device, dtype, planned=early)
     pending = None  # the checkpoint being written (a CheckpointWriter), if any
     profiler = None  # --profile DIR: records a few steps (profiling.py)
     progress = None  # the status line and the metrics' sinks (progress.py)
@@ -196,14 +214,12 @@ def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> 
         say(mem.describe())
 
         gen = data_generator(t.seed)
-        start_step = 0
         scaler = getattr(mem, "scaler", None)  # fp16 only: its state is part of a checkpoint
         if resume_from is not None:
             mem.import_state(resume_from.get)
             ckpt.restore_rng(resume_from.rng_states(), gen)
             load_scaler_state(scaler, resume_from.loss_scaler)
             resume_from.close()  # its shards' file handles
-            start_step = resume_from.step
             say(f"resumed from {resume_from.path} at step {start_step}")
             changed = ckpt.changed_settings(resume_from.config, cfg.to_dict())
             if changed:
@@ -232,14 +248,9 @@ def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> 
         if removed:
             say(f"removed what an interrupted save left in {ckpt_root}: {', '.join(removed)}")
         if t.keep_checkpoints:
-            trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-            per = checkpoint_bytes(mem.named_shapes(), trainable)
-            swap_note = "the --nvme swap files, already allocated, share this disk" if shares_disk(cfg, out_dir) else ""
-            saves = 1 + ((t.steps - 1 - start_step) // t.save_interval if t.save_interval else 0)  # + the last
-            need, free = check_room(out_dir, per, keep=t.keep_checkpoints, kept=len(committed(ckpt_root)),
-                                    saves=saves, note=f" ({swap_note})" if swap_note else "")
+            per, need, free, note = room()  # again, now that the swap files are allocated
             say(f"checkpoint: {format_size(per)} per save in {ckpt_root} ({format_size(free)} free now, keeping "
-                f"{t.keep_checkpoints}: {format_size(need)} more at the peak{'; ' + swap_note if swap_note else ''})")
+                f"{t.keep_checkpoints}: {format_size(need)} more at the peak{'; ' + note if note else ''})")
         else:
             say("checkpoint: none (--keep-checkpoints 0)")
         val_batches = dataset.val_batches(t.eval_batches, t.micro_batch, seed=t.seed + 1)

@@ -279,8 +279,11 @@ def cap_device_memory(device: torch.device, gpu_mem: int) -> float | None:
     return fraction
 
 
-def setup_memory(model: nn.Module, cfg: Config, device: torch.device, dtype: torch.dtype) -> MemorySetup:
-    """Pick how the run holds its model: plain PyTorch (--offload none), or the offload engine with the plan."""
+def setup_memory(model: nn.Module, cfg: Config, device: torch.device, dtype: torch.dtype,
+                 planned: Callable | None = None) -> MemorySetup:
+    """Pick how the run holds its model: plain PyTorch (--offload none), or the offload engine with the plan.
+    `planned(plan)` runs once the plan is made, before the engine allocates anything (a check that can refuse the
+    run while that is cheap)."""
     if cfg.memory.gpu_mem is not None:
         from tightfit.utils.sizes import parse_size
 
@@ -294,7 +297,10 @@ def setup_memory(model: nn.Module, cfg: Config, device: torch.device, dtype: tor
     # The plan's floor is this process's, measured now (the probe's is a fresh process without the data set).
     hw = load_or_probe(parse_nvme(cfg.memory.nvme)[0] if cfg.memory.nvme else None)
     hw = replace(hw, runtime_rss=max(hw.runtime_rss, process_floor(model)))
-    return OffloadMemory(model, cfg, device, dtype, make_plan(model, cfg, hw))
+    plan = make_plan(model, cfg, hw)
+    if planned is not None:
+        planned(plan)
+    return OffloadMemory(model, cfg, device, dtype, plan)
 
 
 __all__ = ["MemorySetup", "OffloadMemory", "PlainMemory", "cap_device_memory", "param_groups", "setup_memory"]
