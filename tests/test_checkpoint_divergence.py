@@ -234,3 +234,28 @@ def test_a_crafted_health_record_changes_nothing(tiny_args, tmp_path, capsys, cr
     assert read_record(folder) is None
     capsys.readouterr()
     assert main(["train", *run, "--steps", "3", "--resume"]) == 0, capsys.readouterr().err
+
+
+def test_a_distributed_run_keeps_and_judges_checkpoints_like_one_process(tiny_args, tmp_path):
+    """Under `--nproc-per-node 2` rank 0 writes the same health records and keeps the same checkpoints
+    (--keep-checkpoints was ignored: always 1), and a divergence names the checkpoint and flags to continue with."""
+    import subprocess
+    import sys
+
+    from parallel_launch import ROOT, free_port, rank_env
+    from tightfit.train.health import HEALTHY, verdict_of
+
+    def launch(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "tightfit.cli", "train", *tiny_args, "--nproc-per-node", "2",
+                               "--master-port", str(free_port()), "--strategy", "ddp", *extra], env=rank_env(),
+                              cwd=ROOT, capture_output=True, text=True, timeout=180)
+
+    done = launch("--steps", "4", "--save-interval", "1", "--keep-checkpoints", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    kept = committed(tmp_path / "run" / "checkpoints")
+    assert [s for s, _ in kept] == [3, 4] and all(verdict_of(f) == HEALTHY for _, f in kept)
+    bad = launch("--steps", "60", "--save-interval", "1", "--resume", *DIVERGING["extreme"])
+    assert bad.returncode != 0, bad.stderr[-3000:]  # torchrun's own: it reports its worker's exit status 2
+    ours = [line for line in bad.stderr.splitlines() if line.startswith("tightfit:")]
+    assert len(ours) == 1 and "training diverged at step" in ours[0], bad.stderr[-3000:]  # rank 0's line alone
+    assert "--resume --resume-step 4 --lr 0.004" in ours[0], ours

@@ -47,6 +47,9 @@ import torch
 import torch.distributed as dist
 
 from tightfit.errors import UsageError
+from tightfit.train.divergence import describe_key, diverged
+from tightfit.train.health import RunHealth
+from tightfit.train.retention import Retention
 from tightfit.train.signals import GracefulStop
 from tightfit.parallel.mesh import build_mesh, init_distributed, leave_process, shutdown
 from tightfit.parallel.parallelize import make_optimizer, parallelize
@@ -201,7 +204,8 @@ def run_worker(cfg) -> NoReturn:
     try:
         run_distributed(cfg)
     except UsageError as e:
-        print(f"tightfit: error: {e}", file=sys.stderr)
+        if not getattr(e, "quiet", False):  # one a collective decision raised on every rank: rank 0 says it
+            print(f"tightfit: error: {e}", file=sys.stderr)
         code = e.exit_code
     except KeyboardInterrupt:
         print("tightfit: interrupted", file=sys.stderr)
@@ -348,6 +352,9 @@ def _train(cfg, env, stopper: GracefulStop | None = None) -> dict:
 
     step, loss, val_loss, t0 = start_step, float("nan"), float("nan"), time.perf_counter()
     signalled = 0  # the signal that stopped the run, agreed by every rank
+    # Every rank follows the run's health (the loss is global); rank 0 writes the verdicts and keeps the checkpoints.
+    health = RunHealth.resumed(resume.health if resume is not None else None)
+    retention = Retention(ckpt_path, t.keep_checkpoints, health, start_step, say)
     while step < t.steps:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
@@ -364,15 +371,22 @@ def _train(cfg, env, stopper: GracefulStop | None = None) -> dict:
             opt.zero_grad(set_to_none=True)
             loss = pm.global_loss(local)
         step += 1
-        if not math.isfinite(loss):
-            raise UsageError(f"--lr: the loss became {loss} at step {step}; lower --lr or raise --warmup-steps")
+        notice = health.observe(step, loss, norm if math.isfinite(loss) else None, lr_at(step - 1, cfg))
+        if notice:
+            say(notice, flush=True)
+        if env.rank == 0:
+            retention.judge()  # the verdict of the checkpoint before this step
+        if not math.isfinite(loss):  # the same on every rank: rank 0 says it
+            error = diverged(step, f"the loss became {loss}", root=ckpt_path, lr=lr_at(step - 1, cfg),
+                             spike=health.first_spike, optim=o)
+            raise error if env.rank == 0 else quiet(error)
         if step % t.log_interval == 0 or step == t.steps:
             progress.step(step, loss, opt.param_groups[0]["lr"], norm)
         if step % t.eval_interval == 0 or step == t.steps:
             val_loss = evaluate(step)  # collective: every rank evaluates
             progress.eval(step, val_loss)
         if t.save_interval and step % t.save_interval == 0 and step < t.steps:
-            _save(pm, opt, env, ckpt_path, step, cfg, gen)
+            _save(pm, opt, env, ckpt_path, step, cfg, gen, health, retention)
         stop = ""
         if t.stop_at and t.stop_at <= step < t.steps:
             stop = f"--stop-at {t.stop_at} reached"
@@ -392,7 +406,9 @@ def _train(cfg, env, stopper: GracefulStop | None = None) -> dict:
                 progress.eval(step, val_loss)
             break
     path, full = (None, None) if signalled and not t.save_on_signal else _save(pm, opt, env, ckpt_path, step, cfg,
-                                                                                gen)
+                                                                                gen, health, retention)
+    if env.rank == 0:
+        retention.judge(final=True)
     seconds = time.perf_counter() - t0
     if t.export_hf and env.rank == 0:
         from tightfit.models.hf_save import save_hf_model
@@ -422,6 +438,12 @@ def _memory(device: torch.device) -> dict[str, int]:
     return {"rss": psutil.Process().memory_info().rss}
 
 
+def quiet(error: UsageError) -> UsageError:
+    """`error`, marked as one every rank raised alike, which only rank 0 prints (`run_worker`)."""
+    error.quiet = True
+    return error
+
+
 def _any_rank(flag: bool, what: str) -> bool:
     """True on every rank if it is true on any (one tiny all-reduce): a decision all ranks must take together."""
     return bool(_max_rank(1 if flag else 0, what))
@@ -437,19 +459,33 @@ def _max_rank(value: int, what: str) -> int:
     return int(t.item())
 
 
-def _save(pm, opt, env, path: Path, step: int, cfg, gen) -> tuple[Path | None, dict | None]:
+def _save(pm, opt, env, path: Path, step: int, cfg, gen, health, retention) -> tuple[Path | None, dict | None]:
     """Gather weights and AdamW moments on rank 0 and write the single-process checkpoint format, so any strategy,
-    world size, or the one-process trainer can resume it (state.py). Returns (path, full state) on rank 0."""
+    world size, or the one-process trainer can resume it (state.py), with the run's health (health.py); rank 0
+    keeps what retention keeps (retention.py). Returns (path, full state) on rank 0."""
     from tightfit.parallel.state import gather_full_state
     from tightfit.train import checkpoint as ckpt
+    from tightfit.train.loop import lr_at
 
     with collective(f"the checkpoint gather at step {step}"):
         full = gather_full_state(pm, opt)  # collective; None off rank 0
-    out = None
+    out, failed = None, None
     if env.rank == 0:
         shapes = [(k[len("model."):], tuple(t.shape)) for k, t in full.items() if k.startswith("model.")]
-        out = ckpt.save_checkpoint(path, sorted(full.items()), step=step, config=cfg.to_dict(),
-                                   signature=ckpt.model_signature(shapes), rng=ckpt.capture_rng(gen))
-    with collective(f"the barrier after rank 0 wrote the checkpoint of step {step}"):
-        dist.barrier()
-    return out, full
+        try:
+            out = ckpt.save_checkpoint(path, sorted(full.items()), step=step, config=cfg.to_dict(),
+                                       signature=ckpt.model_signature(shapes), rng=ckpt.capture_rng(gen),
+                                       keep=cfg.train.keep_checkpoints, health=health.record(step))
+            retention.committed(step, out)
+        except UsageError as e:  # every rank must learn it, or they would wait for rank 0 at the next collective
+            failed = e
+    # The vote is the barrier after rank 0's write: no rank goes on before it is done, and all stop if it failed.
+    if not _any_rank(failed is not None, f"the barrier after rank 0 wrote the checkpoint of step {step}"):
+        return out, full
+    if isinstance(failed, ckpt.NonFiniteSaved):
+        retention.judge()
+        nf = failed.non_finite
+        raise diverged(step, f"{describe_key(nf.key)} became {nf.what}", root=path, lr=lr_at(step - 1, cfg),
+                       spike=health.first_spike, optim=cfg.optim)
+    raise failed if failed is not None else quiet(UsageError(f"rank {env.rank}: stopping: rank 0 could not save "
+                                                             f"the checkpoint of step {step}"))

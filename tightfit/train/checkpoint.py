@@ -353,18 +353,25 @@ def group_by_key(tensors: Iterable[tuple[str, torch.Tensor]]):
         yield group, items
 
 
+class NonFiniteSaved(UsageError):
+    """A tensor of a checkpoint being saved was non-finite: nothing was committed (`non_finite` says which)."""
+
+    def __init__(self, non_finite, step: int, root: Path) -> None:
+        super().__init__(f"training diverged: checkpoint tensor {non_finite.key} holds {non_finite.what} at step "
+                         f"{step}; nothing was saved for step {step}, the previous checkpoint in {root} is kept")
+        self.non_finite = non_finite
+
+
 def save_checkpoint(root: Path, tensors: Iterable[tuple[str, torch.Tensor]], *, step: int, config: dict,
                     signature: str, rng: dict[str, torch.Tensor], loss_scaler: dict | None = None,
-                    keep: int = 1) -> Path:
+                    keep: int = 1, health: dict | None = None) -> Path:
     """Write a checkpoint from a flat (key, tensor) stream and wait for its commit. `root`: the checkpoints folder
     (<out-dir>/checkpoints). UsageError when a tensor is non-finite or the disk fails; the previous one survives."""
     writer = start_save(Path(root), group_by_key(tensors), step=step, config=config, signature=signature, rng=rng,
-                        loss_scaler=loss_scaler)
+                        loss_scaler=loss_scaler, health=health)
     path = writer.wait()
     if path is None:
-        nf = writer.non_finite
-        raise UsageError(f"training diverged: checkpoint tensor {nf.key} holds {nf.what} at step {step}; nothing was "
-                         f"saved for step {step}, the previous checkpoint in {root} is kept")
+        raise NonFiniteSaved(writer.non_finite, step, Path(root))
     prune(Path(root), keep)
     return path
 

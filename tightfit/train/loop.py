@@ -22,15 +22,15 @@ from tightfit.errors import UsageError
 from tightfit.offload.step.loss_scale import load_scaler_state, scaler_state
 from tightfit.train import checkpoint as ckpt
 from tightfit.train.checkpoint_swap import state_groups
-from tightfit.train.checkpoint_writer import (check_room, checkpoint_bytes, clean_leftovers, committed, drop_newer,
-                                              prune)
+from tightfit.train.checkpoint_writer import check_room, checkpoint_bytes, clean_leftovers, committed
 from tightfit.train.divergence import describe_key, diverged
-from tightfit.train.health import SUSPECT, RunHealth, set_verdict, verdict_of
+from tightfit.train.health import SUSPECT, RunHealth, verdict_of
 from tightfit.train.data import TokenDataset, data_generator, load_tokens
 from tightfit.train.memory import MemorySetup, check_buildable, setup_memory
 from tightfit.train.preflight import check_outputs
 from tightfit.train.signals import GracefulStop
 from tightfit.train.progress import Progress, format_duration
+from tightfit.train.retention import Retention
 from tightfit.train.tensorboard import open_sink
 from tightfit.utils.sizes import format_size
 
@@ -268,20 +268,7 @@ def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> 
             last_good = (resume_from.step, resume_from.path)
         # The loss around each checkpoint, and the verdicts retention and the divergence message go by (health.py).
         health = RunHealth.resumed(resume_from.health if resume_from is not None else None)
-        awaiting: dict[int, Path] = {}  # committed checkpoints whose verdict waits for the next step's loss
-        saved_steps: list[int] = []  # every checkpoint this run committed
-
-        def judge(committed_one: bool = False, final: bool = False) -> None:
-            """Write the verdicts the last step decided, then prune what retention no longer keeps. `final`: no
-            step follows; a checkpoint still waiting is judged by its own step's loss."""
-            decided = committed_one
-            for s in sorted(awaiting):
-                verdict = health.verdict(s, final=final)
-                if verdict is not None:
-                    set_verdict(awaiting.pop(s), *verdict)
-                    decided = True
-            if decided and t.keep_checkpoints:
-                prune(ckpt_root, t.keep_checkpoints)
+        retention = Retention(ckpt_root, t.keep_checkpoints, health, start_step, say)
 
         def divergence(at: int, what: str) -> UsageError:
             return diverged(at, what, root=ckpt_root, lr=lr, spike=health.first_spike, optim=o)
@@ -295,17 +282,10 @@ def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> 
             path = writer.wait()
             if path is None:
                 nf = writer.non_finite
-                judge()
+                retention.judge()
                 raise divergence(writer.step, f"{describe_key(nf.key)} became {nf.what}")
             last_good = (writer.step, path)
-            # Resumed from an older checkpoint (--resume-step): its first commit replaces the later ones.
-            newer = drop_newer(ckpt_root, start_step, writer.step) if not saved_steps else []
-            saved_steps.append(writer.step)
-            if newer:
-                say(f"removed the checkpoints of step {', '.join(map(str, newer))}: this run, resumed from step "
-                    f"{start_step}, replaces them")
-            awaiting[writer.step] = path
-            judge(committed_one=True)
+            retention.committed(writer.step, path)
 
         def save(step: int) -> None:
             nonlocal pending
@@ -346,12 +326,12 @@ def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> 
                 say(notice)
             if bad:
                 settle()  # a save in flight commits or names what diverged first
-                judge()
+                retention.judge()
                 raise divergence(step, bad)
             if pending is not None and pending.done():
                 settle()
-            elif awaiting:
-                judge()
+            else:
+                retention.judge()
             progress.tick(step, loss_val)  # the status line on a terminal; nothing otherwise
             if profiler is not None:
                 profiler.step()
@@ -391,7 +371,7 @@ def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> 
         if signalled is None or t.save_on_signal:
             save(step)
         settle()
-        judge(final=True)
+        retention.judge(final=True)
         path = last_good[1] if last_good else None
         if path is not None and verdict_of(path) == SUSPECT:
             from tightfit.train.divergence import resume_candidate
