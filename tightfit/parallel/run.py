@@ -34,9 +34,11 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from contextlib import contextmanager, nullcontext
@@ -110,6 +112,8 @@ def launch(cfg, argv: list[str]) -> int:
         # reaches this launcher only; it hands the signal to every rank (torchrun's own handler would tear the
         # workers down and print its traceback). The ranks vote after each step, stop together with a checkpoint
         # and end normally; the launcher then exits as a process that signal ended (128 + its number).
+        status = tempfile.mkdtemp(prefix="tightfit-status-")
+        env[_STATUS_ENV] = status
         proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         received: list[int] = []
 
@@ -121,10 +125,11 @@ def launch(cfg, argv: list[str]) -> int:
 
         old = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
         try:
-            code = proc.wait()
+            code = _worker_status(status, proc.wait())
         finally:
             for sig, handler in old.items():
                 signal.signal(sig, handler)
+            shutil.rmtree(status, ignore_errors=True)
         if received and code == 0:
             return 128 + received[0]
         return code
@@ -213,7 +218,32 @@ def run_worker(cfg) -> NoReturn:
     except BaseException:  # a bug: its traceback, then the same way out
         traceback.print_exc()
         code = 1
+    _report_status(code)
     leave_process(code)
+
+
+_STATUS_ENV = "TIGHTFIT_RANK_STATUS"
+"""Set by `launch` for its workers: a folder where each rank leaves its exit status (torchrun reports only its own)."""
+
+
+def _report_status(code: int) -> None:
+    """Leave this rank's exit status where the launcher reads it (`_worker_status`)."""
+    folder = os.environ.get(_STATUS_ENV)
+    if folder and code:
+        with contextlib.suppress(OSError):
+            Path(folder, f"rank-{os.environ.get('RANK', '0')}").write_text(str(code))
+
+
+def _worker_status(folder: str, code: int) -> int:
+    """The status a distributed run exits with: torchrun's, unless it failed because a rank did; then rank 0's
+    (the one that said why), else the first rank's that failed (2: bad input, 1: a bug or a lost peer)."""
+    found = {}
+    for f in Path(folder).glob("rank-*"):
+        with contextlib.suppress(OSError, ValueError):
+            found[int(f.name[5:])] = int(f.read_text())
+    if code == 0 or not found:
+        return code
+    return found.get(0, found[min(found)])
 
 
 def run_distributed(cfg, timeout_s: float | None = None) -> dict:
