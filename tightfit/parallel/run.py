@@ -420,13 +420,15 @@ def _train(cfg, env, stopper: GracefulStop | None = None) -> dict:
         stop = ""
         if t.stop_at and t.stop_at <= step < t.steps:
             stop = f"--stop-at {t.stop_at} reached"
-        elif t.max_time and _any_rank(time.perf_counter() - t0 > t.max_time,  # clocks differ: decide together
-                                      f"the --max-time vote after step {step}"):
-            stop = f"--max-time {t.max_time:g}s reached at step {step}"
-        elif step < t.steps and (signum := _max_rank((stopper.signum or 0) if stopper else 0,
-                                                      f"the stop-signal vote after step {step}")):
-            signalled = signum
-            stop = f"{signal.Signals(signum).name} received; stopped at step {step}"
+        elif t.max_time or step < t.steps:  # one vote for both: clocks differ and a signal may reach one rank
+            late, signum = _max_ranks([int(bool(t.max_time) and time.perf_counter() - t0 > t.max_time),
+                                       (stopper.signum or 0) if stopper and step < t.steps else 0],
+                                      f"the stop vote (--max-time, signals) after step {step}")
+            if late:
+                stop = f"--max-time {t.max_time:g}s reached at step {step}"
+            elif signum:
+                signalled = signum
+                stop = f"{signal.Signals(signum).name} received; stopped at step {step}"
         if stop:
             say(f"{stop}; continue with --resume" if not signalled or t.save_on_signal else
                 f"{stop} without a checkpoint of it (--no-save-on-signal); --resume continues from the last one "
@@ -476,17 +478,17 @@ def quiet(error: UsageError) -> UsageError:
 
 def _any_rank(flag: bool, what: str) -> bool:
     """True on every rank if it is true on any (one tiny all-reduce): a decision all ranks must take together."""
-    return bool(_max_rank(1 if flag else 0, what))
+    return bool(_max_ranks([1 if flag else 0], what)[0])
 
 
-def _max_rank(value: int, what: str) -> int:
-    """The largest of every rank's `value` (one tiny all-reduce), the same on every rank."""
-    t = torch.tensor([float(value)])
+def _max_ranks(values: list[int], what: str) -> list[int]:
+    """The largest of every rank's value at each position (one tiny all-reduce), the same on every rank."""
+    t = torch.tensor([float(v) for v in values])
     if torch.cuda.is_available() and dist.get_backend() == "nccl":
         t = t.cuda()
     with collective(what):
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
+    return [int(v) for v in t.tolist()]
 
 
 def _save(pm, opt, env, path: Path, step: int, cfg, gen, health, retention) -> tuple[Path | None, dict | None]:

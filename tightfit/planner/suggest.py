@@ -150,8 +150,6 @@ def what_more_buys(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape
                    names: Naming, step_s: float, bottleneck: str) -> str | None:
     """One line for a plan that fits: what twice the GPU memory, and twice the host memory, would make of the
     predicted step, each planned again with that figure ([Note: true figures]). None when neither can be planned."""
-    from tightfit.planner.search import _search_units
-
     out = []
     for key, tier in ((("gpu_mem", "GPU"),) if not b.shared else ()) + (("cpu_mem", "host"),):
         now = b.given.get(key)
