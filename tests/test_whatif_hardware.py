@@ -90,6 +90,18 @@ def test_a_probe_cache_file_is_a_profile_file(tmp_path):
      ' "h2d_bw": 1, "d2h_bw": 1, "mem_bw": 1, "cpu_adam_rate": 1, "matmul_flops": {"1": 1},'
      ' "nvme_volumes": {"1073741824": [1e9, 1e9]}}',
      "field nvme_volumes: entry '1073741824'"),
+    ('{"cuda": false, "device_name": "x", "host_total": "8GiB", "nvme_read_bw": NaN, "nvme_write_bw": 1,'
+     ' "h2d_bw": 1, "d2h_bw": 1, "mem_bw": 1, "cpu_adam_rate": 1, "matmul_flops": {"1": 1}}',
+     "field nvme_read_bw: expected bytes per second"),
+    ('{"cuda": false, "device_name": "x", "host_total": Infinity, "nvme_read_bw": 1, "nvme_write_bw": 1,'
+     ' "h2d_bw": 1, "d2h_bw": 1, "mem_bw": 1, "cpu_adam_rate": 1, "matmul_flops": {"1": 1}}',
+     "field host_total: expected bytes"),
+    ('{"cuda": false, "device_name": "x", "host_total": "8GiB", "nvme_read_bw": 1, "nvme_write_bw": 1,'
+     ' "h2d_bw": 1, "d2h_bw": 1, "mem_bw": 1, "cpu_adam_rate": 1, "matmul_flops": {"1": 1},'
+     ' "op_overhead_s": NaN}', "field op_overhead_s: expected a number"),
+    ('{"cuda": false, "device_name": "x", "host_total": "8GiB", "nvme_read_bw": 1, "nvme_write_bw": 1,'
+     ' "h2d_bw": 1, "d2h_bw": 1, "mem_bw": 1, "cpu_adam_rate": 1, "matmul_flops": {"1": 1},'
+     ' "unit_overhead_s": -0.001}', "field unit_overhead_s: seconds cannot be negative"),
     ("{not json", "not valid JSON"),
 ])
 def test_bad_profile_files_are_one_line_errors(tmp_path, capsys, text, words):
@@ -183,7 +195,7 @@ def test_llama2_7b_on_a_24gib_gpu_matches_the_documented_arithmetic(tmp_path, ca
     # The fastest plan, then the smallest: the step is bound by the disk, so the device residency that buys less
     # than 3% (the root's params, two blocks' gradients) goes back to host memory (docs/PLANNER.md, decision 5).
     assert "params: 1 unit(s) on host, 32 unit(s) on device" in out
-    assert re.search(r"device: 1.5 GiB less than the fullest plan, for a predicted step within 3% of its 22830 ms "
+    assert re.search(r"device: 1.5 GiB less than the fullest plan, for a predicted step within 3% of its 22781 ms "
                      r"\(bound by nvme", out), out
     g_dev = int(re.search(r"grads: (\d+) unit\(s\) on device", out).group(1))
     opt_nvme = int(re.search(r"master \+ optimizer: \d+ unit\(s\) on host, (\d+) unit\(s\) on nvme", out).group(1))
@@ -261,7 +273,9 @@ def test_the_fastest_plan_then_the_smallest(capsys):
     step = float(re.search(r"predicted step: ([0-9.]+) ms", out).group(1)) / 1e3
     assert fastest <= step <= 1.03 * fastest + 1e-3
     rows = {r.group(1): r.group(2) for r in re.finditer(r"^(device|host|nvme)\s+(\S+ \S+)", out, re.M)}
-    assert rows["device"] == "0 B", rows  # no device-resident state: each one bought less than 3%
+    # No device-resident state but the root's bf16 params (6 MiB, the last group the trim reaches, least touched
+    # first, after the others have spent the 3%): each of the 24 blocks' states bought less than 3%.
+    assert parse_size(rows["device"].replace(" ", "")) <= 2 * 3_149_824, rows
     assert "bottleneck: cpu optimizer" in out
 
 
@@ -274,9 +288,9 @@ def test_the_plan_says_what_more_memory_buys(tmp_path, capsys):
                         "1", "--seq-len", "4096", "--nvme", "/mnt/swap")
     assert rc == 0, err
     m = re.search(r"what more memory buys \(the step is bound by nvme\): 2x the GPU memory: no faster; 2x the host "
-                  r"memory \(--cpu-mem ([0-9.]+) GiB\): 22851 -> ([0-9]+) ms", out)
+                  r"memory \(--cpu-mem ([0-9.]+) GiB\): 22802 -> ([0-9]+) ms", out)
     assert m, out
-    assert int(m.group(2)) < 22851 / 2
+    assert int(m.group(2)) < 22802 / 2
 
 
 @pytest.mark.parametrize("name,workspace", [("h200", 32), ("h100-pcie", 32), ("a100-80gb", 8), ("rtx4090", 8)])

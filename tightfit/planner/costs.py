@@ -17,6 +17,15 @@ the host tier + the pool, all at once in backward. With CUDA the process holds t
 
 [Note: overlap] See `step_time`: streams that use different hardware run concurrently; on a CPU-only machine
 compute, copies and the CPU optimizer share the cores and add up, only the disk runs beside them.
+
+[Note: the host floor] Every op is issued by the host: the model's own ops (the trace counts them) at
+`op_overhead_s` each, and the engine's work per unit and micro-batch (its hooks, the parameter views it hands a
+unit, the gradient hand-off, the unit's share of the optimizer's dispatch) and per step, which the probe measures
+by running the engine itself (`measure_engine_overhead`: ~0.6 ms per unit on a 2-core VM, where a tiny model's
+traced ops cost ~0.1 ms). On a CPU-only machine this host time adds to the kernels' (the same cores run both). On
+a GPU the host issues while the GPU runs what was issued before, so compute takes the longer of the two: a large
+model is bound by its kernels, a small one by its host (the first GPU run's default model: 2.9 ms predicted from
+kernels alone, 16.0 ms measured). `--offload none` runs no engine: its floor is the model's ops alone.
 """
 
 from __future__ import annotations
@@ -45,6 +54,8 @@ class TrainShape:
     """Clipping needs the global gradient norm before any unit's update: the optimizer cannot overlap backward."""
     checkpoints: bool = True
     """The run saves checkpoints (`--keep-checkpoints` > 0): a save's host bytes count in its RSS."""
+    engine: bool = True
+    """The offload engine runs the step (False: `--offload none`, plain PyTorch): its host time counts."""
 
 
 @dataclass
@@ -59,7 +70,11 @@ class Prediction:
     """The process's floor: the torch runtime (the probe's fresh process), or what `tightfit train` measured its own
     process to hold before the engine (the data set included). Added to host (and CPU device) bytes for its RSS."""
     compute_s: float = 0.0
-    """Forward + backward (+ recomputation) time of all micro-batches on the compute device."""
+    """Forward + backward (+ recomputation) time of all micro-batches on the compute device, the host's issuing
+    included ([Note: the host floor])."""
+    host_s: float = 0.0
+    """Host time issuing the step: the model's ops and the engine's per-unit and per-step work ([Note: the host
+    floor]). On a GPU compute is the longer of this and the kernels; on a CPU it is part of compute."""
     copy_s: float = 0.0
     """Host <-> device transfer time (on a CPU-only machine: memcpy between tier buffers)."""
     nvme_s: float = 0.0
@@ -190,8 +205,21 @@ def engine_budgets(placement: Placement, pred: Prediction) -> Placement:
 def work_time(w: Work, hw: HardwareProfile) -> float:
     """Roofline per bucket: matmul FLOPs at the measured rate for their size, memory-bound bytes at memory
     bandwidth, plus a fixed dispatch cost per op."""
+    return kernel_time(w, hw) + w.n_ops * hw.op_overhead_s
+
+
+def kernel_time(w: Work, hw: HardwareProfile) -> float:
+    """The roofline alone: matmul FLOPs at the measured rate for their size, memory-bound bytes at memory
+    bandwidth (what the device spends, without the host's issuing)."""
     t = sum(f / hw.matmul_rate(size) for size, f in w.gemm_flops.items())
-    return t + w.mem_bytes / hw.mem_bw + w.n_ops * hw.op_overhead_s
+    return t + w.mem_bytes / hw.mem_bw
+
+
+def engine_host_time(profile: ModelProfile, hw: HardwareProfile, shape: TrainShape) -> float:
+    """The engine's own host time per step ([Note: the host floor]): each unit's per micro-batch, and the step's."""
+    if not shape.engine:
+        return 0.0
+    return shape.grad_accum * len(profile.units) * hw.unit_overhead_s + hw.step_overhead_s
 
 
 def traffic(profile: ModelProfile, placement: Placement, shape: TrainShape) -> dict[str, float]:
@@ -262,12 +290,14 @@ def step_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, 
     so those terms add instead of overlapping; only the disk runs beside them.
     """
     a = shape.grad_accum
-    compute = 0.0
+    kernels, host = 0.0, engine_host_time(profile, hw, shape)
     for u in profile.units:
-        per_micro = work_time(u.fwd, hw) + work_time(u.bwd, hw)
-        if u.name in placement.checkpoint_units:
-            per_micro += work_time(u.fwd, hw)
-        compute += a * per_micro
+        runs = ((u.fwd, 2) if u.name in placement.checkpoint_units else (u.fwd, 1)), (u.bwd, 1)
+        for w, n in runs:
+            kernels += a * n * kernel_time(w, hw)
+            host += a * n * w.n_ops * hw.op_overhead_s
+    # [Note: the host floor]: a GPU runs what the host issued before while the host issues more.
+    compute = max(kernels, host) if hw.cuda else kernels + host
     tr = traffic(profile, placement, shape)
     pred.traffic = {k: v for k, v in tr.items()}
     h2d = tr["h2d"] / hw.h2d_bw
@@ -286,13 +316,15 @@ def step_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, 
     if hw.cuda:
         phase_a = max(compute, h2d, d2h, disk_a)
         phase_b = max(cpu_opt / hw.cpu_adam_rate, disk_b, h2d_b) + dev_opt / hw.device_adam_rate
-        terms = {"compute": compute, "host<->device": max(h2d, d2h), "nvme": disk_a}
+        terms = {"compute" if kernels >= host else "host issuing ops": compute, "host<->device": max(h2d, d2h),
+                 "nvme": disk_a}
     else:
         # One set of cores: compute and memcpy serialise; the disk threads wait on DMA and overlap.
         phase_a = max(compute + h2d + d2h, disk_a)
         phase_b = max(opt + h2d_b, disk_b)
         terms = {"compute": compute, "host<->device": h2d + d2h, "nvme": disk_a}
     pred.compute_s, pred.copy_s, pred.nvme_s, pred.optim_s = compute, h2d + d2h + h2d_b, disk_a + disk_b, opt
+    pred.host_s = host
     pred.exposed_s = exposed
     pred.step_s = phase_a + phase_b + exposed
     # The bottleneck is the largest contributor to the critical path of the longer phase.
@@ -323,5 +355,6 @@ def units_per_window(profile: ModelProfile, placement: Placement, hw: HardwarePr
     if any(placement.of(u.name).params == Tier.NVME for u in streamed):
         fetch_bw = min(fetch_bw, hw.nvme_read_bw)
     fetch = max(u.numel * shape.compute_bytes for u in streamed) / fetch_bw
-    per_unit = min(work_time(u.fwd, hw) for u in streamed) or 1e-9
+    per_unit = min(work_time(u.fwd, hw) for u in streamed) + (hw.unit_overhead_s / 2 if shape.engine else 0.0)
+    per_unit = per_unit or 1e-9
     return max(1, min(4, math.ceil(fetch / per_unit)))

@@ -18,6 +18,8 @@ _PCIE4_NVME = ["NVMe: one PCIe 4.0 SSD, 6.0 GB/s sequential O_DIRECT read, 4.5 G
 _WORKSPACE_8 = ("8 MiB of cuBLAS workspace on the device (PyTorch's default before compute capability 9.0: "
                 "4096 KiB x 2 + 16 KiB x 8)")
 _WORKSPACE_32 = "32 MiB of cuBLAS workspace on the device (PyTorch's default from compute capability 9.0, Hopper)"
+_HOST_ISSUE = ("the host issues each op in 10 us and spends 1 ms per unit and micro-batch and 1 ms per step in the "
+               "offload engine (the probe measures all three: 3 us, 0.6 ms and ~0 on a 2-core CPU VM's CPU path)")
 _PCIE5_NVME = ["NVMe: one PCIe 5.0 SSD, 11 GB/s sequential O_DIRECT read, 9 GB/s write, 3 TiB free"]
 
 PROFILES: dict[str, dict] = {
@@ -28,14 +30,14 @@ PROFILES: dict[str, dict] = {
         "mem_bw": "900GB/s", "cpu_adam_rate": 1.5e9, "device_adam_rate": 25e9,
         "matmul_flops": {"128": 60e12, "256": 90e12, "512": 110e12, "1024": 120e12, "2048": 140e12,
                          "4096": 150e12, "8192": 150e12},
-        "op_overhead_s": 10e-6, "runtime_rss": "3GiB", "threads": 16,
+        "op_overhead_s": 10e-6, "unit_overhead_s": 1e-3, "step_overhead_s": 1e-3, "runtime_rss": "3GiB", "threads": 16,
         "assumptions": ["GPU: 24 GiB, bf16 matmul reaching 150 TFLOP/s at size 4096 (peak 165), 60 at 128 tokens, "
                         "memory-bound ops at 900 GB/s read + write, AdamW 25 G params/s",
                         "PCIe 4.0 x16: 25 GB/s pinned copies each way (32 GB/s link)",
                         "host: 64 GiB RAM, 60 GiB available, 16 cores running fused AdamW at 1.5 G params/s",
                         *_PCIE4_NVME,
                         "a CUDA training process holds 3 GiB of RSS before its model (CUDA context, libraries)",
-                        _WORKSPACE_8]},
+                        _WORKSPACE_8, _HOST_ISSUE]},
     "gpu40-pcie4": {
         "cuda": True, "device_workspace": "8MiB", "device_name": "40 GiB GPU, PCIe 4.0 x16 (A100 40GB PCIe class)",
         "gpu_total": "40GiB", "host_total": "128GiB", "host_available": "120GiB", "nvme_free": "1.5TiB",
@@ -43,14 +45,14 @@ PROFILES: dict[str, dict] = {
         "mem_bw": "1300GB/s", "cpu_adam_rate": 2.5e9, "device_adam_rate": 40e9,
         "matmul_flops": {"128": 90e12, "256": 130e12, "512": 155e12, "1024": 170e12, "2048": 210e12,
                          "4096": 230e12, "8192": 230e12},
-        "op_overhead_s": 10e-6, "runtime_rss": "3GiB", "threads": 32,
+        "op_overhead_s": 10e-6, "unit_overhead_s": 1e-3, "step_overhead_s": 1e-3, "runtime_rss": "3GiB", "threads": 32,
         "assumptions": ["GPU: 40 GiB, bf16 matmul reaching 230 TFLOP/s at size 4096 (peak 312), 90 at 128 tokens, "
                         "memory-bound ops at 1.3 TB/s read + write, AdamW 40 G params/s",
                         "PCIe 4.0 x16: 25 GB/s pinned copies each way (32 GB/s link)",
                         "host: 128 GiB RAM, 120 GiB available, 32 cores running fused AdamW at 2.5 G params/s",
                         *_PCIE4_NVME,
                         "a CUDA training process holds 3 GiB of RSS before its model (CUDA context, libraries)",
-                        _WORKSPACE_8]},
+                        _WORKSPACE_8, _HOST_ISSUE]},
     "gpu80-pcie5": {
         "cuda": True, "device_workspace": "32MiB", "device_name": "80 GiB GPU, PCIe 5.0 x16 (H100 PCIe class)",
         "gpu_total": "80GiB", "host_total": "256GiB", "host_available": "240GiB", "nvme_free": "3TiB",
@@ -58,14 +60,14 @@ PROFILES: dict[str, dict] = {
         "mem_bw": "1700GB/s", "cpu_adam_rate": 2.5e9, "device_adam_rate": 55e9,
         "matmul_flops": {"128": 150e12, "256": 220e12, "512": 270e12, "1024": 300e12, "2048": 450e12,
                          "4096": 500e12, "8192": 500e12},
-        "op_overhead_s": 10e-6, "runtime_rss": "3GiB", "threads": 32,
+        "op_overhead_s": 10e-6, "unit_overhead_s": 1e-3, "step_overhead_s": 1e-3, "runtime_rss": "3GiB", "threads": 32,
         "assumptions": ["GPU: 80 GiB, bf16 matmul reaching 500 TFLOP/s at size 4096 (peak 756), 150 at 128 tokens, "
                         "memory-bound ops at 1.7 TB/s read + write, AdamW 55 G params/s",
                         "PCIe 5.0 x16: 50 GB/s pinned copies each way (64 GB/s link)",
                         "host: 256 GiB RAM, 240 GiB available, 32 cores running fused AdamW at 2.5 G params/s",
                         *_PCIE5_NVME,
                         "a CUDA training process holds 3 GiB of RSS before its model (CUDA context, libraries)",
-                        _WORKSPACE_32]},
+                        _WORKSPACE_32, _HOST_ISSUE]},
 }
 """Name -> profile in the file format (hardware_file.py)."""
 
@@ -76,10 +78,11 @@ _MATMUL_SHAPE = {"128": 0.36, "256": 0.55, "512": 0.7, "1024": 0.8, "2048": 0.93
 
 def _rented(name: str, *, gib: int, peak: float, achieved: float, mem_tbs: float, pcie: int, host_gib: int,
             cores: int, hopper: bool, measured: list[str] = (),
-            achieved_note: str = "assumed 0.7 of the data sheet's peak") -> dict:
+            achieved_note: str = "assumed 0.7 of the data sheet's peak", adam: float | None = None) -> dict:
     """A profile of one rented GPU: data-sheet capacities, achieved rates stated as assumed (or measured)."""
     link = {4: ("PCIe 4.0 x16", 25, 32), 5: ("PCIe 5.0 x16", 50, 64)}[pcie]
-    adam = round(1.5e9 * max(1.0, cores / 16) ** 0.7, -8)
+    adam_note = "measured" if adam else "assumed"
+    adam = adam or round(1.5e9 * max(1.0, cores / 16) ** 0.7, -8)
     nvme = _PCIE5_NVME if pcie == 5 else _PCIE4_NVME
     return {
         "cuda": True, "device_name": name, "gpu_total": f"{gib}GiB", "host_total": f"{host_gib}GiB",
@@ -88,7 +91,8 @@ def _rented(name: str, *, gib: int, peak: float, achieved: float, mem_tbs: float
         "h2d_bw": f"{link[1]}GB/s", "d2h_bw": f"{link[1]}GB/s", "mem_bw": f"{int(mem_tbs * 850)}GB/s",
         "cpu_adam_rate": adam, "device_adam_rate": round(mem_tbs * 850e9 / 32, -9),
         "matmul_flops": {k: round(achieved * v, -12) for k, v in _MATMUL_SHAPE.items()},
-        "op_overhead_s": 10e-6, "runtime_rss": "3GiB", "threads": cores,
+        "op_overhead_s": 10e-6, "unit_overhead_s": 1e-3, "step_overhead_s": 1e-3, "runtime_rss": "3GiB",
+        "threads": cores,
         "device_workspace": "32MiB" if hopper else "8MiB",
         "assumptions": [*measured,
                         f"GPU: {name}, {gib} GiB; bf16 matmul reaching {achieved / 1e12:.0f} TFLOP/s at size 4096 "
@@ -97,10 +101,10 @@ def _rented(name: str, *, gib: int, peak: float, achieved: float, mem_tbs: float
                         f"(0.85 of {mem_tbs} TB/s)",
                         f"{link[0]}: {link[1]} GB/s pinned copies each way ({link[2]} GB/s link)",
                         f"host share: {host_gib} GiB RAM, {cores} cores running fused AdamW at {adam / 1e9:.1f} G "
-                        "params/s (assumed)",
+                        f"params/s ({adam_note})",
                         *nvme,
                         "a CUDA training process holds 3 GiB of RSS before its model (CUDA context, libraries)",
-                        _WORKSPACE_32 if hopper else _WORKSPACE_8]}
+                        _WORKSPACE_32 if hopper else _WORKSPACE_8, _HOST_ISSUE]}
 
 
 PROFILES.update({
@@ -111,9 +115,10 @@ PROFILES.update({
     # The H200 this project was lent (2026-11-26, ../shared/gpu-runs/2026-11-26/): what was measured there is said so.
     "h200": _rented("NVIDIA H200", gib=139, peak=989e12, achieved=797e12, mem_tbs=4.8, pcie=5, host_gib=125, cores=16,
                     hopper=True,
-                    achieved_note="measured: an 8192^3 bf16 matmul on the H200 lent on 2026-11-26",
+                    achieved_note="measured: an 8192^3 bf16 matmul on the H200 lent on 2026-11-26", adam=2.5e9,
                     measured=["measured on the H200 lent on 2026-11-26: 139.8 GiB visible to torch, 16 CPU cores, "
-                              "125 GiB RAM, bf16 matmul 797 TFLOP/s at 8192; every other figure assumed"]),
+                              "125 GiB RAM, bf16 matmul 797 TFLOP/s at 8192, fused AdamW on its CPU at 2.5 G "
+                              "params/s (its probe's; 1.21 B params in 484 ms); every other figure assumed"]),
     "a100-40gb": _rented("NVIDIA A100 40GB", gib=40, peak=312e12, achieved=230e12, mem_tbs=1.55, pcie=4,
                          host_gib=85, cores=12, hopper=False, achieved_note="assumed 0.74 of the data sheet's peak"),
     "a100-80gb": _rented("NVIDIA A100 80GB", gib=80, peak=312e12, achieved=230e12, mem_tbs=2.0, pcie=4,

@@ -181,7 +181,8 @@ class Plan:
                      f"device->host {format_size(tr.get('d2h', 0))}, nvme read "
                      f"{format_size(tr.get('nvme_read', 0) + tr.get('nvme_read_opt', 0))}, nvme write "
                      f"{format_size(tr.get('nvme_write', 0) + tr.get('nvme_write_opt', 0))}")
-        lines.append(f"step time terms: compute {pr.compute_s * 1e3:.1f} ms, host<->device {pr.copy_s * 1e3:.1f} ms, "
+        lines.append(f"step time terms: compute {pr.compute_s * 1e3:.1f} ms (the host issuing ops "
+                     f"{pr.host_s * 1e3:.1f} ms), host<->device {pr.copy_s * 1e3:.1f} ms, "
                      f"nvme {pr.nvme_s * 1e3:.1f} ms, optimizer {pr.optim_s * 1e3:.1f} ms, "
                      f"exposed latency {pr.exposed_s * 1e3:.1f} ms")
         lines.append(f"predicted step: {pr.step_s * 1e3:.1f} ms ({pr.tokens_per_s:,.0f} tokens/s); "

@@ -47,7 +47,8 @@ def make_plan(model: nn.Module, cfg, hardware: HardwareProfile | None = None, na
     profile = profile_model(model, cfg.train.micro_batch, cfg.train.seq_len, dtype, cuda)
     shape = TrainShape(compute_bytes=DTYPE_BYTES[dtype], grad_accum=cfg.train.grad_accum,
                        tokens_per_micro=cfg.train.micro_batch * cfg.train.seq_len,
-                       grad_clip=cfg.optim.grad_clip > 0, checkpoints=cfg.train.keep_checkpoints > 0)
+                       grad_clip=cfg.optim.grad_clip > 0, checkpoints=cfg.train.keep_checkpoints > 0,
+                       engine=cfg.memory.offload != "none")
     mode = cfg.memory.offload
 
     def place(hw: HardwareProfile) -> Plan:

@@ -7,6 +7,7 @@ engine spends it:
 - memory bandwidth (a large tensor copy), for norms, activations and other memory-bound ops;
 - per-op overhead: a chain of tiny ops with autograd, forward + backward, divided by the aten ops it dispatches
   (counted by the same tracer the model profile uses, so the two agree on what "an op" is);
+- the engine's own host time per unit and per step: the engine stepping tiny models of 2 and 6 blocks;
 - fused AdamW on CPU (and on the GPU), in parameters per second;
 - host<->device copies (pinned, CUDA; a memcpy between tier buffers on a CPU-only machine);
 - the swap folder's sequential O_DIRECT read/write bandwidth, sustained (a file of up to 16 GiB written twice),
@@ -116,6 +117,72 @@ def measure_op_overhead(device: str) -> float:
     return _timeit(lambda: step(device)) / max(1, n_ops)
 
 
+ENGINE_PROBE_BLOCKS = (2, 6)
+"""Blocks of the two tiny models `measure_engine_overhead` times: their difference is four units' cost."""
+
+
+def measure_engine_overhead(device: str, steps: int = 40) -> tuple[float, float]:
+    """(seconds per unit and micro-batch, seconds per step) of host time the offload engine and a training step
+    spend beyond the model's own ops ([Note: the host floor] in costs.py).
+
+    How: the engine itself, every state on the device tier, steps a tiny GPT (width 16, 8 tokens: its kernels
+    cost nothing, so a step is host time) as `tightfit train` does: forward, backward, clip, step, zero_grad, the
+    loss read back. With 2 and with 6 blocks; the step time less the model's traced ops at `op_overhead_s` gives
+    a line whose slope is the per-unit cost and whose rest, less two units, is the per-step cost."""
+    import tightfit
+    from tightfit.models.gpt import GPT, GPTConfig
+    from tightfit.offload.step.engine import engine_of
+    from tightfit.optim import AdamW
+    from tightfit.planner.model_profile import _Tracer
+
+    def model(n_layer: int, on: str) -> torch.nn.Module:
+        with torch.random.fork_rng(devices=[]):  # the run's generator stays untouched ([Note] in _operand)
+            torch.manual_seed(0)
+            with torch.device(on):
+                return GPT(GPTConfig(n_layer=n_layer, n_embd=16, n_head=2, block_size=8, vocab_size=64))
+
+    def traced_ops(n_layer: int) -> int:
+        tracer = _Tracer()
+        m, x = model(n_layer, "meta"), torch.zeros(1, 8, dtype=torch.long, device="meta")
+        with tracer:
+            m(x, x).backward()
+        return sum(w.n_ops for w in tracer.work.values())
+
+    def step_s(n_layer: int) -> float:
+        m = tightfit.wrap(model(n_layer, "cpu"), tightfit.Placement.everywhere("device"), device=device)
+        opt = AdamW(m.parameters(), lr=1e-3)
+        x = torch.zeros(1, 8, dtype=torch.long, device=device)
+
+        def step() -> None:
+            opt.preload_during_backward()
+            loss = m(x, x)
+            loss.backward()
+            opt.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+            loss.item()
+
+        try:
+            for _ in range(3):
+                step()
+            times = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - t0)
+            return sorted(times)[len(times) // 2]
+        finally:
+            engine_of(m).close()
+
+    op = measure_op_overhead(device)
+    (n1, n2), t, ops = ENGINE_PROBE_BLOCKS, {}, {}
+    for n in (n1, n2):
+        t[n], ops[n] = step_s(n), traced_ops(n)
+    unit = max(0.0, ((t[n2] - t[n1]) - (ops[n2] - ops[n1]) * op) / (n2 - n1))
+    per_step = max(0.0, t[n1] - ops[n1] * op - (n1 + 1) * unit)  # n1 blocks and the root unit
+    return unit, per_step
+
+
 def measure_device_workspace() -> int:
     """Bytes a first bf16 linear layer's forward and backward leave allocated on the GPU beyond its tensors: the
     math libraries' workspaces (cuBLAS's, per stream), which torch's caching allocator holds for the process."""
@@ -220,13 +287,18 @@ def run_probe(folder: str | None = None, save: bool = True, sustained: bool = Tr
         mem_bw=measure_mem_bw(device),
         cpu_adam_rate=cpu_adam, device_adam_rate=measure_adam("cuda") if cuda else cpu_adam,
         matmul_flops=measure_matmul(device, dtype), op_overhead_s=measure_op_overhead(device),
-        device_workspace=measure_device_workspace() if cuda else 0,
+        **_engine_overhead(device), device_workspace=measure_device_workspace() if cuda else 0,
         runtime_rss=measure_runtime_rss(), threads=torch.get_num_threads(), measured_at=time.time(),
         probe_version=PROBE_VERSION)
     hw = current(hw, folder)
     if save:
         save_cached(hw)
     return hw
+
+
+def _engine_overhead(device: str) -> dict[str, float]:
+    unit, step = measure_engine_overhead(device)
+    return {"unit_overhead_s": unit, "step_overhead_s": step}
 
 
 def _disk_volumes(disk: DiskProfile) -> dict[int, list[float]]:
@@ -249,6 +321,7 @@ def refresh_speeds(hw: HardwareProfile) -> HardwareProfile:
     cpu_adam = measure_adam("cpu")
     return replace(hw, matmul_flops=measure_matmul(device, torch.bfloat16 if cuda else torch.float32),
                    mem_bw=measure_mem_bw(device), op_overhead_s=measure_op_overhead(device), cpu_adam_rate=cpu_adam,
+                   **_engine_overhead(device),
                    device_adam_rate=measure_adam("cuda") if cuda else cpu_adam, h2d_bw=h2d, d2h_bw=d2h,
                    measured_at=time.time())
 

@@ -274,7 +274,7 @@ def _search_units(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape:
 
     Why both: auto checkpoints only as many units as it takes for the activations to fit beside the smallest
     streaming window, which can leave the device full of activations and every state streamed; checkpointing every
-    unit frees that room for states that then need no transfer (the 7B Llama on a 24 GiB GPU: 30.0 s -> 22.8 s
+    unit frees that room for states that then need no transfer (the 7B Llama on a 24 GiB GPU: 29.1 s -> 22.8 s
     predicted per step, docs/PLANNER.md). The greedy fill cannot see that trade, so both are searched."""
     try:
         res = _search_joined(profile, hw, b, shape, checkpointing)

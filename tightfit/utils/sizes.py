@@ -24,6 +24,8 @@ _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 def parse_size(text: str | int | float, flag: str = "size") -> int:
     """Bytes in `text`; raises UsageError naming `flag` when it cannot be read."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
+        if text != text or text in (float("inf"), float("-inf")):
+            raise UsageError(f"{flag}: size must be a finite number, got {text}")
         if text < 0:
             raise UsageError(f"{flag}: size must not be negative, got {text}")
         return int(text)
