@@ -136,7 +136,7 @@ class Plan:
                  f"  device: the engine's own count at most {self._figure('device_engine_peak')}; activations "
                  f"{format_size(pr.breakdown.get('device', {}).get('activations', 0))} at the device's peak",
                  f"  predicted step: {self._figure('step_s')} ({pr.tokens_per_s:,.0f} tokens/s), "
-                 f"bottleneck: {pr.bottleneck}"]
+                 f"bottleneck: {pr.bottleneck}; the host issues its ops in {pr.host_s * 1e3:.1f} ms"]
         extras = []
         if p.checkpoint_units:
             extras.append(f"checkpointing {len(p.checkpoint_units)} unit(s)")
