@@ -7,7 +7,9 @@ memory model (`costs.memory`), so no budget is ever exceeded by the arithmetic t
 
 Order of decisions (each step can only make the next easier):
 1. budgets (flags, else the machine less headroom);
-2. activation checkpointing (auto: only if activations + the smallest streaming window do not fit the device);
+2. activation checkpointing (auto: only if activations + the smallest streaming window do not fit the device;
+   the search then runs again with every unit checkpointed, unless every state fits on the device without, and
+   keeps the faster plan, or within 3% of it the smaller);
 3. tiling (only if one unit's largest Linear alone leaves no room on the device);
 4. prefetch depth (hide one unit's fetch behind the compute of the units before it), staging buffers;
 5. states: start on host; promote to the device in priority order while the device budget holds; demote to NVMe
@@ -269,13 +271,15 @@ def _fits(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainSh
 
 def _search_units(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainShape,
                   checkpointing: str) -> SearchResult:
-    """The search; with --checkpointing auto, also with every unit checkpointed, keeping the faster. Raises
-    `_NoFit` when neither fits.
+    """The search; with --checkpointing auto, also with every unit checkpointed, keeping the fastest, then within
+    TRIM_TOLERANCE of it the smallest device peak (decision 5). Raises `_NoFit` when neither fits.
 
     Why both: auto checkpoints only as many units as it takes for the activations to fit beside the smallest
     streaming window, which can leave the device full of activations and every state streamed; checkpointing every
-    unit frees that room for states that then need no transfer (the 7B Llama on a 24 GiB GPU: 29.1 s -> 22.8 s
-    predicted per step, docs/PLANNER.md). The greedy fill cannot see that trade, so both are searched."""
+    unit frees that room for states that then need no transfer, or whose optimizer runs on the device (the 7B
+    Llama on a 24 GiB GPU: 29.1 s -> 22.8 s predicted; a 1.2 B GPT under 12 GiB on an H200, whose activations fit
+    without checkpointing: 536 -> 447 ms, docs/PLANNER.md). The greedy fill cannot see that trade, so both are
+    searched, unless every state already sits on the device without recomputation."""
     try:
         res = _search_joined(profile, hw, b, shape, checkpointing)
     except _NoFit:
@@ -283,8 +287,8 @@ def _search_units(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape:
             raise
         res = None
     everything = [u.name for u in profile.units if u.checkpointable]
-    if checkpointing != "auto" or (res is not None and (set(res.placement.checkpoint_units) >= set(everything) or
-                                                        not res.placement.checkpoint_units)):
+    if checkpointing != "auto" or not everything or (
+            res is not None and (set(res.placement.checkpoint_units) >= set(everything) or _all_on_device(res))):
         return res
     try:
         alt = _search_joined(profile, hw, b, shape, "on")
@@ -292,13 +296,35 @@ def _search_units(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape:
         if res is None:
             raise
         return res
-    if res is not None and res.prediction.step_s <= alt.prediction.step_s:
+    if res is None:
+        alt.reasons.insert(0, "activation checkpointing of every unit: the activations do not fit otherwise")
+        return alt
+    fastest = min(res.prediction.step_s, alt.prediction.step_s)
+    within = [r for r in (res, alt) if r.prediction.step_s <= fastest * (1 + TRIM_TOLERANCE)]
+    best = min(within, key=lambda r: (r.prediction.peak.get("device", 0), r.prediction.step_s))
+    if best is res:
+        if res.prediction.step_s < alt.prediction.step_s:
+            return res
+        res.reasons.insert(0, f"activation checkpointing of {len(res.placement.checkpoint_units)} unit(s), not all: "
+                              f"{format_size(res.prediction.peak.get('device', 0))} of device at "
+                              f"{res.prediction.step_s * 1e3:.0f} ms per step, within {TRIM_TOLERANCE:.0%} of all "
+                              f"checkpointed ({format_size(alt.prediction.peak.get('device', 0))}, "
+                              f"{alt.prediction.step_s * 1e3:.0f} ms)")
         return res
-    alt.reasons.insert(0, "activation checkpointing of every unit: its room on the device holds states instead"
-                          + ("" if res is None else f" ({res.prediction.step_s * 1e3:.0f} ms per step with "
-                                                    f"{len(res.placement.checkpoint_units)} checkpointed, "
-                                                    f"{alt.prediction.step_s * 1e3:.0f} ms with all)"))
+    why = ("its room on the device holds states instead" if alt.prediction.step_s < res.prediction.step_s else
+           f"a smaller device peak within {TRIM_TOLERANCE:.0%} of the fastest plan's step")
+    alt.reasons.insert(0, f"activation checkpointing of every unit: {why} ({res.prediction.step_s * 1e3:.0f} ms per "
+                          f"step and {format_size(res.prediction.peak.get('device', 0))} of device with "
+                          f"{len(res.placement.checkpoint_units)} checkpointed, {alt.prediction.step_s * 1e3:.0f} ms "
+                          f"and {format_size(alt.prediction.peak.get('device', 0))} with all)")
     return alt
+
+
+def _all_on_device(res: SearchResult) -> bool:
+    """Every state of every unit on the device tier and nothing recomputed: no plan is faster."""
+    p = res.placement
+    return not p.checkpoint_units and all(p.of(u.name).tier(s) == Tier.DEVICE for u in res.profile.units
+                                          for s in State)
 
 
 def _search_joined(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainShape,

@@ -146,6 +146,12 @@ def _nvme_need(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: Tr
         return sum(u.trainable * 16 + u.numel * shape.compute_bytes for u in profile.units)
 
 
+def _ms(seconds: float) -> str:
+    """Milliseconds to three significant figures or the whole number (12.3, 1.25, 22802)."""
+    ms = seconds * 1e3
+    return f"{ms:.0f}" if ms >= 100 else f"{ms:.3g}"
+
+
 def what_more_buys(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainShape, checkpointing: str,
                    names: Naming, step_s: float, bottleneck: str) -> str | None:
     """One line for a plan that fits: what twice the GPU memory, and twice the host memory, would make of the
@@ -163,8 +169,8 @@ def what_more_buys(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape
             continue
         t = more.prediction.step_s
         if t < step_s * 0.97:
-            out.append(f"2x the {tier} memory ({names.set(key, _round_up_text(2 * now))}): {step_s * 1e3:.0f} -> "
-                       f"{t * 1e3:.0f} ms")
+            out.append(f"2x the {tier} memory ({names.set(key, _round_up_text(2 * now))}): {_ms(step_s)} -> "
+                       f"{_ms(t)} ms")
         else:
             out.append(f"2x the {tier} memory: no faster")
     if not out:
