@@ -136,3 +136,33 @@ def test_engine_refusal_and_planner_use_the_same_numbers(tmp_path):
         tightfit.wrap(GPT(GCFG), replace(p, host_budget=pool_min - 1), device="cpu")
     ok = tightfit.wrap(GPT(GCFG), replace(p, device_budget=minimum, host_budget=pool_min), device="cpu")
     engine_of(ok).close()
+
+
+def test_a_tiled_plan_runs_as_planned_when_a_block_keeps_states_on_the_device():
+    """A tiled block's untiled parameters (norms, the attention output) left on the device by the search: each tile
+    must keep its own planned tier. It used to take its block's (`Placement.for_units`), so every tile of that block
+    went to the device and the engine refused the plan's 12 MiB device budget at wrap time (seen in `make test`
+    when the probe measured a slow copy)."""
+    from tightfit.planner.from_python import apply_plan
+
+    hw = replace(CPU, h2d_bw=1e9, d2h_bw=1e9, unit_overhead_s=3e-3)
+    cfg = _cfg(gpu_mem="12MiB")
+    cfg.train.micro_batch, cfg.train.seq_len = 1, 16
+    gcfg = GPTConfig(n_layer=2, n_embd=512, n_head=2, block_size=16)
+    with torch.device("meta"):
+        plan = make_plan(GPT(gcfg), cfg, hw)
+    p = plan.placement
+    assert p.tiled_linears and p.of("blocks.0").params == Tier.DEVICE  # the case: a tiled block's rest on device
+    model = apply_plan(GPT(gcfg), plan, device="cpu")
+    engine = engine_of(model)
+    try:
+        on_device = sum(mm.state_bytes(s, st, engine.placement.of(s.name), 4) for s in unit_sizes(engine.units)
+                        for st in tightfit.State if engine.placement.of(s.name).tier(st) == Tier.DEVICE)
+        assert on_device == plan.tier_bytes()["device"]
+        x = torch.randint(0, gcfg.vocab_size, (1, 16))
+        opt = AdamW(model.parameters(), lr=1e-3)
+        model(x, x).backward()
+        opt.step()
+        assert engine.memory_report()["device"]["peak"] <= 12 * MiB
+    finally:
+        engine.close()

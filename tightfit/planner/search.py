@@ -394,10 +394,12 @@ def _search(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: Train
     if bad:
         raise _NoFit(bad[0], profile, p, pred)
     reasons += _explain(profile, p, groups)
+    # A tiled placement keeps each tile's own entry: `tile_as_planned` makes every tile a unit, and
+    # `Placement.for_units` gives a tile its own entry before its block's (without one it would take the block's
+    # tiers: a block whose few untiled parameters the search left on the device took all its tiles there, and the
+    # engine refused the plan's device budget at wrap time).
     if tiled:
-        # The engine's default unit policy does not descend into a block, so tiles inside a block are not units
-        # it knows by name: name only real units in the placement (tiles follow the default placement).
-        p = replace(p, units={k: v for k, v in p.units.items() if ".tiles." not in k})
+        p = p.with_units(**{u.name: p.of(u.name) for u in profile.units if ".tiles." in u.name})
     return SearchResult(engine_budgets(p, pred), pred, profile, reasons)
 
 
