@@ -3,8 +3,9 @@
 The dead rank is killed from outside with SIGKILL once training is under way (no hooks in the library):
 - ranks started directly (RANK/WORLD_SIZE set, as a scheduler would): the survivor's next collective fails when
   the peer's socket closes; `run_distributed` prints `lost contact with another rank` and exits 1;
-- ranks started by `tightfit train --nproc-per-node 2` (torchrun): the agent notices the dead worker within its
-  monitor interval, stops the other, and `tightfit` exits non-zero.
+- ranks started by `tightfit train --nproc-per-node 2` (torchrun's agent): the agent notices the dead worker
+  within its monitor interval, stops the other and names the killed rank in one line; `tightfit` exits 1.
+A rank refused on bad input under the launcher: one line for the run, status 2.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def test_killed_rank_under_torchrun(tiny_args, tmp_path):
         _wait_for(log, "3/100000 | loss", timeout=180)
         workers = [c for c in psutil.Process(launcher.pid).children(recursive=True)
                    if "tightfit.cli" in " ".join(c.cmdline()) and c.pid != launcher.pid
-                   and "torch.distributed.run" not in " ".join(c.cmdline())]
+                   and "tightfit.parallel.launcher" not in " ".join(c.cmdline())]
         assert len(workers) == 2, [c.cmdline() for c in workers]
         os.kill(workers[-1].pid, signal.SIGKILL)
         t0 = time.time()
@@ -77,9 +78,23 @@ def test_killed_rank_under_torchrun(tiny_args, tmp_path):
                 c.kill()
             launcher.kill()
     out = log.read_text()
-    assert rc != 0, out[-2000:]
-    assert "ChildFailedError" in out or "lost contact" in out, out[-2000:]
+    assert rc == 1, out[-2000:]
+    # The survivor's line, and the agent's naming the rank that was killed; not torchrun's 25-line report.
+    errors = [line for line in out.splitlines() if line.startswith("tightfit: error:")]
+    assert f"tightfit: error: rank 1 (pid {workers[-1].pid}) was killed by SIGKILL" in out, out[-2000:]
+    assert len(errors) <= 2 and "ChildFailedError" not in out and "Traceback" not in out, out[-3000:]
     for w in workers:
         assert not w.is_running() or w.status() == psutil.STATUS_ZOMBIE
     assert elapsed < BOUND_S
     print(f"launcher stopped {elapsed:.1f}s after the kill")
+
+
+def test_bad_input_a_rank_finds_is_one_line_for_the_run(tiny_args, tmp_path):
+    """A worker's refusal (a model folder that does not exist: every rank finds it) is one line for the whole run,
+    status 2: not one per rank, and not torchrun's traceback and ChildFailedError report (which it was)."""
+    cmd = [*_train_args(tiny_args), "--nproc-per-node", "2", "--master-port", str(free_port()), "--model",
+           f"hf:{tmp_path / 'no-model'}"]
+    proc = subprocess.run(cmd, env=rank_env(), cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr[-3000:]
+    assert proc.stderr.startswith("tightfit: error:") and "no-model" in proc.stderr

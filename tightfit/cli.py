@@ -60,7 +60,7 @@ def _cmd_train(cfg: Config, argv: list[str]) -> int:
 
         run_worker(cfg)  # a rank's process ends there, whatever happens ([Note: leaving the process group])
     if _world_size(cfg) > 1:
-        from tightfit.parallel.run import launch
+        from tightfit.parallel.launcher import launch
 
         return launch(cfg, argv)
     from tightfit.train.loop import train
@@ -113,6 +113,16 @@ def _cmd_plan(cfg: Config, as_json: bool, hardware: str | None = None) -> int:
     return 0
 
 
+def _reported_to_launcher(e: UsageError) -> bool:
+    """A rank of `tightfit train --nproc-per-node N` leaves its error line to the launcher, which prints one for
+    the run (parallel/launcher.py); anything else prints its own."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    from tightfit.parallel.launcher import report_failure
+
+    return report_failure(e.exit_code, str(e))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
@@ -144,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_train(cfg, argv)
         return _cmd_plan(cfg, args.json, args.hardware)
     except UsageError as e:
-        print(f"tightfit: error: {e}", file=sys.stderr)
+        if not _reported_to_launcher(e):
+            print(f"tightfit: error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("tightfit: interrupted", file=sys.stderr)

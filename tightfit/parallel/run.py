@@ -1,7 +1,7 @@
-"""`tightfit train` on several processes: `launch` hands over to torchrun, `run_distributed` is each rank's loop.
+"""`tightfit train` on several processes: `run_distributed` is each rank's loop (`launcher.launch` starts them).
 
 Launch: `tightfit train --nproc-per-node N [--nnodes M --node-rank R --master-addr A --master-port P]` re-executes
-the same command line under `python -m torch.distributed.run`. Inside, WORLD_SIZE > 1 makes the CLI call
+the same command line under torchrun's agent (launcher.py). Inside, WORLD_SIZE > 1 makes the CLI call
 `run_distributed`; a run started by torchrun or a scheduler that sets RANK/WORLD_SIZE/... takes the same path.
 
 Each rank:
@@ -34,11 +34,8 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import shutil
 import signal
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from contextlib import contextmanager, nullcontext
@@ -53,13 +50,10 @@ from tightfit.train.divergence import describe_key, diverged
 from tightfit.train.health import RunHealth
 from tightfit.train.retention import Retention
 from tightfit.train.signals import GracefulStop
+from tightfit.parallel.launcher import LOCK_HELD_ENV, report_failure
 from tightfit.parallel.mesh import build_mesh, init_distributed, leave_process, shutdown
 from tightfit.parallel.parallelize import make_optimizer, parallelize
 from tightfit.parallel.plan import ParallelPlan, plan_from_config
-
-MONITOR_INTERVAL_S = 1
-"""How often torchrun's agent checks its workers: the bound on how long survivors of a dead rank keep running."""
-
 
 class RankLostError(RuntimeError):
     """A collective failed because another rank died, hung past the timeout, or the network broke."""
@@ -90,72 +84,13 @@ def lost_contact_message(rank: int, where: str, error: BaseException, timeout_s:
     return f"rank {rank}: lost contact with another rank in {where}: {why} ({first}); stopping"
 
 
-def launch(cfg, argv: list[str]) -> int:
-    """Re-run `tightfit <argv>` under torch.distributed's launcher with cfg's node/process layout."""
-    p = cfg.parallel
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={p.nproc_per_node}",
-           f"--nnodes={p.nnodes}", f"--node-rank={p.node_rank}", f"--master-addr={p.master_addr}",
-           f"--master-port={p.master_port}", "--max-restarts=0", f"--monitor-interval={MONITOR_INTERVAL_S}",
-           "-m", "tightfit.cli", *argv]
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default too; stated so CPU ranks do not oversubscribe
-    from tightfit.train.data import corpus_files
-    from tightfit.utils.run_lock import RunLock
-
-    corpus_files(cfg.data.data)  # a missing --data is one line here, not one per worker under torchrun's report
-
-    # The launcher is the run: it holds the --out-dir lock (a second run is refused here, in one line, before any
-    # worker starts) and tells its workers so, so rank 0 does not take it again.
-    with RunLock.acquire(cfg.train.out_dir, "--out-dir"):
-        env[_LOCK_HELD_ENV] = str(Path(cfg.train.out_dir).resolve())
-        # [Note: signals under torchrun] torchrun runs in a session of its own, so a terminal's Ctrl-C or hang-up
-        # reaches this launcher only; it hands the signal to every rank (torchrun's own handler would tear the
-        # workers down and print its traceback). The ranks vote after each step, stop together with a checkpoint
-        # and end normally; the launcher then exits as a process that signal ended (128 + its number).
-        status = tempfile.mkdtemp(prefix="tightfit-status-")
-        env[_STATUS_ENV] = status
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-        received: list[int] = []
-
-        def forward(signum, frame) -> None:
-            received.append(signum)
-            for child in _descendants(proc.pid):
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(child, signum)
-
-        old = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
-        try:
-            code = _worker_status(status, proc.wait())
-        finally:
-            for sig, handler in old.items():
-                signal.signal(sig, handler)
-            shutil.rmtree(status, ignore_errors=True)
-        if received and code == 0:
-            return 128 + received[0]
-        return code
-
-
-def _descendants(pid: int) -> list[int]:
-    """The PIDs of every process below `pid` (torchrun's workers), deepest last."""
-    import psutil
-
-    try:
-        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
-    except psutil.Error:
-        return []
-
-
-_LOCK_HELD_ENV = "TIGHTFIT_OUT_DIR_LOCKED"
-"""Set by `launch` for its workers: the --out-dir whose lock the launcher holds."""
-
-
 def _lock_out_dir(cfg, env):
     """Rank 0 locks --out-dir unless its launcher holds the lock; every rank learns whether that failed (one
     all-reduce), so a refused run stops everywhere at once instead of leaving the others in a collective."""
     from tightfit.utils.run_lock import RunLock
 
     lock, refusal = None, None
-    held = os.environ.get(_LOCK_HELD_ENV) == str(Path(cfg.train.out_dir).resolve())
+    held = os.environ.get(LOCK_HELD_ENV) == str(Path(cfg.train.out_dir).resolve())
     if env.rank == 0 and not held:
         try:
             lock = RunLock.acquire(cfg.train.out_dir, "--out-dir")
@@ -205,45 +140,22 @@ def run_worker(cfg) -> NoReturn:
     checkpoint: the launcher exits with the signal's code, [Note: signals under torchrun]), 2 with one line for bad
     input, 130 when interrupted at once, 1 with the traceback for a bug (a lost peer already left with 1 inside
     `run_distributed`)."""
-    code = 0
+    code, line = 0, None
     try:
         run_distributed(cfg)
     except UsageError as e:
-        if not getattr(e, "quiet", False):  # one a collective decision raised on every rank: rank 0 says it
-            print(f"tightfit: error: {e}", file=sys.stderr)
         code = e.exit_code
+        if not getattr(e, "quiet", False):  # one a collective decision raised on every rank: rank 0 says it
+            line = str(e)
     except KeyboardInterrupt:
         print("tightfit: interrupted", file=sys.stderr)
         code = 130
     except BaseException:  # a bug: its traceback, then the same way out
         traceback.print_exc()
         code = 1
-    _report_status(code)
+    if not report_failure(code, line) and line:  # no launcher of ours to say it once: say it here
+        print(f"tightfit: error: {line}", file=sys.stderr)
     leave_process(code)
-
-
-_STATUS_ENV = "TIGHTFIT_RANK_STATUS"
-"""Set by `launch` for its workers: a folder where each rank leaves its exit status (torchrun reports only its own)."""
-
-
-def _report_status(code: int) -> None:
-    """Leave this rank's exit status where the launcher reads it (`_worker_status`)."""
-    folder = os.environ.get(_STATUS_ENV)
-    if folder and code:
-        with contextlib.suppress(OSError):
-            Path(folder, f"rank-{os.environ.get('RANK', '0')}").write_text(str(code))
-
-
-def _worker_status(folder: str, code: int) -> int:
-    """The status a distributed run exits with: torchrun's, unless it failed because a rank did; then rank 0's
-    (the one that said why), else the first rank's that failed (2: bad input, 1: a bug or a lost peer)."""
-    found = {}
-    for f in Path(folder).glob("rank-*"):
-        with contextlib.suppress(OSError, ValueError):
-            found[int(f.name[5:])] = int(f.read_text())
-    if code == 0 or not found:
-        return code
-    return found.get(0, found[min(found)])
 
 
 def run_distributed(cfg, timeout_s: float | None = None) -> dict:
@@ -272,6 +184,7 @@ def run_distributed(cfg, timeout_s: float | None = None) -> dict:
             raise
         print(f"tightfit: error: {lost_contact_message(env.rank, _WHERE[0], e, timeout_s)}", file=sys.stderr,
               flush=True)
+        report_failure(1)  # said here, at once: the launcher has no line of this rank to repeat
         leave_process(1)  # the process group is broken: destroying it could block on the dead peer
     finally:
         if lock is not None:
