@@ -300,3 +300,12 @@ def test_smallest_host_budget_trains_llama_on_the_gpu(tier, tmp_path):
                           cwd=tmp_path, env={**os.environ, "DEADLOCK_DEVICE": "cuda", "HANG_S": "200"})
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
     assert "finished" in proc.stdout.split("\n")
+
+
+def test_the_probe_measures_the_engine_on_the_gpu():
+    """`tightfit probe` on a GPU machine runs the engine on tiny models on the GPU for its host time per unit and
+    per step ([Note: the host floor] in tightfit/planner/costs.py): it must run there, and a unit costs something."""
+    from tightfit.planner.probe import measure_engine_overhead
+
+    unit, step = measure_engine_overhead("cuda", steps=5)
+    assert 0 < unit < 1 and 0 <= step < 1

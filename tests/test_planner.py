@@ -436,3 +436,17 @@ def test_the_probe_measures_the_engine_itself():
 
     unit, step = measure_engine_overhead("cpu", steps=5)
     assert 0 < unit < 1 and math.isfinite(unit) and 0 <= step < 1
+
+
+def test_a_probe_whose_engine_run_fails_still_profiles(monkeypatch, capsys):
+    """The engine's tiny run failing (a device it cannot run on) leaves the two figures out, says so, and does not
+    take the rest of the probe (and the run that probes) down with it."""
+    from tightfit.planner import probe
+
+    def broken(device, steps=40):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(probe, "measure_engine_overhead", broken)
+    assert probe._engine_overhead("cpu") == {"unit_overhead_s": 0.0, "step_overhead_s": 0.0}
+    err = capsys.readouterr().err
+    assert "warning: the engine's host time per unit was not measured on cpu" in err and "no kernel image" in err
