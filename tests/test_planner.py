@@ -450,3 +450,20 @@ def test_a_probe_whose_engine_run_fails_still_profiles(monkeypatch, capsys):
     assert probe._engine_overhead("cpu") == {"unit_overhead_s": 0.0, "step_overhead_s": 0.0}
     err = capsys.readouterr().err
     assert "warning: the engine's host time per unit was not measured on cpu" in err and "no kernel image" in err
+
+
+def test_on_a_cpu_the_smaller_plan_is_the_one_that_needs_less_ram():
+    """Within 3% of the fastest plan, the smaller one: on a GPU the one with less device memory; on a CPU-only
+    machine, where the device tier is the same RAM, the one whose process needs less RAM. A plan recomputing every
+    block that kept more on the host tier and less on the device tier was taken there for 0.3% of a step, and ran
+    12% slower than the plan it replaced (benchmarks/RESULTS.md, batch T)."""
+    from tightfit.planner.costs import Prediction
+    from tightfit.planner.search import _scarce_memory
+
+    small_device = Prediction(peak={"device": 100, "host": 900}, runtime_rss=10)
+    small_ram = Prediction(peak={"device": 300, "host": 100}, runtime_rss=10)
+    on_gpu, gpu_name = _scarce_memory(GPU)
+    on_cpu, cpu_name = _scarce_memory(CPU)
+    assert (gpu_name, cpu_name) == ("device", "RAM")
+    assert min((small_device, small_ram), key=on_gpu) is small_device
+    assert min((small_device, small_ram), key=on_cpu) is small_ram

@@ -301,23 +301,33 @@ def _search_units(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape:
         return alt
     fastest = min(res.prediction.step_s, alt.prediction.step_s)
     within = [r for r in (res, alt) if r.prediction.step_s <= fastest * (1 + TRIM_TOLERANCE)]
-    best = min(within, key=lambda r: (r.prediction.peak.get("device", 0), r.prediction.step_s))
+    memory, what = _scarce_memory(hw)
+    best = min(within, key=lambda r: (memory(r.prediction), r.prediction.step_s))
     if best is res:
         if res.prediction.step_s < alt.prediction.step_s:
             return res
         res.reasons.insert(0, f"activation checkpointing of {len(res.placement.checkpoint_units)} unit(s), not all: "
-                              f"{format_size(res.prediction.peak.get('device', 0))} of device at "
+                              f"{format_size(memory(res.prediction))} of {what} at "
                               f"{res.prediction.step_s * 1e3:.0f} ms per step, within {TRIM_TOLERANCE:.0%} of all "
-                              f"checkpointed ({format_size(alt.prediction.peak.get('device', 0))}, "
+                              f"checkpointed ({format_size(memory(alt.prediction))}, "
                               f"{alt.prediction.step_s * 1e3:.0f} ms)")
         return res
     why = ("its room on the device holds states instead" if alt.prediction.step_s < res.prediction.step_s else
-           f"a smaller device peak within {TRIM_TOLERANCE:.0%} of the fastest plan's step")
+           f"less {what} within {TRIM_TOLERANCE:.0%} of the fastest plan's step")
     alt.reasons.insert(0, f"activation checkpointing of every unit: {why} ({res.prediction.step_s * 1e3:.0f} ms per "
-                          f"step and {format_size(res.prediction.peak.get('device', 0))} of device with "
+                          f"step and {format_size(memory(res.prediction))} of {what} with "
                           f"{len(res.placement.checkpoint_units)} checkpointed, {alt.prediction.step_s * 1e3:.0f} ms "
-                          f"and {format_size(alt.prediction.peak.get('device', 0))} with all)")
+                          f"and {format_size(memory(alt.prediction))} with all)")
     return alt
+
+
+def _scarce_memory(hw: HardwareProfile):
+    """(prediction -> bytes, its name): what "the smallest plan" saves. A GPU's memory where the device is one; on
+    a CPU-only machine the device tier is the same RAM as the host tier, so the process's RSS: a plan that keeps
+    less on the device tier but more on the host saves nothing there."""
+    if hw.cuda:
+        return (lambda pred: pred.peak.get("device", 0)), "device"
+    return (lambda pred: pred.rss(False)), "RAM"
 
 
 def _all_on_device(res: SearchResult) -> bool:
