@@ -3,8 +3,8 @@
 A small model's step is the host issuing ops, not the kernels: on the first GPU run the default model's step was
 predicted at 2.9 ms from its kernels and measured at 16.0 ms. On this CPU the same happens at small shapes (the
 default model at 1 x 8 tokens: 1.6 ms predicted, 7.2 ms measured). The model now adds the engine's own host time
-per unit and per step, which the probe measures by running the engine ([Note: the host floor] in
-tightfit/planner/costs.py). Each case here is planned twice from the same probed profile, side by side:
+per unit (more for a unit that streams) and per step, which the probe measures by running the engine ([Note: the
+host floor] in tightfit/planner/costs.py). Each case here is planned twice from the same probed profile, side by side:
 - before: the profile with the engine's figures zeroed (the model as it was: kernels + traced ops);
 - after: the profile as probed.
 and trained by `tightfit train`'s own loop (in process, every state on the device tier or the plan's placement),
@@ -61,7 +61,8 @@ def predicted_steps(extra: list[str]) -> tuple[float, float, float]:
     model = build_meta_model(cfg)
     hw = load_or_probe()
     after = make_plan(model, cfg, hw).prediction
-    before = make_plan(model, cfg, replace(hw, unit_overhead_s=0.0, step_overhead_s=0.0)).prediction
+    before = make_plan(model, cfg, replace(hw, unit_overhead_s=0.0, stream_overhead_s=0.0,
+                                           step_overhead_s=0.0)).prediction
     return before.step_s, after.step_s, after.host_s
 
 
@@ -73,7 +74,8 @@ def main() -> None:
 
     hw = load_or_probe()
     print(f"profile: op {hw.op_overhead_s * 1e6:.2f} us, engine {hw.unit_overhead_s * 1e3:.3f} ms per unit and "
-          f"micro-batch, {hw.step_overhead_s * 1e3:.3f} ms per step; {hw.threads} threads; "
+          f"micro-batch (+{hw.stream_overhead_s * 1e3:.3f} ms streamed), {hw.step_overhead_s * 1e3:.3f} ms per step; "
+          f"{hw.threads} threads; "
           f"{time.strftime('%Y-%m-%d %H:%M')}")
     print(f"| case | measured | before | after (host part) | before vs measured | after vs measured |")
     print("|---|---|---|---|---|---|")

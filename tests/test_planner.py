@@ -406,6 +406,14 @@ def test_the_host_floor_counts_the_engine_per_unit_and_per_step():
         extra = accum * units * 1e-3 + 2e-3 if offload == "auto" else 0.0
         assert after.prediction.step_s - before.prediction.step_s == pytest.approx(extra, rel=1e-6, abs=1e-9)
         assert after.prediction.host_s - before.prediction.host_s == pytest.approx(extra, rel=1e-6, abs=1e-9)
+    # A unit whose parameters stream costs its fetch, hand-off and CPU step on top: every unit on the host tier.
+    c = cfg(offload="host")
+    c.train.micro_batch, c.train.seq_len = 1, 8
+    device_path = make_plan(model, c, engine)
+    streaming = make_plan(model, c, replace(engine, stream_overhead_s=5e-4))
+    units = len(streaming.profile.units)
+    assert all(streaming.placement.of(u.name).params == Tier.HOST for u in streaming.profile.units)
+    assert streaming.prediction.host_s - device_path.prediction.host_s == pytest.approx(units * 5e-4, rel=1e-6)
 
 
 def test_on_a_gpu_the_host_issues_while_the_kernels_run():
@@ -443,11 +451,11 @@ def test_a_probe_whose_engine_run_fails_still_profiles(monkeypatch, capsys):
     take the rest of the probe (and the run that probes) down with it."""
     from tightfit.planner import probe
 
-    def broken(device, steps=40):
+    def broken(device, steps=40, tier="device"):
         raise RuntimeError("no kernel image is available for execution on the device")
 
     monkeypatch.setattr(probe, "measure_engine_overhead", broken)
-    assert probe._engine_overhead("cpu") == {"unit_overhead_s": 0.0, "step_overhead_s": 0.0}
+    assert probe._engine_overhead("cpu") == {"unit_overhead_s": 0.0, "step_overhead_s": 0.0, "stream_overhead_s": 0.0}
     err = capsys.readouterr().err
     assert "warning: the engine's host time per unit was not measured on cpu" in err and "no kernel image" in err
 

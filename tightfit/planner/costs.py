@@ -215,11 +215,14 @@ def kernel_time(w: Work, hw: HardwareProfile) -> float:
     return t + w.mem_bytes / hw.mem_bw
 
 
-def engine_host_time(profile: ModelProfile, hw: HardwareProfile, shape: TrainShape) -> float:
-    """The engine's own host time per step ([Note: the host floor]): each unit's per micro-batch, and the step's."""
+def engine_host_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, shape: TrainShape) -> float:
+    """The engine's own host time per step ([Note: the host floor]): each unit's per micro-batch (more for a unit
+    whose parameters stream), and the step's."""
     if not shape.engine:
         return 0.0
-    return shape.grad_accum * len(profile.units) * hw.unit_overhead_s + hw.step_overhead_s
+    streamed = sum(1 for u in profile.units if placement.of(u.name).params != Tier.DEVICE)
+    per_micro = len(profile.units) * hw.unit_overhead_s + streamed * hw.stream_overhead_s
+    return shape.grad_accum * per_micro + hw.step_overhead_s
 
 
 def traffic(profile: ModelProfile, placement: Placement, shape: TrainShape) -> dict[str, float]:
@@ -290,7 +293,7 @@ def step_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, 
     so those terms add instead of overlapping; only the disk runs beside them.
     """
     a = shape.grad_accum
-    kernels, host = 0.0, engine_host_time(profile, hw, shape)
+    kernels, host = 0.0, engine_host_time(profile, placement, hw, shape)
     for u in profile.units:
         runs = ((u.fwd, 2) if u.name in placement.checkpoint_units else (u.fwd, 1)), (u.bwd, 1)
         for w, n in runs:
@@ -355,6 +358,7 @@ def units_per_window(profile: ModelProfile, placement: Placement, hw: HardwarePr
     if any(placement.of(u.name).params == Tier.NVME for u in streamed):
         fetch_bw = min(fetch_bw, hw.nvme_read_bw)
     fetch = max(u.numel * shape.compute_bytes for u in streamed) / fetch_bw
-    per_unit = min(work_time(u.fwd, hw) for u in streamed) + (hw.unit_overhead_s / 2 if shape.engine else 0.0)
+    hooks = (hw.unit_overhead_s + hw.stream_overhead_s) / 2 if shape.engine else 0.0  # [Note: the host floor]
+    per_unit = min(work_time(u.fwd, hw) for u in streamed) + hooks
     per_unit = per_unit or 1e-9
     return max(1, min(4, math.ceil(fetch / per_unit)))

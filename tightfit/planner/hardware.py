@@ -70,6 +70,10 @@ class HardwareProfile:
     """Host seconds the offload engine spends per unit and micro-batch beyond the model's own ops: its hooks, the
     parameter views it hands the unit, the gradient hand-off and the unit's share of the optimizer's dispatch.
     Measured by running the engine itself on a tiny model ([Note: the host floor] in costs.py); 0 where unknown."""
+    stream_overhead_s: float = 0.0
+    """Host seconds a unit whose parameters stream (its states off the device tier) costs per micro-batch beyond
+    `unit_overhead_s`: its fetch, the gradient hand-off to the host, its CPU optimizer step's dispatch. Measured
+    with every state on the host tier; 0 where unknown."""
     step_overhead_s: float = 0.0
     """Host seconds per optimizer step that no unit accounts for: the loss's read-back, the global norm for
     clipping, the optimizer's and zero_grad's fixed dispatch. Measured with `unit_overhead_s`."""
@@ -150,8 +154,8 @@ class HardwareProfile:
                  f"{self.nvme_free / GiB:.1f} GiB free",
                  f"  matmul TFLOP/s by size: {mm}",
                  f"  memory bandwidth {self.mem_bw / g:.1f} GB/s, per-op overhead {self.op_overhead_s * 1e6:.1f} us",
-                 f"  engine host time {self.unit_overhead_s * 1e3:.2f} ms per unit and micro-batch, "
-                 f"{self.step_overhead_s * 1e3:.2f} ms per step",
+                 f"  engine host time {self.unit_overhead_s * 1e3:.2f} ms per unit and micro-batch (+"
+                 f"{self.stream_overhead_s * 1e3:.2f} ms streamed), {self.step_overhead_s * 1e3:.2f} ms per step",
                  f"  host->device {self.h2d_bw / g:.1f} GB/s, device->host {self.d2h_bw / g:.1f} GB/s",
                  f"  disk read {self.nvme_read_bw / g:.2f} GB/s, write {self.nvme_write_bw / g:.2f} GB/s"
                  + (f", both at once {self.nvme_mixed_bw / g:.2f} GB/s" if self.nvme_mixed_bw else "")
@@ -193,10 +197,10 @@ def machine_key() -> str:
     return f"{socket.gethostname()}|{devs}|threads={torch.get_num_threads()}"
 
 
-PROBE_VERSION = 4
+PROBE_VERSION = 5
 """Bumped whenever a probed figure changes meaning (or a new one is measured). 2: matmul rates by the smallest side
 ([Note: matmul rate by the smallest side] in model_profile.py; they were by square size). 3: the device's math
-workspace. 4: the engine's host time per unit and per step."""
+workspace. 4: the engine's host time per unit and per step. 5: and per streamed unit."""
 
 
 def cache_path() -> Path:

@@ -18,8 +18,9 @@ _PCIE4_NVME = ["NVMe: one PCIe 4.0 SSD, 6.0 GB/s sequential O_DIRECT read, 4.5 G
 _WORKSPACE_8 = ("8 MiB of cuBLAS workspace on the device (PyTorch's default before compute capability 9.0: "
                 "4096 KiB x 2 + 16 KiB x 8)")
 _WORKSPACE_32 = "32 MiB of cuBLAS workspace on the device (PyTorch's default from compute capability 9.0, Hopper)"
-_HOST_ISSUE = ("the host issues each op in 10 us and spends 1 ms per unit and micro-batch and 1 ms per step in the "
-               "offload engine (the probe measures all three: 3 us, 0.6 ms and ~0 on a 2-core CPU VM's CPU path)")
+_HOST_ISSUE = ("the host issues each op in 10 us and spends 1 ms per unit and micro-batch (1 ms more for a streamed "
+               "unit) and 1 ms per step in the offload engine (the probe measures all four: 3 us, 0.6 ms, 0.2 ms and "
+               "~0 on a 2-core CPU VM's CPU path)")
 _PCIE5_NVME = ["NVMe: one PCIe 5.0 SSD, 11 GB/s sequential O_DIRECT read, 9 GB/s write, 3 TiB free"]
 
 PROFILES: dict[str, dict] = {
@@ -30,7 +31,8 @@ PROFILES: dict[str, dict] = {
         "mem_bw": "900GB/s", "cpu_adam_rate": 1.5e9, "device_adam_rate": 25e9,
         "matmul_flops": {"128": 60e12, "256": 90e12, "512": 110e12, "1024": 120e12, "2048": 140e12,
                          "4096": 150e12, "8192": 150e12},
-        "op_overhead_s": 10e-6, "unit_overhead_s": 1e-3, "step_overhead_s": 1e-3, "runtime_rss": "3GiB", "threads": 16,
+        "op_overhead_s": 10e-6, "unit_overhead_s": 1e-3, "stream_overhead_s": 1e-3, "step_overhead_s": 1e-3,
+        "runtime_rss": "3GiB", "threads": 16,
         "assumptions": ["GPU: 24 GiB, bf16 matmul reaching 150 TFLOP/s at size 4096 (peak 165), 60 at 128 tokens, "
                         "memory-bound ops at 900 GB/s read + write, AdamW 25 G params/s",
                         "PCIe 4.0 x16: 25 GB/s pinned copies each way (32 GB/s link)",
@@ -45,7 +47,8 @@ PROFILES: dict[str, dict] = {
         "mem_bw": "1300GB/s", "cpu_adam_rate": 2.5e9, "device_adam_rate": 40e9,
         "matmul_flops": {"128": 90e12, "256": 130e12, "512": 155e12, "1024": 170e12, "2048": 210e12,
                          "4096": 230e12, "8192": 230e12},
-        "op_overhead_s": 10e-6, "unit_overhead_s": 1e-3, "step_overhead_s": 1e-3, "runtime_rss": "3GiB", "threads": 32,
+        "op_overhead_s": 10e-6, "unit_overhead_s": 1e-3, "stream_overhead_s": 1e-3, "step_overhead_s": 1e-3,
+        "runtime_rss": "3GiB", "threads": 32,
         "assumptions": ["GPU: 40 GiB, bf16 matmul reaching 230 TFLOP/s at size 4096 (peak 312), 90 at 128 tokens, "
                         "memory-bound ops at 1.3 TB/s read + write, AdamW 40 G params/s",
                         "PCIe 4.0 x16: 25 GB/s pinned copies each way (32 GB/s link)",
@@ -60,7 +63,8 @@ PROFILES: dict[str, dict] = {
         "mem_bw": "1700GB/s", "cpu_adam_rate": 2.5e9, "device_adam_rate": 55e9,
         "matmul_flops": {"128": 150e12, "256": 220e12, "512": 270e12, "1024": 300e12, "2048": 450e12,
                          "4096": 500e12, "8192": 500e12},
-        "op_overhead_s": 10e-6, "unit_overhead_s": 1e-3, "step_overhead_s": 1e-3, "runtime_rss": "3GiB", "threads": 32,
+        "op_overhead_s": 10e-6, "unit_overhead_s": 1e-3, "stream_overhead_s": 1e-3, "step_overhead_s": 1e-3,
+        "runtime_rss": "3GiB", "threads": 32,
         "assumptions": ["GPU: 80 GiB, bf16 matmul reaching 500 TFLOP/s at size 4096 (peak 756), 150 at 128 tokens, "
                         "memory-bound ops at 1.7 TB/s read + write, AdamW 55 G params/s",
                         "PCIe 5.0 x16: 50 GB/s pinned copies each way (64 GB/s link)",
@@ -91,7 +95,8 @@ def _rented(name: str, *, gib: int, peak: float, achieved: float, mem_tbs: float
         "h2d_bw": f"{link[1]}GB/s", "d2h_bw": f"{link[1]}GB/s", "mem_bw": f"{int(mem_tbs * 850)}GB/s",
         "cpu_adam_rate": adam, "device_adam_rate": round(mem_tbs * 850e9 / 32, -9),
         "matmul_flops": {k: round(achieved * v, -12) for k, v in _MATMUL_SHAPE.items()},
-        "op_overhead_s": 10e-6, "unit_overhead_s": 1e-3, "step_overhead_s": 1e-3, "runtime_rss": "3GiB",
+        "op_overhead_s": 10e-6, "unit_overhead_s": 1e-3, "stream_overhead_s": 1e-3, "step_overhead_s": 1e-3,
+        "runtime_rss": "3GiB",
         "threads": cores,
         "device_workspace": "32MiB" if hopper else "8MiB",
         "assumptions": [*measured,

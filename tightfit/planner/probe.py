@@ -121,11 +121,12 @@ ENGINE_PROBE_BLOCKS = (2, 6)
 """Blocks of the two tiny models `measure_engine_overhead` times: their difference is four units' cost."""
 
 
-def measure_engine_overhead(device: str, steps: int = 40) -> tuple[float, float]:
+def measure_engine_overhead(device: str, steps: int = 40, tier: str = "device") -> tuple[float, float]:
     """(seconds per unit and micro-batch, seconds per step) of host time the offload engine and a training step
     spend beyond the model's own ops ([Note: the host floor] in costs.py).
 
-    How: the engine itself, every state on the device tier, steps a tiny GPT (width 16, 8 tokens: its kernels
+    How: the engine itself, every state on `tier` (the device; or the host, where every unit streams and the CPU
+    steps it), steps a tiny GPT (width 16, 8 tokens: its kernels
     cost nothing, so a step is host time) as `tightfit train` does: forward, backward, clip, step, zero_grad, the
     loss read back. With 2 and with 6 blocks; the step time less the model's traced ops at `op_overhead_s` gives
     a line whose slope is the per-unit cost and whose rest, less two units, is the per-step cost."""
@@ -149,7 +150,7 @@ def measure_engine_overhead(device: str, steps: int = 40) -> tuple[float, float]
         return sum(w.n_ops for w in tracer.work.values())
 
     def step_s(n_layer: int) -> float:
-        m = tightfit.wrap(model(n_layer, "cpu"), tightfit.Placement.everywhere("device"), device=device)
+        m = tightfit.wrap(model(n_layer, "cpu"), tightfit.Placement.everywhere(tier), device=device)
         opt = AdamW(m.parameters(), lr=1e-3)
         x = torch.zeros(1, 8, dtype=torch.long, device=device)
 
@@ -301,11 +302,12 @@ def _engine_overhead(device: str) -> dict[str, float]:
     run on this device: a probe that fails here must not keep a run from planning."""
     try:
         unit, step = measure_engine_overhead(device)
+        streamed, _ = measure_engine_overhead(device, tier="host")
     except Exception as e:  # noqa: BLE001 - any failure of the tiny run: said, and the figures left out
         print(f"tightfit probe: warning: the engine's host time per unit was not measured on {device} "
               f"({type(e).__name__}: {str(e)[:200]}); plans leave it out", file=sys.stderr)
-        return {"unit_overhead_s": 0.0, "step_overhead_s": 0.0}
-    return {"unit_overhead_s": unit, "step_overhead_s": step}
+        return {"unit_overhead_s": 0.0, "step_overhead_s": 0.0, "stream_overhead_s": 0.0}
+    return {"unit_overhead_s": unit, "step_overhead_s": step, "stream_overhead_s": max(0.0, streamed - unit)}
 
 
 def _disk_volumes(disk: DiskProfile) -> dict[int, list[float]]:

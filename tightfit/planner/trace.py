@@ -79,7 +79,12 @@ def simulate(plan: Plan) -> Timeline:
     ck = set(p.checkpoint_units)
     units = prof.units
     t_done = 0.0
-    hooks = hw.unit_overhead_s / 2 if shape.engine else 0.0  # the engine's host time, half in each pass
+
+    def hooks(u) -> float:  # the engine's host time ([Note: the host floor] in costs.py), half in each pass
+        if not shape.engine:
+            return 0.0
+        return (hw.unit_overhead_s + (hw.stream_overhead_s if u.name in streamed else 0.0)) / 2
+
     for micro in range(shape.grad_accum):
         # Forward: fetch unit i when unit i - depth - 1 has released its window slot.
         released: list[float] = []
@@ -92,7 +97,7 @@ def simulate(plan: Plan) -> Timeline:
                     slot = sim.run("nvme read", f"read {u.name} params", pbytes / hw.nvme_read_bw, slot)
                 ready = sim.run("host->device", f"fetch {u.name}", pbytes / hw.h2d_bw, slot)
                 sim.change(ready, "device", pbytes)
-            end = sim.run("compute", f"fwd {u.name}", work_time(u.fwd, hw) + hooks, ready)
+            end = sim.run("compute", f"fwd {u.name}", work_time(u.fwd, hw) + hooks(u), ready)
             saved = u.act_input if u.name in ck else u.act_saved
             sim.change(end, "device", saved)
             if u.name in streamed:
@@ -113,7 +118,7 @@ def simulate(plan: Plan) -> Timeline:
             if u.name in ck:
                 ready = sim.run("compute", f"recompute {u.name}", work_time(u.fwd, hw), ready)
                 sim.change(ready, "device", u.act_saved - u.act_input)
-            end = sim.run("compute", f"bwd {u.name}", work_time(u.bwd, hw) + hooks, ready)
+            end = sim.run("compute", f"bwd {u.name}", work_time(u.bwd, hw) + hooks(u), ready)
             sim.change(end, "device", -u.act_saved)
             if u.name in streamed:
                 sim.change(end, "device", -pbytes)
