@@ -391,7 +391,7 @@ def test_a_plan_takes_the_disk_rates_of_the_least_measured_volume_holding_its_sw
 def test_the_host_floor_counts_the_engine_per_unit_and_per_step():
     """[Note: the host floor] in costs.py: on a CPU the engine's host time per unit and micro-batch and per step adds
     to the step (the default model at 1 x 8 tokens was predicted 78% short of its measured step without it,
-    benchmarks/RESULTS.md, "The host floor"); `--offload none` runs no engine and pays none of it."""
+    benchmarks/RESULTS.md, batch T); `--offload none` runs no engine and pays none of it."""
     from dataclasses import replace
 
     model = meta_gpt(n_layer=8, n_embd=64, n_head=4)
