@@ -309,3 +309,13 @@ def test_the_probe_measures_the_engine_on_the_gpu():
 
     unit, step = measure_engine_overhead("cuda", steps=5)
     assert 0 < unit < 1 and 0 <= step < 1
+
+
+def test_the_probe_measures_copies_both_ways_at_once():
+    """The link's rate with a pinned copy in flight each way (the plan's `duplex_bw`): more than one way alone
+    carries, no more than two."""
+    from tightfit.planner.probe import measure_copies, measure_duplex
+
+    h2d, d2h = measure_copies(64 << 20)
+    both = measure_duplex(64 << 20)
+    assert max(h2d, d2h) * 0.9 < both < (h2d + d2h) * 1.1

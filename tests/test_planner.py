@@ -475,3 +475,23 @@ def test_on_a_cpu_the_smaller_plan_is_the_one_that_needs_less_ram():
     assert (gpu_name, cpu_name) == ("device", "RAM")
     assert min((small_device, small_ram), key=on_gpu) is small_device
     assert min((small_device, small_ram), key=on_cpu) is small_ram
+
+
+def test_copies_both_ways_at_once_share_the_link():
+    """On a GPU the fetches going up and the gradients coming down overlap, but a link carries less both ways at
+    once than each way alone: the copy term is no less than all their bytes at the measured both-ways rate."""
+    from dataclasses import replace
+
+    c = cfg(offload="host")
+    c.train.micro_batch, c.train.seq_len = 1, 8
+    model = meta_gpt(n_layer=4, n_embd=512, n_head=4)
+    simplex = make_plan(model, c, replace(GPU, h2d_bw=1e9, d2h_bw=1e9)).prediction
+    duplex = make_plan(model, c, replace(GPU, h2d_bw=1e9, d2h_bw=1e9, duplex_bw=1.2e9)).prediction
+    up, down = simplex.traffic["h2d"], simplex.traffic["d2h"]
+    assert up > 0 and down > 0
+    one_way = max(up, down) / 1e9
+    both = (up + down) / 1.2e9
+    assert both > one_way
+    # Phase A is bound by the link in both; its length moves from the slower direction to both at once.
+    assert duplex.step_s - simplex.step_s == pytest.approx(both - one_way, rel=1e-6)
+    assert duplex.bottleneck == simplex.bottleneck == "host<->device"

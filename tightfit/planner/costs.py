@@ -286,7 +286,8 @@ def step_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, 
     """Fill the time terms of `pred`.
 
     Phase A (forward + backward of every micro-batch): compute, host->device, device->host and disk run on
-    separate hardware and overlap; phase time = slowest stream + the exposed fetch of the first unit.
+    separate hardware and overlap; phase time = slowest stream + the exposed fetch of the first unit. The two
+    directions of copies together take no less than their bytes at the measured both-ways rate (`duplex_bw`).
     Phase B (optimizer): the CPU optimizer overlaps the disk traffic of the states it updates.
     Gradient clipping makes B wait for all of A; without clipping B overlaps the last backward (not modelled: the
     prediction is then an upper bound). On a CPU-only machine compute, memcpy and the optimizer share the cores,
@@ -317,9 +318,11 @@ def step_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, 
     if any(placement.of(u.name).params == Tier.NVME for u in profile.units):
         exposed += first / hw.nvme_read_bw
     if hw.cuda:
-        phase_a = max(compute, h2d, d2h, disk_a)
+        # Both directions at once share the link: no less than all the bytes at the rate both together reach.
+        link = max(h2d, d2h, (tr["h2d"] + tr["d2h"]) / hw.duplex_bw if hw.duplex_bw else 0.0)
+        phase_a = max(compute, link, disk_a)
         phase_b = max(cpu_opt / hw.cpu_adam_rate, disk_b, h2d_b) + dev_opt / hw.device_adam_rate
-        terms = {"compute" if kernels >= host else "host issuing ops": compute, "host<->device": max(h2d, d2h),
+        terms = {"compute" if kernels >= host else "host issuing ops": compute, "host<->device": link,
                  "nvme": disk_a}
     else:
         # One set of cores: compute and memcpy serialise; the disk threads wait on DMA and overlap.

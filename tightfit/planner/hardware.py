@@ -64,6 +64,10 @@ class HardwareProfile:
     """Matmul FLOP/s of the compute device by the smallest side of the matmul (size -> FLOP/s: the forward and
     both gradients of a 2048 -> 5632 linear layer with `size` tokens), in the compute dtype ([Note: matmul rate by
     the smallest side] in model_profile.py)."""
+    duplex_bw: float = 0.0
+    """Bytes per second host->device and device->host together, with copies in flight both ways at once, as an
+    offloaded step has them (fetches up, gradients down); a link rarely carries both directions at full rate at once.
+    0: not measured (each direction then runs at its own rate beside the other). CUDA only."""
     op_overhead_s: float = 10e-6
     """Seconds of fixed dispatch overhead per aten op (dominates small models on CPU)."""
     unit_overhead_s: float = 0.0
@@ -156,7 +160,8 @@ class HardwareProfile:
                  f"  memory bandwidth {self.mem_bw / g:.1f} GB/s, per-op overhead {self.op_overhead_s * 1e6:.1f} us",
                  f"  engine host time {self.unit_overhead_s * 1e3:.2f} ms per unit and micro-batch (+"
                  f"{self.stream_overhead_s * 1e3:.2f} ms streamed), {self.step_overhead_s * 1e3:.2f} ms per step",
-                 f"  host->device {self.h2d_bw / g:.1f} GB/s, device->host {self.d2h_bw / g:.1f} GB/s",
+                 f"  host->device {self.h2d_bw / g:.1f} GB/s, device->host {self.d2h_bw / g:.1f} GB/s"
+                 + (f", both at once {self.duplex_bw / g:.1f} GB/s" if self.duplex_bw else ""),
                  f"  disk read {self.nvme_read_bw / g:.2f} GB/s, write {self.nvme_write_bw / g:.2f} GB/s"
                  + (f", both at once {self.nvme_mixed_bw / g:.2f} GB/s" if self.nvme_mixed_bw else "")
                  + (f" over {format_size(self.nvme_measured_bytes)}" if self.nvme_measured_bytes else "")
@@ -197,10 +202,10 @@ def machine_key() -> str:
     return f"{socket.gethostname()}|{devs}|threads={torch.get_num_threads()}"
 
 
-PROBE_VERSION = 5
+PROBE_VERSION = 6
 """Bumped whenever a probed figure changes meaning (or a new one is measured). 2: matmul rates by the smallest side
 ([Note: matmul rate by the smallest side] in model_profile.py; they were by square size). 3: the device's math
-workspace. 4: the engine's host time per unit and per step. 5: and per streamed unit."""
+workspace. 4: the engine's host time per unit and per step. 5: and per streamed unit. 6: copies both ways at once."""
 
 
 def cache_path() -> Path:

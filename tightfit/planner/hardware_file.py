@@ -32,7 +32,7 @@ else:  # pragma: no cover - Python 3.10
 
 _BYTES = ("gpu_total", "gpu_free", "host_total", "host_available", "nvme_free", "nvme_chunk_bytes", "runtime_rss",
           "nvme_measured_bytes", "device_workspace")
-_RATES_BPS = ("nvme_read_bw", "nvme_write_bw", "nvme_mixed_bw", "h2d_bw", "d2h_bw", "mem_bw")
+_RATES_BPS = ("nvme_read_bw", "nvme_write_bw", "nvme_mixed_bw", "h2d_bw", "d2h_bw", "mem_bw", "duplex_bw")
 _NUMBERS = ("cpu_adam_rate", "device_adam_rate", "op_overhead_s", "unit_overhead_s", "stream_overhead_s",
             "step_overhead_s", "measured_at")
 _INTS = ("nvme_io_threads", "threads")
@@ -143,7 +143,7 @@ def profile_from_dict(data: dict, where: str, default_key: str = "file") -> Hard
         elif key in _NUMBERS:
             out[key] = _number(value, where, key)
     for key in (*_RATES_BPS, "cpu_adam_rate", "device_adam_rate"):
-        if key in out and (out[key] < 0 if key == "nvme_mixed_bw" else out[key] <= 0):  # mixed: 0 = not measured
+        if key in out and (out[key] < 0 if key in ("nvme_mixed_bw", "duplex_bw") else out[key] <= 0):  # 0: unmeasured
             raise UsageError(f"{where}: field {key}: must be positive, got {data[key]!r}")
     for key in ("op_overhead_s", "unit_overhead_s", "stream_overhead_s", "step_overhead_s"):
         if out.get(key, 0.0) < 0:

@@ -28,6 +28,7 @@ PROFILES: dict[str, dict] = {
         "cuda": True, "device_workspace": "8MiB", "device_name": "24 GiB GPU, PCIe 4.0 x16 (RTX 4090 class)",
         "gpu_total": "24GiB", "host_total": "64GiB", "host_available": "60GiB", "nvme_free": "1.5TiB",
         "nvme_read_bw": "6.0GB/s", "nvme_write_bw": "4.5GB/s", "h2d_bw": "25GB/s", "d2h_bw": "25GB/s",
+        "duplex_bw": "40GB/s",
         "mem_bw": "900GB/s", "cpu_adam_rate": 1.5e9, "device_adam_rate": 25e9,
         "matmul_flops": {"128": 60e12, "256": 90e12, "512": 110e12, "1024": 120e12, "2048": 140e12,
                          "4096": 150e12, "8192": 150e12},
@@ -35,7 +36,7 @@ PROFILES: dict[str, dict] = {
         "runtime_rss": "3GiB", "threads": 16,
         "assumptions": ["GPU: 24 GiB, bf16 matmul reaching 150 TFLOP/s at size 4096 (peak 165), 60 at 128 tokens, "
                         "memory-bound ops at 900 GB/s read + write, AdamW 25 G params/s",
-                        "PCIe 4.0 x16: 25 GB/s pinned copies each way (32 GB/s link)",
+                        "PCIe 4.0 x16: 25 GB/s pinned copies each way (32 GB/s link), 40 GB/s both ways at once",
                         "host: 64 GiB RAM, 60 GiB available, 16 cores running fused AdamW at 1.5 G params/s",
                         *_PCIE4_NVME,
                         "a CUDA training process holds 3 GiB of RSS before its model (CUDA context, libraries)",
@@ -44,6 +45,7 @@ PROFILES: dict[str, dict] = {
         "cuda": True, "device_workspace": "8MiB", "device_name": "40 GiB GPU, PCIe 4.0 x16 (A100 40GB PCIe class)",
         "gpu_total": "40GiB", "host_total": "128GiB", "host_available": "120GiB", "nvme_free": "1.5TiB",
         "nvme_read_bw": "6.0GB/s", "nvme_write_bw": "4.5GB/s", "h2d_bw": "25GB/s", "d2h_bw": "25GB/s",
+        "duplex_bw": "40GB/s",
         "mem_bw": "1300GB/s", "cpu_adam_rate": 2.5e9, "device_adam_rate": 40e9,
         "matmul_flops": {"128": 90e12, "256": 130e12, "512": 155e12, "1024": 170e12, "2048": 210e12,
                          "4096": 230e12, "8192": 230e12},
@@ -51,7 +53,7 @@ PROFILES: dict[str, dict] = {
         "runtime_rss": "3GiB", "threads": 32,
         "assumptions": ["GPU: 40 GiB, bf16 matmul reaching 230 TFLOP/s at size 4096 (peak 312), 90 at 128 tokens, "
                         "memory-bound ops at 1.3 TB/s read + write, AdamW 40 G params/s",
-                        "PCIe 4.0 x16: 25 GB/s pinned copies each way (32 GB/s link)",
+                        "PCIe 4.0 x16: 25 GB/s pinned copies each way (32 GB/s link), 40 GB/s both ways at once",
                         "host: 128 GiB RAM, 120 GiB available, 32 cores running fused AdamW at 2.5 G params/s",
                         *_PCIE4_NVME,
                         "a CUDA training process holds 3 GiB of RSS before its model (CUDA context, libraries)",
@@ -60,6 +62,7 @@ PROFILES: dict[str, dict] = {
         "cuda": True, "device_workspace": "32MiB", "device_name": "80 GiB GPU, PCIe 5.0 x16 (H100 PCIe class)",
         "gpu_total": "80GiB", "host_total": "256GiB", "host_available": "240GiB", "nvme_free": "3TiB",
         "nvme_read_bw": "11GB/s", "nvme_write_bw": "9GB/s", "h2d_bw": "50GB/s", "d2h_bw": "50GB/s",
+        "duplex_bw": "80GB/s",
         "mem_bw": "1700GB/s", "cpu_adam_rate": 2.5e9, "device_adam_rate": 55e9,
         "matmul_flops": {"128": 150e12, "256": 220e12, "512": 270e12, "1024": 300e12, "2048": 450e12,
                          "4096": 500e12, "8192": 500e12},
@@ -67,7 +70,7 @@ PROFILES: dict[str, dict] = {
         "runtime_rss": "3GiB", "threads": 32,
         "assumptions": ["GPU: 80 GiB, bf16 matmul reaching 500 TFLOP/s at size 4096 (peak 756), 150 at 128 tokens, "
                         "memory-bound ops at 1.7 TB/s read + write, AdamW 55 G params/s",
-                        "PCIe 5.0 x16: 50 GB/s pinned copies each way (64 GB/s link)",
+                        "PCIe 5.0 x16: 50 GB/s pinned copies each way (64 GB/s link), 80 GB/s both ways at once",
                         "host: 256 GiB RAM, 240 GiB available, 32 cores running fused AdamW at 2.5 G params/s",
                         *_PCIE5_NVME,
                         "a CUDA training process holds 3 GiB of RSS before its model (CUDA context, libraries)",
@@ -92,7 +95,8 @@ def _rented(name: str, *, gib: int, peak: float, achieved: float, mem_tbs: float
         "cuda": True, "device_name": name, "gpu_total": f"{gib}GiB", "host_total": f"{host_gib}GiB",
         "host_available": f"{int(host_gib * 0.94)}GiB", "nvme_free": "3TiB" if pcie == 5 else "1.5TiB",
         "nvme_read_bw": "11GB/s" if pcie == 5 else "6.0GB/s", "nvme_write_bw": "9GB/s" if pcie == 5 else "4.5GB/s",
-        "h2d_bw": f"{link[1]}GB/s", "d2h_bw": f"{link[1]}GB/s", "mem_bw": f"{int(mem_tbs * 850)}GB/s",
+        "h2d_bw": f"{link[1]}GB/s", "d2h_bw": f"{link[1]}GB/s", "duplex_bw": f"{int(link[1] * 1.6)}GB/s",
+        "mem_bw": f"{int(mem_tbs * 850)}GB/s",
         "cpu_adam_rate": adam, "device_adam_rate": round(mem_tbs * 850e9 / 32, -9),
         "matmul_flops": {k: round(achieved * v, -12) for k, v in _MATMUL_SHAPE.items()},
         "op_overhead_s": 10e-6, "unit_overhead_s": 1e-3, "stream_overhead_s": 1e-3, "step_overhead_s": 1e-3,
@@ -104,7 +108,8 @@ def _rented(name: str, *, gib: int, peak: float, achieved: float, mem_tbs: float
                         f"and above ({achieved_note}; data sheet {peak / 1e12:.0f} dense), down to "
                         f"{achieved * 0.36 / 1e12:.0f} at 128 tokens; memory-bound ops at {mem_tbs * 0.85:.2f} TB/s "
                         f"(0.85 of {mem_tbs} TB/s)",
-                        f"{link[0]}: {link[1]} GB/s pinned copies each way ({link[2]} GB/s link)",
+                        f"{link[0]}: {link[1]} GB/s pinned copies each way ({link[2]} GB/s link), "
+                        f"{int(link[1] * 1.6)} GB/s both ways at once",
                         f"host share: {host_gib} GiB RAM, {cores} cores running fused AdamW at {adam / 1e9:.1f} G "
                         f"params/s ({adam_note})",
                         *nvme,

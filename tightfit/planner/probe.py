@@ -9,7 +9,8 @@ engine spends it:
   (counted by the same tracer the model profile uses, so the two agree on what "an op" is);
 - the engine's own host time per unit and per step: the engine stepping tiny models of 2 and 6 blocks;
 - fused AdamW on CPU (and on the GPU), in parameters per second;
-- host<->device copies (pinned, CUDA; a memcpy between tier buffers on a CPU-only machine);
+- host<->device copies (pinned, CUDA; a memcpy between tier buffers on a CPU-only machine), and on CUDA both ways
+  at once;
 - the swap folder's sequential O_DIRECT read/write bandwidth, sustained (a file of up to 16 GiB written twice),
   and how the NVMe tier should drive that disk (I/O threads, largest transfer: `disk_probe.py`);
 - the RSS of a fresh process that imported torch and ran a tiny step: the runtime floor under host memory.
@@ -227,6 +228,25 @@ def measure_copies(nbytes: int = 256 << 20) -> tuple[float, float]:
     return nbytes / _timeit(into_fresh), nbytes / _timeit(lambda: b.copy_(a))
 
 
+def measure_duplex(nbytes: int = 256 << 20) -> float:
+    """Bytes per second host->device and device->host together, one pinned copy each way in flight at once on two
+    streams, as an offloaded step has them; 0 without CUDA (a CPU-only machine's copies share its cores and the
+    model adds them)."""
+    if not torch.cuda.is_available():
+        return 0.0
+    host_up, host_down = torch.empty(nbytes // 4, pin_memory=True), torch.empty(nbytes // 4, pin_memory=True)
+    dev_up, dev_down = torch.empty(nbytes // 4, device="cuda"), torch.ones(nbytes // 4, device="cuda")
+    up, down = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def both() -> None:
+        with torch.cuda.stream(up):
+            dev_up.copy_(host_up, non_blocking=True)
+        with torch.cuda.stream(down):
+            host_down.copy_(dev_down, non_blocking=True)
+
+    return 2 * nbytes / _timeit(both)
+
+
 def measure_runtime_rss() -> int:
     """RSS of a fresh Python that imported torch and tightfit and ran a tiny training step."""
     # What every training process pays before its model: torch, tightfit (planner and engine imported), the
@@ -285,6 +305,7 @@ def run_probe(folder: str | None = None, save: bool = True, sustained: bool = Tr
         nvme_device=disk.device, nvme_measured_bytes=disk.measured_bytes,
         nvme_volumes=_disk_volumes(disk) if folder else {},
         nvme_io_threads=disk.threads, nvme_chunk_bytes=disk.chunk_bytes, h2d_bw=h2d, d2h_bw=d2h,
+        duplex_bw=measure_duplex(),
         mem_bw=measure_mem_bw(device),
         cpu_adam_rate=cpu_adam, device_adam_rate=measure_adam("cuda") if cuda else cpu_adam,
         matmul_flops=measure_matmul(device, dtype), op_overhead_s=measure_op_overhead(device),
@@ -332,6 +353,7 @@ def refresh_speeds(hw: HardwareProfile) -> HardwareProfile:
                    mem_bw=measure_mem_bw(device), op_overhead_s=measure_op_overhead(device), cpu_adam_rate=cpu_adam,
                    **_engine_overhead(device),
                    device_adam_rate=measure_adam("cuda") if cuda else cpu_adam, h2d_bw=h2d, d2h_bw=d2h,
+                   duplex_bw=measure_duplex(),
                    measured_at=time.time())
 
 
