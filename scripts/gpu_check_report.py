@@ -93,7 +93,8 @@ def _train(parts: Path) -> dict | None:
         return None
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     summary = next((r for r in reversed(records) if r.get("kind") == "summary"), None)
-    return {"summary": summary, "records": len(records)}
+    plan = next((r for r in reversed(records) if r.get("kind") == "plan_vs_measured"), None)
+    return {"summary": summary, "plan_vs_measured": plan, "records": len(records)}
 
 
 def floors_bound(side: dict, floors: dict, compute_s_per_token: float | None) -> dict | None:
@@ -209,6 +210,26 @@ def markdown(f: dict) -> str:
         lines += ["## Default `tightfit train`", "",
                   f"{tr.get('steps')} steps in {tr.get('seconds', 0):.1f} s, {tr.get('tokens_per_s', 0):,.0f} tok/s, "
                   f"val loss {tr.get('val_loss')}; peaks {tr.get('peak_memory')}.", ""]
+    pv = (f.get("train") or {}).get("plan_vs_measured")
+    if pv:
+        lines += ["| figure | predicted | measured | error |", "| --- | --- | --- | --- |"]
+        for key, pred in pv["predicted"].items():
+            meas = pv["measured"].get(key)
+            if meas is None:
+                continue
+            unit = (lambda x: f"{x * 1e3:.1f} ms") if key == "step_s" else (lambda x: f"{x / 2**20:.1f} MiB")
+            err = f"{(pred - meas) / meas:+.0%}" if meas else "-"
+            lines.append(f"| {key} | {unit(pred)} | {unit(meas)} | {err} |")
+        hw, terms = pv.get("hardware", {}), pv.get("step_terms", {})
+        lines += ["", f"Step terms: compute {terms.get('compute_s', 0) * 1e3:.1f} ms (host issuing "
+                      f"{terms.get('host_s', 0) * 1e3:.1f}), bottleneck {terms.get('bottleneck')}; the probe's host "
+                      f"figures: {hw.get('op_overhead_s', 0) * 1e6:.1f} us per op, "
+                      f"{hw.get('unit_overhead_s', 0) * 1e3:.2f} ms per unit, "
+                      f"+{hw.get('stream_overhead_s', 0) * 1e3:.2f} ms streamed, "
+                      f"{hw.get('step_overhead_s', 0) * 1e3:.2f} ms per step; both-ways copies "
+                      f"{hw.get('duplex_bw', 0) / 1e9:.1f} GB/s; workspace "
+                      f"{hw.get('device_workspace', 0) / 2**20:.0f} MiB.",
+                  ""]
     t = f.get("cuda_tests")
     if t:
         lines += ["## CUDA tests (`pytest -m cuda tests/test_offload_cuda.py`)", "",

@@ -114,6 +114,11 @@ def test_the_script_leaves_at_most_eight_files(tmp_path):
     assert files == ["figures.json", "figures.md", "gpu-check.log", "parts.tar.gz"], files
     figures = json.loads((out / "figures.json").read_text())
     assert figures["floors"]["adamw_params_per_s"] > 0 and figures["train"]["summary"]["steps"] == 3
+    # The default run's plan against its measurement, as data: what a GPU check is for (issue 26).
+    pv = figures["train"]["plan_vs_measured"]
+    assert pv["predicted"]["step_s"] > 0 and pv["measured"]["step_s"] > 0 and pv["hardware"]["probe_version"] > 0
+    md = (out / "figures.md").read_text()
+    assert "| step_s |" in md and "the probe's host figures" in md, md
     assert set(figures["stages"]) == {"floors", "train"}
 
 

@@ -397,6 +397,7 @@ def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> 
         comparison = mem.compare_with_plan(seconds / max(1, summary.steps_done))
         if comparison:
             say(comparison)
+            progress.log({"kind": "plan_vs_measured", **mem.plan_record(seconds / max(1, summary.steps_done))})
         if t.plot:
             from tightfit.train.pictures import plot_run
 

@@ -67,6 +67,7 @@ class MemorySetup(Protocol):
     def close(self) -> None: ...
     def peak_memory(self) -> dict[str, int]: ...
     def compare_with_plan(self, step_seconds: float) -> str | None: ...
+    def plan_record(self, step_seconds: float) -> dict | None: ...
 
 
 def _rss() -> int:
@@ -195,6 +196,9 @@ class PlainMemory(_Stepping):
     def compare_with_plan(self, step_seconds: float) -> str | None:
         return None
 
+    def plan_record(self, step_seconds: float) -> dict | None:
+        return None
+
 
 class OffloadMemory(_Stepping):
     """The offload engine holding the states where the plan put them (tightfit.wrap + tightfit.optim.AdamW)."""
@@ -256,13 +260,28 @@ class OffloadMemory(_Stepping):
             peaks["cuda_allocated"] = torch.cuda.max_memory_allocated(self.device)
         return peaks
 
-    def compare_with_plan(self, step_seconds: float) -> str | None:
+    def _measured(self, step_seconds: float) -> dict:
         p = self.peak_memory()
         measured = {"device_engine_peak": p["device"], "host_peak": p["host"], "nvme_peak": p["nvme"],
                     "rss_peak": p["rss"], "step_s": step_seconds}
         if "cuda_allocated" in p:
             measured["device_peak"] = p["cuda_allocated"]
-        return self.plan.compare(measured)
+        return measured
+
+    def compare_with_plan(self, step_seconds: float) -> str | None:
+        return self.plan.compare(self._measured(step_seconds))
+
+    def plan_record(self, step_seconds: float) -> dict | None:
+        """The comparison as data, for metrics.jsonl: each predicted figure beside its measurement, and what the
+        step's prediction was made of (a GPU check reads it: scripts/gpu_check_report.py)."""
+        pr, hw = self.plan.prediction, self.plan.hardware
+        return {"predicted": {key: value for _, key, value, _ in self.plan.figures()},
+                "measured": self._measured(step_seconds),
+                "step_terms": {"compute_s": pr.compute_s, "host_s": pr.host_s, "copy_s": pr.copy_s,
+                               "nvme_s": pr.nvme_s, "optim_s": pr.optim_s, "bottleneck": pr.bottleneck},
+                "hardware": {k: getattr(hw, k) for k in ("device_name", "op_overhead_s", "unit_overhead_s",
+                                                         "stream_overhead_s", "step_overhead_s", "duplex_bw",
+                                                         "device_workspace", "probe_version")}}
 
 
 def cap_device_memory(device: torch.device, gpu_mem: int) -> float | None:
