@@ -27,11 +27,12 @@ def gpt() -> GPT:
 def test_gpu_mem_on_cuda_keeps_the_allocator_share():
     assert GPU.cuda
     plan = tightfit.plan(gpt(), gpu_mem="4GiB", cpu_mem="8GiB", micro_batch=2, seq_len=32, hardware=GPU)
-    assert allocator_share(4 * GiB) == 256 * MiB
-    assert plan.budgets["device"] == 4 * GiB - 256 * MiB
+    # 1/12: the first GPU run's plan reserved 7.2% above what it allocated, more than 1/16 of its 8 GiB cap.
+    assert allocator_share(4 * GiB) == 4 * GiB // 12 and allocator_share(4 * GiB, cuda=False) == 256 * MiB
+    assert plan.budgets["device"] == 4 * GiB - 4 * GiB // 12
     assert "CUDA allocator" in plan.budget_sources["device"]
-    big = tightfit.plan(gpt(), gpu_mem="64GiB", cpu_mem="8GiB", micro_batch=2, seq_len=32, hardware=GPU)
-    assert big.budgets["device"] == 60 * GiB
+    big = tightfit.plan(gpt(), gpu_mem="60GiB", cpu_mem="8GiB", micro_batch=2, seq_len=32, hardware=GPU)
+    assert big.budgets["device"] == 55 * GiB
     # Without a GPU the device budget is RAM: no allocator segments, nothing kept back.
     cpu = tightfit.plan(gpt(), gpu_mem="1GiB", cpu_mem="8GiB", micro_batch=2, seq_len=32, hardware=CPU)
     assert cpu.budgets["device"] == 1 * GiB

@@ -262,32 +262,30 @@ def test_probe_out_writes_a_profile_plan_reads(tmp_path, capsys, monkeypatch):
 def test_the_fastest_plan_then_the_smallest(capsys):
     """A 1.2 B GPT under an 8 GiB cap on an H100 is bound by the CPU optimizer. Within 3% of the fastest plan the
     search keeps the least device memory (issue 26, item 5): the greedy fill's states that shortened the step by
-    less than 3% go back to host memory, and recomputing every block's activations (6.1 GiB of them) costs less
-    than 3% more: the plan takes 1.9 GiB of the GPU where the fastest took 6.8."""
+    less than 3% go back to host memory. Recomputing every block would free 5 GiB more of the GPU, but for more
+    than 3% of the fastest plan's step (each search's trim spends its own 3%: the two are compared with the
+    faster search's fullest plan, not with their own), so it is not taken."""
+    # 8378 MiB: a 7.5 GiB device budget once the CUDA allocator's 1/12 is kept back, the first GPU run's budget.
     args = ["plan", "--hardware", "h100-pcie", "--n-layer", "24", "--n-embd", "2048", "--n-head", "16", "--seq-len",
-            "1024", "--micro-batch", "4", "--gpu-mem", "8GiB"]
+            "1024", "--micro-batch", "4", "--gpu-mem", "8378MiB"]
     rc, out, err = _run(capsys, *args)
     assert rc == 0, err
-    m = re.search(r"activation checkpointing of every unit: less device within 3% of the fastest plan's "
-                  r"step \(([0-9]+) ms per step and (\S+ \S+) of device with 0 checkpointed, ([0-9]+) ms and "
-                  r"(\S+ \S+) with all\)", out)
-    assert m, out
-    fastest, chosen = int(m.group(1)), int(m.group(3))
-    assert fastest <= chosen <= 1.03 * fastest + 1
-    assert _gib(m.group(4)) < _gib(m.group(2)) / 3
-    step = float(re.search(r"predicted step: ([0-9.]+) ms", out).group(1))
-    assert round(step) == chosen and "checkpointed units 24" in out
     m = re.search(r"device: (\S+ \S+) less than the fullest plan, for a predicted step within 3% of its ([0-9]+) ms "
                   r"\(bound by cpu optimizer", out)
     assert m, out
-    assert "bottleneck: cpu optimizer" in out
-    # The same run with checkpointing off is the fastest plan, and its trim left (almost) no state on the device:
-    # only the root's bf16 params (6 MiB, the group the 3% no longer covered).
-    rc, out, err = _run(capsys, *args, "--checkpointing", "off")
-    assert rc == 0, err
-    assert round(float(re.search(r"predicted step: ([0-9.]+) ms", out).group(1))) == fastest
+    fastest = float(m.group(2)) / 1e3
+    step = float(re.search(r"predicted step: ([0-9.]+) ms", out).group(1)) / 1e3
+    assert fastest <= step <= 1.03 * fastest + 1e-3
     rows = {r.group(1): r.group(2) for r in re.finditer(r"^(device|host|nvme)\s+(\S+ \S+)", out, re.M)}
+    # No device-resident state but the root's bf16 params (6 MiB, the last group the trim reaches, least touched
+    # first, after the others have spent the 3%): each of the 24 blocks' states bought less than 3%.
     assert parse_size(rows["device"].replace(" ", "")) <= 2 * 3_149_824, rows
+    assert "bottleneck: cpu optimizer" in out and "checkpointed units 0" in out
+    rc, recomputing, err = _run(capsys, *args, "--checkpointing", "on")
+    assert rc == 0, err
+    recompute_step = float(re.search(r"predicted step: ([0-9.]+) ms", recomputing).group(1)) / 1e3
+    # Within 3% of this plan's trimmed step (the old comparison took it, 6.8 -> 1.9 GiB), not of the fastest.
+    assert 1.03 * fastest < recompute_step <= 1.03 * step
 
 
 def test_recomputation_is_weighed_where_the_activations_fit_without_it(capsys):
