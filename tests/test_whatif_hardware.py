@@ -172,6 +172,11 @@ LLAMA2_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidd
              "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2}
 
 
+def _step_s(plan_text: str) -> float:
+    """The predicted step, in seconds, `tightfit plan` printed."""
+    return float(re.search(r"predicted step: ([0-9.]+) ms", plan_text).group(1)) / 1e3
+
+
 def _gib(text: str) -> float:
     return parse_size(text.replace(" ", "")) / GiB
 
@@ -224,7 +229,7 @@ def test_llama2_7b_on_a_24gib_gpu_matches_the_documented_arithmetic(tmp_path, ca
     compute = float(re.search(r"step time terms: compute ([0-9.]+) ms", out).group(1)) / 1e3
     assert 8 * n * 4096 / 150e12 < compute < 2 * 8 * n * 4096 / 150e12  # 8 N T FLOPs with recomputation
     assert f"nvme {disk * 1e3:.1f} ms, optimizer {cpu_adam * 1e3:.1f} ms" in out
-    step = float(re.search(r"predicted step: ([0-9.]+) ms", out).group(1)) / 1e3
+    step = _step_s(out)
     exposed = float(re.search(r"exposed latency ([0-9.]+) ms", out).group(1)) / 1e3  # the root's first fetch
     assert exposed == pytest.approx(2 * root / hw.h2d_bw, abs=1e-3)
     assert step == pytest.approx(max(compute, d2h / hw.d2h_bw) + disk + exposed, abs=1e-3)
@@ -274,7 +279,7 @@ def test_the_fastest_plan_then_the_smallest(capsys):
                   r"\(bound by cpu optimizer", out)
     assert m, out
     fastest = float(m.group(2)) / 1e3
-    step = float(re.search(r"predicted step: ([0-9.]+) ms", out).group(1)) / 1e3
+    step = _step_s(out)
     assert fastest <= step <= 1.03 * fastest + 1e-3
     rows = {r.group(1): r.group(2) for r in re.finditer(r"^(device|host|nvme)\s+(\S+ \S+)", out, re.M)}
     # No device-resident state but the root's bf16 params (6 MiB, the last group the trim reaches, least touched
@@ -283,7 +288,7 @@ def test_the_fastest_plan_then_the_smallest(capsys):
     assert "bottleneck: cpu optimizer" in out and "checkpointed units 0" in out
     rc, recomputing, err = _run(capsys, *args, "--checkpointing", "on")
     assert rc == 0, err
-    recompute_step = float(re.search(r"predicted step: ([0-9.]+) ms", recomputing).group(1)) / 1e3
+    recompute_step = _step_s(recomputing)
     # Within 3% of this plan's trimmed step (the old comparison took it, 6.8 -> 1.9 GiB), not of the fastest.
     assert 1.03 * fastest < recompute_step <= 1.03 * step
 

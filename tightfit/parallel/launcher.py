@@ -131,10 +131,8 @@ def worker_outcome(folder: str | Path, code: int) -> tuple[int, str | None]:
     found = _reports(folder)
     if code == 0 or not found:
         return code, None
-    rank = 0 if 0 in found else min(found)
-    with_line = sorted(r for r, (_, line) in found.items() if line)
-    line = found[0][1] if found.get(0, (0, ""))[1] else (found[with_line[0]][1] if with_line else None)
-    return found[rank][0], line
+    line = next((found[r][1] for r in sorted(found) if found[r][1]), None)
+    return found[min(found)][0], line
 
 
 def _silent_failures(error) -> list[str]:

@@ -31,7 +31,6 @@ batches each rank is dealt (evaluation pads a rank's share with uncounted passes
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import signal
@@ -54,6 +53,7 @@ from tightfit.parallel.launcher import LOCK_HELD_ENV, report_failure
 from tightfit.parallel.mesh import build_mesh, init_distributed, leave_process, shutdown
 from tightfit.parallel.parallelize import make_optimizer, parallelize
 from tightfit.parallel.plan import ParallelPlan, plan_from_config
+
 
 class RankLostError(RuntimeError):
     """A collective failed because another rank died, hung past the timeout, or the network broke."""

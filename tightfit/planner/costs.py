@@ -215,13 +215,19 @@ def kernel_time(w: Work, hw: HardwareProfile) -> float:
     return t + w.mem_bytes / hw.mem_bw
 
 
-def engine_host_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, shape: TrainShape) -> float:
-    """The engine's own host time per step ([Note: the host floor]): each unit's per micro-batch (more for a unit
-    whose parameters stream), and the step's."""
+def unit_host_time(hw: HardwareProfile, shape: TrainShape, streamed: bool) -> float:
+    """The engine's host time for one unit and micro-batch, forward and backward ([Note: the host floor]): more for
+    a unit whose parameters stream; none without the engine."""
     if not shape.engine:
         return 0.0
-    streamed = sum(1 for u in profile.units if placement.of(u.name).params != Tier.DEVICE)
-    per_micro = len(profile.units) * hw.unit_overhead_s + streamed * hw.stream_overhead_s
+    return hw.unit_overhead_s + (hw.stream_overhead_s if streamed else 0.0)
+
+
+def engine_host_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, shape: TrainShape) -> float:
+    """The engine's own host time per step ([Note: the host floor]): each unit's per micro-batch, and the step's."""
+    if not shape.engine:
+        return 0.0
+    per_micro = sum(unit_host_time(hw, shape, placement.of(u.name).params != Tier.DEVICE) for u in profile.units)
     return shape.grad_accum * per_micro + hw.step_overhead_s
 
 
@@ -296,10 +302,9 @@ def step_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, 
     a = shape.grad_accum
     kernels, host = 0.0, engine_host_time(profile, placement, hw, shape)
     for u in profile.units:
-        runs = ((u.fwd, 2) if u.name in placement.checkpoint_units else (u.fwd, 1)), (u.bwd, 1)
-        for w, n in runs:
-            kernels += a * n * kernel_time(w, hw)
-            host += a * n * w.n_ops * hw.op_overhead_s
+        forwards = 2 if u.name in placement.checkpoint_units else 1  # recomputation runs the forward again
+        kernels += a * (forwards * kernel_time(u.fwd, hw) + kernel_time(u.bwd, hw))
+        host += a * (forwards * u.fwd.n_ops + u.bwd.n_ops) * hw.op_overhead_s
     # [Note: the host floor]: a GPU runs what the host issued before while the host issues more.
     compute = max(kernels, host) if hw.cuda else kernels + host
     tr = traffic(profile, placement, shape)
@@ -361,7 +366,7 @@ def units_per_window(profile: ModelProfile, placement: Placement, hw: HardwarePr
     if any(placement.of(u.name).params == Tier.NVME for u in streamed):
         fetch_bw = min(fetch_bw, hw.nvme_read_bw)
     fetch = max(u.numel * shape.compute_bytes for u in streamed) / fetch_bw
-    hooks = (hw.unit_overhead_s + hw.stream_overhead_s) / 2 if shape.engine else 0.0  # [Note: the host floor]
-    per_unit = min(work_time(u.fwd, hw) for u in streamed) + hooks
+    # A unit's forward: its kernels and ops, and the forward's half of the engine's host time for it.
+    per_unit = min(work_time(u.fwd, hw) for u in streamed) + unit_host_time(hw, shape, streamed=True) / 2
     per_unit = per_unit or 1e-9
     return max(1, min(4, math.ceil(fetch / per_unit)))

@@ -127,10 +127,10 @@ def measure_engine_overhead(device: str, steps: int = 40, tier: str = "device") 
     spend beyond the model's own ops ([Note: the host floor] in costs.py).
 
     How: the engine itself, every state on `tier` (the device; or the host, where every unit streams and the CPU
-    steps it), steps a tiny GPT (width 16, 8 tokens: its kernels
-    cost nothing, so a step is host time) as `tightfit train` does: forward, backward, clip, step, zero_grad, the
-    loss read back. With 2 and with 6 blocks; the step time less the model's traced ops at `op_overhead_s` gives
-    a line whose slope is the per-unit cost and whose rest, less two units, is the per-step cost."""
+    steps it), steps a tiny GPT (width 16, 8 tokens: its kernels cost nothing, so a step is host time) as
+    `tightfit train` does: forward, backward, clip, step, zero_grad, the loss read back. With 2 and with 6 blocks,
+    the step time less the model's traced ops at `op_overhead_s` gives a line whose slope is the per-unit cost and
+    whose rest, less the 2 blocks' and the root's, is the per-step cost."""
     import tightfit
     from tightfit.models.gpt import GPT, GPTConfig
     from tightfit.offload.step.engine import engine_of
@@ -341,9 +341,10 @@ def _disk_volumes(disk: DiskProfile) -> dict[int, list[float]]:
 
 
 def refresh_speeds(hw: HardwareProfile) -> HardwareProfile:
-    """`hw` with the compute-side speeds (matmul, memory, per-op overhead, AdamW, copies) measured again now.
+    """`hw` with the compute-side speeds (matmul, memory, per-op overhead, the engine's host time, AdamW, copies)
+    measured again now.
 
-    For a shared machine whose load changes from minute to minute: ~3 s, the disk and runtime figures are kept.
+    For a shared machine whose load changes from minute to minute: ~5 s, the disk and runtime figures are kept.
     """
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"

@@ -411,8 +411,7 @@ def _search(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: Train
     p = _demote(p, items, groups, profile, hw, b, shape)
     p = _promote(p, items, groups, profile, hw, b, shape)
     fullest = predict(profile, p, hw, shape)
-    p = _trim(p, items, groups, profile, hw, b, shape, reasons)
-    pred = predict(profile, p, hw, shape)
+    p, pred = _trim(p, fullest, items, groups, profile, hw, b, shape, reasons)
     while violations(pred, b) and p.prefetch_depth > 1:  # a shallower window may be what makes it fit
         p = replace(p, prefetch_depth=p.prefetch_depth - 1)
         pred = predict(profile, p, hw, shape)
@@ -475,15 +474,16 @@ TRIM_TOLERANCE = 0.03
 """Device residency that makes the predicted step faster by less than this fraction is given back."""
 
 
-def _trim(p, items, groups, profile, hw, b, shape, reasons: list[str]) -> Placement:
+def _trim(p, fastest: Prediction, items, groups, profile, hw, b, shape,
+          reasons: list[str]) -> tuple[Placement, Prediction]:
     """The fastest plan, then the smallest: the greedy fill promotes whatever fits, also where the step is bound by
     something device residency does not shorten (the CPU optimizer, the disk); give back, least touched first,
     every device-resident group whose return to host memory keeps the predicted step within TRIM_TOLERANCE of the
-    fastest and the plan within its budgets."""
-    fastest = predict(profile, p, hw, shape)
+    fastest (`fastest`: the fill's own prediction) and the plan within its budgets. Returns the placement and its
+    prediction."""
     if fastest.step_s <= 0 or violations(fastest, b):
-        return p
-    limit = fastest.step_s * (1 + TRIM_TOLERANCE)
+        return p, fastest
+    limit, after = fastest.step_s * (1 + TRIM_TOLERANCE), fastest
     for unit, group in reversed(items):
         up = p.of(unit)
         states = groups[group]
@@ -494,14 +494,13 @@ def _trim(p, items, groups, profile, hw, b, shape, reasons: list[str]) -> Placem
         trial = _set(p, unit, states, Tier.HOST)
         pred = predict(profile, trial, hw, shape)
         if pred.step_s <= limit and not violations(pred, b):
-            p = trial
-    after = predict(profile, p, hw, shape)
+            p, after = trial, pred
     saved = fastest.peak.get("device", 0) - after.peak.get("device", 0)
     if saved > 0:
         reasons.append(f"device: {format_size(saved)} less than the fullest plan, for a predicted step within "
                        f"{TRIM_TOLERANCE:.0%} of its {fastest.step_s * 1e3:.0f} ms (bound by {fastest.bottleneck}: "
                        "more residency would not shorten it)")
-    return p
+    return p, after
 
 
 def predict_mem(profile, p, hw, shape) -> Prediction:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tightfit.offload.placement import State, Tier
-from tightfit.planner.costs import work_time
+from tightfit.planner.costs import unit_host_time, work_time
 from tightfit.planner.plan import TIERS, Plan
 
 
@@ -80,10 +80,8 @@ def simulate(plan: Plan) -> Timeline:
     units = prof.units
     t_done = 0.0
 
-    def hooks(u) -> float:  # the engine's host time ([Note: the host floor] in costs.py), half in each pass
-        if not shape.engine:
-            return 0.0
-        return (hw.unit_overhead_s + (hw.stream_overhead_s if u.name in streamed else 0.0)) / 2
+    def hooks(u) -> float:  # the engine's host time for the unit, half in each pass
+        return unit_host_time(hw, shape, u.name in streamed) / 2
 
     for micro in range(shape.grad_accum):
         # Forward: fetch unit i when unit i - depth - 1 has released its window slot.

@@ -112,7 +112,7 @@ class RunHealth:
     def record(self, step: int) -> dict:
         """The health written with the checkpoint of `step`: the interval since the previous one, the run's
         reference, and whether `step` itself spiked. Starts a new interval."""
-        losses = [l for l, _ in self._interval if math.isfinite(l)]
+        losses = [loss for loss, _ in self._interval if math.isfinite(loss)]
         norms = [g for _, g in self._interval if g is not None and math.isfinite(g)]
         spiked, _, lr = self._seen.get(step, (False, None, None))
         rec = {"step": step, "verdict": SUSPECT if spiked else UNKNOWN,
