@@ -77,7 +77,7 @@ def main() -> None:
           f"micro-batch (+{hw.stream_overhead_s * 1e3:.3f} ms streamed), {hw.step_overhead_s * 1e3:.3f} ms per step; "
           f"{hw.threads} threads; "
           f"{time.strftime('%Y-%m-%d %H:%M')}")
-    print(f"| case | measured | before | after (host part) | before vs measured | after vs measured |")
+    print("| case | measured | before | after (host part) | before vs measured | after vs measured |")
     print("|---|---|---|---|---|---|")
     rows = []
     for label, extra in CASES:

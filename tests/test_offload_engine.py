@@ -376,3 +376,43 @@ def test_cpu_0_is_the_cpu(tmp_path):
     assert engine.device == torch.device("cpu") == torch.zeros(1).device
     loss_of(model, *batch(0)).backward()
     engine.close()
+
+
+PLACEMENTS_FOR_VIEWS = {
+    "device": lambda d: Placement.everywhere(Tier.DEVICE),
+    "host": lambda d: Placement.everywhere(Tier.HOST),
+    "host params, nvme grads": lambda d: Placement(default=UnitPlacement(params=Tier.HOST, master=Tier.HOST,
+                                                                         grads=Tier.NVME, optim=Tier.DEVICE),
+                                                   nvme_dir=str(d / "swap")),
+}
+
+
+@pytest.mark.parametrize("device_memory", ["separate", "shared"])
+@pytest.mark.parametrize("where", sorted(PLACEMENTS_FOR_VIEWS))
+def test_views_a_unit_keeps_are_views_of_what_lives_as_long_as_it(tmp_path, monkeypatch, device_memory, where):
+    """[Note: views built once] in step/unit.py: after steps with two micro-batches and clipping, every view a unit
+    keeps aliases one of its stored entries or its flat buffer, never a buffer granted from the pool (which goes
+    back to the pool after its job: a kept view would read it when another job owns it). And the losses are torch's,
+    bit for bit, with the kept views doing the step."""
+    monkeypatch.setenv("TIGHTFIT_CPU_DEVICE", device_memory)
+    placement = PLACEMENTS_FOR_VIEWS[where](tmp_path)
+    expected, _, _ = train(tiny_gpt, steps=3, accum=2, clip=1.0)
+    losses, model, _ = train(tiny_gpt, placement, steps=3, accum=2, clip=1.0)
+    assert losses == expected
+    engine = engine_of(model)
+    kept = 0
+    for unit in engine.units.values():
+        lasting = {unit.flat_io.untyped_storage()._cdata}
+        for state in State:
+            for entry in ("params", "master", "grads", "exp_avg", "exp_avg_sq"):
+                try:
+                    t = unit.store[state].tensor(unit.name, entry)
+                except KeyError:
+                    continue
+                if t is not None:
+                    lasting.add(t.untyped_storage()._cdata)
+        for views in unit._views.values():
+            kept += len(views)
+            assert {v.untyped_storage()._cdata for v in views} <= lasting, unit.name
+    assert kept >= sum(len(u.trainable) for u in engine.units.values())  # the memory tiers' views were kept
+    engine.close()

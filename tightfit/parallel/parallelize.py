@@ -102,7 +102,7 @@ class ParallelModel:
             self.schedule.step()
         if not last:
             return torch.tensor(float("nan"))
-        return torch.stack([l.detach() for l in losses]).mean()
+        return torch.stack([loss.detach() for loss in losses]).mean()
 
     def _grad_sync(self, sync: bool):
         """Context in which backward does (sync) or does not (accumulate locally) reduce gradients over dp."""

@@ -202,10 +202,12 @@ def machine_key() -> str:
     return f"{socket.gethostname()}|{devs}|threads={torch.get_num_threads()}"
 
 
-PROBE_VERSION = 6
+PROBE_VERSION = 7
 """Bumped whenever a probed figure changes meaning (or a new one is measured). 2: matmul rates by the smallest side
 ([Note: matmul rate by the smallest side] in model_profile.py; they were by square size). 3: the device's math
-workspace. 4: the engine's host time per unit and per step. 5: and per streamed unit. 6: copies both ways at once."""
+workspace. 4: the engine's host time per unit and per step. 5: and per streamed unit. 6: copies both ways at once.
+7: the engine with its views built once ([Note: views built once] in offload/step/unit.py): a cached 6 overstates
+its host time."""
 
 
 def cache_path() -> Path:

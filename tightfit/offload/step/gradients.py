@@ -22,6 +22,7 @@ import time
 from concurrent.futures import Future
 
 import torch
+from torch._C import DisableTorchFunctionSubclass
 
 from tightfit.offload.runtime.host_cache import Held, HostCache
 from tightfit.offload.runtime.host_memory import Grant, HostPool
@@ -29,6 +30,7 @@ from tightfit.offload.runtime.workers import Timers, Worker
 from tightfit.offload.placement import State
 from tightfit.offload.step.lifecycle import Event
 from tightfit.offload.step.unit import GRADS, OffloadUnit
+from tightfit.offload.step.units import slot_views
 
 
 class GradientShipper:
@@ -47,12 +49,13 @@ class GradientShipper:
         Transfer of their copy off the device while it may still read them (None when they were used up at once).
         hold: a step follows this backward: the final gradients may wait for it in the host cache."""
         pairs = []
-        for i in sorted(unit.got):
-            slot = unit.trainable[i]
-            g = slot.param.grad
-            if g is not None:
-                pairs.append((i, slot, g))
-                slot.param.grad = None  # the device memory goes back as soon as the copy below has read it
+        with DisableTorchFunctionSubclass():  # plain attribute access: the wrapped parameter's class is not asked
+            for i in sorted(unit.got):
+                slot = unit.trainable[i]
+                g = slot.param.grad
+                if g is not None:
+                    pairs.append((i, slot, g))
+                    slot.param.grad = None  # the device memory goes back as soon as the copy below has read it
         if not pairs:
             return None
         had = list(unit.has_grad)
@@ -60,11 +63,10 @@ class GradientShipper:
         for i in new:
             unit.has_grad[i] = True
         if "ship" not in unit.jobs:  # addressable where computed: accumulate in place now (on the compute stream)
-            acc = unit.store[State.GRADS].tensor(unit.name, GRADS)
-            for i, slot, g in pairs:
-                view = slot.view(acc)
-                view.add_(g) if had[i] else view.copy_(g)
-            _record_norms(unit, acc)
+            views = unit.stored_views(State.GRADS, GRADS)
+            for i, _, g in pairs:
+                views[i].add_(g) if had[i] else views[i].copy_(g)
+            _record_norms(unit, views)
             unit.life.on(Event.GRADS_STORED)
             return None
         # The thread running backward holds no other grant: waiting here waits for ships and steps in flight, which
@@ -89,11 +91,11 @@ class GradientShipper:
             packed.done.result()
             pack = grant["pack"]
             store = unit.store[State.GRADS]
-            acc = store.tensor(unit.name, GRADS)
-            if acc is not None:  # host memory: the upcast happens inside the add
-                _add_into(unit, acc, pack, new, had)
+            if store.tensor(unit.name, GRADS) is not None:  # host memory: the upcast happens inside the add
+                views = unit.stored_views(State.GRADS, GRADS)
+                _add_into(unit, views, pack, new, had)
                 grant.release()
-                _record_norms(unit, acc)
+                _record_norms(unit, views)
                 unit.life.on(Event.GRADS_LANDED)
                 return
             if GRADS not in grant:  # fp32, first gradients since the step: the pack is the sum
@@ -106,10 +108,11 @@ class GradientShipper:
                 else:
                     store.load(unit.name, GRADS, grant[GRADS]).result()
             acc = grant[GRADS]
+            views = slot_views(unit.trainable, acc)  # a granted buffer: [Note: views built once] in unit.py
             if "pack" in grant:
-                _add_into(unit, acc, pack, new, had)
+                _add_into(unit, views, pack, new, had)
                 grant.give("pack")
-            _record_norms(unit, acc)
+            _record_norms(unit, views)
             # [Note: speculative holdings]: kept for the step only as far as the pool's bound admits it.
             if hold and grant.speculate():
                 self.cache.put(unit.name, GRADS, Held(grant, unit.version, only_copy=True))
@@ -125,17 +128,18 @@ class GradientShipper:
             self.timers.since("grad_accumulate_s", t0)
 
 
-def _add_into(unit: OffloadUnit, acc: torch.Tensor, pack: torch.Tensor, new: set[int], had: list[bool]) -> None:
-    """acc += pack over the slots with new gradients (copied where the slot had none): old + new in fp32."""
+def _add_into(unit: OffloadUnit, acc: list[torch.Tensor], pack: torch.Tensor, new: set[int], had: list[bool]) -> None:
+    """acc += pack over the slots with new gradients (copied where the slot had none): old + new in fp32. `acc`: the
+    accumulator's views, per trainable slot."""
     for i in new:
         slot = unit.trainable[i]
-        view = slot.view(acc)
-        view.add_(slot.view(pack)) if had[i] else view.copy_(slot.view(pack))
+        acc[i].add_(slot.view(pack)) if had[i] else acc[i].copy_(slot.view(pack))
 
 
-def _record_norms(unit: OffloadUnit, flat: torch.Tensor) -> None:
-    """Each parameter's gradient 2-norm from the accumulated values in `flat` (for clipping, overflow checks)."""
+def _record_norms(unit: OffloadUnit, views: list[torch.Tensor]) -> None:
+    """Each parameter's gradient 2-norm from its accumulated values (`views`, per trainable slot), for clipping and
+    overflow checks."""
     idx = [i for i, h in enumerate(unit.has_grad) if h]
-    norms = torch._foreach_norm([unit.trainable[i].view(flat) for i in idx], 2.0) if idx else []
+    norms = torch._foreach_norm([views[i] for i in idx], 2.0) if idx else []
     for i, n in zip(idx, norms):
         unit.grad_norms[i] = n

@@ -47,6 +47,7 @@ from tightfit.offload.runtime.workers import Timers
 from tightfit.offload.step.lifecycle import Event, ParamsState
 from tightfit.offload.step.scheduler import MoveKind, Scheduler, StepPhase
 from tightfit.offload.step.unit import EXP_AVG, EXP_AVG_SQ, GRADS, MASTER, PARAMS, OffloadUnit
+from tightfit.offload.step.units import slot_views
 from tightfit.offload.step.write_backs import WriteBacks
 from tightfit.utils import ranges
 
@@ -64,6 +65,7 @@ class _Loaded:
         self.unit = unit
         self.grant = grant
         self.tensors: dict[str, torch.Tensor] = {}
+        self.views: dict[str, list[torch.Tensor]] = {}  # entry -> its trainable slots' views, as `tensors`
         self.loads: list[Future] = []
         self.in_flat = False  # the master is the unit's materialised `flat` ([Note: master from the fetch])
 
@@ -84,24 +86,24 @@ class Multipliers:
 
 
 def _step(unit: OffloadUnit, work: _Loaded, groups: list[tuple[dict, list[int]]], grad_scales: Multipliers) -> None:
-    master, grads = work.tensors[unit.master_entry], work.tensors[GRADS]
-    m, v = work.tensors[EXP_AVG], work.tensors[EXP_AVG_SQ]
-    scales = grad_scales.on(grads.device)
+    device = work.tensors[unit.master_entry].device
+    master, grads = work.views[unit.master_entry], work.views[GRADS]
+    m, v = work.views[EXP_AVG], work.views[EXP_AVG_SQ]
+    scales = grad_scales.on(work.tensors[GRADS].device)
     for group, idx in groups:
-        slots = [unit.trainable[i] for i in idx]
-        g = [s.view(grads) for s in slots]
+        g = [grads[i] for i in idx]
         for scale in scales:  # loss-scale inverse, clip coefficient: torch multiplies grads the same way
             torch._foreach_mul_(g, scale)
         for i in idx:
             if unit.steps[i] is None:
-                unit.steps[i] = torch.tensor(0.0, dtype=torch.float32, device=master.device)
-            elif unit.steps[i].device != master.device:  # imported from a checkpoint
-                unit.steps[i] = unit.steps[i].to(master.device)
+                unit.steps[i] = torch.tensor(0.0, dtype=torch.float32, device=device)
+            elif unit.steps[i].device != device:  # imported from a checkpoint
+                unit.steps[i] = unit.steps[i].to(device)
         steps = [unit.steps[i] for i in idx]
         torch._foreach_add_(steps, 1)
         beta1, beta2 = group["betas"]
-        torch._fused_adamw_([s.view(master) for s in slots], g, [s.view(m) for s in slots],
-                            [s.view(v) for s in slots], [], steps, amsgrad=False, lr=group["lr"],
+        torch._fused_adamw_([master[i] for i in idx], g, [m[i] for i in idx], [v[i] for i in idx], [], steps,
+                            amsgrad=False, lr=group["lr"],
                             beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
                             maximize=False)
     unit.version += 1  # new values: cached copies of the old ones are stale
@@ -216,15 +218,18 @@ class StepRunner:
             state = _STATE_OF[name]
             if name == unit.master_entry and in_flat:
                 work.tensors[name] = unit.flat_io
+                work.views[name] = unit.flat_views()
                 work.in_flat = True
                 continue
             if grant is None or name not in grant:  # stepped in place on its tier
                 t = unit.store[state].tensor(unit.name, name)
                 work.tensors[name] = t
+                work.views[name] = unit.stored_views(state, name)
                 if state == State.OPTIM and unit.moments_empty:
                     t.zero_()
                 continue
             buf = work.tensors[name] = grant[name]
+            work.views[name] = slot_views(unit.trainable, buf)  # [Note: views built once] in unit.py
             if name in held:
                 continue
             if state == State.OPTIM and unit.moments_empty:

@@ -20,6 +20,14 @@ from disk a second time; the other way round, a step's updated params on their w
 forward's fetch. On a CPU device that shares host memory, the root unit stays materialised between steps instead
 (`ParamsState.KEPT_FOR_STEP`): its step runs in place on `flat` itself, which the next forward uses as is, and
 `flat_write` is that step's write-back of `flat` (the storage must outlive it).
+
+[Note: views built once] A step, a gradient ship and a norm each work on per-parameter views of a unit's flat
+tensors, and building a view is a host-side call that costs more than a small parameter's kernels (on the CPU,
+0.2 ms per unit and step for a 12-parameter block: benchmarks/RESULTS.md, batch U). The views of a tensor that
+lives as long as the unit are built once and kept: a memory tier's stored entries (freed only when the engine
+closes, with its units) and `flat_io` (its storage is resized, never replaced, so a view made before a release sees
+the bytes of the next fetch, as the parameters do). A buffer granted for one job gets new views each time: keeping
+them would keep the pool's memory referenced after the grant went back.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from tightfit.offload.memory_model import UnitSize, host_addressable, unit_jobs
 from tightfit.offload.placement import State, Tier, UnitPlacement
 from tightfit.offload.runtime.host_memory import Sizes
 from tightfit.offload.step.lifecycle import Event, GradsState, Lifecycle, ParamsState
-from tightfit.offload.step.units import UnitSpec
+from tightfit.offload.step.units import UnitSpec, slot_views
 from tightfit.offload.tiers.stores import TierStore
 from tightfit.utils import huge_pages
 
@@ -55,6 +63,7 @@ AT_REST = {Tier.DEVICE: Where.ON_DEVICE, Tier.HOST: Where.IN_HOST, Tier.NVME: Wh
 # Entry names inside a store (also the tensor names inside a unit's safetensors file, and the names of a step job's
 # buffers).
 PARAMS, MASTER, GRADS, EXP_AVG, EXP_AVG_SQ = "params", "master", "grads", "exp_avg", "exp_avg_sq"
+FLAT_VIEWS = "flat"  # the key of `flat_io`'s views among a unit's kept views (not a stored entry)
 
 
 class OffloadUnit:
@@ -106,6 +115,8 @@ class OffloadUnit:
         self.grad_pending: Future | None = None
         # Per trainable slot, Adam's step count (a float32 scalar, as torch.optim.AdamW keeps it). Host memory.
         self.steps: list[torch.Tensor | None] = [None] * len(self.trainable)
+        # [Note: views built once]: entry (or FLAT_VIEWS) -> the trainable slots' views of it.
+        self._views: dict[str, list[torch.Tensor]] = {}
 
     # ---- entries ---------------------------------------------------------------------------------------------
 
@@ -139,6 +150,22 @@ class OffloadUnit:
     def grad_bytes(self) -> int:
         """Bytes of the `param.grad`s autograd produces for this unit in one backward (compute dtype)."""
         return self.spec.train_numel * self.compute_dtype.itemsize
+
+    def stored_views(self, state: State, entry: str) -> list[torch.Tensor]:
+        """The trainable slots' views of the unit's `entry` as its `state`'s tier stores it (an addressable tier's
+        own tensor: the caller knows it is one). [Note: views built once]"""
+        views = self._views.get(entry)
+        if views is None:
+            views = self._views[entry] = slot_views(self.trainable, self.store[state].tensor(self.name, entry))
+        return views
+
+    def flat_views(self) -> list[torch.Tensor]:
+        """The trainable slots' views of `flat_io` (a step in place on the materialised params). [Note: views built
+        once]"""
+        views = self._views.get(FLAT_VIEWS)
+        if views is None:
+            views = self._views[FLAT_VIEWS] = slot_views(self.trainable, self.flat_io)
+        return views
 
     # ---- the flat compute buffer -----------------------------------------------------------------------------
 

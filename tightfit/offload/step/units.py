@@ -99,6 +99,11 @@ class UnitSpec:
         return self.name == ROOT_UNIT
 
 
+def slot_views(slots: Sequence[Slot], flat: torch.Tensor) -> list[torch.Tensor]:
+    """Each slot's region of `flat`, shaped like its parameter, in the order of `slots`."""
+    return [s.view(flat) for s in slots]
+
+
 def padded(n: int) -> int:
     """Elements `n` take in a flat buffer: every parameter starts, and every buffer ends, on `ALIGN`."""
     return (n + ALIGN - 1) // ALIGN * ALIGN
