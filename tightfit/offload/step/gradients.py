@@ -26,6 +26,7 @@ from torch._C import DisableTorchFunctionSubclass
 
 from tightfit.offload.runtime.host_cache import Held, HostCache
 from tightfit.offload.runtime.host_memory import Grant, HostPool
+from tightfit.offload.runtime.widening import add_widening
 from tightfit.offload.runtime.workers import Timers, Worker
 from tightfit.offload.placement import State
 from tightfit.offload.step.lifecycle import Event
@@ -65,7 +66,7 @@ class GradientShipper:
         if "ship" not in unit.jobs:  # addressable where computed: accumulate in place now (on the compute stream)
             views = unit.stored_views(State.GRADS, GRADS)
             for i, _, g in pairs:
-                views[i].add_(g) if had[i] else views[i].copy_(g)
+                add_widening(views[i], g) if had[i] else views[i].copy_(g)
             _record_norms(unit, views)
             unit.life.on(Event.GRADS_STORED)
             return None
@@ -133,7 +134,7 @@ def _add_into(unit: OffloadUnit, acc: list[torch.Tensor], pack: torch.Tensor, ne
     accumulator's views, per trainable slot."""
     for i in new:
         slot = unit.trainable[i]
-        acc[i].add_(slot.view(pack)) if had[i] else acc[i].copy_(slot.view(pack))
+        add_widening(acc[i], slot.view(pack)) if had[i] else acc[i].copy_(slot.view(pack))
 
 
 def _record_norms(unit: OffloadUnit, views: list[torch.Tensor]) -> None:
