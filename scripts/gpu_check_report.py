@@ -222,12 +222,15 @@ def markdown(f: dict) -> str:
             lines.append(f"| {key} | {unit(pred)} | {unit(meas)} | {err} |")
         hw, terms = pv.get("hardware", {}), pv.get("step_terms", {})
         lines += ["", f"Step terms: compute {terms.get('compute_s', 0) * 1e3:.1f} ms (host issuing "
-                      f"{terms.get('host_s', 0) * 1e3:.1f}), bottleneck {terms.get('bottleneck')}; the probe's host "
+                      f"{terms.get('host_s', 0) * 1e3:.1f}), optimizer {terms.get('optim_s', 0) * 1e3:.1f} ms, "
+                      f"host passes {terms.get('passes_s', 0) * 1e3:.1f} ms, "
+                      f"bottleneck {terms.get('bottleneck')}; the probe's host "
                       f"figures: {hw.get('op_overhead_s', 0) * 1e6:.1f} us per op, "
                       f"{hw.get('unit_overhead_s', 0) * 1e3:.2f} ms per unit, "
                       f"+{hw.get('stream_overhead_s', 0) * 1e3:.2f} ms streamed, "
                       f"{hw.get('step_overhead_s', 0) * 1e3:.2f} ms per step; both-ways copies "
-                      f"{hw.get('duplex_bw', 0) / 1e9:.1f} GB/s; workspace "
+                      f"{hw.get('duplex_bw', 0) / 1e9:.1f} GB/s; host passes "
+                      f"{hw.get('host_pass_bw', 0) / 1e9:.1f} GB/s; workspace "
                       f"{hw.get('device_workspace', 0) / 2**20:.0f} MiB.",
                   ""]
     t = f.get("cuda_tests")

@@ -495,3 +495,34 @@ def test_copies_both_ways_at_once_share_the_link():
     # Phase A is bound by the link in both; its length moves from the slower direction to both at once.
     assert duplex.step_s - simplex.step_s == pytest.approx(both - one_way, rel=1e-6)
     assert duplex.bottleneck == simplex.bottleneck == "host<->device"
+
+
+def test_a_gpu_plan_counts_the_cpus_passes_besides_adamw():
+    """[Note: host passes] in costs.py: on a GPU, with every state in host memory, the gradient worker's sums and
+    norms are a stream of phase A and the step's clip multiply is part of the CPU optimizer's time, at the probed
+    rate of those passes (AdamW's bytes at its rate where unmeasured). On a CPU-only machine the rate changes
+    nothing: the CPU model holds them already."""
+    from dataclasses import replace
+
+    from tightfit.planner.costs import TrainShape, host_pass_bytes
+
+    c = cfg(offload="host")
+    c.train.micro_batch, c.train.seq_len = 1, 8
+    model = meta_gpt(n_layer=4, n_embd=512, n_head=4)
+    plan = make_plan(model, c, replace(GPU, host_pass_bw=1e6))
+    n = sum(u.trainable for u in plan.profile.units)
+    pred = plan.prediction
+    # fp32 compute, params and master on one tier: no cast; each parameter's pack read, sum written, norm read in
+    # backward, and in the step the clip multiply's read and write.
+    assert pred.passes_s == pytest.approx(n * (12 + 8) / 1e6)
+    assert pred.bottleneck == "host gradient sums"
+    assert pred.optim_s == pytest.approx(n / GPU.cpu_adam_rate + n * 8 / 1e6)
+    unmeasured = make_plan(model, c, replace(GPU, host_pass_bw=0.0)).prediction
+    assert unmeasured.passes_s == pytest.approx(n * 20 / (28 * GPU.cpu_adam_rate))
+    # bf16 compute, three micro-batches, the compute copy on the device apart from its master: the sum is read from
+    # the second micro-batch on, and the step casts the master to the compute copy.
+    resident = replace(plan.placement, default=replace(plan.placement.default, params=Tier.DEVICE), units={})
+    backward, step = host_pass_bytes(plan.profile, resident, TrainShape(compute_bytes=2, grad_accum=3))
+    assert (backward, step) == (n * (3 * (2 + 4 + 4) + 2 * 4), n * (8 + 4 + 2))
+    on_cpu = [make_plan(model, c, replace(CPU, host_pass_bw=bw)).prediction for bw in (1e6, 1e12)]
+    assert on_cpu[0].step_s == on_cpu[1].step_s and on_cpu[0].passes_s == 0.0

@@ -21,11 +21,25 @@ compute, copies and the CPU optimizer share the cores and add up, only the disk 
 [Note: the host floor] Every op is issued by the host: the model's own ops (the trace counts them) at
 `op_overhead_s` each, and the engine's work per unit and micro-batch (its hooks, the parameter views it hands a
 unit, the gradient hand-off, the unit's share of the optimizer's dispatch) and per step, which the probe measures
-by running the engine itself (`measure_engine_overhead`: ~0.6 ms per unit on a 2-core VM, where a tiny model's
+by running the engine itself (`measure_engine_overhead`: ~0.3 ms per unit on a 2-core VM, where a tiny model's
 traced ops cost ~0.1 ms). On a CPU-only machine this host time adds to the kernels' (the same cores run both). On
 a GPU the host issues while the GPU runs what was issued before, so compute takes the longer of the two: a large
 model is bound by its kernels, a small one by its host (the first GPU run's default model: 2.9 ms predicted from
 kernels alone, 16.0 ms measured). `--offload none` runs no engine: its floor is the model's ops alone.
+
+[Note: host passes] On a GPU machine the CPU makes elementwise passes over host memory besides AdamW's, for every
+unit whose gradients or optimizer live there (offload/step/gradients.py, offload/step/optimizer.py):
+- in backward, the gradient worker adds each micro-batch's packed gradients into their fp32 sum (the pack read at
+  the compute dtype, the sum written, and read too from the second micro-batch on) and takes each parameter's
+  norm (the sum read again);
+- in the step, the clip coefficient multiplies the gradients (read and written), and where the compute copy is not
+  the master the new master is cast to it (read; written at the compute dtype).
+They move their bytes at the rate the probe measured running these passes (`host_pass_bw`; where unmeasured,
+AdamW's 28 bytes per parameter at `cpu_adam_rate`: both are bound by the host's memory). The backward's run on the
+gradient worker beside the GPU, one more stream of phase A; the step's add to the CPU optimizer's time. The first
+GPU run's 1.2 B plan measured 840 ms where AdamW alone, which the model then counted, takes 484 ms. On a CPU-only
+machine they are not added: there the same cores run compute, copies and optimizer, and the figures the CPU model
+was checked against (benchmarks/RESULTS.md, batches N and T) already hold them.
 """
 
 from __future__ import annotations
@@ -81,12 +95,16 @@ class Prediction:
     """Disk time: bytes read / read bandwidth + bytes written / write bandwidth."""
     optim_s: float = 0.0
     """Optimizer step time (CPU fused AdamW, or on the device for units whose states all live there)."""
+    passes_s: float = 0.0
+    """Of the terms above, the CPU's elementwise passes over host memory besides AdamW on a GPU machine ([Note: host
+    passes]): the gradient worker's in backward (a stream of its own) and the step's (in `optim_s`)."""
     exposed_s: float = 0.0
     """Latency nothing hides: fetching the first units before compute can start."""
     step_s: float = 0.0
     """Predicted step time under the overlap model."""
     bottleneck: str = ""
-    """The term on the critical path: "compute", "host<->device", "nvme" or "cpu optimizer"."""
+    """The term on the critical path: "compute", "host issuing ops", "host<->device", "nvme", "host gradient sums"
+    or "cpu optimizer"."""
     traffic: dict[str, float] = field(default_factory=dict)
     """Bytes per step: "h2d", "d2h", "nvme_read", "nvme_write"."""
     tokens_per_s: float = 0.0
@@ -137,6 +155,32 @@ def activations(profile: ModelProfile, checkpointed: set[str]) -> mm.Activations
     recompute = max((u.act_recompute or u.act_saved for u in ck), default=0)
     return mm.Activations(saved=saved, peak=saved + recompute + profile.act_transient,
                           root_grads_early=profile.root_grads_early, at_root_end=profile.act_at_root_end)
+
+
+def host_pass_bytes(profile: ModelProfile, placement: Placement, shape: TrainShape) -> tuple[float, float]:
+    """Bytes the CPU's elementwise passes move per step on a GPU machine besides AdamW's ([Note: host passes]):
+    (in backward, on the gradient worker; in the step, on the step thread)."""
+    parts = [unit_pass_bytes(u, placement, shape) for u in profile.units]
+    return sum(b for b, _ in parts), sum(s for _, s in parts)
+
+
+def unit_pass_bytes(u: UnitProfile, placement: Placement, shape: TrainShape) -> tuple[float, float]:
+    """One unit's part of `host_pass_bytes`."""
+    a, c = shape.grad_accum, shape.compute_bytes
+    up, n = placement.of(u.name), u.trainable
+    backward = step = 0.0
+    if n and up.grads != Tier.DEVICE:  # per micro-batch: pack read, sum written, norm read; the sum read from the 2nd
+        backward = n * (a * (c + 4 + 4) + (a - 1) * 4)
+    if n and not _optimizer_on_device(placement, u.name):
+        step = n * 8 if shape.grad_clip else 0  # the clip coefficient's multiply
+        if up.params != up.master or c != 4:  # the compute copy is not the master: the cast
+            step += n * (4 + c)
+    return backward, step
+
+
+def host_pass_rate(hw: HardwareProfile) -> float:
+    """Bytes per second of the engine's host passes ([Note: host passes]): measured, or AdamW's at its rate."""
+    return hw.host_pass_bw or 28 * hw.cpu_adam_rate
 
 
 def stream_unit_bytes(profile: ModelProfile, placement: Placement, shape: TrainShape) -> int:
@@ -325,10 +369,14 @@ def step_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, 
     if hw.cuda:
         # Both directions at once share the link: no less than all the bytes at the rate both together reach.
         link = max(h2d, d2h, (tr["h2d"] + tr["d2h"]) / hw.duplex_bw if hw.duplex_bw else 0.0)
-        phase_a = max(compute, link, disk_a)
-        phase_b = max(cpu_opt / hw.cpu_adam_rate, disk_b, h2d_b) + dev_opt / hw.device_adam_rate
+        backward_passes, step_passes = (b / host_pass_rate(hw) for b in host_pass_bytes(profile, placement, shape))
+        phase_a = max(compute, link, disk_a, backward_passes)
+        cpu_step = cpu_opt / hw.cpu_adam_rate + step_passes
+        phase_b = max(cpu_step, disk_b, h2d_b) + dev_opt / hw.device_adam_rate
+        opt = cpu_step + dev_opt / hw.device_adam_rate
+        pred.passes_s = backward_passes + step_passes
         terms = {"compute" if kernels >= host else "host issuing ops": compute, "host<->device": link,
-                 "nvme": disk_a}
+                 "nvme": disk_a, "host gradient sums": backward_passes}
     else:
         # One set of cores: compute and memcpy serialise; the disk threads wait on DMA and overlap.
         phase_a = max(compute + h2d + d2h, disk_a)
@@ -340,7 +388,7 @@ def step_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, 
     pred.step_s = phase_a + phase_b + exposed
     # The bottleneck is the largest contributor to the critical path of the longer phase.
     if phase_b > phase_a:
-        pred.bottleneck = "nvme" if disk_b > opt + (0 if hw.cuda else h2d_b) else "cpu optimizer"
+        pred.bottleneck = "nvme" if disk_b > (cpu_step if hw.cuda else opt + h2d_b) else "cpu optimizer"
     elif hw.cuda:
         pred.bottleneck = max(terms, key=terms.get)
     else:

@@ -68,6 +68,10 @@ class HardwareProfile:
     """Bytes per second host->device and device->host together, with copies in flight both ways at once, as an
     offloaded step has them (fetches up, gradients down); a link rarely carries both directions at full rate at once.
     0: not measured (each direction then runs at its own rate beside the other). CUDA only."""
+    host_pass_bw: float = 0.0
+    """Bytes per second (read + written) of the engine's elementwise passes over host memory besides AdamW on a GPU
+    machine: gradient sums and norms, the clip multiply, the master's cast ([Note: host passes] in costs.py).
+    0: not measured (AdamW's 28 bytes per parameter at `cpu_adam_rate` stand in)."""
     op_overhead_s: float = 10e-6
     """Seconds of fixed dispatch overhead per aten op (dominates small models on CPU)."""
     unit_overhead_s: float = 0.0
@@ -172,7 +176,8 @@ class HardwareProfile:
                      f"{format_size(v)} {r / g:.2f} / {w / g:.2f} / {m / g:.2f} GB/s"
                      for v, (r, w, m) in sorted(self.nvme_volumes.items()))] if len(self.nvme_volumes) > 1 else []),
                  f"  AdamW: CPU {self.cpu_adam_rate / 1e6:.0f} M params/s, "
-                 f"device {self.device_adam_rate / 1e6:.0f} M/s",
+                 f"device {self.device_adam_rate / 1e6:.0f} M/s"
+                 + (f"; the engine's other host passes {self.host_pass_bw / g:.1f} GB/s" if self.host_pass_bw else ""),
                  f"  runtime RSS {self.runtime_rss / 2**20:.0f} MiB; cached in {cache_path()}"]
         return "\n".join(lines)
 
@@ -207,7 +212,7 @@ PROBE_VERSION = 7
 ([Note: matmul rate by the smallest side] in model_profile.py; they were by square size). 3: the device's math
 workspace. 4: the engine's host time per unit and per step. 5: and per streamed unit. 6: copies both ways at once.
 7: the engine with its views built once ([Note: views built once] in offload/step/unit.py): a cached 6 overstates
-its host time."""
+its host time; and the host passes' rate (`host_pass_bw`)."""
 
 
 def cache_path() -> Path:

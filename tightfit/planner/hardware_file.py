@@ -32,7 +32,8 @@ else:  # pragma: no cover - Python 3.10
 
 _BYTES = ("gpu_total", "gpu_free", "host_total", "host_available", "nvme_free", "nvme_chunk_bytes", "runtime_rss",
           "nvme_measured_bytes", "device_workspace")
-_RATES_BPS = ("nvme_read_bw", "nvme_write_bw", "nvme_mixed_bw", "h2d_bw", "d2h_bw", "mem_bw", "duplex_bw")
+_RATES_BPS = ("nvme_read_bw", "nvme_write_bw", "nvme_mixed_bw", "h2d_bw", "d2h_bw", "mem_bw", "duplex_bw",
+              "host_pass_bw")
 _NUMBERS = ("cpu_adam_rate", "device_adam_rate", "op_overhead_s", "unit_overhead_s", "stream_overhead_s",
             "step_overhead_s", "measured_at")
 _INTS = ("nvme_io_threads", "threads")
@@ -142,8 +143,9 @@ def profile_from_dict(data: dict, where: str, default_key: str = "file") -> Hard
             out[key] = value
         elif key in _NUMBERS:
             out[key] = _number(value, where, key)
+    unmeasured_zero = ("nvme_mixed_bw", "duplex_bw", "host_pass_bw")  # 0: unmeasured
     for key in (*_RATES_BPS, "cpu_adam_rate", "device_adam_rate"):
-        if key in out and (out[key] < 0 if key in ("nvme_mixed_bw", "duplex_bw") else out[key] <= 0):  # 0: unmeasured
+        if key in out and (out[key] < 0 if key in unmeasured_zero else out[key] <= 0):
             raise UsageError(f"{where}: field {key}: must be positive, got {data[key]!r}")
     for key in ("op_overhead_s", "unit_overhead_s", "stream_overhead_s", "step_overhead_s"):
         if out.get(key, 0.0) < 0:

@@ -21,6 +21,9 @@ _WORKSPACE_32 = "32 MiB of cuBLAS workspace on the device (PyTorch's default fro
 _HOST_ISSUE = ("the host issues each op in 10 us and spends 1 ms per unit and micro-batch (1 ms more for a streamed "
                "unit) and 1 ms per step in the offload engine (the probe measures all four: 3 us, 0.6 ms, 0.2 ms and "
                "~0 on a 2-core CPU VM's CPU path)")
+_HOST_PASSES = ("the CPU's passes besides AdamW (gradient sums and norms, the clip multiply, the master's cast to the "
+                "compute copy) move host memory at AdamW's rate: 28 bytes per parameter at its params/s (the probe "
+                "measures them)")
 _PCIE5_NVME = ["NVMe: one PCIe 5.0 SSD, 11 GB/s sequential O_DIRECT read, 9 GB/s write, 3 TiB free"]
 
 PROFILES: dict[str, dict] = {
@@ -40,7 +43,7 @@ PROFILES: dict[str, dict] = {
                         "host: 64 GiB RAM, 60 GiB available, 16 cores running fused AdamW at 1.5 G params/s",
                         *_PCIE4_NVME,
                         "a CUDA training process holds 3 GiB of RSS before its model (CUDA context, libraries)",
-                        _WORKSPACE_8, _HOST_ISSUE]},
+                        _WORKSPACE_8, _HOST_ISSUE, _HOST_PASSES]},
     "gpu40-pcie4": {
         "cuda": True, "device_workspace": "8MiB", "device_name": "40 GiB GPU, PCIe 4.0 x16 (A100 40GB PCIe class)",
         "gpu_total": "40GiB", "host_total": "128GiB", "host_available": "120GiB", "nvme_free": "1.5TiB",
@@ -57,7 +60,7 @@ PROFILES: dict[str, dict] = {
                         "host: 128 GiB RAM, 120 GiB available, 32 cores running fused AdamW at 2.5 G params/s",
                         *_PCIE4_NVME,
                         "a CUDA training process holds 3 GiB of RSS before its model (CUDA context, libraries)",
-                        _WORKSPACE_8, _HOST_ISSUE]},
+                        _WORKSPACE_8, _HOST_ISSUE, _HOST_PASSES]},
     "gpu80-pcie5": {
         "cuda": True, "device_workspace": "32MiB", "device_name": "80 GiB GPU, PCIe 5.0 x16 (H100 PCIe class)",
         "gpu_total": "80GiB", "host_total": "256GiB", "host_available": "240GiB", "nvme_free": "3TiB",
@@ -74,7 +77,7 @@ PROFILES: dict[str, dict] = {
                         "host: 256 GiB RAM, 240 GiB available, 32 cores running fused AdamW at 2.5 G params/s",
                         *_PCIE5_NVME,
                         "a CUDA training process holds 3 GiB of RSS before its model (CUDA context, libraries)",
-                        _WORKSPACE_32, _HOST_ISSUE]},
+                        _WORKSPACE_32, _HOST_ISSUE, _HOST_PASSES]},
 }
 """Name -> profile in the file format (hardware_file.py)."""
 
@@ -114,7 +117,7 @@ def _rented(name: str, *, gib: int, peak: float, achieved: float, mem_tbs: float
                         f"params/s ({adam_note})",
                         *nvme,
                         "a CUDA training process holds 3 GiB of RSS before its model (CUDA context, libraries)",
-                        _WORKSPACE_32 if hopper else _WORKSPACE_8, _HOST_ISSUE]}
+                        _WORKSPACE_32 if hopper else _WORKSPACE_8, _HOST_ISSUE, _HOST_PASSES]}
 
 
 PROFILES.update({

@@ -206,6 +206,28 @@ def measure_adam(device: str, numel: int = 4 << 20) -> float:
     return numel / _timeit(opt.step, min_s=0.2)
 
 
+def measure_host_passes(numel: int = 32 << 20) -> float:
+    """Bytes per second (read + written) of the elementwise passes the engine makes over host memory besides AdamW
+    on a GPU machine ([Note: host passes] in costs.py), run as it runs them: a bf16 gradient pack added into its
+    fp32 sum, the sum's norm, the clip coefficient's multiply, the new master cast to bf16. Host tensors, on every
+    machine (a plan uses the figure only where the device is a GPU). 32 M elements (256 MiB in all): more than a
+    CPU's caches, as the units of a model offloaded from a GPU are."""
+    from tightfit.offload.runtime.widening import add_widening
+
+    pack = _operand(numel, device="cpu").to(torch.bfloat16)
+    acc, cast = _operand(numel, device="cpu"), torch.empty(numel, dtype=torch.bfloat16)
+    half = torch.tensor(0.5)
+
+    def passes() -> None:
+        add_widening(acc, pack)
+        torch._foreach_norm([acc], 2.0)
+        torch._foreach_mul_([acc], half)  # (acc + pack) / 2 stays bounded over the repetitions
+        cast.copy_(acc)
+
+    moved = numel * ((2 + 4 + 4) + 4 + (4 + 4) + (4 + 2))
+    return moved / _timeit(passes, min_s=0.2)
+
+
 def measure_copies(nbytes: int = 256 << 20) -> tuple[float, float]:
     """(host->device, device->host) bytes/s: pinned copies on CUDA; on CPU, a memcpy as the engine does each: a
     fetch copies into a flat buffer it has just re-allocated (fresh memory, advised huge pages: step/unit.py,
@@ -308,6 +330,7 @@ def run_probe(folder: str | None = None, save: bool = True, sustained: bool = Tr
         duplex_bw=measure_duplex(),
         mem_bw=measure_mem_bw(device),
         cpu_adam_rate=cpu_adam, device_adam_rate=measure_adam("cuda") if cuda else cpu_adam,
+        host_pass_bw=measure_host_passes(),
         matmul_flops=measure_matmul(device, dtype), op_overhead_s=measure_op_overhead(device),
         **_engine_overhead(device), device_workspace=measure_device_workspace() if cuda else 0,
         runtime_rss=measure_runtime_rss(), threads=torch.get_num_threads(), measured_at=time.time(),
@@ -352,6 +375,7 @@ def refresh_speeds(hw: HardwareProfile) -> HardwareProfile:
     cpu_adam = measure_adam("cpu")
     return replace(hw, matmul_flops=measure_matmul(device, torch.bfloat16 if cuda else torch.float32),
                    mem_bw=measure_mem_bw(device), op_overhead_s=measure_op_overhead(device), cpu_adam_rate=cpu_adam,
+                   host_pass_bw=measure_host_passes(),
                    **_engine_overhead(device),
                    device_adam_rate=measure_adam("cuda") if cuda else cpu_adam, h2d_bw=h2d, d2h_bw=d2h,
                    duplex_bw=measure_duplex(),

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tightfit.offload.placement import State, Tier
-from tightfit.planner.costs import unit_host_time, work_time
+from tightfit.planner.costs import host_pass_rate, unit_host_time, unit_pass_bytes, work_time
 from tightfit.planner.plan import TIERS, Plan
 
 
@@ -46,7 +46,7 @@ class _Sim:
         # Track name -> resource it occupies. Tracks sharing a resource never overlap.
         self.resource = {"compute": "gpu" if cuda else "cpu", "host->device": "h2d" if cuda else "cpu",
                          "device->host": "d2h" if cuda else "cpu", "nvme read": "disk", "nvme write": "disk",
-                         "optimizer": "cpu"}
+                         "optimizer": "cpu", "gradient worker": "cpu-grads" if cuda else "cpu"}
         self.free_at: dict[str, float] = {}
         self.tl = Timeline()
         self.mem = {t: 0 for t in TIERS}
@@ -125,6 +125,9 @@ def simulate(plan: Plan) -> Timeline:
             if u.trainable and p.of(u.name).grads != Tier.DEVICE:
                 g = u.trainable * shape.compute_bytes
                 out = sim.run("device->host", f"grads {u.name}", g / hw.d2h_bw, end)
+                if hw.cuda:  # [Note: host passes] in costs.py: the sum and the norms, on the gradient worker
+                    sim.run("gradient worker", f"sum grads {u.name}",
+                            unit_pass_bytes(u, p, shape)[0] / shape.grad_accum / host_pass_rate(hw), out)
                 if p.of(u.name).grads == Tier.NVME:
                     sim.run("nvme write", f"write {u.name} grads", u.trainable * 4 / hw.nvme_write_bw, out)
     # Optimizer: per unit, read its NVMe states, update, write them back.
@@ -138,7 +141,8 @@ def simulate(plan: Plan) -> Timeline:
         ready = sim.run("nvme read", f"read {u.name} optimizer states", nv / hw.nvme_read_bw, t_done) if nv else t_done
         rate = hw.device_adam_rate if on_dev else hw.cpu_adam_rate
         track = "compute" if on_dev else "optimizer"
-        end = sim.run(track, f"adamw {u.name}", u.trainable / rate, ready)
+        passes = unit_pass_bytes(u, p, shape)[1] / host_pass_rate(hw) if hw.cuda and not on_dev else 0.0
+        end = sim.run(track, f"adamw {u.name}", u.trainable / rate + passes, ready)
         if nv:
             end = max(end, sim.run("nvme write", f"write {u.name} optimizer states", nv / hw.nvme_write_bw, end))
         if not on_dev and up.params == Tier.DEVICE:
