@@ -67,6 +67,23 @@ def test_gradient_accumulation_and_clipping(tmp_path):
     assert losses == reference("gpt", **kw)
 
 
+@pytest.mark.parametrize("clip, multiplies", [(0.05, True), (1e9, False)])
+def test_a_clip_that_does_not_bind_skips_the_multiply(tmp_path, monkeypatch, clip, multiplies):
+    """Torch multiplies every gradient by the clip coefficient even when it is 1 (the norm within max_norm); a
+    multiply by exactly 1 changes no bit, so the step skips that pass over the gradients. The losses stay torch's,
+    bit for bit, with the clip binding at every step and with it never binding."""
+    from tightfit.offload.step import optimizer
+
+    calls = []
+    real = torch._foreach_mul_
+    monkeypatch.setattr(optimizer.torch, "_foreach_mul_", lambda *a: (calls.append(1), real(*a))[1])
+    expected = reference("gpt", accum=2, clip=clip)  # torch.nn.utils.clip_grad_norm_: multiplies either way
+    calls.clear()
+    losses, *_ = train(tiny_gpt, placements(tmp_path)["mixed"], accum=2, clip=clip)
+    assert losses == expected
+    assert bool(calls) == multiplies
+
+
 def test_clip_grad_norm_returns_torch_norm(tmp_path):
     torch.manual_seed(0)
     from offload_helpers import batch, loss_of

@@ -182,5 +182,9 @@ class AdamW(torch.optim.Optimizer):
             return 0.0
         total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        self._grad_scales.append(coef)
+        # Torch multiplies the gradients by the coefficient even when it is 1 (the norm is within max_norm). A
+        # multiply by exactly 1 changes no bit of any float, so the step's pass over every gradient is skipped then
+        # ([Note: host passes] in planner/costs.py: on a GPU machine 8 bytes of host memory a parameter).
+        if coef.item() != 1.0:
+            self._grad_scales.append(coef)
         return float(total)

@@ -32,8 +32,9 @@ unit whose gradients or optimizer live there (offload/step/gradients.py, offload
 - in backward, the gradient worker adds each micro-batch's packed gradients into their fp32 sum (the pack read at
   the compute dtype, the sum written, and read too from the second micro-batch on) and takes each parameter's
   norm (the sum read again);
-- in the step, the clip coefficient multiplies the gradients (read and written), and where the compute copy is not
-  the master the new master is cast to it (read; written at the compute dtype).
+- in the step, the clip coefficient multiplies the gradients (read and written; skipped in a step whose norm is
+  within max_norm, which the model cannot know: it counts the multiply), and where the compute copy is not the
+  master the new master is cast to it (read; written at the compute dtype).
 They move their bytes at the rate the probe measured running these passes (`host_pass_bw`; where unmeasured,
 AdamW's 28 bytes per parameter at `cpu_adam_rate`: both are bound by the host's memory). The backward's run on the
 gradient worker beside the GPU, one more stream of phase A; the step's add to the CPU optimizer's time. The first
