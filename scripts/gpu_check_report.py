@@ -249,6 +249,18 @@ def markdown(f: dict) -> str:
                   f"GPT {c['layers']} layers x {c['embd']}, batch {c['batch']} x {c['seq']}, {c['dtype']}, cap "
                   f"{c['cap_gib']} GiB for both sides (set_per_process_memory_fraction).", ""] + header
         lines += [_side_row(s, b[s]) for s in ("fsdp2", "tightfit", "tightfit-at-fsdp2-peak") if s in b]
+        pv = b.get("tightfit", {}).get("plan_vs_measured")
+        if pv:
+            terms, timers = pv.get("step_terms", {}), b["tightfit"].get("engine_s_per_step", {})
+            pred, meas = pv["predicted"].get("step_s"), pv["measured"].get("step_s")
+            lines += ["", f"tightfit's plan: step {pred * 1e3:.1f} ms predicted, {meas * 1e3:.1f} ms measured "
+                          f"({(pred - meas) / meas:+.0%}); terms: compute {terms.get('compute_s', 0) * 1e3:.1f}, "
+                          f"copies {terms.get('copy_s', 0) * 1e3:.1f}, CPU optimizer "
+                          f"{terms.get('optim_s', 0) * 1e3:.1f} of which host passes besides AdamW in both phases "
+                          f"{terms.get('passes_s', 0) * 1e3:.1f} ms (probe: "
+                          f"{pv.get('hardware', {}).get('host_pass_bw', 0) / 1e9:.1f} GB/s); bottleneck "
+                          f"{terms.get('bottleneck')}. Measured on the engine's threads per step: "
+                          + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in sorted(timers.items())) + "."]
         if "tokens_per_s_ratio" in b:
             lines += ["", f"tightfit / FSDP2 tokens/s: {b['tokens_per_s_ratio']:.2f} under the cap"
                       + (f", {b['tokens_per_s_ratio_at_fsdp2_peak']:.2f} with tightfit's budget at FSDP2's peak"

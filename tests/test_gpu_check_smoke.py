@@ -60,6 +60,11 @@ def test_benchmarks_smoke_and_one_figures_file(tmp_path):
     # The same model, seed and batches on both sides: the first losses agree to bf16 rounding.
     assert abs(b["fsdp2"]["losses"][0] - b["tightfit"]["losses"][0]) < 0.05
     assert b["tokens_per_s_ratio"] > 0
+    # tightfit's side carries its plan's prediction beside the measurement, and its threads' times.
+    pv = b["tightfit"]["plan_vs_measured"]
+    assert pv["predicted"]["step_s"] > 0 and pv["measured"]["step_s"] == b["tightfit"]["median_step_s"]
+    assert "passes_s" in pv["step_terms"] and "host_pass_bw" in pv["hardware"]
+    assert b["tightfit"]["engine_s_per_step"]["optimizer_s"] > 0
 
     b = json.loads((parts / "bench_gpu_llama.json").read_text())
     assert b["model"] in ("llama", "gpt") and b["model_note"] and b["failed_sides"] == []
@@ -92,6 +97,7 @@ def test_benchmarks_smoke_and_one_figures_file(tmp_path):
         assert fl["step_over_bound"] > 0 and "compute_s" in fl
     assert "disk_s" in figures["llama"]["tightfit-nvme"]["floors"]
     md = (out / "figures.md").read_text()
+    assert "tightfit's plan: step" in md and "host passes besides AdamW" in md
     assert "FSDP2" in md and "| tightfit-nvme |" in md and "`test_b`: boom" in md and "Floors" in md
 
     # Where no Python has a CUDA torch, gpu_check.sh says so, in its figures file too, and fails.
