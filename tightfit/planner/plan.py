@@ -184,7 +184,9 @@ class Plan:
         lines.append(f"step time terms: compute {pr.compute_s * 1e3:.1f} ms (the host issuing ops "
                      f"{pr.host_s * 1e3:.1f} ms), host<->device {pr.copy_s * 1e3:.1f} ms, "
                      f"nvme {pr.nvme_s * 1e3:.1f} ms, optimizer {pr.optim_s * 1e3:.1f} ms, "
-                     f"exposed latency {pr.exposed_s * 1e3:.1f} ms")
+                     f"exposed latency {pr.exposed_s * 1e3:.1f} ms"
+                     + (f"; the CPU's passes besides AdamW {pr.passes_s * 1e3:.1f} ms (gradient sums in backward, "
+                        f"the rest in the optimizer's)" if pr.passes_s else ""))
         lines.append(f"predicted step: {pr.step_s * 1e3:.1f} ms ({pr.tokens_per_s:,.0f} tokens/s); "
                      f"bottleneck: {pr.bottleneck}")
         if self.reasons:
