@@ -246,7 +246,10 @@ def test_trace_is_valid_chrome_trace(tmp_path):
     events = data["traceEvents"]
     assert events and all({"name", "ph", "pid"} <= e.keys() for e in events)
     spans = [e for e in events if e["ph"] == "X"]
-    assert {"compute", "nvme read", "host->device"} <= {e["cat"] for e in spans if "cat" in e}
+    assert {"compute", "nvme read", "host->device", "gradient worker"} <= {e["cat"] for e in spans if "cat" in e}
+    # [Note: host passes]: on a GPU the gradient worker sums each unit's gradients after their copy off the device.
+    sums = {e["name"] for e in spans if e.get("cat") == "gradient worker"}
+    assert sums == {f"sum grads {u.name}" for u in plan.profile.units if u.trainable}
     assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
     assert any(e["ph"] == "C" for e in events) and any(e["pid"] == 2 for e in spans)
     mem = json.loads(files[1].read_text())
