@@ -416,3 +416,32 @@ def test_views_a_unit_keeps_are_views_of_what_lives_as_long_as_it(tmp_path, monk
             assert {v.untyped_storage()._cdata for v in views} <= lasting, unit.name
     assert kept >= sum(len(u.trainable) for u in engine.units.values())  # the memory tiers' views were kept
     engine.close()
+
+
+def test_a_forward_waits_for_the_steps_writes_into_device_memory(monkeypatch):
+    """fp32 params that are their own master on the device tier, stepped on the CPU (gradients and moments in host
+    memory), device memory apart from the host's: the step writes the new params back into device memory with an
+    asynchronous copy. On a GPU the compute stream waits for that copy's event, so the next forward reads the new
+    params; the CPU mover keeps that order too ([Note: device writes in stream order] in runtime/movers.py). The
+    copies here start up to 50 ms late, so a forward that did not wait would read the old params: the losses
+    are torch's, bit for bit."""
+    monkeypatch.setenv("TIGHTFIT_CPU_DEVICE", "separate")
+    placement = Placement(default=UnitPlacement(params=Tier.DEVICE, master=Tier.DEVICE, grads=Tier.HOST,
+                                                optim=Tier.HOST))
+    expected, _, _ = train(tiny_gpt, steps=4)
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    tightfit.wrap(model, placement, device="cpu")
+    engine = engine_of(model)
+    assert engine.separate and all(u.master_entry == "params" for u in engine.units.values())
+    engine.mover.max_delay_s = 0.05
+    opt = AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for step in range(4):
+        loss = loss_of(model, *batch(step))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    engine.close()
+    assert losses == expected

@@ -349,8 +349,8 @@ def test_cross_device_store_copies_run_on_the_copier():
     to the mover's copy thread and returns a future; within one memory it is a plain copy."""
     calls = []
 
-    def copier(dst, src):
-        calls.append((dst.device, src.device))
+    def copier(dst, src, into_device=False):
+        calls.append((dst.device, src.device, into_device))
         fut: Future = Future()
         fut.set_result(None)
         return fut
@@ -360,7 +360,27 @@ def test_cross_device_store_copies_run_on_the_copier():
     store.save("u", "master", torch.ones(8)).result()
     assert calls == [] and torch.equal(store.tensor("u", "master"), torch.ones(8)), "same memory: a plain copy"
     store.load("u", "master", torch.empty(8, device="meta")).result()
-    assert calls == [(torch.device("meta"), torch.device("cpu"))]
+    assert calls == [(torch.device("meta"), torch.device("cpu"), False)]
+    store.save("u", "master", torch.empty(8, device="meta"))
+    assert calls[-1] == (torch.device("cpu"), torch.device("meta"), True), "a save into device memory says so"
+
+
+def test_copies_into_device_memory_come_before_what_follows_them():
+    """[Note: device writes in stream order]: on a GPU the compute stream waits on a copy into device memory when
+    it is issued. The CPU mover's copy into device memory, started 50 ms late, is seen by a copy out issued after
+    it (which waits for it) and by the compute after `order_compute`."""
+    pool = HostPool(1 << 20)
+    mover = CpuMover(pool, strict=True, max_delay_s=0.05, seed=3)
+    device, host = torch.zeros(1 << 16), torch.ones(1 << 16)
+    write = mover.copy_async(device, host, into_device=True)
+    out = torch.empty(1 << 16)
+    read = mover.copy_async(out, device)
+    read.result()
+    assert write.done() and torch.equal(out, host), "the copy out read the written values"
+    again = mover.copy_async(device, host * 2, into_device=True)
+    mover.order_compute()
+    assert again.done() and torch.equal(device, host * 2)
+    mover.close()
 
 
 def test_refreshing_resident_params_needs_no_staging_on_one_memory(monkeypatch):

@@ -25,6 +25,15 @@ complete copies late on purpose and check the rules (`strict`), which is how the
 6. The host waits for a device copy to complete only through `sync`, which counts it (`stats`): the engine does so
    only in backward under a tight device budget, never in forward.
 
+[Note: device writes in stream order] A store's copy into device memory (`copy_async(..., into_device=True)`: a
+step's new params written back into the device tier) is ordered on a GPU before everything issued after it: the
+compute stream waits on the copy's event at once, so the next forward reads the new values, and a later copy
+out of the device reads them too. The CPU mover keeps the same order: every later `copy_async` waits for the
+device writes issued before it, and `order_compute` (the engine calls it when a forward starts) waits for them
+before the compute reads device memory. Without it a CPU device apart from host memory (`cpu:0`, the suite's
+GPU-shaped path) read a step's params while its write-back was still copying them (the stress test's seed 41, one
+run in seven once copies ran on one core).
+
 Threads: CPU copies run on `copier` threads (torch's copy releases the GIL). CUDA copies are issued on the `h2d`
 and `d2h` streams, from the caller's thread or, for a disk fetch, from the NVMe thread that finished the read; one
 `_Completions` thread waits for their events (blocking events: it sleeps, it does not spin on a core the CPU
@@ -40,6 +49,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING
 
 import torch
@@ -115,6 +125,7 @@ class CpuMover:
         self.copier = ThreadPoolExecutor(threads, thread_name_prefix="tightfit-copy")
         self.stats: Counter = Counter()
         self._pending: dict[int, list[tuple[int, int]]] = {}  # id(transfer) -> (address, bytes) it touches
+        self._writes: list[Future] = []  # copies into device memory not known done ([Note: device writes in ...])
         self._lock = threading.Lock()
         self.violations: list[str] = []
         if strict:
@@ -202,17 +213,34 @@ class CpuMover:
         self._run(t, copy, [dst, src], [_span(dst), _span(src)], label="tightfit::copy_in")
         return t
 
-    def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> Future:
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, into_device: bool = False) -> Future:
         """A plain copy between two memories, off the caller's thread (a tier store's load or save); late, in strict
-        mode, as a copy on a GPU's stream is."""
+        mode, as a copy on a GPU's stream is. After every copy into device memory issued before it, and, when
+        `into_device`, before every copy and compute issued after it ([Note: device writes in stream order])."""
         delay = self._rng.uniform(0, self.max_delay_s) if self.strict else 0.0
+        before = self._device_writes()
 
         def copy() -> None:
+            wait_futures(before)  # issued earlier, so queued ahead of this one: never a wait on a later copy
             if delay:
                 time.sleep(delay)
             dst.copy_(src)
 
-        return self.copier.submit(copy)
+        fut = self.copier.submit(copy)
+        if into_device:
+            with self._lock:
+                self._writes.append(fut)
+        return fut
+
+    def order_compute(self) -> None:
+        """The compute that comes next reads device memory after the copies into it issued so far (as a GPU's
+        compute stream waits on their events: [Note: device writes in stream order])."""
+        wait_futures(self._device_writes())
+
+    def _device_writes(self) -> list[Future]:
+        with self._lock:
+            self._writes = [f for f in self._writes if not f.done()]
+            return list(self._writes)
 
     def close(self) -> None:
         self.copier.shutdown(wait=True)
@@ -437,7 +465,11 @@ class CudaMover:
         self.completions.add(t.event, lambda: t.done.set_result(None))
         return t
 
-    def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> Future:
+    def order_compute(self) -> None:
+        """Nothing to do: `copy_async` made the compute stream wait for a copy into device memory when it issued it
+        ([Note: device writes in stream order])."""
+
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, into_device: bool = False) -> Future:
         """A tier store's copy between device and host memory (device-tier states of a step on the CPU), on the d2h
         or h2d stream after the compute stream's work so far; the future completes from the completion thread. No
         thread blocks on the copy: the caller waits for the future when it needs the bytes."""

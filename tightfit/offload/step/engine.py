@@ -358,6 +358,7 @@ class OffloadEngine:
         self.scheduler.begin(StepPhase.FORWARD)
         root = self.units[ROOT_UNIT]
         root.life.on(Event.FORWARD_START)
+        self.mover.order_compute()  # the last step's writes into device memory first (a GPU's stream order)
         self.materialise(root)
         self._issue(self.scheduler.moves(StepPhase.FORWARD, None, step_follows=False))
 

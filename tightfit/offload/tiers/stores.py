@@ -97,9 +97,10 @@ class MemoryStore(TierStore):
     def tensor(self, unit, entry):
         return self._tensors[(unit, entry)]
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> Future:
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, into_store: bool) -> Future:
         if self.copier is not None and (self.remote or dst.device != src.device):
-            return self.copier(dst, src)
+            # A save into device memory is ordered before what follows it ([Note: device writes in stream order]).
+            return self.copier(dst, src, into_device=into_store and self.tier == Tier.DEVICE)
         dst.copy_(src)
         return done_future()
 
@@ -108,10 +109,10 @@ class MemoryStore(TierStore):
         return t if start is None else t[start:start + numel]
 
     def load(self, unit, entry, dst, urgent=False, *, start=None):
-        return self._copy(dst, self._stored(unit, entry, start, dst.numel()))
+        return self._copy(dst, self._stored(unit, entry, start, dst.numel()), into_store=False)
 
     def save(self, unit, entry, src, *, start=None):
-        return self._copy(self._stored(unit, entry, start, src.numel()), src)
+        return self._copy(self._stored(unit, entry, start, src.numel()), src, into_store=True)
 
     def close(self):
         if self.pinned is not None:
