@@ -397,3 +397,12 @@ def test_refreshing_resident_params_needs_no_staging_on_one_memory(monkeypatch):
     engine_of(probe).close()
     losses = train(tiny_gpt, Placement(default=unit, host_budget=host), steps=3, compute_dtype=torch.bfloat16)[0]
     assert losses == train(tiny_gpt, Placement(default=unit), steps=3, compute_dtype=torch.bfloat16)[0]
+
+
+def test_copies_run_on_one_core():
+    """[Note: one core per copy]: a copy runs beside the compute, whose intra-op threads take every core; the copy
+    threads run their copies with one intra-op thread (torch's default would oversubscribe the cores)."""
+    mover = CpuMover(HostPool(None))
+    seen = mover.copier.submit(torch.get_num_threads).result()
+    mover.close()
+    assert seen == 1

@@ -212,7 +212,8 @@ PROBE_VERSION = 7
 ([Note: matmul rate by the smallest side] in model_profile.py; they were by square size). 3: the device's math
 workspace. 4: the engine's host time per unit and per step. 5: and per streamed unit. 6: copies both ways at once.
 7: the engine with its views built once ([Note: views built once] in offload/step/unit.py): a cached 6 overstates
-its host time; and the host passes' rate (`host_pass_bw`)."""
+its host time; and the host passes' rate (`host_pass_bw`); on a CPU, copies on one core, as the engine's copy
+threads now make them."""
 
 
 def cache_path() -> Path:

@@ -229,9 +229,9 @@ def measure_host_passes(numel: int = 32 << 20) -> float:
 
 
 def measure_copies(nbytes: int = 256 << 20) -> tuple[float, float]:
-    """(host->device, device->host) bytes/s: pinned copies on CUDA; on CPU, a memcpy as the engine does each: a
-    fetch copies into a flat buffer it has just re-allocated (fresh memory, advised huge pages: step/unit.py,
-    [Note: first touch]), a gradient pack into a pool buffer that stays allocated (touched memory)."""
+    """(host->device, device->host) bytes/s: pinned copies on CUDA; on CPU, a memcpy as the engine does each, on one
+    core: a fetch copies into a flat buffer it has just re-allocated (fresh memory, advised huge pages:
+    step/unit.py, [Note: first touch]), a gradient pack into a pool buffer that stays allocated (touched memory)."""
     if torch.cuda.is_available():
         host = torch.empty(nbytes // 4, pin_memory=True)
         dev = torch.empty(nbytes // 4, device="cuda")
@@ -247,7 +247,12 @@ def measure_copies(nbytes: int = 256 << 20) -> tuple[float, float]:
         huge_pages.advise(fresh)
         fresh.copy_(a)
 
-    return nbytes / _timeit(into_fresh), nbytes / _timeit(lambda: b.copy_(a))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the engine's copy threads run them ([Note: one core per copy] in movers.py)
+    try:
+        return nbytes / _timeit(into_fresh), nbytes / _timeit(lambda: b.copy_(a))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def measure_duplex(nbytes: int = 256 << 20) -> float:

@@ -34,7 +34,8 @@ before the compute reads device memory. Without it a CPU device apart from host 
 GPU-shaped path) read a step's params while its write-back was still copying them (the stress test's seed 41, one
 run in seven once copies ran on one core).
 
-Threads: CPU copies run on `copier` threads (torch's copy releases the GIL). CUDA copies are issued on the `h2d`
+Threads: CPU copies run on `copier` threads (torch's copy releases the GIL), each copy on one core ([Note: one
+core per copy]). CUDA copies are issued on the `h2d`
 and `d2h` streams, from the caller's thread or, for a disk fetch, from the NVMe thread that finished the read; one
 `_Completions` thread waits for their events (blocking events: it sleeps, it does not spin on a core the CPU
 optimizer needs) and runs what each completion unlocks.
@@ -121,8 +122,13 @@ class CpuMover:
         self.max_delay_s = max_delay_s
         self._rng = random.Random(seed)
         # Copy threads: fetch copies and gradient packs, overlapping the compute of the units around them. Shut
-        # down by `close`.
-        self.copier = ThreadPoolExecutor(threads, thread_name_prefix="tightfit-copy")
+        # down by `close`. [Note: one core per copy] A copy runs beside the compute, whose intra-op threads already
+        # take every core: a copy with torch's default team (all cores) oversubscribes them, and each side's
+        # OpenMP barrier waits for a thread the other has descheduled. On the 2-core VM a streamed unit of width
+        # 128 cost 3.2 ms a micro-batch more than a resident one with copies on every core, 0.5 ms with one
+        # (benchmarks/RESULTS.md, batch W). A memcpy is bound by memory, not by cores.
+        self.copier = ThreadPoolExecutor(threads, thread_name_prefix="tightfit-copy",
+                                         initializer=lambda: torch.set_num_threads(1))
         self.stats: Counter = Counter()
         self._pending: dict[int, list[tuple[int, int]]] = {}  # id(transfer) -> (address, bytes) it touches
         self._writes: list[Future] = []  # copies into device memory not known done ([Note: device writes in ...])
