@@ -250,7 +250,7 @@ def markdown(f: dict) -> str:
                   f"{c['cap_gib']} GiB for both sides (set_per_process_memory_fraction).", ""] + header
         lines += [_side_row(s, b[s]) for s in ("fsdp2", "tightfit", "tightfit-at-fsdp2-peak") if s in b]
         pv = b.get("tightfit", {}).get("plan_vs_measured")
-        if pv:
+        if pv and pv["predicted"].get("step_s") and pv["measured"].get("step_s"):
             terms, timers = pv.get("step_terms", {}), b["tightfit"].get("engine_s_per_step", {})
             pred, meas = pv["predicted"].get("step_s"), pv["measured"].get("step_s")
             lines += ["", f"tightfit's plan: step {pred * 1e3:.1f} ms predicted, {meas * 1e3:.1f} ms measured "
