@@ -445,3 +445,24 @@ def test_a_forward_waits_for_the_steps_writes_into_device_memory(monkeypatch):
         losses.append(loss.item())
     engine.close()
     assert losses == expected
+
+
+def test_p_data_after_a_step_reads_the_new_params(monkeypatch):
+    """The same write-back as above, read through `p.data` right after `opt.step()` (an alias of the device copy):
+    the new values, as a GPU's stream order gives them, though the write-back copy starts up to 50 ms late."""
+    monkeypatch.setenv("TIGHTFIT_CPU_DEVICE", "separate")
+    placement = Placement(default=UnitPlacement(params=Tier.DEVICE, master=Tier.DEVICE, grads=Tier.HOST,
+                                                optim=Tier.HOST))
+    _, plain, _ = train(tiny_gpt, steps=1)
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    tightfit.wrap(model, placement, device="cpu")
+    engine = engine_of(model)
+    engine.mover.max_delay_s = 0.05
+    opt = AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    loss_of(model, *batch(0)).backward()
+    opt.step()
+    first = dict(model.named_parameters())["blocks.0.attn.q_proj.weight"].data.clone()
+    assert torch.equal(first, dict(plain.named_parameters())["blocks.0.attn.q_proj.weight"].data)
+    opt.zero_grad()
+    engine.close()

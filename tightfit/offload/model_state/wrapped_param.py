@@ -162,8 +162,12 @@ def _attribute(func, kind, args, kwargs):
         if kind == "__set__" and args[1] is None:
             _drop_grad(info)
         return real
-    if attr == "data" and kind == "__get__" and not _stable(info):
-        return _value(p, info)
+    if attr == "data" and kind == "__get__":
+        if not _stable(info):
+            return _value(p, info)
+        # An alias of the device copy: read after the step's writes into it, as a GPU stream orders them
+        # ([Note: device writes in stream order] in runtime/movers.py).
+        info.state.engine.mover.order_compute()
     if attr == "is_leaf" and kind == "__get__":
         _refuse_foreign_optimizer()
     return _plain(func, args, kwargs)
