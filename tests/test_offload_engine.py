@@ -418,6 +418,20 @@ def test_views_a_unit_keeps_are_views_of_what_lives_as_long_as_it(tmp_path, monk
     engine.close()
 
 
+def _late_device_writes(monkeypatch):
+    """(model, engine, optimizer): fp32 params that are their own master on the device tier, stepped on the CPU
+    (gradients and moments in host memory), device memory apart from the host's, copies starting up to 50 ms late."""
+    monkeypatch.setenv("TIGHTFIT_CPU_DEVICE", "separate")
+    placement = Placement(default=UnitPlacement(params=Tier.DEVICE, master=Tier.DEVICE, grads=Tier.HOST,
+                                                optim=Tier.HOST))
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    tightfit.wrap(model, placement, device="cpu")
+    engine = engine_of(model)
+    engine.mover.max_delay_s = 0.05
+    return model, engine, AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
 def test_a_forward_waits_for_the_steps_writes_into_device_memory(monkeypatch):
     """fp32 params that are their own master on the device tier, stepped on the CPU (gradients and moments in host
     memory), device memory apart from the host's: the step writes the new params back into device memory with an
@@ -425,17 +439,9 @@ def test_a_forward_waits_for_the_steps_writes_into_device_memory(monkeypatch):
     params; the CPU mover keeps that order too ([Note: device writes in stream order] in runtime/movers.py). The
     copies here start up to 50 ms late, so a forward that did not wait would read the old params: the losses
     are torch's, bit for bit."""
-    monkeypatch.setenv("TIGHTFIT_CPU_DEVICE", "separate")
-    placement = Placement(default=UnitPlacement(params=Tier.DEVICE, master=Tier.DEVICE, grads=Tier.HOST,
-                                                optim=Tier.HOST))
     expected, _, _ = train(tiny_gpt, steps=4)
-    torch.manual_seed(0)
-    model = tiny_gpt()
-    tightfit.wrap(model, placement, device="cpu")
-    engine = engine_of(model)
+    model, engine, opt = _late_device_writes(monkeypatch)
     assert engine.separate and all(u.master_entry == "params" for u in engine.units.values())
-    engine.mover.max_delay_s = 0.05
-    opt = AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     losses = []
     for step in range(4):
         loss = loss_of(model, *batch(step))
@@ -450,16 +456,8 @@ def test_a_forward_waits_for_the_steps_writes_into_device_memory(monkeypatch):
 def test_p_data_after_a_step_reads_the_new_params(monkeypatch):
     """The same write-back as above, read through `p.data` right after `opt.step()` (an alias of the device copy):
     the new values, as a GPU's stream order gives them, though the write-back copy starts up to 50 ms late."""
-    monkeypatch.setenv("TIGHTFIT_CPU_DEVICE", "separate")
-    placement = Placement(default=UnitPlacement(params=Tier.DEVICE, master=Tier.DEVICE, grads=Tier.HOST,
-                                                optim=Tier.HOST))
     _, plain, _ = train(tiny_gpt, steps=1)
-    torch.manual_seed(0)
-    model = tiny_gpt()
-    tightfit.wrap(model, placement, device="cpu")
-    engine = engine_of(model)
-    engine.mover.max_delay_s = 0.05
-    opt = AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    model, engine, opt = _late_device_writes(monkeypatch)
     loss_of(model, *batch(0)).backward()
     opt.step()
     first = dict(model.named_parameters())["blocks.0.attn.q_proj.weight"].data.clone()

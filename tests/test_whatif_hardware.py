@@ -271,6 +271,12 @@ def test_probe_out_writes_a_profile_plan_reads(tmp_path, capsys, monkeypatch):
     assert rc == 0 and measured.device_name in text
 
 
+# A 1.2 B GPT at 4 x 1024 tokens under 8378 MiB: a 7.5 GiB device budget once the CUDA allocator's 1/12 is kept back,
+# the first GPU run's budget.
+GPT_1_2B_UNDER_8GIB = ["--n-layer", "24", "--n-embd", "2048", "--n-head", "16", "--seq-len", "1024", "--micro-batch",
+                       "4", "--gpu-mem", "8378MiB"]
+
+
 def test_the_fastest_plan_then_the_smallest(capsys, tmp_path):
     """A 1.2 B GPT under an 8 GiB cap on an H100 is bound by the CPU optimizer. Within 3% of the fastest plan the
     search keeps the least device memory (issue 26, item 5): the greedy fill's states that shortened the step by
@@ -283,9 +289,7 @@ def test_the_fastest_plan_then_the_smallest(capsys, tmp_path):
     the GPU, which changes the plan (test_host_passes_keep_gradients_on_the_gpu) and not what this test checks."""
     hardware = tmp_path / "h100-pcie-free-passes.json"
     save_hardware(replace(load_hardware("h100-pcie"), host_pass_bw=1e18), str(hardware))
-    # 8378 MiB: a 7.5 GiB device budget once the CUDA allocator's 1/12 is kept back, the first GPU run's budget.
-    args = ["plan", "--hardware", str(hardware), "--n-layer", "24", "--n-embd", "2048", "--n-head", "16", "--seq-len",
-            "1024", "--micro-batch", "4", "--gpu-mem", "8378MiB"]
+    args = ["plan", "--hardware", str(hardware), *GPT_1_2B_UNDER_8GIB]
     rc, out, err = _run(capsys, *args)
     assert rc == 0, err
     m = re.search(r"device: (\S+ \S+) less than the fullest plan, for a predicted step within 3% of its ([0-9]+) ms "
@@ -311,8 +315,7 @@ def test_host_passes_keep_gradients_on_the_gpu(capsys):
     block whose gradients stay on the GPU needs no sum and no norm on the host in backward, so the search keeps
     gradients there, making room by recomputing every block, and the plan is faster than the one that does not
     recompute."""
-    args = ["plan", "--hardware", "h100-pcie", "--n-layer", "24", "--n-embd", "2048", "--n-head", "16", "--seq-len",
-            "1024", "--micro-batch", "4", "--gpu-mem", "8378MiB"]
+    args = ["plan", "--hardware", "h100-pcie", *GPT_1_2B_UNDER_8GIB]
     rc, out, err = _run(capsys, *args)
     assert rc == 0, err
     grads_on_device = int(re.search(r"grads: \d+ unit\(s\) on host, (\d+) unit\(s\) on device", out).group(1))

@@ -374,7 +374,7 @@ def step_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, 
         phase_a = max(compute, link, disk_a, backward_passes)
         cpu_step = cpu_opt / hw.cpu_adam_rate + step_passes
         phase_b = max(cpu_step, disk_b, h2d_b) + dev_opt / hw.device_adam_rate
-        opt = cpu_step + dev_opt / hw.device_adam_rate
+        opt += step_passes
         pred.passes_s = backward_passes + step_passes
         terms = {"compute" if kernels >= host else "host issuing ops": compute, "host<->device": link,
                  "nvme": disk_a, "host gradient sums": backward_passes}

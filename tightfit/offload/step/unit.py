@@ -154,17 +154,17 @@ class OffloadUnit:
     def stored_views(self, state: State, entry: str) -> list[torch.Tensor]:
         """The trainable slots' views of the unit's `entry` as its `state`'s tier stores it (an addressable tier's
         own tensor: the caller knows it is one). [Note: views built once]"""
-        views = self._views.get(entry)
-        if views is None:
-            views = self._views[entry] = slot_views(self.trainable, self.store[state].tensor(self.name, entry))
-        return views
+        return self._kept(entry, lambda: self.store[state].tensor(self.name, entry))
 
     def flat_views(self) -> list[torch.Tensor]:
         """The trainable slots' views of `flat_io` (a step in place on the materialised params). [Note: views built
         once]"""
-        views = self._views.get(FLAT_VIEWS)
+        return self._kept(FLAT_VIEWS, lambda: self.flat_io)
+
+    def _kept(self, key: str, tensor) -> list[torch.Tensor]:
+        views = self._views.get(key)
         if views is None:
-            views = self._views[FLAT_VIEWS] = slot_views(self.trainable, self.flat_io)
+            views = self._views[key] = slot_views(self.trainable, tensor())
         return views
 
     # ---- the flat compute buffer -----------------------------------------------------------------------------
