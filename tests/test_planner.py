@@ -523,9 +523,12 @@ def test_a_gpu_plan_counts_the_cpus_passes_besides_adamw():
     unmeasured = make_plan(model, c, replace(GPU, host_pass_bw=0.0)).prediction
     assert unmeasured.passes_s == pytest.approx(n * 20 / (28 * GPU.cpu_adam_rate))
     # bf16 compute, three micro-batches, the compute copy on the device apart from its master: the sum is read from
-    # the second micro-batch on, and the step casts the master to the compute copy.
+    # the second micro-batch on, its norm taken once ([Note: norms when asked]), and the step casts the master to the
+    # compute copy. Without clipping no norm is taken and nothing multiplies.
     resident = replace(plan.placement, default=replace(plan.placement.default, params=Tier.DEVICE), units={})
     backward, step = host_pass_bytes(plan.profile, resident, TrainShape(compute_bytes=2, grad_accum=3))
-    assert (backward, step) == (n * (3 * (2 + 4 + 4) + 2 * 4), n * (8 + 4 + 2))
+    assert (backward, step) == (n * (3 * (2 + 4) + 2 * 4 + 4), n * (8 + 4 + 2))
+    backward, step = host_pass_bytes(plan.profile, resident, TrainShape(compute_bytes=2, grad_accum=3, grad_clip=False))
+    assert (backward, step) == (n * (3 * (2 + 4) + 2 * 4), n * (4 + 2))
     on_cpu = [make_plan(model, c, replace(CPU, host_pass_bw=bw)).prediction for bw in (1e6, 1e12)]
     assert on_cpu[0].step_s == on_cpu[1].step_s and on_cpu[0].passes_s == 0.0

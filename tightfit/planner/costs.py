@@ -30,8 +30,10 @@ kernels alone, 16.0 ms measured). `--offload none` runs no engine: its floor is 
 [Note: host passes] On a GPU machine the CPU makes elementwise passes over host memory besides AdamW's, for every
 unit whose gradients or optimizer live there (offload/step/gradients.py, offload/step/optimizer.py):
 - in backward, the gradient worker adds each micro-batch's packed gradients into their fp32 sum (the pack read at
-  the compute dtype, the sum written, and read too from the second micro-batch on) and takes each parameter's
-  norm (the sum read again);
+  the compute dtype, the sum written, and read too from the second micro-batch on) and, in a step that clips, takes
+  each parameter's norm once, of the last micro-batch's sum (read again; [Note: norms when asked] in
+  offload/step/grad_norms.py: `tightfit train` declares its last micro-batch; a loss scaler's norms without
+  clipping are not counted);
 - in the step, the clip coefficient multiplies the gradients (read and written; skipped in a step whose norm is
   within max_norm, which the model cannot know: it counts the multiply), and where the compute copy is not the
   master the new master is cast to it (read; written at the compute dtype).
@@ -170,8 +172,8 @@ def unit_pass_bytes(u: UnitProfile, placement: Placement, shape: TrainShape) -> 
     a, c = shape.grad_accum, shape.compute_bytes
     up, n = placement.of(u.name), u.trainable
     backward = step = 0.0
-    if n and up.grads != Tier.DEVICE:  # per micro-batch: pack read, sum written, norm read; the sum read from the 2nd
-        backward = n * (a * (c + 4 + 4) + (a - 1) * 4)
+    if n and up.grads != Tier.DEVICE:  # per micro-batch: pack read, sum written; the sum read from the 2nd on
+        backward = n * (a * (c + 4) + (a - 1) * 4 + (4 if shape.grad_clip else 0))  # a clip: one norm pass
     if n and not _optimizer_on_device(placement, u.name):
         step = n * 8 if shape.grad_clip else 0  # the clip coefficient's multiply
         if up.params != up.master or c != 4:  # the compute copy is not the master: the cast

@@ -45,6 +45,7 @@ from tightfit.offload.runtime.host_memory import HostAllocator, HostPool, Regist
 from tightfit.offload.runtime.movers import CpuMover, CudaMover, strict_from_env, strict_seed
 from tightfit.offload.runtime.workers import Timers, Worker, thread_budget
 from tightfit.offload.step.budget_checks import check_budgets, host_tier_bytes, largest_job
+from tightfit.offload.step.grad_norms import NormPolicy, norms_on_demand
 from tightfit.offload.step.gradients import GradientShipper
 from tightfit.offload.step.hooks import queue_end_of_backward, register_hooks, remove_hooks
 from tightfit.offload.step.lifecycle import Event, ParamsState, Phase
@@ -209,6 +210,7 @@ class OffloadEngine:
         # backward as each unit's gradients land (`early`), or after it (it clips or unscales); either way each unit's
         # master and moments start loading as its backward starts.
         self.declared: DeclaredStep | None = None
+        self.norms = NormPolicy()  # when the gradient worker takes norms: [Note: norms when asked]
         self._early_steps: list[Future] = []
         self._grads_charged: dict[str, int] = {}  # device bytes of this backward's param.grads, per unit
         self._warned_autocast = False
@@ -292,6 +294,7 @@ class OffloadEngine:
         """The optimizer's word that a step of `units` (names) follows the coming backward; `early(unit)`: step each
         unit as soon as its gradients land (`AdamW.step_during_backward`). Covers one backward."""
         self.declared = DeclaredStep(frozenset(units), early)
+        self.norms.on_declare()
 
     @property
     def step_follows(self) -> bool:
@@ -440,7 +443,8 @@ class OffloadEngine:
             self._finish_backward(unit)
 
     def _finish_backward(self, unit: OffloadUnit) -> None:
-        self._uncharge_grads(unit, packing=self.shipper.ship(unit, hold=self._stepped(unit)))
+        norms = self.norms.eager(self.declared is not None, self.early_step is not None)
+        self._uncharge_grads(unit, packing=self.shipper.ship(unit, hold=self._stepped(unit), norms=norms))
         if (self.early_step is not None and self.stepper.steps_in_flat(unit) and any(unit.has_grad)
                 and unit.params_state == ParamsState.READY):
             unit.life.on(Event.KEEP_FOR_STEP)  # stays materialised: stepped in place, then used by the next forward
@@ -509,6 +513,7 @@ class OffloadEngine:
     def zero_grad(self) -> None:
         self.wait_grads()
         self.wait_early_steps()
+        self.norms.end_step(self.backwards)
         for unit in self.units.values():
             # What was held for a step (gradients, master and moments loaded ahead) goes; params stay for the next
             # forward (a step's updated params, or a fetch's copy of values no step changed).
@@ -532,6 +537,12 @@ class OffloadEngine:
         return self._slot_of.get(id(p))
 
     def grad_norms_in_model_order(self) -> list[torch.Tensor]:
+        """Every accumulated gradient's 2-norm, in model order; those the worker did not take are taken now
+        ([Note: norms when asked] in grad_norms.py)."""
+        self.wait_grads()
+        self.norms.on_ask()
+        for unit in self.units.values():
+            norms_on_demand(unit, self.cache, self.pool)
         return [u.grad_norms[i] for u, i in self._param_order if u.has_grad[i]]
 
     def step_order(self) -> list[OffloadUnit]:

@@ -10,10 +10,10 @@ stream), and the gradient worker adds them to their tier while backward goes on:
 - NVMe: the old gradients read into the accumulator, the pack added to them, the sum written back (fp32 gradients
   with nothing to add to are written from the pack itself: no accumulator is granted).
 Accumulation is `old + new` in fp32, the same bits as torch's `param.grad += new` (every bf16/fp16 value is an fp32
-value, and the add rounds once). The worker records each parameter's gradient norm as it goes (clipping and overflow
-checks need no second pass over the disk). When the optimizer has declared that a step follows this backward, a
-unit's final accumulator goes straight to its step through the host cache instead of to disk and back, as far as
-the speculative bound admits it.
+value, and the add rounds once). The worker takes each parameter's gradient norm as it adds the micro-batch a step
+will ask it for ([Note: norms when asked], grad_norms.py: no second pass over the disk). When the optimizer has
+declared that a step follows this backward, a unit's final accumulator goes straight to its step through the host
+cache instead of to disk and back, as far as the speculative bound admits it.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from tightfit.offload.runtime.host_memory import Grant, HostPool
 from tightfit.offload.runtime.widening import add_widening
 from tightfit.offload.runtime.workers import Timers, Worker
 from tightfit.offload.placement import State
+from tightfit.offload.step.grad_norms import forget_norms, record_norms
 from tightfit.offload.step.lifecycle import Event
 from tightfit.offload.step.unit import GRADS, OffloadUnit
 from tightfit.offload.step.units import slot_views
@@ -45,10 +46,11 @@ class GradientShipper:
         self.worker = worker
         self.timers = timers
 
-    def ship(self, unit: OffloadUnit, hold: bool):
+    def ship(self, unit: OffloadUnit, hold: bool, norms: bool):
         """Move the unit's new `param.grad`s into its grads tier, accumulating; drop `param.grad`. Returns the
         Transfer of their copy off the device while it may still read them (None when they were used up at once).
-        hold: a step follows this backward: the final gradients may wait for it in the host cache."""
+        hold: a step follows this backward: the final gradients may wait for it in the host cache.
+        norms: take the sums' norms ([Note: norms when asked] in grad_norms.py)."""
         pairs = []
         with DisableTorchFunctionSubclass():  # plain attribute access: the wrapped parameter's class is not asked
             for i in sorted(unit.got):
@@ -67,7 +69,7 @@ class GradientShipper:
             views = unit.stored_views(State.GRADS, GRADS)
             for i, _, g in pairs:
                 add_widening(views[i], g) if had[i] else views[i].copy_(g)
-            _record_norms(unit, views)
+            _norms(unit, views, new, norms)
             unit.life.on(Event.GRADS_STORED)
             return None
         # The thread running backward holds no other grant: waiting here waits for ships and steps in flight, which
@@ -79,11 +81,11 @@ class GradientShipper:
         packed = self.mover.pack_grads([((slot.offset, slot.shape), g) for _, slot, g in pairs], grant["pack"])
         unit.life.on(Event.GRADS_SHIPPED)
         unit.grad_pending = self.worker.submit(self._accumulate, unit, grant, packed, unit.grad_pending, new, had,
-                                               hold)
+                                               hold, norms)
         return packed
 
     def _accumulate(self, unit: OffloadUnit, grant: Grant, packed, previous: Future | None, new: set[int],
-                    had: list[bool], hold: bool) -> None:
+                    had: list[bool], hold: bool, norms: bool) -> None:
         """Gradient worker: add the packed new gradients into the unit's host or disk gradient entry."""
         t0 = time.perf_counter()
         try:
@@ -96,7 +98,7 @@ class GradientShipper:
                 views = unit.stored_views(State.GRADS, GRADS)
                 _add_into(unit, views, pack, new, had)
                 grant.release()
-                _record_norms(unit, views)
+                _norms(unit, views, new, norms)
                 unit.life.on(Event.GRADS_LANDED)
                 return
             if GRADS not in grant:  # fp32, first gradients since the step: the pack is the sum
@@ -113,7 +115,7 @@ class GradientShipper:
             if "pack" in grant:
                 _add_into(unit, views, pack, new, had)
                 grant.give("pack")
-            _record_norms(unit, views)
+            _norms(unit, views, new, norms)
             # [Note: speculative holdings]: kept for the step only as far as the pool's bound admits it.
             if hold and grant.speculate():
                 self.cache.put(unit.name, GRADS, Held(grant, unit.version, only_copy=True))
@@ -137,10 +139,6 @@ def _add_into(unit: OffloadUnit, acc: list[torch.Tensor], pack: torch.Tensor, ne
         add_widening(acc[i], slot.view(pack)) if had[i] else acc[i].copy_(slot.view(pack))
 
 
-def _record_norms(unit: OffloadUnit, views: list[torch.Tensor]) -> None:
-    """Each parameter's gradient 2-norm from its accumulated values (`views`, per trainable slot), for clipping and
-    overflow checks."""
-    idx = [i for i, h in enumerate(unit.has_grad) if h]
-    norms = torch._foreach_norm([views[i] for i in idx], 2.0) if idx else []
-    for i, n in zip(idx, norms):
-        unit.grad_norms[i] = n
+def _norms(unit: OffloadUnit, views: list[torch.Tensor], new: set[int], take: bool) -> None:
+    """After an add: the sums' norms taken, or those of the changed slots forgotten (taken on demand)."""
+    record_norms(unit, views) if take else forget_norms(unit, new)
