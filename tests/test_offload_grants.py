@@ -90,13 +90,44 @@ def test_workers_run_their_kernels_on_their_thread_budget():
     the launch thread); a worker's count is its own, the caller's stays."""
     from tightfit.offload.runtime.workers import Worker, thread_budget
 
-    assert thread_budget(16, cuda=True) == {"grads": 4, "step": 11}
-    assert thread_budget(2, cuda=True) == {"grads": 1, "step": 1}
-    assert thread_budget(16, cuda=False) == {"grads": None, "step": None}
+    assert thread_budget(16, cuda=True) == {"grads": 4, "step": 11, "step_alone": 15}
+    assert thread_budget(2, cuda=True) == {"grads": 1, "step": 1, "step_alone": 1}
+    assert thread_budget(16, cuda=False) == {"grads": None, "step": None, "step_alone": None}
     before = torch.get_num_threads()
     worker = Worker("test-budget", threads=1)
     try:
         assert worker.submit(torch.get_num_threads).result() == 1
+        worker.submit(worker.use_threads, 2).result()
+        assert worker.submit(torch.get_num_threads).result() == 2  # and for the jobs after
+        worker.submit(worker.use_threads, None).result()
+        assert worker.submit(torch.get_num_threads).result() == 2
     finally:
         worker.shutdown()
     assert torch.get_num_threads() == before
+
+
+def test_a_step_after_backward_takes_the_gradient_workers_cores(tmp_path, monkeypatch):
+    """[Note: thread budget]: a unit stepped while gradients are still being added runs on the step thread's share;
+    one stepped once backward is over and every gradient added takes the gradient worker's cores too. A 2-thread
+    budget stands in for a GPU machine's; the losses stay torch's."""
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from offload_helpers import tiny_gpt, train
+    from tightfit import Placement, Tier
+    from tightfit.offload.step import engine as engine_module
+    from tightfit.offload.step.optimizer import StepRunner
+
+    monkeypatch.setattr(engine_module, "thread_budget", lambda total, cuda: {"grads": 1, "step": 1, "step_alone": 2})
+    decided, ran = [], []
+    real_done, real_step = engine_module.OffloadEngine._grads_done, StepRunner.step_one
+    monkeypatch.setattr(engine_module.OffloadEngine, "_grads_done",
+                        lambda self: (lambda done: (decided.append(done), done)[1])(real_done(self)))
+    monkeypatch.setattr(StepRunner, "step_one",
+                        lambda self, *a: (ran.append(torch.get_num_threads()), real_step(self, *a))[1])
+    expected, *_ = train(tiny_gpt, steps=3, accum=2)
+    ran.clear()
+    losses, *_ = train(tiny_gpt, Placement.everywhere(Tier.HOST), steps=3, accum=2, early=True)
+    assert losses == expected
+    assert len(decided) == len(ran) > 0 and True in decided
+    assert ran == [2 if done else 1 for done in decided]

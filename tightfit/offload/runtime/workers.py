@@ -28,6 +28,7 @@ class Worker:
 
     def __init__(self, name: str, max_delay_s: float = 0.0, seed: int = 0, threads: int | None = None) -> None:
         self.threads = threads
+        self._now = threads  # the count the thread runs its kernels with now (`use_threads`)
         init = (lambda: torch.set_num_threads(threads)) if threads else None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=name, initializer=init)
         self.max_delay_s = max_delay_s
@@ -46,6 +47,12 @@ class Worker:
 
         return self._pool.submit(late)
 
+    def use_threads(self, threads: int | None) -> None:
+        """From inside one of this worker's jobs: run this and later jobs' kernels on `threads` (None: unchanged)."""
+        if threads and threads != self._now:
+            torch.set_num_threads(threads)
+            self._now = threads
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
 
@@ -56,12 +63,14 @@ def thread_budget(total: int, cuda: bool) -> dict[str, int | None]:
     backward: if each took every core (torch's default) they would oversubscribe the machine and starve the launch
     thread and the copies' threads. So the gradient worker (memory-bound adds) gets a quarter of the cores, the step
     thread (AdamW) the rest but one, and one stays for the launch thread, the completion thread and the disk's
-    threads, which mostly wait. On a CPU device the compute itself needs the cores, and the workers keep torch's
-    default (what every CPU figure was measured with)."""
+    threads, which mostly wait. Once backward is over and the gradient worker has nothing left, its cores are idle:
+    a step thread's job started then takes them too ("step_alone": every core but one; on a GPU the optimizer runs
+    long after backward, and most of its work is then). On a CPU device the compute itself needs the cores, and the
+    workers keep torch's default (what every CPU figure was measured with)."""
     if not cuda:
-        return {"grads": None, "step": None}
+        return {"grads": None, "step": None, "step_alone": None}
     grads = max(1, total // 4)
-    return {"grads": grads, "step": max(1, total - grads - 1)}
+    return {"grads": grads, "step": max(1, total - grads - 1), "step_alone": max(1, total - 1)}
 
 
 class Timers:

@@ -194,7 +194,7 @@ class OffloadEngine:
         # as the unit's last gradients have landed, overlapping the backward of the units before it; its futures
         # are awaited by the next `opt.step()`. Both shut down by `close`.
         # Their intra-op threads: [Note: thread budget] in workers.py.
-        budget = thread_budget(torch.get_num_threads(), cuda)
+        self._threads = budget = thread_budget(torch.get_num_threads(), cuda)
         self.grad_worker = Worker("tightfit-grads", delay, seed=strict_seed() + 1, threads=budget["grads"])
         self.step_worker = Worker("tightfit-step", delay, seed=strict_seed() + 2, threads=budget["step"])
         self.writes = WriteBacks()  # the optimizer's write-backs in flight (write_backs.py)
@@ -464,9 +464,16 @@ class OffloadEngine:
         def after_grads() -> None:
             if pending is not None:
                 pending.result()
+            self.step_worker.use_threads(self._threads["step_alone" if self._grads_done() else "step"])
             self.writes.add(run())  # the unit's write-backs, still in flight
 
         self._early_steps.append(self.step_worker.submit(after_grads))
+
+    def _grads_done(self) -> bool:
+        """Is backward over and every gradient added? Then the gradient worker's cores are idle ([Note: thread
+        budget] in workers.py). Read from the step thread: a unit whose job is just ending counts as busy."""
+        return self.phase is not StepPhase.BACKWARD and all(
+            u.grad_pending is None or u.grad_pending.done() for u in self.units.values())
 
     @property
     def stepped_during_backward(self) -> bool:
