@@ -5,6 +5,9 @@
 
 - CPU AdamW: `torch._fused_adamw_` (what the engine's step runs) over fp32 params, grads and moments of `--numel`
   elements, with the engine's threads (torch's intra-op threads as this process has them), in parameters per second.
+  Also at the engine's step thread's counts on a GPU machine ([Note: thread budget] in offload/runtime/workers.py:
+  beside the gradient worker, and alone once backward is over) and at the planner probe's size (4 M elements,
+  whose working set may sit in a large last-level cache where a unit of a large model's does not).
 - Host<->device copies of `--mib` MiB between page-locked host memory and the GPU: host-to-device alone,
   device-to-host alone, and both at once on two streams (what an offloaded step does: fetches up, gradients down),
   in bytes per second each way.
@@ -48,6 +51,26 @@ def adam_rate(numel: int, reps: int) -> float:
                             weight_decay=0.1, eps=1e-8, maximize=False)
 
     return numel / _median_seconds(run, lambda: None, reps)
+
+
+def adam_rates_by_threads(numel: int, reps: int) -> dict[str, float]:
+    """Parameters per second at each of the engine's step-thread counts (keys: thread counts), and at the probe's
+    4 M elements on every thread ("probe_size")."""
+    import torch
+
+    from tightfit.offload.runtime.workers import thread_budget
+
+    total = torch.get_num_threads()
+    budget = thread_budget(total, cuda=True)
+    rates = {}
+    try:
+        for n in sorted({budget["step"], budget["step_alone"], total}):
+            torch.set_num_threads(n)
+            rates[str(n)] = adam_rate(numel, reps)
+    finally:
+        torch.set_num_threads(total)
+    rates["probe_size"] = adam_rate(4 << 20, reps)
+    return rates
 
 
 def copy_rates(device: str, nbytes: int, reps: int) -> dict:
@@ -96,6 +119,7 @@ def main(argv=None) -> None:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     out = {"benchmark": "bench_gpu_floors", "device": device, "torch_threads": torch.get_num_threads(),
            "adamw_params_per_s": adam_rate(args.numel, args.reps), "adamw_numel": args.numel,
+           "adamw_by_threads": adam_rates_by_threads(args.numel, args.reps),
            "copy_bytes": args.mib << 20, **{f"{k}_bytes_per_s": v for k, v in
                                            copy_rates(device, args.mib << 20, args.reps).items()}}
     if device == "cuda":

@@ -198,13 +198,19 @@ def markdown(f: dict) -> str:
         lines.append("")
     fl = f.get("floors")
     if fl and "error" not in fl:
-        disk = (f"; disk {fl['nvme_read_bytes_per_s'] / 1e9:.2f} GB/s read, {fl['nvme_write_bytes_per_s'] / 1e9:.2f} GB/s "
-                "write" if fl.get("nvme_read_bytes_per_s") else "")
+        disk = (f"; disk {fl['nvme_read_bytes_per_s'] / 1e9:.2f} GB/s read, "
+                f"{fl['nvme_write_bytes_per_s'] / 1e9:.2f} GB/s write" if fl.get("nvme_read_bytes_per_s") else "")
         lines += ["## Floors (`benchmarks/bench_gpu_floors.py`)", "",
                   f"CPU AdamW {fl['adamw_params_per_s'] / 1e9:.2f} Gparam/s on {fl['torch_threads']} threads; H2D "
                   f"{fl['h2d_bytes_per_s'] / 1e9:.1f} GB/s, D2H {fl['d2h_bytes_per_s'] / 1e9:.1f} GB/s alone, "
                   f"{fl['both_h2d_bytes_per_s'] / 1e9:.1f} + {fl['both_d2h_bytes_per_s'] / 1e9:.1f} GB/s both at "
                   f"once{disk}.", ""]
+        by = dict(fl.get("adamw_by_threads") or {})
+        if by:
+            probe = by.pop("probe_size", None)
+            lines += ["CPU AdamW by intra-op threads (the engine's step thread: beside the gradient worker, alone, "
+                      "every thread): " + ", ".join(f"{n}: {r / 1e9:.2f}" for n, r in by.items()) + " Gparam/s"
+                      + (f"; at the probe's 4 M elements {probe / 1e9:.2f}" if probe else "") + ".", ""]
     tr = (f.get("train") or {}).get("summary")
     if tr:
         lines += ["## Default `tightfit train`", "",

@@ -99,6 +99,7 @@ def test_benchmarks_smoke_and_one_figures_file(tmp_path):
     md = (out / "figures.md").read_text()
     assert "tightfit's plan: step" in md and "host passes besides AdamW" in md
     assert "FSDP2" in md and "| tightfit-nvme |" in md and "`test_b`: boom" in md and "Floors" in md
+    assert "probe_size" in figures["floors"]["adamw_by_threads"] and "CPU AdamW by intra-op threads" in md
 
     # Where no Python has a CUDA torch, gpu_check.sh says so, in its figures file too, and fails.
     rc, log = _finish(nogpu)
