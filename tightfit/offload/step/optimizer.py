@@ -29,8 +29,9 @@ are their own master are written back prefix only, and read prefix only when the
 for the next forward (which needs the whole params: `engine.keeps_fresh`). The frozen tail on disk is the one
 `write_master` wrote.
 
-The math is `torch._fused_adamw_` on lists of per-parameter views, with one float32 step count per parameter,
-exactly what `torch.optim.AdamW(fused=True)` runs on the same tensors, so results are bitwise equal to it.
+The math is `torch._fused_adamw_` on lists of per-parameter views (or of their parts, a span of the flat buffers
+at a time: [Note: one pass in cache], step/adamw.py), with one float32 step count per parameter, exactly what
+`torch.optim.AdamW(fused=True)` runs on the same tensors, so results are bitwise equal to it.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from tightfit.offload.placement import State, Tier
 from tightfit.offload.runtime.host_cache import Held, HostCache
 from tightfit.offload.runtime.host_memory import Grant, HostPool
 from tightfit.offload.runtime.workers import Timers
+from tightfit.offload.step.adamw import step_unit
 from tightfit.offload.step.lifecycle import Event, ParamsState
 from tightfit.offload.step.scheduler import MoveKind, Scheduler, StepPhase
 from tightfit.offload.step.unit import EXP_AVG, EXP_AVG_SQ, GRADS, MASTER, PARAMS, OffloadUnit
@@ -83,30 +85,6 @@ class Multipliers:
         if key not in self._on:
             self._on[key] = [s.to(device) for s in self.scales]
         return self._on[key]
-
-
-def _step(unit: OffloadUnit, work: _Loaded, groups: list[tuple[dict, list[int]]], grad_scales: Multipliers) -> None:
-    device = work.tensors[unit.master_entry].device
-    master, grads = work.views[unit.master_entry], work.views[GRADS]
-    m, v = work.views[EXP_AVG], work.views[EXP_AVG_SQ]
-    scales = grad_scales.on(work.tensors[GRADS].device)
-    for group, idx in groups:
-        g = [grads[i] for i in idx]
-        for scale in scales:  # loss-scale inverse, clip coefficient: torch multiplies grads the same way
-            torch._foreach_mul_(g, scale)
-        for i in idx:
-            if unit.steps[i] is None:
-                unit.steps[i] = torch.tensor(0.0, dtype=torch.float32, device=device)
-            elif unit.steps[i].device != device:  # imported from a checkpoint
-                unit.steps[i] = unit.steps[i].to(device)
-        steps = [unit.steps[i] for i in idx]
-        torch._foreach_add_(steps, 1)
-        beta1, beta2 = group["betas"]
-        torch._fused_adamw_([master[i] for i in idx], g, [m[i] for i in idx], [v[i] for i in idx], [], steps,
-                            amsgrad=False, lr=group["lr"],
-                            beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
-                            maximize=False)
-    unit.version += 1  # new values: cached copies of the old ones are stale
 
 
 class StepRunner:
@@ -263,23 +241,20 @@ class StepRunner:
             writes.append(unit.flat_write)
         if grant is not None and GRADS in grant:
             grant.give(GRADS)  # consumed by the step; nothing to write
-        if unit.master_entry == MASTER:  # separate compute copy: refresh its trainable prefix from the new master
-            master = work.tensors[MASTER]
+        if unit.master_entry == MASTER and grant is not None and "cast" in grant:
+            # A separate compute copy not addressable where the step ran: the step cast the new master into the
+            # granted buffer (`_cast_to`); it goes on to the copy's tier.
+            cast = grant["cast"]
             target = unit.store[State.PARAMS].tensor(unit.name, PARAMS)
-            if grant is None or "cast" not in grant:
-                target[:nt].copy_(master)  # addressable from where the step ran: cast in place
-            else:
-                cast = grant["cast"]
-                cast.copy_(master)  # cast on the host, where the master is
-                if target is not None:
-                    # The device copy the next forward computes with, uploaded from the granted buffer; the forward
-                    # waits on it (engine.materialise).
-                    unit.refresh = self.mover.copy_in(cast, target[:nt])
-                    grant.give("cast", after=unit.refresh.done)
-                else:  # a tier that is not memory (NVMe): the prefix goes back, the frozen tail is untouched
-                    fut = unit.store[State.PARAMS].save(unit.name, PARAMS, cast, start=0)
-                    grant.give("cast", after=fut)
-                    writes.append(fut)
+            if target is not None:
+                # The device copy the next forward computes with, uploaded from the granted buffer; the forward
+                # waits on it (engine.materialise).
+                unit.refresh = self.mover.copy_in(cast, target[:nt])
+                grant.give("cast", after=unit.refresh.done)
+            else:  # a tier that is not memory (NVMe): the prefix goes back, the frozen tail is untouched
+                fut = unit.store[State.PARAMS].save(unit.name, PARAMS, cast, start=0)
+                grant.give("cast", after=fut)
+                writes.append(fut)
         if PARAMS in saved and self.keeps_fresh(unit):  # read whole, then (`_prefix_only`)
             # The next forward copies from it (host_cache.py), if the speculative bound admits it.
             part = grant.part(PARAMS)
@@ -292,6 +267,17 @@ class StepRunner:
         if grant is not None:
             grant.release()  # what is left: no transfer touches it (a cast's return is already arranged)
         return writes
+
+    @staticmethod
+    def _cast_to(work: _Loaded) -> torch.Tensor | None:
+        """Where the step casts the new master for a separate compute copy: the step job's granted buffer, or the
+        copy's tier tensor, addressable where the step runs. None: the params are their own master."""
+        unit, grant = work.unit, work.grant
+        if unit.master_entry != MASTER:
+            return None
+        if grant is not None and "cast" in grant:
+            return grant["cast"]
+        return unit.store[State.PARAMS].tensor(unit.name, PARAMS)
 
     def step_one(self, unit: OffloadUnit, groups: list[tuple[dict, list[int]]],
                  grad_scales: Multipliers) -> list[Future]:
@@ -308,7 +294,9 @@ class StepRunner:
             raise
         t1 = time.perf_counter()
         with ranges.span("tightfit::adamw", unit.name):  # a profiler range (--profile), free otherwise
-            _step(unit, work, groups, grad_scales)
+            step_unit(unit, work.tensors, work.views, groups, grad_scales.on(work.tensors[GRADS].device),
+                      self._cast_to(work))
+        unit.version += 1  # new values: cached copies of the old ones are stale
         t2 = time.perf_counter()
         writes = self._write_back(work)
         unit.moments_empty = False
