@@ -8,8 +8,9 @@ written at the compute dtype. A large unit's buffers do not fit any cache, so ru
 reads its operands from memory, and on a GPU machine those passes are the CPU's critical path ([Note: host passes]
 in planner/costs.py). Run a span of `SPAN` elements at a time, the multiply leaves its span's gradients in cache
 for AdamW, and AdamW leaves its span's master there for the cast: the same kernels on the same elements, so the
-same bits, and two reads fewer per parameter from memory (benchmarks/RESULTS.md, batch X: 47 -> 41 ms over 64 M
-elements with a clip and a bf16 cast on the 2-core VM, 38 -> 35 ms without the clip).
+same bits, and two reads fewer per parameter from memory (benchmarks/RESULTS.md, batch X, on the 2-core VM: the
+kernels alone over 64 M elements 47 -> 41 ms with a clip and a bf16 cast, 38 -> 35 without the clip; the engine's
+`opt.step()` of two 50 M-parameter units -8 to -10% with the clip binding, -2 to -3% without).
 
 Bitwise: every kernel is elementwise. AdamW's CPU kernel runs a vectorised loop and a scalar tail over each range it
 is given (its threads split a tensor on 16-element boundaries); a span starts on a multiple of `SPAN` in the flat
