@@ -14,8 +14,8 @@
 #   - where no virtual environment can be made, runs everything with PYTHONPATH=. (tightfit from this checkout).
 # Stages, each under a time limit (seconds; they sum to 6 minutes):
 #   tests  (70)   pytest -m cuda tests/test_offload_cuda.py (the H200 deadlock's scenario among them)
-#   floors (25)   benchmarks/bench_gpu_floors.py: CPU AdamW on the engine's threads, H2D/D2H alone and both at once,
-#                 the disk under the swap folder
+#   floors (25)   benchmarks/bench_gpu_floors.py: CPU AdamW on every thread, at the engine's step-thread counts and
+#                 at the probe's size, H2D/D2H alone and both at once, the disk under the swap folder
 #   train  (45)   tightfit train, the default run (the README's `make train`) on the GPU
 #   fsdp   (95)   benchmarks/bench_offload_fsdp.py: tightfit vs FSDP2 + CPUOffloadPolicy under an 8 GiB cap, and
 #                 tightfit with its budget at FSDP2's measured peak
