@@ -7,9 +7,10 @@ operands in cache. This measures it on the GPU's path on the CPU: device memory 
 parameters a block), one micro-batch of 1 x 16 tokens. After `--warmup` steps (the first steps' tiny moments are
 subnormal floats, which the CPU runs many times slower), `opt.step()` alternates between spans of
 `adamw.SPAN` elements and one span as large as the unit, with the clip binding (a multiply) and not (no multiply).
-Prints the median `opt.step()` of each.
+Prints the median `opt.step()` of each. `--kernels`: the kernels alone, outside the engine (four 2048 x 8192 fp32
+parameters, 64 M elements, normal values), whole tensors against spans of 1 M and 256 K elements.
 
-    .venv/bin/python benchmarks/bench_step_spans.py [--steps 8] [--warmup 6]
+    .venv/bin/python benchmarks/bench_step_spans.py [--steps 8] [--warmup 6] [--kernels]
 """
 
 from __future__ import annotations
@@ -29,11 +30,53 @@ from tightfit.offload.step import adamw  # noqa: E402
 from tightfit.optim import AdamW  # noqa: E402
 
 
+def kernels(reps: int) -> None:
+    """The multiply, `_fused_adamw_` and the bf16 cast over whole tensors, then a span at a time."""
+    gen = torch.Generator().manual_seed(1)
+    shapes = [(2048, 8192)] * 4
+    p, g = ([torch.randn(s, generator=gen) for s in shapes] for _ in range(2))
+    m, v = ([torch.rand(s, generator=gen) * 0.01 for s in shapes] for _ in range(2))
+    cast = [torch.zeros(s, dtype=torch.bfloat16) for s in shapes]
+    steps = [torch.tensor(3.0) for _ in shapes]
+    coef = torch.tensor(0.999)
+    kw = dict(amsgrad=False, lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, maximize=False)
+
+    def run(span: int | None, clip: bool) -> None:
+        for i in range(len(shapes)):
+            flat = [t[i].view(-1) for t in (p, g, m, v, cast)]
+            n = flat[0].numel()
+            for a in range(0, n, span or n):
+                b = min(n, a + (span or n))
+                pp, gg, mm, vv, cc = (t[a:b] for t in flat)
+                if clip:
+                    gg.mul_(coef)
+                torch._fused_adamw_([pp], [gg], [mm], [vv], [], [steps[i]], **kw)
+                cc.copy_(pp)
+
+    kinds = [(span, clip) for clip in (True, False) for span in (None, 1 << 20, 1 << 18)]
+    times: dict = {k: [] for k in kinds}
+    for rep in range(reps + 1):
+        for k in kinds:
+            t0 = time.perf_counter()
+            run(*k)
+            if rep:
+                times[k].append(time.perf_counter() - t0)
+    for clip in (True, False):
+        row = ", ".join(f"{'whole' if s is None else f'spans of {s >> 10} K'} "
+                        f"{statistics.median(times[(s, clip)]) * 1e3:.1f} ms" for s in (None, 1 << 20, 1 << 18))
+        print(f"kernels, 64 M elements, {'multiply, ' if clip else ''}AdamW, cast: {row}; "
+              f"{torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d %H:%M')}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8, help="measured steps of each kind")
     ap.add_argument("--warmup", type=int, default=6)
+    ap.add_argument("--kernels", action="store_true", help="the kernels alone, outside the engine")
     args = ap.parse_args()
+    if args.kernels:
+        kernels(args.steps)
+        return
     torch.manual_seed(0)
     model = tightfit.wrap(GPT(GPTConfig(n_layer=2, n_embd=2048, n_head=16, block_size=64, vocab_size=256)),
                           tightfit.Placement.everywhere("host"), compute_dtype=torch.bfloat16, device="cpu")
