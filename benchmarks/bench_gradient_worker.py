@@ -7,8 +7,10 @@ of a bf16 pack into an fp32 sum, which torch runs at a fraction of memory speed 
 (TIGHTFIT_CPU_DEVICE=separate, as on a GPU: packs, a gradient worker, a step thread), a GPT of 2 blocks of width 2048
 (its MLP weights 16.8 M elements, a 1.2 B GPT's), 4 micro-batches of 1 x 16 tokens, clipping. Prints the step,
 the gradient worker's wall time (waits for the packs included) and its adds' CPU time on the worker's own thread.
+`--accum 1 --early`: one micro-batch a step, no clipping, each unit stepped during backward (the bench against
+FSDP2's shape of step: [Note: the pack is the gradient] in offload/step/gradients.py).
 
-    .venv/bin/python benchmarks/bench_gradient_worker.py [--steps 6]
+    .venv/bin/python benchmarks/bench_gradient_worker.py [--steps 6] [--warmup 2] [--accum 4] [--early]
 """
 
 from __future__ import annotations
@@ -27,12 +29,13 @@ from tightfit.offload.step import gradients  # noqa: E402
 from tightfit.offload.step.engine import engine_of  # noqa: E402
 from tightfit.optim import AdamW  # noqa: E402
 
-ACCUM = 4
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--accum", type=int, default=4)
+    ap.add_argument("--early", action="store_true", help="no clipping; each unit stepped during backward")
     args = ap.parse_args()
     adds = [0.0]
     add_into = gradients._add_into
@@ -51,15 +54,16 @@ def main() -> None:
     engine = engine_of(model)
 
     def step() -> None:
-        for i in range(ACCUM):
-            if i == ACCUM - 1:
-                opt.preload_during_backward()
-            (model(x, x) / ACCUM).backward()
-        opt.clip_grad_norm_(1.0)
+        for i in range(args.accum):
+            if i == args.accum - 1:
+                opt.step_during_backward() if args.early else opt.preload_during_backward()
+            (model(x, x) / args.accum).backward()
+        if not args.early:
+            opt.clip_grad_norm_(1.0)
         opt.step()
         opt.zero_grad()
 
-    for _ in range(2):
+    for _ in range(args.warmup):
         step()
     engine.timers.clear()
     adds[0] = 0.0
