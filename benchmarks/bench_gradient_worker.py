@@ -7,8 +7,8 @@ of a bf16 pack into an fp32 sum, which torch runs at a fraction of memory speed 
 (TIGHTFIT_CPU_DEVICE=separate, as on a GPU: packs, a gradient worker, a step thread), a GPT of 2 blocks of width 2048
 (its MLP weights 16.8 M elements, a 1.2 B GPT's), 4 micro-batches of 1 x 16 tokens, clipping. Prints the step,
 the gradient worker's wall time (waits for the packs included) and its adds' CPU time on the worker's own thread.
-`--accum 1 --early`: one micro-batch a step, no clipping, each unit stepped during backward (the bench against
-FSDP2's shape of step: [Note: the pack is the gradient] in offload/step/gradients.py).
+`--accum 1 --early`: one micro-batch a step, no clipping, each unit stepped during backward (the shape of step of
+the bench against FSDP2).
 
     .venv/bin/python benchmarks/bench_gradient_worker.py [--steps 6] [--warmup 2] [--accum 4] [--early]
 """

@@ -33,8 +33,7 @@ unit whose gradients or optimizer live there (offload/step/gradients.py, offload
   the compute dtype, the sum written, and read too from the second micro-batch on) and, in a step that clips, takes
   each parameter's norm once, of the last micro-batch's sum (read again; [Note: norms when asked] in
   offload/step/grad_norms.py: `tightfit train` declares its last micro-batch; a loss scaler's norms without
-  clipping are not counted); with one micro-batch a step and no clipping, each unit is stepped during backward from
-  its pack, which the worker does not touch ([Note: the pack is the gradient] in offload/step/gradients.py);
+  clipping are not counted);
 - in the step, the clip coefficient multiplies the gradients (read and written; skipped in a step whose norm is
   within max_norm, which the model cannot know: it counts the multiply), and where the compute copy is not the
   master the new master is cast to it (read; written at the compute dtype).
@@ -173,10 +172,8 @@ def unit_pass_bytes(u: UnitProfile, placement: Placement, shape: TrainShape) -> 
     a, c = shape.grad_accum, shape.compute_bytes
     up, n = placement.of(u.name), u.trainable
     backward = step = 0.0
-    if n and up.grads != Tier.DEVICE and (a > 1 or shape.grad_clip):
-        # per micro-batch: pack read, sum written; the sum read from the 2nd on; a clip: one norm pass. (One
-        # micro-batch stepped during backward: the step takes the pack, [Note: the pack is the gradient].)
-        backward = n * (a * (c + 4) + (a - 1) * 4 + (4 if shape.grad_clip else 0))
+    if n and up.grads != Tier.DEVICE:  # per micro-batch: pack read, sum written; the sum read from the 2nd on
+        backward = n * (a * (c + 4) + (a - 1) * 4 + (4 if shape.grad_clip else 0))  # a clip: one norm pass
     if n and not _optimizer_on_device(placement, u.name):
         step = n * 8 if shape.grad_clip else 0  # the clip coefficient's multiply
         if up.params != up.master or c != 4:  # the compute copy is not the master: the cast

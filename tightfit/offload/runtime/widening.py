@@ -9,9 +9,9 @@ GPT's MLP weights: 16.8 M elements; Llama-2-7B's: 45 M). Converting a chunk into
 cache and adding that gives the same bits (every bf16 and fp16 value is an fp32 value, so the conversion is exact,
 and the add rounds once, as the mixed add does) at memory speed: 6.3 against 43 ms over 32 M elements.
 
-The scratch is one per thread that widens (the gradient worker; the thread running backward on a CPU device whose
-gradients add in place; a step thread widening a held gradient pack, step/adamw.py), `CHUNK` elements of the wider
-dtype, made at its first use and kept for the process: 4 MiB, which no budget counts.
+The scratch is one per thread that adds (the gradient worker; the thread running backward on a CPU device whose
+gradients add in place), `CHUNK` elements of the wider dtype, made at its first use and kept for the process:
+4 MiB, which no budget counts.
 """
 
 from __future__ import annotations
@@ -27,24 +27,18 @@ at 31 (per-chunk dispatch)."""
 _local = threading.local()
 
 
-def scratch(dtype: torch.dtype, numel: int = CHUNK) -> torch.Tensor:
-    """This thread's scratch of `dtype`, at least `numel` elements (made at first use, kept for the process)."""
-    buf = getattr(_local, "scratch", None)
-    if buf is None or buf.dtype != dtype or buf.numel() < numel:
-        buf = _local.scratch = torch.empty(max(numel, CHUNK), dtype=dtype)
-    return buf
-
-
 def add_widening(dst: torch.Tensor, src: torch.Tensor) -> None:
     """`dst += src`, bit for bit as `dst.add_(src)`; `src` of a narrower float dtype is converted a chunk at a time.
     Both contiguous and of one shape (views of flat buffers, as the engine's are)."""
     if src.dtype == dst.dtype or dst.device.type != "cpu" or src.device.type != "cpu":
         dst.add_(src)
         return
-    buf = scratch(dst.dtype)
+    scratch = getattr(_local, "scratch", None)
+    if scratch is None or scratch.dtype != dst.dtype:
+        scratch = _local.scratch = torch.empty(CHUNK, dtype=dst.dtype)
     d, s = dst.view(-1), src.view(-1)
     for start in range(0, d.numel(), CHUNK):
         n = min(CHUNK, d.numel() - start)
-        part = buf[:n]
+        part = scratch[:n]
         part.copy_(s[start:start + n])
         d[start:start + n].add_(part)

@@ -20,18 +20,12 @@ The test suite holds every step to torch's bits.
 
 Where spans buy nothing they are not used: on the device (one multi-tensor launch is what a GPU wants), for a
 unit no larger than one span, and with neither a multiplier nor a cast (AdamW alone reads each operand once).
-
-Gradients narrower than the master (a bf16 gradient pack the step takes as it came off the device: [Note: the pack
-is the gradient], step/gradients.py) always go in spans: each span of the pack is widened into this thread's fp32
-scratch (runtime/widening.py), exactly, and AdamW reads it there. The fp32 gradients are then never written to
-memory at all.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tightfit.offload.runtime.widening import scratch
 from tightfit.offload.step.unit import EXP_AVG, EXP_AVG_SQ, GRADS, OffloadUnit
 
 SPAN = 1 << 20
@@ -57,8 +51,7 @@ def step_unit(unit: OffloadUnit, tensors: dict[str, torch.Tensor], views: dict[s
                 unit.steps[i] = unit.steps[i].to(device)
         torch._foreach_add_([unit.steps[i] for i in idx], 1)
     nt = unit.spec.train_numel
-    narrow = tensors[GRADS].dtype != tensors[master_entry].dtype  # a held pack, widened span by span
-    if device.type != "cpu" or (not narrow and (nt <= SPAN or not (scales or cast_to is not None))):
+    if device.type != "cpu" or nt <= SPAN or not (scales or cast_to is not None):
         master, grads, m, v = (views[e] for e in (master_entry, GRADS, EXP_AVG, EXP_AVG_SQ))
         for group, idx in groups:
             _multiply_and_step(group, [master[i] for i in idx], [grads[i] for i in idx], [m[i] for i in idx],
@@ -67,20 +60,13 @@ def step_unit(unit: OffloadUnit, tensors: dict[str, torch.Tensor], views: dict[s
             cast_to[:nt].copy_(tensors[master_entry][:nt])
         return
     master, grads, m, v = (tensors[e] for e in (master_entry, GRADS, EXP_AVG, EXP_AVG_SQ))
-    wide = scratch(master.dtype, SPAN) if narrow else None
     for k, per_group in enumerate(_pieces(unit, groups)):
-        start, end = k * SPAN, min((k + 1) * SPAN, nt)
-        if wide is not None:  # the span's gradients, widened exactly; the pieces below index it from `start`
-            wide[:end - start].copy_(grads[start:end])
-            g, base = wide, start
-        else:
-            g, base = grads, 0
         for group, pieces in per_group:
-            _multiply_and_step(group, [master[a:b] for _, a, b in pieces],
-                               [g[a - base:b - base] for _, a, b in pieces],
+            _multiply_and_step(group, [master[a:b] for _, a, b in pieces], [grads[a:b] for _, a, b in pieces],
                                [m[a:b] for _, a, b in pieces], [v[a:b] for _, a, b in pieces],
                                [unit.steps[i] for i, _, _ in pieces], scales)
         if cast_to is not None:  # the span's slots not stepped now are cast too, unchanged, as the whole cast does
+            start, end = k * SPAN, min((k + 1) * SPAN, nt)
             cast_to[start:end].copy_(master[start:end])
 
 

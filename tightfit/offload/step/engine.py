@@ -444,9 +444,7 @@ class OffloadEngine:
 
     def _finish_backward(self, unit: OffloadUnit) -> None:
         norms = self.norms.eager(self.declared is not None, self.early_step is not None)
-        stepped_now = self.early_step is not None and self._stepped(unit)
-        self._uncharge_grads(unit, packing=self.shipper.ship(unit, hold=self._stepped(unit), norms=norms,
-                                                             stepped_now=stepped_now))
+        self._uncharge_grads(unit, packing=self.shipper.ship(unit, hold=self._stepped(unit), norms=norms))
         if (self.early_step is not None and self.stepper.steps_in_flat(unit) and any(unit.has_grad)
                 and unit.params_state == ParamsState.READY):
             unit.life.on(Event.KEEP_FOR_STEP)  # stays materialised: stepped in place, then used by the next forward

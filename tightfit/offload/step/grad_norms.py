@@ -15,10 +15,9 @@ these reads compete with the CPU optimizer for the host's memory ([Note: host pa
   never declares: every micro-batch may be the last, as before).
 Before the first step the policy assumes both: norms are asked, and nothing is declared. A slot whose sum changed
 without a norm has none (`unit.grad_norms[i] is None`); `norms_on_demand` takes it from wherever the sum is when
-one is asked: the host cache (gradients held for the step, a pack that is the gradient), the tier's tensor (host or
-device memory), or the disk, read into a buffer granted for the job. So a loop that changes its habits gets the
-same norms, a pass later. The norms are torch's own `_foreach_norm` over the same fp32 sums either way: the same
-bits.
+one is asked: the tier's tensor (host or device memory), the host cache (gradients held for the step), or the disk,
+read into a buffer granted for the job. So a loop that changes its habits gets the same norms, a pass later. The
+norms are torch's own `_foreach_norm` over the same fp32 sums either way: the same bits.
 """
 
 from __future__ import annotations
@@ -85,16 +84,15 @@ def norms_on_demand(unit: OffloadUnit, cache: HostCache, pool: HostPool) -> None
     if not any(h and n is None for h, n in zip(unit.has_grad, unit.grad_norms)):
         return
     store = unit.store[State.GRADS]
-    held = cache.take(unit.name, GRADS, unit.version)
-    if held is not None:  # the final sums held for the step, or a pack that is the gradient (widened: exact)
-        for f in held.pending():
-            f.result()
-        views = slot_views(unit.trainable, held.buf)
-        record_norms(unit, [v if v.dtype == torch.float32 else v.float() for v in views])
-        cache.put(unit.name, GRADS, held)
-        return
     if store.tensor(unit.name, GRADS) is not None:  # host or device memory
         record_norms(unit, unit.stored_views(State.GRADS, GRADS))
+        return
+    held = cache.take(unit.name, GRADS, unit.version)
+    if held is not None:  # the final sums, held for the step
+        for f in held.pending():
+            f.result()
+        record_norms(unit, slot_views(unit.trainable, held.buf))
+        cache.put(unit.name, GRADS, held)
         return
     grant = pool.reserve(f"gradient norms of {unit.name}", {GRADS: unit.jobs["ship"][GRADS]})
     try:

@@ -14,15 +14,6 @@ value, and the add rounds once). The worker takes each parameter's gradient norm
 will ask it for ([Note: norms when asked], grad_norms.py: no second pass over the disk). When the optimizer has
 declared that a step follows this backward, a unit's final accumulator goes straight to its step through the host
 cache instead of to disk and back, as far as the speculative bound admits it.
-
-[Note: the pack is the gradient] A unit stepped as soon as its gradients land (`step_during_backward`) with no
-gradients from an earlier micro-batch (one micro-batch a step) has nothing to accumulate: widening its pack into the
-fp32 host tier only for the step to read it back would be passes over host memory (the pack read, the sum written,
-then read again: 10 bytes a parameter in bf16) that the step can do without. So the worker holds the pack itself in
-the host cache as the unit's gradients, within the speculative bound as a held accumulator is (else it widens as
-usual), and the step widens it a span at a time into a scratch that stays in cache ([Note: one pass in cache],
-adamw.py): 2 bytes a parameter read. The tier's entry is not written (on disk, no fp32 accumulator is used); what
-asks for the gradients (the step, norms on demand) looks in the cache first.
 """
 
 from __future__ import annotations
@@ -55,13 +46,11 @@ class GradientShipper:
         self.worker = worker
         self.timers = timers
 
-    def ship(self, unit: OffloadUnit, hold: bool, norms: bool, stepped_now: bool = False):
+    def ship(self, unit: OffloadUnit, hold: bool, norms: bool):
         """Move the unit's new `param.grad`s into its grads tier, accumulating; drop `param.grad`. Returns the
         Transfer of their copy off the device while it may still read them (None when they were used up at once).
         hold: a step follows this backward: the final gradients may wait for it in the host cache.
-        norms: take the sums' norms ([Note: norms when asked] in grad_norms.py).
-        stepped_now: the unit is stepped as soon as they land (`step_during_backward`): a pack may be its gradient
-        ([Note: the pack is the gradient])."""
+        norms: take the sums' norms ([Note: norms when asked] in grad_norms.py)."""
         pairs = []
         with DisableTorchFunctionSubclass():  # plain attribute access: the wrapped parameter's class is not asked
             for i in sorted(unit.got):
@@ -92,13 +81,12 @@ class GradientShipper:
         packed = self.mover.pack_grads([((slot.offset, slot.shape), g) for _, slot, g in pairs], grant["pack"])
         unit.life.on(Event.GRADS_SHIPPED)
         unit.grad_pending = self.worker.submit(self._accumulate, unit, grant, packed, unit.grad_pending, new, had,
-                                               hold, norms, stepped_now and not any(had))
+                                               hold, norms)
         return packed
 
     def _accumulate(self, unit: OffloadUnit, grant: Grant, packed, previous: Future | None, new: set[int],
-                    had: list[bool], hold: bool, norms: bool, pack_is_sum: bool) -> None:
-        """Gradient worker: add the packed new gradients into the unit's host or disk gradient entry (or, with
-        `pack_is_sum`, hold the pack itself for the unit's step: [Note: the pack is the gradient])."""
+                    had: list[bool], hold: bool, norms: bool) -> None:
+        """Gradient worker: add the packed new gradients into the unit's host or disk gradient entry."""
         t0 = time.perf_counter()
         try:
             if previous is not None:
@@ -106,14 +94,6 @@ class GradientShipper:
             packed.done.result()
             pack = grant["pack"]
             store = unit.store[State.GRADS]
-            if pack_is_sum and grant.speculate():
-                if GRADS in grant:
-                    grant.give(GRADS)  # a disk-bound unit's accumulator: nothing to add to
-                grant.rename("pack", GRADS)
-                self.cache.put(unit.name, GRADS, Held(grant, unit.version, only_copy=True))
-                forget_norms(unit, new)  # none is asked before a step during backward; on demand otherwise
-                unit.life.on(Event.GRADS_HELD)
-                return
             if store.tensor(unit.name, GRADS) is not None:  # host memory: the upcast happens inside the add
                 views = unit.stored_views(State.GRADS, GRADS)
                 _add_into(unit, views, pack, new, had)

@@ -181,14 +181,12 @@ class StepRunner:
         if in_flat:
             sizes.pop(PARAMS, None)
         held = {}
-        # Gradients in addressable memory may be held too: a pack that is the unit's gradient ([Note: the pack is
-        # the gradient], gradients.py).
-        for name in {**sizes, GRADS: None}:
+        for name in sizes:
             h = self.cache.take(unit.name, name, unit.version) if name != "cast" else None
             if h is not None:
                 held[name] = h
         grant = None
-        if sizes or held:
+        if sizes:
             rest = {k: v for k, v in sizes.items() if k not in held}
             grant = self.pool.reserve(f"step {unit.name}", rest, adopt=[h.grant for h in held.values()])
         work = _Loaded(unit, grant)
