@@ -9,8 +9,8 @@ reads its operands from memory, and on a GPU machine those passes are the CPU's 
 in planner/costs.py). Run a span of `SPAN` elements at a time, the multiply leaves its span's gradients in cache
 for AdamW, and AdamW leaves its span's master there for the cast: the same kernels on the same elements, so the
 same bits, and two reads fewer per parameter from memory (benchmarks/RESULTS.md, batch X, on the 2-core VM: the
-kernels alone over 64 M elements 47 -> 41 ms with a clip and a bf16 cast, 38 -> 35 without the clip; the engine's
-`opt.step()` of two 50 M-parameter units -8 to -10% with the clip binding, -2 to -3% without).
+kernels alone over 64 M elements -8 to -12% with a clip and a bf16 cast, -6 to -8% without the clip; the engine's
+`opt.step()` of two 50 M-parameter units -8 to -10% with the clip binding, -2 to -5% without).
 
 Bitwise: every kernel is elementwise. AdamW's CPU kernel runs a vectorised loop and a scalar tail over each range it
 is given (its threads split a tensor on 16-element boundaries); a span starts on a multiple of `SPAN` in the flat
@@ -30,7 +30,8 @@ from tightfit.offload.step.unit import EXP_AVG, EXP_AVG_SQ, GRADS, OffloadUnit
 
 SPAN = 1 << 20
 """Elements stepped at a time on the CPU: 16 MiB of fp32 master, gradients and moments, which a last-level cache
-holds. 1 M and 256 K elements measured alike; 64 K paid for its calls (batch X)."""
+holds. 1 M and 256 K elements measured alike on a quiet machine; on a loaded one the smaller spans paid for their
+calls (batch X)."""
 
 Groups = list[tuple[dict, list[int]]]
 """Per parameter group, the indices (into unit.trainable) of the slots to step."""
