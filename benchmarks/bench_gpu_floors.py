@@ -64,7 +64,7 @@ def adam_rates_by_threads(numel: int, reps: int) -> dict[str, float]:
     budget = thread_budget(total, cuda=True)
     rates = {}
     try:
-        for n in sorted({budget["step"], budget["step_alone"], total}):
+        for n in sorted({budget["step"], budget["alone"], total}):
             torch.set_num_threads(n)
             rates[str(n)] = adam_rate(numel, reps)
     finally:

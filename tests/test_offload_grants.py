@@ -90,9 +90,9 @@ def test_workers_run_their_kernels_on_their_thread_budget():
     the launch thread); a worker's count is its own, the caller's stays."""
     from tightfit.offload.runtime.workers import Worker, thread_budget
 
-    assert thread_budget(16, cuda=True) == {"grads": 4, "step": 11, "step_alone": 15}
-    assert thread_budget(2, cuda=True) == {"grads": 1, "step": 1, "step_alone": 1}
-    assert thread_budget(16, cuda=False) == {"grads": None, "step": None, "step_alone": None}
+    assert thread_budget(16, cuda=True) == {"grads": 4, "step": 11, "alone": 15}
+    assert thread_budget(2, cuda=True) == {"grads": 1, "step": 1, "alone": 1}
+    assert thread_budget(16, cuda=False) == {"grads": None, "step": None, "alone": None}
     before = torch.get_num_threads()
     worker = Worker("test-budget", threads=1)
     try:
@@ -118,7 +118,7 @@ def test_a_step_after_backward_takes_the_gradient_workers_cores(tmp_path, monkey
     from tightfit.offload.step import engine as engine_module
     from tightfit.offload.step.optimizer import StepRunner
 
-    monkeypatch.setattr(engine_module, "thread_budget", lambda total, cuda: {"grads": 1, "step": 1, "step_alone": 2})
+    monkeypatch.setattr(engine_module, "thread_budget", lambda total, cuda: {"grads": 1, "step": 1, "alone": 2})
     decided, ran = [], []
     real_done, real_step = engine_module.OffloadEngine._grads_done, StepRunner.step_one
     monkeypatch.setattr(engine_module.OffloadEngine, "_grads_done",
@@ -131,3 +131,64 @@ def test_a_step_after_backward_takes_the_gradient_workers_cores(tmp_path, monkey
     assert losses == expected
     assert len(decided) == len(ran) > 0 and True in decided
     assert ran == [2 if done else 1 for done in decided]
+
+
+@pytest.mark.parametrize("early", [True, False])
+def test_the_gradient_worker_takes_every_core_but_one_when_no_step_runs_beside_it(early, monkeypatch):
+    """[Note: thread budget]: in a backward whose units are stepped as their gradients land, the gradient worker keeps
+    its share; in any other backward (a clipped step waits for it) it runs alone and takes every core but one. A
+    2-thread budget stands in for a GPU machine's."""
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from offload_helpers import tiny_gpt, train
+    from tightfit import Placement, Tier
+    from tightfit.offload.step import engine as engine_module
+    from tightfit.offload.step import gradients
+
+    monkeypatch.setenv("TIGHTFIT_CPU_DEVICE", "separate")  # gradients leave through the worker, as on a GPU
+    monkeypatch.setattr(engine_module, "thread_budget", lambda total, cuda: {"grads": 1, "step": 1, "alone": 2})
+    seen = []
+    real = gradients._add_into
+    monkeypatch.setattr(gradients, "_add_into", lambda *a: (seen.append(torch.get_num_threads()), real(*a))[1])
+    expected, *_ = train(tiny_gpt, steps=2)
+    losses, *_ = train(tiny_gpt, Placement.everywhere(Tier.HOST), steps=2, early=early, clip=None if early else 1.0)
+    if not early:
+        expected, *_ = train(tiny_gpt, steps=2, clip=1.0)
+    assert losses == expected
+    assert seen and set(seen) == {1 if early else 2}
+
+
+def _set_elsewhere(n: int) -> None:
+    """Another thread sets its own count (torch remembers the last one set, process-wide)."""
+    t = threading.Thread(target=lambda: torch.set_num_threads(n))
+    t.start()
+    t.join()
+
+
+def test_a_threads_own_count_holds_whatever_another_thread_sets_later():
+    """[Note: a thread's own count]: torch gives a fresh thread, at its first kernel, the count some thread last set;
+    a worker's and a copy thread's own count must survive that. Without asking for the count before setting it,
+    each of these saw the other thread's."""
+    from tightfit.offload.runtime.host_memory import HostPool
+    from tightfit.offload.runtime.movers import CpuMover
+    from tightfit.offload.runtime.workers import Worker
+
+    before = torch.get_num_threads()
+    one = Worker("test-own-count", threads=1)
+    default = Worker("test-default-count")  # the creating thread's count
+    mover = CpuMover(HostPool(None))
+    try:
+        for w in (one, default):
+            w.submit(lambda: None).result()  # the thread exists, its count set
+        mover.copier.submit(lambda: None).result()
+        _set_elsewhere(2 if before == 1 else 1)
+        assert one.submit(torch.get_num_threads).result() == 1
+        assert default.submit(torch.get_num_threads).result() == before
+        _set_elsewhere(2)
+        assert mover.copier.submit(torch.get_num_threads).result() == 1  # [Note: one core per copy]
+    finally:
+        one.shutdown()
+        default.shutdown()
+        mover.close()
+        torch.set_num_threads(before)

@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tightfit.offload.runtime.host_memory import HostPool
+from tightfit.offload.runtime.workers import set_own_threads
 from tightfit.utils import ranges
 
 if TYPE_CHECKING:
@@ -128,7 +129,7 @@ class CpuMover:
         # 128 cost 3.2 ms a micro-batch more than a resident one with copies on every core, 0.5 ms with one
         # (benchmarks/RESULTS.md, batch W). A memcpy is bound by memory, not by cores.
         self.copier = ThreadPoolExecutor(threads, thread_name_prefix="tightfit-copy",
-                                         initializer=lambda: torch.set_num_threads(1))
+                                         initializer=lambda: set_own_threads(1))
         self.stats: Counter = Counter()
         self._pending: dict[int, list[tuple[int, int]]] = {}  # id(transfer) -> (address, bytes) it touches
         self._writes: list[Future] = []  # copies into device memory not known done ([Note: device writes in ...])

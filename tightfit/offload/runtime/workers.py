@@ -21,16 +21,30 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 
+def set_own_threads(threads: int) -> None:
+    """Run the calling thread's CPU kernels on `threads` intra-op threads, and keep it so.
+
+    [Note: a thread's own count] Torch's OpenMP thread count is per calling thread, but a thread takes it up lazily:
+    its first kernel (or `get_num_threads`) sets it to the count some thread last set, process-wide. So a count set in
+    a fresh thread before that first call is overwritten by whatever another thread set meanwhile: the engine's
+    workers and copy threads ran on each other's counts (on a GPU machine the gradient worker on the step thread's
+    share; on a CPU-only one, once a copy thread had set its one core, the workers on one core instead of the
+    process's). Asking for the count first takes the lazy set-up out of the way; the set after it stays."""
+    torch.get_num_threads()
+    torch.set_num_threads(threads)
+
+
 class Worker:
     """One host thread running jobs in submission order. `max_delay_s` > 0 (strict mode): each job starts after a
     random pause of up to that long. `threads`: the intra-op threads of the CPU kernels its jobs run (torch's OpenMP
-    count is per calling thread; None: the process's). Shut down by `shutdown` (the engine's close)."""
+    count is per calling thread; None: the creating thread's, as it is now: [Note: a thread's own count]). Shut down
+    by `shutdown` (the engine's close)."""
 
     def __init__(self, name: str, max_delay_s: float = 0.0, seed: int = 0, threads: int | None = None) -> None:
+        threads = threads or torch.get_num_threads()
         self.threads = threads
         self._now = threads  # the count the thread runs its kernels with now (`use_threads`)
-        init = (lambda: torch.set_num_threads(threads)) if threads else None
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix=name, initializer=init)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=name, initializer=lambda: set_own_threads(threads))
         self.max_delay_s = max_delay_s
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
@@ -50,7 +64,7 @@ class Worker:
     def use_threads(self, threads: int | None) -> None:
         """From inside one of this worker's jobs: run this and later jobs' kernels on `threads` (None: unchanged)."""
         if threads and threads != self._now:
-            torch.set_num_threads(threads)
+            set_own_threads(threads)
             self._now = threads
 
     def shutdown(self) -> None:
@@ -60,17 +74,18 @@ class Worker:
 def thread_budget(total: int, cuda: bool) -> dict[str, int | None]:
     """Intra-op threads per worker. [Note: thread budget] On a GPU the thread running forward and backward mostly
     launches kernels, and the host's cores are the optimizer's and the gradient worker's, which run at once during
-    backward: if each took every core (torch's default) they would oversubscribe the machine and starve the launch
-    thread and the copies' threads. So the gradient worker (memory-bound adds) gets a quarter of the cores, the step
-    thread (AdamW) the rest but one, and one stays for the launch thread, the completion thread and the disk's
-    threads, which mostly wait. Once backward is over and the gradient worker has nothing left, its cores are idle:
-    a step thread's job started then takes them too ("step_alone": every core but one; on a GPU the optimizer runs
-    long after backward, and most of its work is then). On a CPU device the compute itself needs the cores, and the
-    workers keep torch's default (what every CPU figure was measured with)."""
+    a backward whose units are stepped as their gradients land: if each took every core (torch's default) they would
+    oversubscribe the machine and starve the launch thread and the copies' threads. So then the gradient worker
+    (memory-bound adds) gets a quarter of the cores, the step thread (AdamW) the rest but one, and one stays for the
+    launch thread, the completion thread and the disk's threads, which mostly wait. A worker that runs alone takes
+    every core but one ("alone"): the gradient worker in a backward no step runs beside (a step that clips waits for
+    backward), and the step thread once backward is over and every gradient added (on a GPU the optimizer runs long
+    after the backward's kernels, and most of its work is then). On a CPU device the compute itself needs the cores,
+    and the workers keep torch's default (what every CPU figure was measured with)."""
     if not cuda:
-        return {"grads": None, "step": None, "step_alone": None}
+        return {"grads": None, "step": None, "alone": None}
     grads = max(1, total // 4)
-    return {"grads": grads, "step": max(1, total - grads - 1), "step_alone": max(1, total - 1)}
+    return {"grads": grads, "step": max(1, total - grads - 1), "alone": max(1, total - 1)}
 
 
 class Timers:

@@ -444,7 +444,9 @@ class OffloadEngine:
 
     def _finish_backward(self, unit: OffloadUnit) -> None:
         norms = self.norms.eager(self.declared is not None, self.early_step is not None)
-        self._uncharge_grads(unit, packing=self.shipper.ship(unit, hold=self._stepped(unit), norms=norms))
+        threads = self._threads["grads" if self.early_step is not None else "alone"]  # [Note: thread budget]
+        self._uncharge_grads(unit, packing=self.shipper.ship(unit, hold=self._stepped(unit), norms=norms,
+                                                             threads=threads))
         if (self.early_step is not None and self.stepper.steps_in_flat(unit) and any(unit.has_grad)
                 and unit.params_state == ParamsState.READY):
             unit.life.on(Event.KEEP_FOR_STEP)  # stays materialised: stepped in place, then used by the next forward
@@ -464,7 +466,7 @@ class OffloadEngine:
         def after_grads() -> None:
             if pending is not None:
                 pending.result()
-            self.step_worker.use_threads(self._threads["step_alone" if self._grads_done() else "step"])
+            self.step_worker.use_threads(self._threads["alone" if self._grads_done() else "step"])
             self.writes.add(run())  # the unit's write-backs, still in flight
 
         self._early_steps.append(self.step_worker.submit(after_grads))

@@ -46,11 +46,12 @@ class GradientShipper:
         self.worker = worker
         self.timers = timers
 
-    def ship(self, unit: OffloadUnit, hold: bool, norms: bool):
+    def ship(self, unit: OffloadUnit, hold: bool, norms: bool, threads: int | None = None):
         """Move the unit's new `param.grad`s into its grads tier, accumulating; drop `param.grad`. Returns the
         Transfer of their copy off the device while it may still read them (None when they were used up at once).
         hold: a step follows this backward: the final gradients may wait for it in the host cache.
-        norms: take the sums' norms ([Note: norms when asked] in grad_norms.py)."""
+        norms: take the sums' norms ([Note: norms when asked] in grad_norms.py).
+        threads: the worker's intra-op threads for this job ([Note: thread budget] in workers.py; None: unchanged)."""
         pairs = []
         with DisableTorchFunctionSubclass():  # plain attribute access: the wrapped parameter's class is not asked
             for i in sorted(unit.got):
@@ -81,13 +82,14 @@ class GradientShipper:
         packed = self.mover.pack_grads([((slot.offset, slot.shape), g) for _, slot, g in pairs], grant["pack"])
         unit.life.on(Event.GRADS_SHIPPED)
         unit.grad_pending = self.worker.submit(self._accumulate, unit, grant, packed, unit.grad_pending, new, had,
-                                               hold, norms)
+                                               hold, norms, threads)
         return packed
 
     def _accumulate(self, unit: OffloadUnit, grant: Grant, packed, previous: Future | None, new: set[int],
-                    had: list[bool], hold: bool, norms: bool) -> None:
+                    had: list[bool], hold: bool, norms: bool, threads: int | None) -> None:
         """Gradient worker: add the packed new gradients into the unit's host or disk gradient entry."""
         t0 = time.perf_counter()
+        self.worker.use_threads(threads)
         try:
             if previous is not None:
                 previous.result()  # the unit's earlier micro-batch first
