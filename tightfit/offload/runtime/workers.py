@@ -48,18 +48,26 @@ class Worker:
         self.max_delay_s = max_delay_s
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
+        self._last: Future | None = None  # the job submitted last: done means every job is (one thread, FIFO)
 
     def submit(self, fn, *args) -> Future:
         with self._lock:
             delay = self._rng.uniform(0, self.max_delay_s) if self.max_delay_s else 0.0
-        if not delay:
-            return self._pool.submit(fn, *args)
+        if delay:
+            def late():
+                time.sleep(delay)
+                return fn(*args)
 
-        def late():
-            time.sleep(delay)
-            return fn(*args)
+            fut = self._pool.submit(late)
+        else:
+            fut = self._pool.submit(fn, *args)
+        self._last = fut
+        return fut
 
-        return self._pool.submit(late)
+    def idle(self) -> bool:
+        """Has every job submitted so far finished?"""
+        last = self._last
+        return last is None or last.done()
 
     def use_threads(self, threads: int | None) -> None:
         """From inside one of this worker's jobs: run this and later jobs' kernels on `threads` (None: unchanged)."""
@@ -81,7 +89,7 @@ def thread_budget(total: int, cuda: bool) -> dict[str, int | None]:
     every core but one ("alone"): the gradient worker in a backward no step runs beside (a step that clips waits for
     backward), and the step thread once backward is over and every gradient added (on a GPU the optimizer runs long
     after the backward's kernels, and most of its work is then). On a CPU device the compute itself needs the cores,
-    and the workers keep torch's default (what every CPU figure was measured with)."""
+    and the workers keep the count of the thread that made them (what every CPU figure was measured with)."""
     if not cuda:
         return {"grads": None, "step": None, "alone": None}
     grads = max(1, total // 4)

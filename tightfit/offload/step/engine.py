@@ -474,8 +474,7 @@ class OffloadEngine:
     def _grads_done(self) -> bool:
         """Is backward over and every gradient added? Then the gradient worker's cores are idle ([Note: thread
         budget] in workers.py). Read from the step thread: a unit whose job is just ending counts as busy."""
-        return self.phase is not StepPhase.BACKWARD and all(
-            u.grad_pending is None or u.grad_pending.done() for u in self.units.values())
+        return self.phase is not StepPhase.BACKWARD and self.grad_worker.idle()
 
     @property
     def stepped_during_backward(self) -> bool:
