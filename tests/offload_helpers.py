@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import tightfit
+from tightfit import Placement, Tier, UnitPlacement
 from tightfit.models.gpt import GPT, GPTConfig
 from tightfit.optim import AdamW
 
@@ -93,6 +94,16 @@ def train(build, placement=None, *, steps=10, accum=1, clip=None, fused=True, lr
         opt.zero_grad()
         losses.append(total)
     return losses, model, opt
+
+
+def tier_placements(tmp_path) -> dict[str, Placement]:
+    """Every state on NVMe; every state in host memory; every state on a different tier somewhere (the root unit on
+    the host)."""
+    swap = str(tmp_path / "swap")
+    mixed = UnitPlacement(params=Tier.NVME, master=Tier.HOST, grads=Tier.DEVICE, optim=Tier.NVME)
+    return {"nvme": Placement.everywhere(Tier.NVME, nvme_dir=swap),
+            "host": Placement.everywhere(Tier.HOST),
+            "mixed": Placement(default=mixed, units={"root": UnitPlacement.all_on(Tier.HOST)}, nvme_dir=swap)}
 
 
 def max_rel_diff(a, b) -> float:

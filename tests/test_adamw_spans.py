@@ -9,8 +9,7 @@ import torch
 
 import tightfit
 from offload_helpers import one_torch_thread  # noqa: F401  (autouse fixture: one intra-op thread)
-from offload_helpers import batch, loss_of, tiny_gpt, train
-from tightfit import Placement, Tier, UnitPlacement
+from offload_helpers import batch, loss_of, tier_placements, tiny_gpt, train
 from tightfit.offload.step import adamw
 from tightfit.offload.step.engine import engine_of
 from tightfit.optim import AdamW
@@ -26,20 +25,12 @@ def spans(monkeypatch) -> list[int]:
     return ran
 
 
-def _placements(tmp_path) -> dict[str, Placement]:
-    swap = str(tmp_path / "swap")
-    mixed = UnitPlacement(params=Tier.NVME, master=Tier.HOST, grads=Tier.DEVICE, optim=Tier.NVME)
-    return {"nvme": Placement.everywhere(Tier.NVME, nvme_dir=swap),
-            "host": Placement.everywhere(Tier.HOST),
-            "mixed": Placement(default=mixed, units={"root": UnitPlacement.all_on(Tier.HOST)}, nvme_dir=swap)}
-
-
 @pytest.mark.parametrize("device_memory", ["separate", "shared"])
 @pytest.mark.parametrize("where", ["nvme", "host", "mixed"])
 def test_a_clipped_step_in_spans_is_torchs(where, device_memory, tmp_path, monkeypatch, spans):
     monkeypatch.setenv("TIGHTFIT_CPU_DEVICE", device_memory)
     expected, *_ = train(tiny_gpt, steps=4, accum=2, clip=0.05)
-    losses, model, _ = train(tiny_gpt, _placements(tmp_path)[where], steps=4, accum=2, clip=0.05)
+    losses, model, _ = train(tiny_gpt, tier_placements(tmp_path)[where], steps=4, accum=2, clip=0.05)
     assert losses == expected
     assert spans  # the span path ran
     engine_of(model).close()
@@ -53,7 +44,7 @@ def test_a_bf16_step_casts_span_by_span_to_the_same_bits(where, tmp_path, monkey
     runs = {}
     for span in (adamw.SPAN, 48):
         monkeypatch.setattr(adamw, "SPAN", span)
-        losses, model, _ = train(tiny_gpt, _placements(tmp_path / str(span))[where], steps=4, accum=2, clip=0.05,
+        losses, model, _ = train(tiny_gpt, tier_placements(tmp_path / str(span))[where], steps=4, accum=2, clip=0.05,
                                  compute_dtype=torch.bfloat16)
         runs[span] = losses
         engine_of(model).close()
@@ -76,7 +67,7 @@ def test_parameter_groups_in_spans(tmp_path, monkeypatch, spans):
         torch.manual_seed(0)
         model = tiny_gpt()
         if wrapped:
-            tightfit.wrap(model, _placements(tmp_path)["nvme"])
+            tightfit.wrap(model, tier_placements(tmp_path)["nvme"])
             opt = AdamW(groups(model))
         else:
             opt = torch.optim.AdamW(groups(model), fused=True)

@@ -8,8 +8,8 @@ import torch
 
 import tightfit
 from offload_helpers import one_torch_thread  # noqa: F401  (autouse fixture: one intra-op thread)
-from offload_helpers import batch, loss_of, tiny_gpt, train
-from tightfit import Placement, Tier, UnitPlacement
+from offload_helpers import batch, loss_of, tier_placements, tiny_gpt, train
+from tightfit import Placement
 from tightfit.offload.step import gradients
 from tightfit.optim import AdamW
 
@@ -19,14 +19,6 @@ ACCUM = 2
 # the step, the tier's memory or the disk (2: the last step asked for none; 3: the loop stopped declaring).
 SCHEDULE = [(True, True), (True, False), (True, True), (False, True), (False, True), (True, True)]
 CLIP = 0.05  # binds at every clipped step
-
-
-def _placements(tmp_path) -> dict[str, Placement]:
-    swap = str(tmp_path / "swap")
-    mixed = UnitPlacement(params=Tier.NVME, master=Tier.HOST, grads=Tier.DEVICE, optim=Tier.NVME)
-    return {"nvme": Placement.everywhere(Tier.NVME, nvme_dir=swap),
-            "host": Placement.everywhere(Tier.HOST),
-            "mixed": Placement(default=mixed, units={"root": UnitPlacement.all_on(Tier.HOST)}, nvme_dir=swap)}
 
 
 def _run(model, opt, wrapped: bool, schedule=SCHEDULE, early: bool = False) -> list[float]:
@@ -78,7 +70,7 @@ def norm_passes(monkeypatch) -> list[str]:
 def test_norms_on_demand_clip_as_torch_does(where, device_memory, tmp_path, monkeypatch, norm_passes):
     monkeypatch.setenv("TIGHTFIT_CPU_DEVICE", device_memory)
     expected = _reference()
-    model, opt = _wrapped(_placements(tmp_path)[where])
+    model, opt = _wrapped(tier_placements(tmp_path)[where])
     assert _run(model, opt, wrapped=True) == expected
     assert norm_passes  # the worker took some (steps 0, 4, 5) ...
     tightfit.offload.step.engine.engine_of(model).close()
@@ -88,7 +80,7 @@ def test_the_worker_takes_norms_only_for_the_micro_batch_a_step_asks_about(tmp_p
     """A loop that declares its last micro-batch and clips: after its first step, one norm pass per unit and step
     (the last micro-batch's), where every micro-batch used to take one."""
     monkeypatch.setenv("TIGHTFIT_CPU_DEVICE", "separate")
-    model, opt = _wrapped(_placements(tmp_path)["nvme"])
+    model, opt = _wrapped(tier_placements(tmp_path)["nvme"])
     units = len(tightfit.offload.step.engine.engine_of(model).units)
     steps = [(True, True)] * 3
     per_step = []
@@ -104,7 +96,7 @@ def test_a_step_during_backward_takes_no_norm(tmp_path, monkeypatch, norm_passes
     losses stay torch's."""
     monkeypatch.setenv("TIGHTFIT_CPU_DEVICE", "separate")
     expected, *_ = train(tiny_gpt, steps=3, accum=ACCUM)
-    model, opt = _wrapped(_placements(tmp_path)["host"])
+    model, opt = _wrapped(tier_placements(tmp_path)["host"])
     norm_passes.clear()
     losses = _run(model, opt, wrapped=True, schedule=[(True, False)] * 3, early=True)
     assert losses == expected
@@ -119,7 +111,7 @@ def test_bf16_norms_on_demand_match_the_workers(tmp_path, monkeypatch, norm_pass
     monkeypatch.setenv("TIGHTFIT_CPU_DEVICE", "separate")
     got, passes = [], []
     for told in (False, True):
-        model, opt = _wrapped(_placements(tmp_path / str(told))["nvme"], torch.bfloat16)
+        model, opt = _wrapped(tier_placements(tmp_path / str(told))["nvme"], torch.bfloat16)
         _run(model, opt, wrapped=True, schedule=[(True, False)])
         engine = tightfit.offload.step.engine.engine_of(model)
         engine.norms.asked = told
