@@ -160,7 +160,6 @@ class AdamW(torch.optim.Optimizer):
 
     def grad_norms(self) -> list[torch.Tensor]:
         """Per-parameter 2-norms of the accumulated gradients (with pending multipliers), in model order."""
-        self.engine.wait_grads()
         norms = self.engine.grad_norms_in_model_order()
         # Units whose grads stay on a GPU have their norms there, the others on the CPU: gather them on the first
         # one's device, as torch.nn.utils.clip_grad_norm_ does.
