@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from tightfit.offload.placement import State, Tier
 from tightfit.planner import HardwareProfile, Plan, make_plan
 from tightfit.planner.costs import act_bytes
 from tightfit.planner.hardware import GiB
-from tightfit.planner.model_profile import profile_model
+from tightfit.planner.model_profile import Work, profile_model
 from tightfit.planner.search import violations
 from tightfit.planner.trace import write_trace
 
@@ -318,6 +319,46 @@ def test_a_thin_matmul_is_priced_at_the_rate_of_its_smallest_side():
     assert work_time(blk.fwd, hw) >= 0.9 * linear / 20e12
     small = profile_model(meta_gpt(n_layer=2, n_embd=128, n_head=4), 4, 128).unit("blocks.0")
     assert 128 not in small.fwd.gemm_flops and small.fwd.gemm_flops  # (512 x 128) @ (128 x 512): cube root 256
+
+
+def test_attention_is_priced_at_its_own_rate():
+    """[Note: attention's own rate]: the trace keeps fused attention's FLOPs apart from the matmuls' (the tiles a
+    causal mask keeps: 4·b·h·T²·d/2 forward, 2.5x that backward), and a profile that measured the attention kernel
+    prices them at that rate; one that did not, at the matmul rate of their size, as before."""
+    from tightfit.planner.costs import kernel_time
+    from tightfit.planner.model_profile import attention_flops, attention_key
+
+    b, t, h, d = 4, 128, 4, 32
+    prof = profile_model(meta_gpt(n_layer=2, n_embd=h * d, n_head=h), b, t)
+    key = attention_key(t, d, t)
+    for unit in ("blocks.0", "blocks.1"):
+        fwd = prof.unit(unit).fwd
+        assert fwd.attn_flops == {key: 4.0 * b * h * t * t * d / 2}
+        assert fwd.attn_flops[key] == attention_flops(b * h, t, t, d, causal=True, backward=False)
+    assert sum(u.bwd.flops for u in prof.units) == pytest.approx(sum(u.fwd.flops for u in prof.units) * 2, rel=0.1)
+    attn_bwd = sum(u.bwd.attn_flops.get(key, 0.0) for u in prof.units)
+    assert attn_bwd == pytest.approx(2 * 2.5 * 4.0 * b * h * t * t * d / 2)
+    blk = prof.unit("blocks.0").fwd
+    unmeasured = HardwareProfile.synthetic(matmul_flops={64: 100e9, 256: 200e9, 512: 200e9})
+    measured = replace(unmeasured, attention_flops={64: 50e9})
+    assert kernel_time(blk, measured) - kernel_time(blk, unmeasured) == pytest.approx(
+        blk.attn_flops[key] / 50e9 - blk.attn_flops[key] / unmeasured.matmul_rate(key))
+    assert measured.attention_rate(key) == 50e9 and unmeasured.attention_rate(key) == 100e9
+    # A plan file from before keeps its attention FLOPs among the matmuls' and reads back.
+    old = Work.from_dict({"gemm_flops": {"64": 1e9}, "mem_bytes": 5.0, "n_ops": 3})
+    assert old.attn_flops == {} and old.flops == 1e9
+    assert Work.from_dict(json.loads(json.dumps(asdict(blk)))) == blk
+
+
+def test_the_probe_times_attention_at_each_size():
+    """`measure_attention` times the kernel SDPA picks, forward and backward, at its three sizes: a finite positive
+    rate for each key (what the rate is, is benchmarks/RESULTS.md's)."""
+    import math
+
+    from tightfit.planner.probe import measure_attention
+
+    rates = measure_attention("cpu", torch.float32)
+    assert sorted(rates) == [64, 256, 1024] and all(math.isfinite(r) and r > 0 for r in rates.values())
 
 
 def test_a_cached_profile_of_an_older_probe_is_measured_again(tmp_path, monkeypatch):

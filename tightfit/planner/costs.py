@@ -256,9 +256,11 @@ def work_time(w: Work, hw: HardwareProfile) -> float:
 
 
 def kernel_time(w: Work, hw: HardwareProfile) -> float:
-    """The roofline alone: matmul FLOPs at the measured rate for their size, memory-bound bytes at memory
-    bandwidth (what the device spends, without the host's issuing)."""
+    """The roofline alone (what the device spends, without the host's issuing): matmul FLOPs at the measured rate
+    for their size, fused attention's at the attention rate for its size ([Note: attention's own rate] in
+    model_profile.py), the other ops' bytes at memory bandwidth."""
     t = sum(f / hw.matmul_rate(size) for size, f in w.gemm_flops.items())
+    t += sum(f / hw.attention_rate(size) for size, f in w.attn_flops.items())
     return t + w.mem_bytes / hw.mem_bw
 
 

@@ -12,6 +12,7 @@ Tests never measure: they build a `HardwareProfile` by hand (see `HardwareProfil
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import socket
@@ -64,6 +65,10 @@ class HardwareProfile:
     """Matmul FLOP/s of the compute device by the smallest side of the matmul (size -> FLOP/s: the forward and
     both gradients of a 2048 -> 5632 linear layer with `size` tokens), in the compute dtype ([Note: matmul rate by
     the smallest side] in model_profile.py)."""
+    attention_flops: dict[int, float] = field(default_factory=dict)
+    """FLOP/s of the fused attention kernel (forward and backward, causal: FLOPs of the tiles it computes) by
+    problem size, the cube root of t_q * head_dim * t_k ([Note: attention's own rate] in model_profile.py).
+    Empty: not measured (attention runs at the matmul rate of its size)."""
     duplex_bw: float = 0.0
     """Bytes per second host->device and device->host together, with copies in flight both ways at once, as an
     offloaded step has them (fetches up, gradients down); a link rarely carries both directions at full rate at once.
@@ -121,18 +126,11 @@ class HardwareProfile:
 
     def matmul_rate(self, size: int) -> float:
         """FLOP/s for a matmul of problem size `size`: log-linear interpolation between measured sizes."""
-        pts = sorted(self.matmul_flops.items())
-        if not pts:
-            return 1e11
-        if size <= pts[0][0]:
-            return pts[0][1]
-        for (s0, f0), (s1, f1) in zip(pts, pts[1:]):
-            if size <= s1:
-                import math
+        return _by_size(self.matmul_flops, size) if self.matmul_flops else 1e11
 
-                w = (math.log2(size) - math.log2(s0)) / (math.log2(s1) - math.log2(s0))
-                return f0 + w * (f1 - f0)
-        return pts[-1][1]
+    def attention_rate(self, size: int) -> float:
+        """FLOP/s of fused attention of problem size `size`; the matmul rate where the probe did not measure it."""
+        return _by_size(self.attention_flops, size) if self.attention_flops else self.matmul_rate(size)
 
     def at_disk_volume(self, nbytes: float) -> "HardwareProfile":
         """This profile with the disk rates of the smallest measured volume holding `nbytes` (the largest volume
@@ -161,6 +159,9 @@ class HardwareProfile:
                  f"{self.host_available / GiB:.1f}/{self.host_total / GiB:.1f} GiB available, swap folder "
                  f"{self.nvme_free / GiB:.1f} GiB free",
                  f"  matmul TFLOP/s by size: {mm}",
+                 *(["  attention TFLOP/s by size: " + ", ".join(
+                     f"{k}: {v / 1e12:.2f}" for k, v in sorted(self.attention_flops.items()))]
+                   if self.attention_flops else []),
                  f"  memory bandwidth {self.mem_bw / g:.1f} GB/s, per-op overhead {self.op_overhead_s * 1e6:.1f} us",
                  f"  engine host time {self.unit_overhead_s * 1e3:.2f} ms per unit and micro-batch (+"
                  f"{self.stream_overhead_s * 1e3:.2f} ms streamed), {self.step_overhead_s * 1e3:.2f} ms per step",
@@ -185,6 +186,7 @@ class HardwareProfile:
     def from_dict(cls, d: dict) -> "HardwareProfile":
         d = dict(d)
         d["matmul_flops"] = {int(k): float(v) for k, v in d.get("matmul_flops", {}).items()}
+        d["attention_flops"] = {int(k): float(v) for k, v in d.get("attention_flops", {}).items()}
         d["nvme_volumes"] = {int(k): [float(x) for x in v] for k, v in d.get("nvme_volumes", {}).items()}
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
@@ -199,6 +201,18 @@ class HardwareProfile:
         return replace(base, **overrides)
 
 
+def _by_size(rates: dict[int, float], size: int) -> float:
+    """`rates` (size -> rate) at `size`: log-linear between measured sizes, the nearest one's outside them."""
+    pts = sorted(rates.items())
+    if size <= pts[0][0]:
+        return pts[0][1]
+    for (s0, f0), (s1, f1) in zip(pts, pts[1:]):
+        if size <= s1:
+            w = (math.log2(size) - math.log2(s0)) / (math.log2(s1) - math.log2(s0))
+            return f0 + w * (f1 - f0)
+    return pts[-1][1]
+
+
 def machine_key() -> str:
     """hostname + compute devices: a cached profile is reused only on the same machine with the same GPUs."""
     devs = "cpu"
@@ -207,13 +221,13 @@ def machine_key() -> str:
     return f"{socket.gethostname()}|{devs}|threads={torch.get_num_threads()}"
 
 
-PROBE_VERSION = 7
+PROBE_VERSION = 8
 """Bumped whenever a probed figure changes meaning (or a new one is measured). 2: matmul rates by the smallest side
 ([Note: matmul rate by the smallest side] in model_profile.py; they were by square size). 3: the device's math
 workspace. 4: the engine's host time per unit and per step. 5: and per streamed unit. 6: copies both ways at once.
 7: the engine with its views built once ([Note: views built once] in offload/step/unit.py): a cached 6 overstates
 its host time; and the host passes' rate (`host_pass_bw`); on a CPU, copies on one core, as the engine's copy
-threads now make them."""
+threads now make them. 8: fused attention's rate ([Note: attention's own rate] in model_profile.py)."""
 
 
 def cache_path() -> Path:

@@ -8,7 +8,8 @@ profiles in `named_profiles.py`, and validates it so a typo is one line naming t
 The format (docs/PLANNER.md, "What-if hardware"): the fields of `HardwareProfile`, flat, at the top level.
 Byte figures may be numbers or sizes ("24GiB"); bandwidths numbers (bytes/s) or sizes per second ("25GB/s");
 `matmul_flops` maps the smallest side of a matmul (the other sides wide) to FLOP/s ({"4096" = 1.5e14} in TOML,
-{"4096": 1.5e14} in JSON);
+{"4096": 1.5e14} in JSON); `attention_flops`, which may be left out, maps fused attention's problem size to FLOP/s
+in the same way;
 `assumptions` is a list of sentences the plan prints under its table. A profile read from a file is used as it
 is: no capacity of this machine is read into it.
 """
@@ -129,8 +130,8 @@ def profile_from_dict(data: dict, where: str, default_key: str = "file") -> Hard
             if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
                 raise UsageError(f"{where}: field assumptions: expected a list of sentences")
             out[key] = list(value)
-        elif key == "matmul_flops":
-            out[key] = _matmul(value, where)
+        elif key in ("matmul_flops", "attention_flops"):
+            out[key] = _flops_by_size(value, where, key)
         elif key == "nvme_volumes":
             out[key] = _volumes(value, where)
         elif key in _BYTES:
@@ -163,15 +164,17 @@ def profile_from_dict(data: dict, where: str, default_key: str = "file") -> Hard
     return HardwareProfile(**out)
 
 
-def _matmul(value, where: str) -> dict[int, float]:
-    if not isinstance(value, dict) or not value:
-        raise UsageError(f"{where}: field matmul_flops: expected a table of smallest matmul side -> FLOP/s, "
+def _flops_by_size(value, where: str, key: str) -> dict[int, float]:
+    """`matmul_flops` (required: not empty) or `attention_flops` (may be empty: not measured)."""
+    side = "smallest matmul side" if key == "matmul_flops" else "attention problem size"
+    if not isinstance(value, dict) or (not value and key == "matmul_flops"):
+        raise UsageError(f"{where}: field {key}: expected a table of {side} -> FLOP/s, "
                          'e.g. {"1024": 1.0e14, "4096": 1.5e14}')
     out = {}
     for k, v in value.items():
         size = _positive_key(k)
         if not size or not _is_number(v) or v <= 0:
-            raise UsageError(f"{where}: field matmul_flops: entry {k!r} = {v!r}: expected a positive size "
+            raise UsageError(f"{where}: field {key}: entry {k!r} = {v!r}: expected a positive size "
                              "and a positive FLOP/s")
         out[size] = float(v)
     return out

@@ -46,15 +46,19 @@ class Work:
     """Work of one phase of one unit, in hardware-independent terms."""
 
     gemm_flops: dict[int, float] = field(default_factory=dict)
-    """Matmul and attention FLOPs, keyed by problem size (cube root of m*k*n, rounded to a power of two)."""
+    """Matmul FLOPs, keyed by the rate's key ([Note: matmul rate by the smallest side])."""
     mem_bytes: float = 0.0
-    """Bytes read + written by the non-matmul ops (norms, activations, adds, softmax): memory-bound work."""
+    """Bytes read + written by the other ops (norms, adds, copies): memory-bound work."""
     n_ops: int = 0
     """aten ops dispatched (views excluded): each costs a fixed dispatch overhead."""
+    attn_flops: dict[int, float] = field(default_factory=dict)
+    """FLOPs of fused attention kernels, keyed by problem size (cube root of t_q*d*t_k, a power of two): priced at
+    the attention rate the probe measured, not the matmul rate ([Note: attention's own rate])."""
 
     def add(self, other: "Work", scale: float = 1.0) -> None:
-        for k, v in other.gemm_flops.items():
-            self.gemm_flops[k] = self.gemm_flops.get(k, 0.0) + v * scale
+        for mine, theirs in ((self.gemm_flops, other.gemm_flops), (self.attn_flops, other.attn_flops)):
+            for k, v in theirs.items():
+                mine[k] = mine.get(k, 0.0) + v * scale
         self.mem_bytes += other.mem_bytes * scale
         self.n_ops += int(round(other.n_ops * scale))
 
@@ -63,13 +67,20 @@ class Work:
         w.add(self, scale)
         return w
 
+    def scaled_data(self, f: float) -> "Work":
+        """This work at `f` times the tokens: FLOPs and bytes scale, the op count does not."""
+        return Work({k: v * f for k, v in self.gemm_flops.items()}, self.mem_bytes * f, self.n_ops,
+                    {k: v * f for k, v in self.attn_flops.items()})
+
     @property
     def flops(self) -> float:
-        return sum(self.gemm_flops.values())
+        return sum(self.gemm_flops.values()) + sum(self.attn_flops.values())
 
     @classmethod
     def from_dict(cls, d: dict) -> "Work":
-        return cls({int(k): v for k, v in d["gemm_flops"].items()}, d["mem_bytes"], d["n_ops"])
+        """(A plan file written before attention was priced apart has none: its FLOPs are in `gemm_flops`.)"""
+        return cls({int(k): v for k, v in d["gemm_flops"].items()}, d["mem_bytes"], d["n_ops"],
+                   {int(k): v for k, v in d.get("attn_flops", {}).items()})
 
 
 @dataclass
@@ -184,11 +195,8 @@ class ModelProfile:
         the parameters do not (what the planner checks a suggested --micro-batch with, without tracing again)."""
         f = micro_batch / self.micro_batch
 
-        def scaled(w: Work) -> Work:
-            return Work({k: v * f for k, v in w.gemm_flops.items()}, w.mem_bytes * f, w.n_ops)
-
         units = [replace(u, act_saved=int(u.act_saved * f), act_input=int(u.act_input * f),
-                         act_recompute=int(u.act_recompute * f), fwd=scaled(u.fwd), bwd=scaled(u.bwd))
+                         act_recompute=int(u.act_recompute * f), fwd=u.fwd.scaled_data(f), bwd=u.bwd.scaled_data(f))
                  for u in self.units]
         end = None if self.act_at_root_end is None else int(self.act_at_root_end * f)
         return replace(self, units=units, micro_batch=micro_batch, act_peak=int(self.act_peak * f),
@@ -268,6 +276,13 @@ class _FusedAttention(TorchFunctionMode):
 _VIEW_OPS = {"view", "_unsafe_view", "t", "transpose", "expand", "permute", "reshape", "detach", "alias",
              "unsqueeze", "squeeze", "slice", "select", "split", "split_with_sizes", "as_strided", "_reshape_alias",
              "lift_fresh", "unbind"}
+# [Note: attention's own rate] A fused attention kernel (flash attention: per tile of queries, a product with the
+# keys, a softmax and a product with the values; under a causal mask the tiles above the diagonal skipped) does not
+# run at the rate of a matmul of its size: on a 2-core CPU VM it reached 60 GFLOP/s at 128 tokens and head dim 32,
+# where a matmul of that size reaches 110, and was 13.5 of the default run's 84 ms, priced at 8.2. So the trace keeps
+# attention's FLOPs apart (`Work.attn_flops`, by problem size), the probe times the kernel itself, forward and
+# backward at three sizes (`measure_attention` in probe.py), and a profile without that figure (a named GPU, a file
+# written by hand, a plan from an older probe) prices them at the matmul rate as before.
 _ATTN_OPS = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
              "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"}
 
@@ -284,9 +299,20 @@ _ATTN_OPS = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product
 
 
 def _bucket(m: float, k: float, n: float) -> int:
-    """Problem-size key of an attention product: cube root of m*k*n rounded to a power of two (16 .. 16384)."""
+    """Problem-size key of a matmul in cache or of attention: cube root of m*k*n as a power of two (16 .. 16384)."""
     size = max(1.0, m * k * n) ** (1 / 3)
     return _pow2(size)
+
+
+def attention_key(t_q: int, head_dim: int, t_k: int) -> int:
+    """The key fused attention's FLOPs are priced by ([Note: attention's own rate])."""
+    return _bucket(t_q, head_dim, t_k)
+
+
+def attention_flops(batch_heads: int, t_q: int, t_k: int, head_dim: int, causal: bool, backward: bool) -> float:
+    """FLOPs of fused attention's two products (QK^T and PV; half the tiles under a causal mask); its backward does
+    2.5x the forward's (recomputed scores and four gradient products)."""
+    return 4.0 * batch_heads * t_q * t_k * head_dim * (0.5 if causal else 1.0) * (2.5 if backward else 1.0)
 
 
 _IN_CACHE_BYTES = 8 << 20
@@ -389,14 +415,13 @@ class _Tracer(TorchDispatchMode):
         tensors_in = [a for a in _flat(args, kwargs) if isinstance(a, torch.Tensor)]
         outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
         if name in _ATTN_OPS:
-            q = tensors_in[0] if "backward" not in name else tensors_in[1]
-            b_h = q.shape[0] * q.shape[1]
+            backward = "backward" in name
+            q = tensors_in[1] if backward else tensors_in[0]
             t_q, d = q.shape[2], q.shape[3]
-            t_k = tensors_in[1].shape[2] if "backward" not in name else tensors_in[2].shape[2]
-            causal = any(a is True for a in args)
-            flops = 4.0 * b_h * t_q * t_k * d * (0.5 if causal else 1.0) * (2.5 if "backward" in name else 1.0)
-            key = _bucket(t_q, d, t_k)
-            w.gemm_flops[key] = w.gemm_flops.get(key, 0.0) + flops
+            t_k = tensors_in[2 if backward else 1].shape[2]
+            key = attention_key(t_q, d, t_k)
+            w.attn_flops[key] = w.attn_flops.get(key, 0.0) + attention_flops(
+                q.shape[0] * q.shape[1], t_q, t_k, d, causal=any(a is True for a in args), backward=backward)
         elif func.overloadpacket in flop_registry or func in flop_registry:
             flops = float(flop_registry[func.overloadpacket](*args, out_val=out, **kwargs))
             mats = [a for a in tensors_in if a.dim() >= 2]

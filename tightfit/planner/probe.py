@@ -4,7 +4,8 @@ Why these measurements: each is the rate of one term of the step-time model (`co
 engine spends it:
 - matmul FLOP/s by the smallest side of the matmul, 32..1024 (a linear layer's training matmuls with that many
   tokens), in the compute dtype ([Note: matmul rate by the smallest side] in model_profile.py);
-- memory bandwidth (a large tensor copy), for norms, activations and other memory-bound ops;
+- memory bandwidth (a large tensor copy), for norms, adds and other memory-bound ops;
+- fused attention's FLOP/s by problem size ([Note: attention's own rate] in model_profile.py);
 - per-op overhead: a chain of tiny ops with autograd, forward + backward, divided by the aten ops it dispatches
   (counted by the same tracer the model profile uses, so the two agree on what "an op" is);
 - the engine's own host time per unit and per step: the engine stepping tiny models of 2 and 6 blocks;
@@ -88,6 +89,32 @@ def measure_matmul(device: str, dtype: torch.dtype) -> dict[int, float]:
                 grad.t() @ x
 
         out[s] = 3 * 2.0 * reps * s * i * o / _timeit(training_matmuls)
+    return out
+
+
+_ATTENTION_SHAPES = ((128, 32, 64), (512, 64, 4), (2048, 128, 1))
+"""(tokens, head dim, batch x heads) of the attention the probe times: a small model's short sequences, a mid-sized
+model's, a 1-8 B model's at 2048 tokens; each call ~0.2-4 GFLOP."""
+
+
+def measure_attention(device: str, dtype: torch.dtype) -> dict[int, float]:
+    """FLOP/s of causal fused attention, forward and backward, by problem size (the key the trace gives the
+    attention it sees, [Note: attention's own rate] in model_profile.py): the kernel `F.scaled_dot_product_attention`
+    picks on this device, FLOPs counted as the trace counts them (the tiles a causal mask keeps)."""
+    from tightfit.planner.model_profile import attention_flops, attention_key
+
+    out = {}
+    for t, d, bh in _ATTENTION_SHAPES:
+        q, k, v = (_operand(1, bh, t, d, device=device, dtype=dtype).requires_grad_() for _ in range(3))
+        grad = _operand(1, bh, t, d, device=device, dtype=dtype)
+
+        def attention() -> None:
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+            q.grad = k.grad = v.grad = None
+
+        flops = attention_flops(bh, t, t, d, causal=True, backward=False) + \
+            attention_flops(bh, t, t, d, causal=True, backward=True)
+        out[attention_key(t, d, t)] = flops / _timeit(attention, min_s=0.1)
     return out
 
 
@@ -337,6 +364,7 @@ def run_probe(folder: str | None = None, save: bool = True, sustained: bool = Tr
         cpu_adam_rate=cpu_adam, device_adam_rate=measure_adam("cuda") if cuda else cpu_adam,
         host_pass_bw=measure_host_passes(),
         matmul_flops=measure_matmul(device, dtype), op_overhead_s=measure_op_overhead(device),
+        attention_flops=measure_attention(device, dtype),
         **_engine_overhead(device), device_workspace=measure_device_workspace() if cuda else 0,
         runtime_rss=measure_runtime_rss(), threads=torch.get_num_threads(), measured_at=time.time(),
         probe_version=PROBE_VERSION)
@@ -369,16 +397,18 @@ def _disk_volumes(disk: DiskProfile) -> dict[int, list[float]]:
 
 
 def refresh_speeds(hw: HardwareProfile) -> HardwareProfile:
-    """`hw` with the compute-side speeds (matmul, memory, per-op overhead, the engine's host time, AdamW, copies)
+    """`hw` with the compute-side speeds (matmul, attention, memory, per-op overhead, the engine's host time, AdamW,
+    copies)
     measured again now.
 
     For a shared machine whose load changes from minute to minute: ~5 s, the disk and runtime figures are kept.
     """
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
+    dtype = torch.bfloat16 if cuda else torch.float32
     h2d, d2h = measure_copies()
     cpu_adam = measure_adam("cpu")
-    return replace(hw, matmul_flops=measure_matmul(device, torch.bfloat16 if cuda else torch.float32),
+    return replace(hw, matmul_flops=measure_matmul(device, dtype), attention_flops=measure_attention(device, dtype),
                    mem_bw=measure_mem_bw(device), op_overhead_s=measure_op_overhead(device), cpu_adam_rate=cpu_adam,
                    host_pass_bw=measure_host_passes(),
                    **_engine_overhead(device),
