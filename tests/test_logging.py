@@ -147,3 +147,24 @@ def test_an_error_clears_the_status_line_before_it_is_printed(tiny_args, monkeyp
     assert "\r[" in out, "the status line was drawn"
     assert out.rindex("\r\x1b[K") > out.rindex("\r["), "and cleared before the error"
     assert "diverged at step 3" in err
+
+
+def test_the_plan_is_compared_with_the_median_step_not_the_runs_rate(tiny_args, tmp_path, monkeypatch):
+    """[Note: the step the plan predicts]: an evaluation is not a step. Each of 4 steps is followed by one that takes
+    0.3 s more here: the measured step the plan is compared with stays a step's time, and metrics.jsonl keeps the
+    run's seconds per step, evaluations included, beside it."""
+    import time
+
+    from tightfit.train import loop
+
+    real = loop.evaluate
+
+    def slow_evaluate(*args, **kwargs):
+        time.sleep(0.3)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "evaluate", slow_evaluate)
+    assert main(["train", *tiny_args, "--steps", "4", "--eval-interval", "1"]) == 0
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    record = next(r for r in records if r["kind"] == "plan_vs_measured")
+    assert record["measured"]["step_s"] < 0.3 < record["run_seconds_per_step"]

@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import statistics
 import time
+from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +35,10 @@ from tightfit.train.progress import Progress, format_duration
 from tightfit.train.retention import Retention
 from tightfit.train.tensorboard import open_sink
 from tightfit.utils.sizes import format_size
+
+
+STEPS_TIMED = 1000
+"""The last steps whose median is the measured step the plan is compared with ([Note: the step the plan predicts])."""
 
 
 def resolve_device(cfg: Config) -> torch.device:
@@ -302,7 +308,13 @@ def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> 
             profiler = StepProfiler(t.profile, plan=getattr(mem, "plan", None), cuda=device.type == "cuda")
         t_start = time.perf_counter()
         step, loss_val, val_loss, grad_norm, lr = start_step, float("nan"), float("nan"), None, o.lr
+        # [Note: the step the plan predicts] The plan predicts one optimizer step in the steady state: the median
+        # of the last STEPS_TIMED steps (their micro-batches, clip, step and the loss read back, which waits for
+        # the device) is what its prediction is compared with; evaluation, saves and a first step's warm-up are not
+        # steps. The run's own rate, everything included, is the summary's tokens/s.
+        step_times: deque[float] = deque(maxlen=STEPS_TIMED)
         while step < t.steps:
+            t_step = time.perf_counter()
             lr = lr_at(step, cfg)
             for group in opt.param_groups:
                 group["lr"] = lr
@@ -316,6 +328,7 @@ def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> 
             grad_norm = mem.clip_and_step(o.grad_clip)
             step += 1
             loss_val = loss_sum.item()
+            step_times.append(time.perf_counter() - t_step)
             # An fp16 scaler skips a step whose gradients overflowed (its norm is inf then): not a divergence.
             checked_norm = grad_norm if scaler is None else None
             bad = (f"the loss became {loss_val}" if not math.isfinite(loss_val) else
@@ -394,10 +407,12 @@ def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> 
         say(f"done: {summary.steps_done} steps in {format_duration(seconds)} ({summary.tokens_per_s:,.0f} tok/s), "
             f"train loss {loss_val:.4f}, val loss {val_loss:.4f} nats/token; peak memory {peaks}; "
             f"checkpoint {path or 'none'}")
-        comparison = mem.compare_with_plan(seconds / max(1, summary.steps_done))
+        step_s = statistics.median(step_times) if step_times else seconds / max(1, summary.steps_done)
+        comparison = mem.compare_with_plan(step_s)
         if comparison:
             say(comparison)
-            progress.log({"kind": "plan_vs_measured", **mem.plan_record(seconds / max(1, summary.steps_done))})
+            progress.log({"kind": "plan_vs_measured", **mem.plan_record(step_s),
+                          "run_seconds_per_step": seconds / max(1, summary.steps_done)})
         if t.plot:
             from tightfit.train.pictures import plot_run
 
