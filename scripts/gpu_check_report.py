@@ -239,6 +239,15 @@ def markdown(f: dict) -> str:
                       f"{hw.get('host_pass_bw', 0) / 1e9:.1f} GB/s; workspace "
                       f"{hw.get('device_workspace', 0) / 2**20:.0f} MiB.",
                   ""]
+        rates = [(what, hw.get(key) or {}) for what, key in (("matmul", "matmul_flops"),
+                                                               ("fused attention", "attention_flops"))]
+        lines += [f"The probe's {what} TFLOP/s by size: " + ", ".join(
+            f"{size}: {float(rate) / 1e12:.1f}" for size, rate in sorted(table.items(), key=lambda kv: int(kv[0])))
+            + "." for what, table in rates if table]
+        if pv.get("run_seconds_per_step"):
+            lines.append(f"Measured step: the median step; the run's seconds per step, evaluation included: "
+                         f"{pv['run_seconds_per_step'] * 1e3:.1f} ms.")
+        lines.append("")
     t = f.get("cuda_tests")
     if t:
         lines += ["## CUDA tests (`pytest -m cuda tests/test_offload_cuda.py`)", "",

@@ -126,6 +126,8 @@ def test_the_script_leaves_at_most_eight_files(tmp_path):
     assert pv["predicted"]["step_s"] > 0 and pv["measured"]["step_s"] > 0 and pv["hardware"]["probe_version"] > 0
     md = (out / "figures.md").read_text()
     assert "| step_s |" in md and "the probe's host figures" in md, md
+    # The probe's attention rate beside its matmul rate, and the run's own seconds per step beside the median step.
+    assert "The probe's fused attention TFLOP/s by size: 64:" in md and "evaluation included" in md, md
     assert set(figures["stages"]) == {"floors", "train"}
 
 

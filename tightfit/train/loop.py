@@ -411,8 +411,8 @@ def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> 
         comparison = mem.compare_with_plan(step_s)
         if comparison:
             say(comparison)
-            progress.log({"kind": "plan_vs_measured", **mem.plan_record(step_s),
-                          "run_seconds_per_step": seconds / max(1, summary.steps_done)})
+            progress.log({"kind": "plan_vs_measured",
+                          **mem.plan_record(step_s, seconds / max(1, summary.steps_done))})
         if t.plot:
             from tightfit.train.pictures import plot_run
 

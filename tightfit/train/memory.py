@@ -67,7 +67,7 @@ class MemorySetup(Protocol):
     def close(self) -> None: ...
     def peak_memory(self) -> dict[str, int]: ...
     def compare_with_plan(self, step_seconds: float) -> str | None: ...
-    def plan_record(self, step_seconds: float) -> dict | None: ...
+    def plan_record(self, step_seconds: float, run_seconds_per_step: float | None = None) -> dict | None: ...
 
 
 def _rss() -> int:
@@ -196,7 +196,7 @@ class PlainMemory(_Stepping):
     def compare_with_plan(self, step_seconds: float) -> str | None:
         return None
 
-    def plan_record(self, step_seconds: float) -> dict | None:
+    def plan_record(self, step_seconds: float, run_seconds_per_step: float | None = None) -> dict | None:
         return None
 
 
@@ -271,9 +271,10 @@ class OffloadMemory(_Stepping):
     def compare_with_plan(self, step_seconds: float) -> str | None:
         return self.plan.compare(self._measured(step_seconds))
 
-    def plan_record(self, step_seconds: float) -> dict | None:
-        """The comparison as data, for metrics.jsonl: each predicted figure beside its measurement, and what the
-        step's prediction was made of (a GPU check reads it: scripts/gpu_check_report.py)."""
+    def plan_record(self, step_seconds: float, run_seconds_per_step: float | None = None) -> dict | None:
+        """The comparison as data, for metrics.jsonl: each predicted figure beside its measurement (the median step;
+        the run's seconds per step, evaluation and saves included, beside it), and what the step's prediction was
+        made of (a GPU check reads it: scripts/gpu_check_report.py)."""
         pr, hw = self.plan.prediction, self.plan.hardware
         return {"predicted": {key: value for _, key, value, _ in self.plan.figures()},
                 "measured": self._measured(step_seconds),
@@ -282,7 +283,9 @@ class OffloadMemory(_Stepping):
                                "bottleneck": pr.bottleneck},
                 "hardware": {k: getattr(hw, k) for k in ("device_name", "op_overhead_s", "unit_overhead_s",
                                                          "stream_overhead_s", "step_overhead_s", "duplex_bw",
-                                                         "host_pass_bw", "device_workspace", "probe_version")}}
+                                                         "host_pass_bw", "device_workspace", "probe_version",
+                                                         "matmul_flops", "attention_flops")},
+                "run_seconds_per_step": run_seconds_per_step}
 
 
 def cap_device_memory(device: torch.device, gpu_mem: int) -> float | None:
