@@ -15,7 +15,8 @@ from tightfit.offload.placement import State, Tier
 from tightfit.planner import HardwareProfile, Plan, make_plan
 from tightfit.planner.costs import act_bytes
 from tightfit.planner.hardware import GiB
-from tightfit.planner.model_profile import Work, profile_model
+from tightfit.planner.model_profile import profile_model
+from tightfit.planner.work import Work
 from tightfit.planner.search import violations
 from tightfit.planner.trace import write_trace
 
@@ -326,7 +327,7 @@ def test_attention_is_priced_at_its_own_rate():
     causal mask keeps: 4·b·h·T²·d/2 forward, 2.5x that backward), and a profile that measured the attention kernel
     prices them at that rate; one that did not, at the matmul rate of their size, as before."""
     from tightfit.planner.costs import kernel_time
-    from tightfit.planner.model_profile import attention_flops, attention_key
+    from tightfit.planner.work import attention_flops, attention_key
 
     b, t, h, d = 4, 128, 4, 32
     prof = profile_model(meta_gpt(n_layer=2, n_embd=h * d, n_head=h), b, t)
@@ -348,6 +349,39 @@ def test_attention_is_priced_at_its_own_rate():
     old = Work.from_dict({"gemm_flops": {"64": 1e9}, "mem_bytes": 5.0, "n_ops": 3})
     assert old.attn_flops == {} and old.flops == 1e9
     assert Work.from_dict(json.loads(json.dumps(asdict(blk)))) == blk
+
+
+def test_elementwise_ops_slower_than_their_bytes_are_priced_at_their_own_rate():
+    """[Note: ops slower than their bytes]: dropout's mask (`bernoulli_`) runs ~50x below a copy on a CPU. The trace
+    files each timed op's bytes under its name (here: a block's dropout after the MLP, b·T·d, and on the attention
+    probabilities, b·h·T·T, in and out in fp32), and the plan prices them at the op's measured rate where it is
+    slower than memory, at memory bandwidth where it is not."""
+    from tightfit.planner.costs import kernel_time
+
+    b, t, d, h = 2, 32, 64, 4
+    with torch.device("meta"):
+        dropped = GPT(GPTConfig(n_layer=2, n_embd=d, n_head=h, vocab_size=256, dropout=0.1))
+    blk = profile_model(dropped, b, t).unit("blocks.0").fwd
+    assert blk.timed_bytes["bernoulli_"] == 2 * 4 * (b * t * d + b * h * t * t)
+    undropped = profile_model(meta_gpt(n_layer=2, n_embd=d, n_head=h), b, t).unit("blocks.0").fwd
+    assert "bernoulli_" not in undropped.timed_bytes
+    hw = HardwareProfile.synthetic(matmul_flops={64: 100e9}, mem_bw=40e9)
+    slow = replace(hw, timed_op_bw={"bernoulli_": 2e9})
+    assert kernel_time(blk, slow) - kernel_time(blk, hw) == pytest.approx(
+        blk.timed_bytes["bernoulli_"] * (1 / 2e9 - 1 / 40e9))
+    fast = replace(hw, timed_op_bw={op: 1e12 for op in blk.timed_bytes})  # measured in cache: memory still binds
+    assert kernel_time(blk, fast) == pytest.approx(kernel_time(blk, hw))
+
+
+def test_the_probe_times_each_elementwise_op():
+    """`measure_timed_ops` times every op of TIMED_OPS on this CPU: a finite positive rate for each."""
+    import math
+
+    from tightfit.planner.probe import measure_timed_ops
+    from tightfit.planner.work import TIMED_OPS
+
+    rates = measure_timed_ops("cpu", torch.float32)
+    assert set(rates) == set(TIMED_OPS) and all(math.isfinite(r) and r > 0 for r in rates.values())
 
 
 def test_the_probe_times_attention_at_each_size():

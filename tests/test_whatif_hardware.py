@@ -52,7 +52,7 @@ def test_named_profiles_load_and_state_their_assumptions():
 @pytest.mark.parametrize("suffix", [".json", ".toml"])
 def test_profile_file_round_trip(tmp_path, suffix):
     hw = replace(load_hardware("gpu40-pcie4"), nvme_volumes={16 * GiB: [3e9, 2e9, 2.5e9]},
-                 attention_flops={64: 6e10, 1024: 1.4e11})
+                 attention_flops={64: 6e10, 1024: 1.4e11}, timed_op_bw={"bernoulli_": 1.8e9, "tanh": 7.4e9})
     path = tmp_path / f"hw{suffix}"
     if suffix == ".json":
         save_hardware(hw, str(path))  # what `tightfit probe --out` writes
@@ -63,7 +63,7 @@ def test_profile_file_round_trip(tmp_path, suffix):
                         '[matmul_flops]\n"1024" = 1.7e14\n"4096" = 2.3e14\n')
     back = load_hardware(str(path))
     if suffix == ".json":
-        assert back == hw and back.attention_flops == {64: 6e10, 1024: 1.4e11}
+        assert back == hw and back.attention_flops == {64: 6e10, 1024: 1.4e11} and back.timed_op_bw["tanh"] == 7.4e9
     else:
         assert back.gpu_total == 40 * GiB and back.gpu_free == 40 * GiB and back.host_available == 128 * GiB
         assert back.nvme_read_bw == 6e9 and back.nvme_write_bw == 4.5e9 and back.matmul_flops[4096] == 2.3e14
@@ -109,6 +109,12 @@ def test_a_probe_cache_file_is_a_profile_file(tmp_path):
     ('{"cuda": false, "device_name": "x", "host_total": "8GiB", "nvme_read_bw": 1, "nvme_write_bw": 1,'
      ' "h2d_bw": 1, "d2h_bw": 1, "mem_bw": 1, "cpu_adam_rate": 1, "matmul_flops": {"1": 1},'
      ' "attention_flops": [1]}', "field attention_flops: expected a table of attention problem size"),
+    ('{"cuda": false, "device_name": "x", "host_total": "8GiB", "nvme_read_bw": 1, "nvme_write_bw": 1,'
+     ' "h2d_bw": 1, "d2h_bw": 1, "mem_bw": 1, "cpu_adam_rate": 1, "matmul_flops": {"1": 1},'
+     ' "timed_op_bw": {"erfinv": 1}}', "field timed_op_bw: unknown op 'erfinv'"),
+    ('{"cuda": false, "device_name": "x", "host_total": "8GiB", "nvme_read_bw": 1, "nvme_write_bw": 1,'
+     ' "h2d_bw": 1, "d2h_bw": 1, "mem_bw": 1, "cpu_adam_rate": 1, "matmul_flops": {"1": 1},'
+     ' "timed_op_bw": {"tanh": "fast"}}', "field timed_op_bw.tanh: write bytes per second"),
     ("{not json", "not valid JSON"),
 ])
 def test_bad_profile_files_are_one_line_errors(tmp_path, capsys, text, words):

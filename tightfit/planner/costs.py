@@ -54,7 +54,8 @@ from tightfit.offload import memory_model as mm
 from tightfit.offload.device_kind import separate_memory
 from tightfit.offload.placement import ROOT_UNIT, Placement, State, Tier
 from tightfit.planner.hardware import HardwareProfile
-from tightfit.planner.model_profile import ModelProfile, UnitProfile, Work
+from tightfit.planner.model_profile import ModelProfile, UnitProfile
+from tightfit.planner.work import Work
 
 
 @dataclass
@@ -258,9 +259,11 @@ def work_time(w: Work, hw: HardwareProfile) -> float:
 def kernel_time(w: Work, hw: HardwareProfile) -> float:
     """The roofline alone (what the device spends, without the host's issuing): matmul FLOPs at the measured rate
     for their size, fused attention's at the attention rate for its size ([Note: attention's own rate] in
-    model_profile.py), the other ops' bytes at memory bandwidth."""
+    work.py), the bytes of each elementwise op the probe timed alone at its rate where it is slower than memory
+    ([Note: ops slower than their bytes]), the other ops' bytes at memory bandwidth."""
     t = sum(f / hw.matmul_rate(size) for size, f in w.gemm_flops.items())
     t += sum(f / hw.attention_rate(size) for size, f in w.attn_flops.items())
+    t += sum(b / hw.timed_op_rate(op) for op, b in w.timed_bytes.items())
     return t + w.mem_bytes / hw.mem_bw
 
 

@@ -129,8 +129,9 @@ def measure_sustained(folder: str | Path, max_bytes: int, *, max_write_s: float 
     Writes a fresh file of up to `max_bytes` twice over, in order, `SEGMENTS` segments per pass, until both passes
     are written or `max_write_s` has passed (default: `write_limit_s(max_bytes)`); the write rate is that of the
     second half of the segments written (the first half fills whatever cache absorbs writes; the second pass
-    rewrites in place, as the NVMe tier does). Then reads the file back in order: the read rate. Then reads its first half while rewriting its second
-    half, half the transfers in flight each way: bytes read + written per second, as a step moves them. O_DIRECT
+    rewrites in place, as the NVMe tier does). Then reads the file back in order: the read rate. Then reads its
+    first half while rewriting its second half, half the transfers in flight each way: bytes read + written per
+    second, as a step moves them. O_DIRECT
     where the filesystem takes it (else buffered, synced and evicted before the read). Leaves nothing in
     `folder`."""
     folder = Path(folder)

@@ -64,11 +64,15 @@ class HardwareProfile:
     matmul_flops: dict[int, float] = field(default_factory=dict)
     """Matmul FLOP/s of the compute device by the smallest side of the matmul (size -> FLOP/s: the forward and
     both gradients of a 2048 -> 5632 linear layer with `size` tokens), in the compute dtype ([Note: matmul rate by
-    the smallest side] in model_profile.py)."""
+    the smallest side] in work.py)."""
     attention_flops: dict[int, float] = field(default_factory=dict)
     """FLOP/s of the fused attention kernel (forward and backward, causal: FLOPs of the tiles it computes) by
-    problem size, the cube root of t_q * head_dim * t_k ([Note: attention's own rate] in model_profile.py).
+    problem size, the cube root of t_q * head_dim * t_k ([Note: attention's own rate] in work.py).
     Empty: not measured (attention runs at the matmul rate of its size)."""
+    timed_op_bw: dict[str, float] = field(default_factory=dict)
+    """Bytes per second (read + written) of each elementwise op the probe times alone (`work.TIMED_OPS`: dropout's
+    mask, tanh, exp, ...), by aten op ([Note: ops slower than their bytes] in work.py). An op not here, or faster
+    than `mem_bw`, runs at `mem_bw`."""
     duplex_bw: float = 0.0
     """Bytes per second host->device and device->host together, with copies in flight both ways at once, as an
     offloaded step has them (fetches up, gradients down); a link rarely carries both directions at full rate at once.
@@ -128,6 +132,10 @@ class HardwareProfile:
         """FLOP/s for a matmul of problem size `size`: log-linear interpolation between measured sizes."""
         return _by_size(self.matmul_flops, size) if self.matmul_flops else 1e11
 
+    def timed_op_rate(self, op: str) -> float:
+        """Bytes per second of the elementwise aten op `op`: its measured rate, but no faster than memory."""
+        return min(self.timed_op_bw.get(op) or self.mem_bw, self.mem_bw)
+
     def attention_rate(self, size: int) -> float:
         """FLOP/s of fused attention of problem size `size`; the matmul rate where the probe did not measure it."""
         return _by_size(self.attention_flops, size) if self.attention_flops else self.matmul_rate(size)
@@ -162,6 +170,8 @@ class HardwareProfile:
                  *(["  attention TFLOP/s by size: " + ", ".join(
                      f"{k}: {v / 1e12:.2f}" for k, v in sorted(self.attention_flops.items()))]
                    if self.attention_flops else []),
+                 *(["  elementwise ops timed alone, GB/s: " + ", ".join(
+                     f"{k} {v / g:.1f}" for k, v in self.timed_op_bw.items())] if self.timed_op_bw else []),
                  f"  memory bandwidth {self.mem_bw / g:.1f} GB/s, per-op overhead {self.op_overhead_s * 1e6:.1f} us",
                  f"  engine host time {self.unit_overhead_s * 1e3:.2f} ms per unit and micro-batch (+"
                  f"{self.stream_overhead_s * 1e3:.2f} ms streamed), {self.step_overhead_s * 1e3:.2f} ms per step",
@@ -221,13 +231,14 @@ def machine_key() -> str:
     return f"{socket.gethostname()}|{devs}|threads={torch.get_num_threads()}"
 
 
-PROBE_VERSION = 8
+PROBE_VERSION = 9
 """Bumped whenever a probed figure changes meaning (or a new one is measured). 2: matmul rates by the smallest side
-([Note: matmul rate by the smallest side] in model_profile.py; they were by square size). 3: the device's math
+([Note: matmul rate by the smallest side] in work.py; they were by square size). 3: the device's math
 workspace. 4: the engine's host time per unit and per step. 5: and per streamed unit. 6: copies both ways at once.
 7: the engine with its views built once ([Note: views built once] in offload/step/unit.py): a cached 6 overstates
 its host time; and the host passes' rate (`host_pass_bw`); on a CPU, copies on one core, as the engine's copy
-threads now make them. 8: fused attention's rate ([Note: attention's own rate] in model_profile.py)."""
+threads now make them. 8: fused attention's rate ([Note: attention's own rate] in work.py). 9: and the
+elementwise ops timed alone ([Note: ops slower than their bytes])."""
 
 
 def cache_path() -> Path:

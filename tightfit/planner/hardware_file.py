@@ -9,7 +9,7 @@ The format (docs/PLANNER.md, "What-if hardware"): the fields of `HardwareProfile
 Byte figures may be numbers or sizes ("24GiB"); bandwidths numbers (bytes/s) or sizes per second ("25GB/s");
 `matmul_flops` maps the smallest side of a matmul (the other sides wide) to FLOP/s ({"4096" = 1.5e14} in TOML,
 {"4096": 1.5e14} in JSON); `attention_flops`, which may be left out, maps fused attention's problem size to FLOP/s
-in the same way;
+in the same way, and `timed_op_bw`, which may be left out too, an elementwise aten op to bytes per second;
 `assumptions` is a list of sentences the plan prints under its table. A profile read from a file is used as it
 is: no capacity of this machine is read into it.
 """
@@ -132,6 +132,8 @@ def profile_from_dict(data: dict, where: str, default_key: str = "file") -> Hard
             out[key] = list(value)
         elif key in ("matmul_flops", "attention_flops"):
             out[key] = _flops_by_size(value, where, key)
+        elif key == "timed_op_bw":
+            out[key] = _timed_ops(value, where)
         elif key == "nvme_volumes":
             out[key] = _volumes(value, where)
         elif key in _BYTES:
@@ -177,6 +179,23 @@ def _flops_by_size(value, where: str, key: str) -> dict[int, float]:
             raise UsageError(f"{where}: field {key}: entry {k!r} = {v!r}: expected a positive size "
                              "and a positive FLOP/s")
         out[size] = float(v)
+    return out
+
+
+def _timed_ops(value, where: str) -> dict[str, float]:
+    """`timed_op_bw`: elementwise aten op (one of `work.TIMED_OPS`) -> bytes/s."""
+    from tightfit.planner.work import TIMED_OPS
+
+    if not isinstance(value, dict):
+        raise UsageError(f"{where}: field timed_op_bw: expected a table of elementwise op -> bytes/s, "
+                         'e.g. {"bernoulli_": "1GB/s"}')
+    out = {}
+    for k, v in value.items():
+        if k not in TIMED_OPS:
+            raise UsageError(f"{where}: field timed_op_bw: unknown op {k!r}; known: {', '.join(TIMED_OPS)}")
+        out[k] = _size(v, where, f"timed_op_bw.{k}", per_second=True)
+        if out[k] <= 0:
+            raise UsageError(f"{where}: field timed_op_bw.{k}: must be positive, got {v!r}")
     return out
 
 

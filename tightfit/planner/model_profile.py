@@ -9,8 +9,9 @@ get, exactly for this model and this micro-batch x seq_len:
   parameter gradients are not activations: the engine counts them as gradients in flight), and how the root
   unit's gradients overlap it (a language model's head gradient arrives at backward's start, with the activations
   at their peak; its embedding gradient at backward's end, when most are freed);
-- the work per unit: matmul / attention FLOPs bucketed by problem size, memory traffic of everything else, and
-  the op count (per-op dispatch overhead matters for small models on CPU).
+- the work per unit (`work.py`): matmul and attention FLOPs by the keys their rates are measured under, the bytes
+  of the elementwise ops the probe times one by one, memory traffic of everything else, and the op count (per-op
+  dispatch overhead matters for small models on CPU).
 Hardware enters only later (`costs.py`), so one profile serves every what-if.
 
 Units follow the engine's rule (`tightfit/offload/step/units.py` when present): the children of every nn.ModuleList
@@ -20,8 +21,6 @@ whose children all share one class are units; everything else belongs to `ROOT_U
 from __future__ import annotations
 
 import contextlib
-
-import math
 import weakref
 from dataclasses import dataclass, field, replace
 
@@ -31,56 +30,14 @@ import torch.nn.functional as F
 from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
 
 from tightfit.offload.placement import ROOT_UNIT
 from tightfit.offload.step.units import find_units
+from tightfit.planner.work import Work, count_op, matmul_key
 from tightfit.tiling.linear import linear_features
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass
-class Work:
-    """Work of one phase of one unit, in hardware-independent terms."""
-
-    gemm_flops: dict[int, float] = field(default_factory=dict)
-    """Matmul FLOPs, keyed by the rate's key ([Note: matmul rate by the smallest side])."""
-    mem_bytes: float = 0.0
-    """Bytes read + written by the other ops (norms, adds, copies): memory-bound work."""
-    n_ops: int = 0
-    """aten ops dispatched (views excluded): each costs a fixed dispatch overhead."""
-    attn_flops: dict[int, float] = field(default_factory=dict)
-    """FLOPs of fused attention kernels, keyed by problem size (cube root of t_q*d*t_k, a power of two): priced at
-    the attention rate the probe measured, not the matmul rate ([Note: attention's own rate])."""
-
-    def add(self, other: "Work", scale: float = 1.0) -> None:
-        for mine, theirs in ((self.gemm_flops, other.gemm_flops), (self.attn_flops, other.attn_flops)):
-            for k, v in theirs.items():
-                mine[k] = mine.get(k, 0.0) + v * scale
-        self.mem_bytes += other.mem_bytes * scale
-        self.n_ops += int(round(other.n_ops * scale))
-
-    def scaled(self, scale: float) -> "Work":
-        w = Work()
-        w.add(self, scale)
-        return w
-
-    def scaled_data(self, f: float) -> "Work":
-        """This work at `f` times the tokens: FLOPs and bytes scale, the op count does not."""
-        return Work({k: v * f for k, v in self.gemm_flops.items()}, self.mem_bytes * f, self.n_ops,
-                    {k: v * f for k, v in self.attn_flops.items()})
-
-    @property
-    def flops(self) -> float:
-        return sum(self.gemm_flops.values()) + sum(self.attn_flops.values())
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Work":
-        """(A plan file written before attention was priced apart has none: its FLOPs are in `gemm_flops`.)"""
-        return cls({int(k): v for k, v in d["gemm_flops"].items()}, d["mem_bytes"], d["n_ops"],
-                   {int(k): v for k, v in d.get("attn_flops", {}).items()})
 
 
 @dataclass
@@ -276,61 +233,6 @@ class _FusedAttention(TorchFunctionMode):
 _VIEW_OPS = {"view", "_unsafe_view", "t", "transpose", "expand", "permute", "reshape", "detach", "alias",
              "unsqueeze", "squeeze", "slice", "select", "split", "split_with_sizes", "as_strided", "_reshape_alias",
              "lift_fresh", "unbind"}
-# [Note: attention's own rate] A fused attention kernel (flash attention: per tile of queries, a product with the
-# keys, a softmax and a product with the values; under a causal mask the tiles above the diagonal skipped) does not
-# run at the rate of a matmul of its size: on a 2-core CPU VM it reached 60 GFLOP/s at 128 tokens and head dim 32,
-# where a matmul of that size reaches 110, and was 13.5 of the default run's 84 ms, priced at 8.2. So the trace keeps
-# attention's FLOPs apart (`Work.attn_flops`, by problem size), the probe times the kernel itself, forward and
-# backward at three sizes (`measure_attention` in probe.py), and a profile without that figure (a named GPU, a file
-# written by hand, a plan from an older probe) prices them at the matmul rate as before.
-_ATTN_OPS = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
-             "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"}
-
-
-# [Note: matmul rate by the smallest side] A matmul whose operands stream from memory runs at a rate set by its
-# smallest side, not by its volume: at 128 tokens a projection (128 x 2048) @ (2048 x 5632) has the volume of a
-# 1139^3 matmul and runs at about half its rate (its weight gradient, (5632 x 128) @ (128 x 2048), is as thin;
-# measured in benchmarks/RESULTS.md, batch L). So the probe measures, per smallest side s, the three matmuls a
-# 2048 -> 5632 linear layer runs in training with s tokens (forward, input gradient, weight gradient into new
-# memory), and a matmul's FLOPs are priced at the rate of its smallest side. A matmul whose operands all fit in
-# cache (under 8 MiB, e.g. the default run's (2048 x 128) @ (128 x 512)) runs at its volume's rate and keeps the
-# cube-root key, as do attention's products: a fused kernel tiles them over the sequence, and their smallest side
-# (the head dim) says little about its speed.
-
-
-def _bucket(m: float, k: float, n: float) -> int:
-    """Problem-size key of a matmul in cache or of attention: cube root of m*k*n as a power of two (16 .. 16384)."""
-    size = max(1.0, m * k * n) ** (1 / 3)
-    return _pow2(size)
-
-
-def attention_key(t_q: int, head_dim: int, t_k: int) -> int:
-    """The key fused attention's FLOPs are priced by ([Note: attention's own rate])."""
-    return _bucket(t_q, head_dim, t_k)
-
-
-def attention_flops(batch_heads: int, t_q: int, t_k: int, head_dim: int, causal: bool, backward: bool) -> float:
-    """FLOPs of fused attention's two products (QK^T and PV; half the tiles under a causal mask); its backward does
-    2.5x the forward's (recomputed scores and four gradient products)."""
-    return 4.0 * batch_heads * t_q * t_k * head_dim * (0.5 if causal else 1.0) * (2.5 if backward else 1.0)
-
-
-_IN_CACHE_BYTES = 8 << 20
-"""A matmul whose operands are all smaller stays in a processor's caches, where its volume decides its speed."""
-
-
-def _matmul_key(m: float, k: float, n: float, itemsize: int) -> int:
-    """Rate key of a matmul ([Note: matmul rate by the smallest side]): its smallest side, as a power of two; the
-    cube root of its volume while its operands fit in cache."""
-    if max(m * k, k * n, m * n) * itemsize < _IN_CACHE_BYTES:
-        return _bucket(m, k, n)
-    return _pow2(min(m, k, n))
-
-
-def _pow2(size: float) -> int:
-    return int(2 ** min(14, max(4, round(math.log2(max(1.0, size))))))
-
-
 def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
@@ -414,23 +316,7 @@ class _Tracer(TorchDispatchMode):
         w.n_ops += 1
         tensors_in = [a for a in _flat(args, kwargs) if isinstance(a, torch.Tensor)]
         outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
-        if name in _ATTN_OPS:
-            backward = "backward" in name
-            q = tensors_in[1] if backward else tensors_in[0]
-            t_q, d = q.shape[2], q.shape[3]
-            t_k = tensors_in[2 if backward else 1].shape[2]
-            key = attention_key(t_q, d, t_k)
-            w.attn_flops[key] = w.attn_flops.get(key, 0.0) + attention_flops(
-                q.shape[0] * q.shape[1], t_q, t_k, d, causal=any(a is True for a in args), backward=backward)
-        elif func.overloadpacket in flop_registry or func in flop_registry:
-            flops = float(flop_registry[func.overloadpacket](*args, out_val=out, **kwargs))
-            mats = [a for a in tensors_in if a.dim() >= 2]
-            m = mats[-2].shape[-2] if len(mats) >= 2 else 1
-            k_, n = (mats[-1].shape[-2], mats[-1].shape[-1]) if mats else (1, 1)
-            key = _matmul_key(m, k_, n, out.element_size() if isinstance(out, torch.Tensor) else 4)
-            w.gemm_flops[key] = w.gemm_flops.get(key, 0.0) + flops
-        else:
-            w.mem_bytes += sum(a.numel() * a.element_size() for a in tensors_in + outs)
+        count_op(w, func, args, kwargs, out, tensors_in, outs)
         for o in outs:
             self._track(o)
         return out
@@ -586,7 +472,7 @@ def _formula(units: dict[str, UnitProfile], micro_batch: int, seq_len: int, nbyt
         hidden = u.largest_linear[1] if u.largest_linear else 0
         u.act_input = tokens * hidden * nbytes
         u.act_saved = 16 * u.act_input if u.checkpointable else 2 * u.act_input
-        u.fwd = Work({_matmul_key(tokens, hidden, hidden, nbytes): 2.0 * tokens * u.numel}, 8.0 * u.act_input, 30)
+        u.fwd = Work({matmul_key(tokens, hidden, hidden, nbytes): 2.0 * tokens * u.numel}, 8.0 * u.act_input, 30)
         u.bwd = u.fwd.scaled(2.0)
         total += u.act_saved
     return int(total * 1.25)

@@ -7,7 +7,7 @@ written in the file format `hardware_file.py` reads (so it doubles as an example
 not a data-sheet capacity is stated in its `assumptions`, which the plan prints. The speeds are *achieved* rates
 (what a well-fed kernel or copy reaches), below the data sheet's peaks; bf16 matmul, since bf16 is the compute
 dtype `--precision auto` picks on CUDA, by the matmul's smallest side (usually the tokens of a micro-batch; [Note:
-matmul rate by the smallest side] in model_profile.py): assumed, not measured, below 1024. Change any of them by
+matmul rate by the smallest side] in work.py): assumed, not measured, below 1024. Change any of them by
 saving the profile to a file and editing it: `tightfit plan --hardware gpu24-pcie4 --json` prints the profile
 inside the plan.
 """
@@ -136,7 +136,9 @@ PROFILES.update({
                          host_gib=85, cores=12, hopper=False, achieved_note="assumed 0.74 of the data sheet's peak"),
     "a100-80gb": _rented("NVIDIA A100 80GB", gib=80, peak=312e12, achieved=230e12, mem_tbs=2.0, pcie=4,
                          host_gib=170, cores=12, hopper=False, achieved_note="assumed 0.74 of the data sheet's peak"),
-    "l4": _rented("NVIDIA L4", gib=24, peak=121e12, achieved=85e12, mem_tbs=0.3, pcie=4, host_gib=48, cores=8, hopper=False),
+    "l4": _rented("NVIDIA L4", gib=24, peak=121e12, achieved=85e12, mem_tbs=0.3, pcie=4, host_gib=48, cores=8,
+                  hopper=False),
     "rtx4090": _rented("NVIDIA GeForce RTX 4090", gib=24, peak=165e12, achieved=150e12, mem_tbs=1.0, pcie=4,
-                       host_gib=64, cores=16, hopper=False, achieved_note="assumed 0.9 of the data sheet's peak (fp32 accumulate)"),
+                       host_gib=64, cores=16, hopper=False,
+                       achieved_note="assumed 0.9 of the data sheet's peak (fp32 accumulate)"),
 })

@@ -3,9 +3,10 @@
 Why these measurements: each is the rate of one term of the step-time model (`costs.py`), measured the way the
 engine spends it:
 - matmul FLOP/s by the smallest side of the matmul, 32..1024 (a linear layer's training matmuls with that many
-  tokens), in the compute dtype ([Note: matmul rate by the smallest side] in model_profile.py);
+  tokens), in the compute dtype ([Note: matmul rate by the smallest side] in work.py);
 - memory bandwidth (a large tensor copy), for norms, adds and other memory-bound ops;
-- fused attention's FLOP/s by problem size ([Note: attention's own rate] in model_profile.py);
+- fused attention's FLOP/s by problem size ([Note: attention's own rate] in work.py), and the bytes per second of
+  each elementwise op that may run below memory bandwidth, timed alone ([Note: ops slower than their bytes]);
 - per-op overhead: a chain of tiny ops with autograd, forward + backward, divided by the aten ops it dispatches
   (counted by the same tracer the model profile uses, so the two agree on what "an op" is);
 - the engine's own host time per unit and per step: the engine stepping tiny models of 2 and 6 blocks;
@@ -71,7 +72,7 @@ def _timeit(fn, min_s: float = 0.15, max_reps: int = 200) -> float:
 
 def measure_matmul(device: str, dtype: torch.dtype) -> dict[int, float]:
     """FLOP/s of a linear layer's three training matmuls with s tokens, by that smallest side s ([Note: matmul rate
-    by the smallest side] in model_profile.py): forward (s x i) @ (i x o), input gradient (s x o) @ (o x i), weight
+    by the smallest side] in work.py): forward (s x i) @ (i x o), input gradient (s x o) @ (o x i), weight
     gradient (o x s) @ (s x i) into a new tensor, as autograd computes them; each timed call does >= ~2 GFLOP (the
     rate excludes the per-op dispatch cost, measured separately, and a busy machine's jitter does not decide it)."""
     out = {}
@@ -99,9 +100,9 @@ model's, a 1-8 B model's at 2048 tokens; each call ~0.2-4 GFLOP."""
 
 def measure_attention(device: str, dtype: torch.dtype) -> dict[int, float]:
     """FLOP/s of causal fused attention, forward and backward, by problem size (the key the trace gives the
-    attention it sees, [Note: attention's own rate] in model_profile.py): the kernel `F.scaled_dot_product_attention`
+    attention it sees, [Note: attention's own rate] in work.py): the kernel `F.scaled_dot_product_attention`
     picks on this device, FLOPs counted as the trace counts them (the tiles a causal mask keeps)."""
-    from tightfit.planner.model_profile import attention_flops, attention_key
+    from tightfit.planner.work import attention_flops, attention_key
 
     out = {}
     for t, d, bh in _ATTENTION_SHAPES:
@@ -115,6 +116,43 @@ def measure_attention(device: str, dtype: torch.dtype) -> dict[int, float]:
         flops = attention_flops(bh, t, t, d, causal=True, backward=False) + \
             attention_flops(bh, t, t, d, causal=True, backward=True)
         out[attention_key(t, d, t)] = flops / _timeit(attention, min_s=0.1)
+    return out
+
+
+def measure_timed_ops(device: str, dtype: torch.dtype) -> dict[str, float]:
+    """Bytes per second of each op of `work.TIMED_OPS` alone, on this device in the compute dtype, its bytes counted
+    as the trace counts them (`work.op_bytes`): 4 M elements on a CPU (an activation of a few thousand tokens),
+    64 M on a GPU (where a smaller tensor would time the launch). An op this torch cannot run here is left out (it
+    is then priced at memory bandwidth)."""
+    from tightfit.planner.work import TIMED_OPS, op_bytes
+
+    aten = torch.ops.aten
+    n = (64 << 20) if device == "cuda" else (4 << 20)
+    x, g = (_operand(n // 1024, 1024, device=device, dtype=dtype) for _ in range(2))
+    y, mask = torch.softmax(x, -1), torch.ones_like(x, dtype=torch.bool)
+    calls = {"bernoulli_": (aten.bernoulli_.float, (torch.empty_like(x), 0.9)),
+             "native_dropout": (aten.native_dropout, (x, 0.1, True)),
+             "native_dropout_backward": (aten.native_dropout_backward, (g, mask, 1 / 0.9)),
+             "tanh": (aten.tanh, (x,)), "tanh_backward": (aten.tanh_backward, (g, y)), "exp": (aten.exp, (x,)),
+             "sigmoid": (aten.sigmoid, (x,)), "sigmoid_backward": (aten.sigmoid_backward, (g, y)),
+             "gelu": (aten.gelu, (x,)), "gelu_backward": (aten.gelu_backward, (g, x)),
+             "silu": (aten.silu, (x,)), "silu_backward": (aten.silu_backward, (g, x)),
+             "_softmax": (aten._softmax, (x, -1, False)),
+             "_softmax_backward_data": (aten._softmax_backward_data, (g, y, -1, dtype)),
+             "_log_softmax": (aten._log_softmax, (x, -1, False)),
+             "_log_softmax_backward_data": (aten._log_softmax_backward_data, (g, y, -1, dtype))}
+    out = {}
+    # Dropout draws from the global generators: the run's stay as its seed left them ([Note] in _operand).
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device == "cuda" else []):
+        for name in TIMED_OPS:
+            op, args = calls[name]
+            try:
+                result = op(*args)
+            except (RuntimeError, NotImplementedError):
+                continue
+            results = [r for r in (result if isinstance(result, tuple) else (result,)) if isinstance(r, torch.Tensor)]
+            nbytes = op_bytes([a for a in args if isinstance(a, torch.Tensor)], results)
+            out[name] = nbytes / _timeit(lambda op=op, args=args: op(*args), min_s=0.05)
     return out
 
 
@@ -364,7 +402,7 @@ def run_probe(folder: str | None = None, save: bool = True, sustained: bool = Tr
         cpu_adam_rate=cpu_adam, device_adam_rate=measure_adam("cuda") if cuda else cpu_adam,
         host_pass_bw=measure_host_passes(),
         matmul_flops=measure_matmul(device, dtype), op_overhead_s=measure_op_overhead(device),
-        attention_flops=measure_attention(device, dtype),
+        attention_flops=measure_attention(device, dtype), timed_op_bw=measure_timed_ops(device, dtype),
         **_engine_overhead(device), device_workspace=measure_device_workspace() if cuda else 0,
         runtime_rss=measure_runtime_rss(), threads=torch.get_num_threads(), measured_at=time.time(),
         probe_version=PROBE_VERSION)
@@ -397,8 +435,8 @@ def _disk_volumes(disk: DiskProfile) -> dict[int, list[float]]:
 
 
 def refresh_speeds(hw: HardwareProfile) -> HardwareProfile:
-    """`hw` with the compute-side speeds (matmul, attention, memory, per-op overhead, the engine's host time, AdamW,
-    copies)
+    """`hw` with the compute-side speeds (matmul, attention, the timed elementwise ops, memory, per-op overhead, the
+    engine's host time, AdamW, copies)
     measured again now.
 
     For a shared machine whose load changes from minute to minute: ~5 s, the disk and runtime figures are kept.
@@ -409,6 +447,7 @@ def refresh_speeds(hw: HardwareProfile) -> HardwareProfile:
     h2d, d2h = measure_copies()
     cpu_adam = measure_adam("cpu")
     return replace(hw, matmul_flops=measure_matmul(device, dtype), attention_flops=measure_attention(device, dtype),
+                   timed_op_bw=measure_timed_ops(device, dtype),
                    mem_bw=measure_mem_bw(device), op_overhead_s=measure_op_overhead(device), cpu_adam_rate=cpu_adam,
                    host_pass_bw=measure_host_passes(),
                    **_engine_overhead(device),

@@ -29,7 +29,8 @@ from tightfit.offload.step.units import padded
 from tightfit.planner.costs import (Prediction, TrainShape, act_bytes, engine_budgets, memory, predict,
                                    units_per_window)
 from tightfit.planner.hardware import GiB, HardwareProfile
-from tightfit.planner.model_profile import ModelProfile, UnitProfile, Work
+from tightfit.planner.model_profile import ModelProfile, UnitProfile
+from tightfit.planner.work import Work
 from tightfit.planner.naming import CLI, Naming
 from tightfit.planner.unit_size import joined_reason, small_block_groups
 from tightfit.utils.sizes import format_size, parse_size
