@@ -387,6 +387,7 @@ def run_probe(folder: str | None = None, save: bool = True, sustained: bool = Tr
     device = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float32
     gpu_total = torch.cuda.get_device_properties(0).total_memory if cuda else 0
+    attention, timed_ops = _small_kernels(device, dtype)
     h2d, d2h = measure_copies()
     disk = measure_disk(folder, sustained=sustained, volume=disk_volume)
     cpu_adam = measure_adam("cpu")
@@ -402,7 +403,7 @@ def run_probe(folder: str | None = None, save: bool = True, sustained: bool = Tr
         cpu_adam_rate=cpu_adam, device_adam_rate=measure_adam("cuda") if cuda else cpu_adam,
         host_pass_bw=measure_host_passes(),
         matmul_flops=measure_matmul(device, dtype), op_overhead_s=measure_op_overhead(device),
-        attention_flops=measure_attention(device, dtype), timed_op_bw=measure_timed_ops(device, dtype),
+        attention_flops=attention, timed_op_bw=timed_ops,
         **_engine_overhead(device), device_workspace=measure_device_workspace() if cuda else 0,
         runtime_rss=measure_runtime_rss(), threads=torch.get_num_threads(), measured_at=time.time(),
         probe_version=PROBE_VERSION)
@@ -410,6 +411,14 @@ def run_probe(folder: str | None = None, save: bool = True, sustained: bool = Tr
     if save:
         save_cached(hw)
     return hw
+
+
+def _small_kernels(device: str, dtype: torch.dtype) -> tuple[dict[int, float], dict[str, float]]:
+    """Attention's rates and the timed elementwise ops' ([Note: attention's own rate], [Note: ops slower than their
+    bytes] in work.py), measured first: their tensors are a few MiB, and once the copies' 256 MiB buffers had come
+    and gone the same attention measured 35-52 GFLOP/s where a fresh process, and the default run's own profile,
+    measured 58-66 (the 2-core VM, batch Y)."""
+    return measure_attention(device, dtype), measure_timed_ops(device, dtype)
 
 
 def _engine_overhead(device: str) -> dict[str, float]:
@@ -444,10 +453,10 @@ def refresh_speeds(hw: HardwareProfile) -> HardwareProfile:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float32
+    attention, timed_ops = _small_kernels(device, dtype)
     h2d, d2h = measure_copies()
     cpu_adam = measure_adam("cpu")
-    return replace(hw, matmul_flops=measure_matmul(device, dtype), attention_flops=measure_attention(device, dtype),
-                   timed_op_bw=measure_timed_ops(device, dtype),
+    return replace(hw, matmul_flops=measure_matmul(device, dtype), attention_flops=attention, timed_op_bw=timed_ops,
                    mem_bw=measure_mem_bw(device), op_overhead_s=measure_op_overhead(device), cpu_adam_rate=cpu_adam,
                    host_pass_bw=measure_host_passes(),
                    **_engine_overhead(device),
