@@ -311,6 +311,23 @@ def test_the_probe_measures_the_engine_on_the_gpu():
     assert 0 < unit < 1 and 0 <= step < 1
 
 
+def test_the_probe_times_attention_and_the_elementwise_ops_on_the_gpu():
+    """The probe's bf16 attention rates and the timed elementwise ops run on the GPU ([Note: attention's own rate],
+    [Note: ops slower than their bytes] in tightfit/planner/work.py): every size and op measured, each finite and
+    positive, the run's CUDA generator left as it was."""
+    import math
+
+    from tightfit.planner.probe import measure_attention, measure_timed_ops
+    from tightfit.planner.work import TIMED_OPS
+
+    state = torch.cuda.get_rng_state()
+    attention = measure_attention("cuda", torch.bfloat16)
+    timed = measure_timed_ops("cuda", torch.bfloat16)
+    assert sorted(attention) == [64, 256, 1024] and all(math.isfinite(r) and r > 0 for r in attention.values())
+    assert set(timed) == set(TIMED_OPS) and all(math.isfinite(r) and r > 0 for r in timed.values())
+    assert torch.equal(torch.cuda.get_rng_state(), state)
+
+
 def test_the_probe_measures_copies_both_ways_at_once():
     """The link's rate with a pinned copy in flight each way (the plan's `duplex_bw`): more than one way alone
     carries, no more than two."""
