@@ -445,11 +445,26 @@ def _disk_volumes(disk: DiskProfile) -> dict[int, list[float]]:
 
 def refresh_speeds(hw: HardwareProfile) -> HardwareProfile:
     """`hw` with the compute-side speeds (matmul, attention, the timed elementwise ops, memory, per-op overhead, the
-    engine's host time, AdamW, copies)
-    measured again now.
+    engine's host time, AdamW, copies) measured again now, by a fresh Python with this process's thread count.
 
     For a shared machine whose load changes from minute to minute: ~5 s, the disk and runtime figures are kept.
-    """
+    Apart for the reason `probe_apart` is: the measurements' buffers, freed, stay in this process's heap (the
+    planner benchmark's processes, which take their RSS floor after this, planned 100 MiB more than they held
+    once the small kernels were measured first: batch Y). Where the child cannot run, here."""
+    code = ("import json, sys, torch\n"
+            "torch.set_num_threads(int(sys.argv[2]))\n"
+            "from tightfit.planner.hardware import HardwareProfile\n"
+            "from tightfit.planner.probe import _refresh_here\n"
+            "print(json.dumps(_refresh_here(HardwareProfile.from_dict(json.loads(sys.argv[1]))).to_dict()))\n")
+    line = _last_line_of_child(code, json.dumps(hw.to_dict()), str(torch.get_num_threads()), timeout=600)
+    if line is not None:
+        with contextlib.suppress(ValueError, TypeError):
+            return HardwareProfile.from_dict(json.loads(line))
+    return _refresh_here(hw)
+
+
+def _refresh_here(hw: HardwareProfile) -> HardwareProfile:
+    """`refresh_speeds`, measured in this process."""
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float32
