@@ -41,6 +41,8 @@ def test_named_profiles_load_and_state_their_assumptions():
         assert hw.cuda and hw.gpu_total == sizes[name] * GiB
         assert hw.assumptions and hw.nvme_free > 0 and hw.host_total >= 48 * GiB
         assert hw.key == f"named:{name}"
+        # No named profile measured attention or the elementwise ops: each says how it prices them.
+        assert not hw.attention_flops and any("fused attention at the matmul rate" in a for a in hw.assumptions)
     # Each figure of a rented GPU is said to be measured or assumed; the H200's measured ones are the lent machine's.
     for name in ("h100-sxm", "h100-pcie", "h200", "a100-40gb", "a100-80gb", "l4", "rtx4090"):
         text = " ".join(load_hardware(name).assumptions)

@@ -24,6 +24,9 @@ _HOST_ISSUE = ("the host issues each op in 10 us and spends 1 ms per unit and mi
 _HOST_PASSES = ("the CPU's passes besides AdamW (gradient sums and norms, the clip multiply, the master's cast to the "
                 "compute copy) move host memory at AdamW's rate: 28 bytes per parameter at its params/s (the probe "
                 "measures them)")
+_KERNELS = ("fused attention at the matmul rate of its size, and dropout, tanh, softmax and the other elementwise "
+            "ops at the memory bandwidth (`tightfit probe` on the GPU measures both: [Note: attention's own rate] "
+            "and [Note: ops slower than their bytes] in planner/work.py)")
 _PCIE5_NVME = ["NVMe: one PCIe 5.0 SSD, 11 GB/s sequential O_DIRECT read, 9 GB/s write, 3 TiB free"]
 
 PROFILES: dict[str, dict] = {
@@ -43,7 +46,7 @@ PROFILES: dict[str, dict] = {
                         "host: 64 GiB RAM, 60 GiB available, 16 cores running fused AdamW at 1.5 G params/s",
                         *_PCIE4_NVME,
                         "a CUDA training process holds 3 GiB of RSS before its model (CUDA context, libraries)",
-                        _WORKSPACE_8, _HOST_ISSUE, _HOST_PASSES]},
+                        _WORKSPACE_8, _HOST_ISSUE, _HOST_PASSES, _KERNELS]},
     "gpu40-pcie4": {
         "cuda": True, "device_workspace": "8MiB", "device_name": "40 GiB GPU, PCIe 4.0 x16 (A100 40GB PCIe class)",
         "gpu_total": "40GiB", "host_total": "128GiB", "host_available": "120GiB", "nvme_free": "1.5TiB",
@@ -60,7 +63,7 @@ PROFILES: dict[str, dict] = {
                         "host: 128 GiB RAM, 120 GiB available, 32 cores running fused AdamW at 2.5 G params/s",
                         *_PCIE4_NVME,
                         "a CUDA training process holds 3 GiB of RSS before its model (CUDA context, libraries)",
-                        _WORKSPACE_8, _HOST_ISSUE, _HOST_PASSES]},
+                        _WORKSPACE_8, _HOST_ISSUE, _HOST_PASSES, _KERNELS]},
     "gpu80-pcie5": {
         "cuda": True, "device_workspace": "32MiB", "device_name": "80 GiB GPU, PCIe 5.0 x16 (H100 PCIe class)",
         "gpu_total": "80GiB", "host_total": "256GiB", "host_available": "240GiB", "nvme_free": "3TiB",
@@ -77,7 +80,7 @@ PROFILES: dict[str, dict] = {
                         "host: 256 GiB RAM, 240 GiB available, 32 cores running fused AdamW at 2.5 G params/s",
                         *_PCIE5_NVME,
                         "a CUDA training process holds 3 GiB of RSS before its model (CUDA context, libraries)",
-                        _WORKSPACE_32, _HOST_ISSUE, _HOST_PASSES]},
+                        _WORKSPACE_32, _HOST_ISSUE, _HOST_PASSES, _KERNELS]},
 }
 """Name -> profile in the file format (hardware_file.py)."""
 
@@ -117,7 +120,7 @@ def _rented(name: str, *, gib: int, peak: float, achieved: float, mem_tbs: float
                         f"params/s ({adam_note})",
                         *nvme,
                         "a CUDA training process holds 3 GiB of RSS before its model (CUDA context, libraries)",
-                        _WORKSPACE_32 if hopper else _WORKSPACE_8, _HOST_ISSUE, _HOST_PASSES]}
+                        _WORKSPACE_32 if hopper else _WORKSPACE_8, _HOST_ISSUE, _HOST_PASSES, _KERNELS]}
 
 
 PROFILES.update({
