@@ -11,7 +11,7 @@ import torch
 from tightfit.config import Config
 from tightfit.errors import UsageError
 from tightfit.models.gpt import GPT, GPTConfig
-from tightfit.offload.placement import State, Tier
+from tightfit.offload.placement import Placement, State, Tier, UnitPlacement
 from tightfit.planner import HardwareProfile, Plan, make_plan
 from tightfit.planner.costs import act_bytes
 from tightfit.planner.hardware import GiB
@@ -382,6 +382,40 @@ def test_the_probe_times_each_elementwise_op():
 
     rates = measure_timed_ops("cpu", torch.float32)
     assert set(rates) == set(TIMED_OPS) and all(math.isfinite(r) and r > 0 for r in rates.values())
+
+
+def test_without_clipping_the_cpu_steps_under_the_last_backward():
+    """[Note: the step under backward]: on a GPU machine without clipping, each unit's CPU step starts when its
+    gradients land, the blocks last to first, the root (its embedding gradient last) at the end of the backward.
+    What is left after phase A is the root's step at least, the whole CPU step at most. bf16 and fp16 cost the same
+    bytes, but an fp16 loss scaler needs every gradient first: the difference between their steps is the overlap.
+    The simulated step (the plan's picture) agrees with the analytic one."""
+    from tightfit.planner.costs import (TrainShape, backward_arrivals, cpu_step_after_backward, predict,
+                                        unit_cpu_step)
+    from tightfit.planner.trace import simulate
+
+    host_states = Placement(default=UnitPlacement(params=Tier.DEVICE, master=Tier.HOST, grads=Tier.HOST,
+                                                  optim=Tier.HOST))
+    hw = replace(GPU, cpu_adam_rate=2e8)  # a slow CPU: the optimizer binds
+    shape = TrainShape(compute_bytes=2, grad_accum=2, grad_clip=False)
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=6, n_embd=256, n_head=4, vocab_size=256))
+    bf16, fp16 = (profile_model(model, 4, 128, dtype) for dtype in ("bf16", "fp16"))
+    early, late = predict(bf16, host_states, hw, shape), predict(fp16, host_states, hw, shape)
+    phase_a = late.step_s - late.exposed_s - late.optim_s  # late: A, then the whole CPU step
+    arrivals = backward_arrivals(bf16, host_states, hw, shape, phase_a)
+    assert [u.name for u, _ in arrivals] == [f"blocks.{i}" for i in reversed(range(6))] + ["root"]
+    assert [t for _, t in arrivals] == sorted(t for _, t in arrivals) and arrivals[-1][1] == phase_a
+    assert arrivals[0][1] > phase_a * 0.5  # the last micro-batch's backward: within its half of phase A
+    steps = {u.name: unit_cpu_step(u, host_states, hw, shape) for u, _ in arrivals}
+    after = cpu_step_after_backward(bf16, host_states, hw, shape, phase_a)
+    assert steps["root"] <= after < sum(steps.values())
+    assert late.step_s - early.step_s == pytest.approx(sum(steps.values()) - after)
+    c = cfg(gpu_mem="40MiB")  # most states on the host: the CPU's steps are the step
+    c.optim.grad_clip, c.train.precision = 0.0, "bf16"
+    plan = make_plan(model, c, hw)
+    assert plan.placement.uses(Tier.HOST) and plan.prediction.bottleneck == "cpu optimizer"
+    assert simulate(plan).step_s == pytest.approx(plan.prediction.step_s, rel=0.1)
 
 
 def test_the_probe_times_attention_at_each_size():

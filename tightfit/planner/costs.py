@@ -328,6 +328,59 @@ def traffic(profile: ModelProfile, placement: Placement, shape: TrainShape) -> d
     return t
 
 
+def steps_under_backward(profile: ModelProfile, shape: TrainShape) -> bool:
+    """Whether the engine steps each unit during the last backward: nothing needs every gradient first (no clip, no
+    fp16 loss scaler: train/memory.py's `OffloadMemory.backward`)."""
+    return not shape.grad_clip and profile.compute_dtype != "fp16" and shape.engine
+
+
+def unit_cpu_step(u: UnitProfile, placement: Placement, hw: HardwareProfile, shape: TrainShape) -> float:
+    """Seconds of one unit's CPU optimizer step: AdamW and its host passes ([Note: host passes])."""
+    return u.trainable / hw.cpu_adam_rate + unit_pass_bytes(u, placement, shape)[1] / host_pass_rate(hw)
+
+
+def backward_arrivals(profile: ModelProfile, placement: Placement, hw: HardwareProfile, shape: TrainShape,
+                      phase_a: float) -> list[tuple[UnitProfile, float]]:
+    """(unit, when its gradients are complete, from the start of the step) in the last backward, in the order they
+    complete: the blocks last to first, then the root (a language model's embedding gradient comes last). The last
+    micro-batch takes its share of phase A, its backward the backward kernels' share of that (recomputation
+    included), and each unit its own share of the backward."""
+    def bwd(u: UnitProfile) -> float:
+        return kernel_time(u.bwd, hw) + (kernel_time(u.fwd, hw) if u.name in placement.checkpoint_units else 0.0)
+
+    total_bwd = sum(bwd(u) for u in profile.units)
+    total = sum(kernel_time(u.fwd, hw) for u in profile.units) + total_bwd
+    backward = phase_a / shape.grad_accum * (total_bwd / total if total else 0.0)
+    order = [u for u in reversed(profile.units) if u.name != ROOT_UNIT] + \
+        [u for u in profile.units if u.name == ROOT_UNIT]
+    t, out = phase_a - backward, []
+    for u in order:
+        t += backward * bwd(u) / total_bwd if total_bwd else 0.0
+        out.append((u, t))
+    out[-1] = (out[-1][0], phase_a)
+    return out
+
+
+# [Note: the step under backward] Without clipping, on a GPU machine, the engine steps each unit on the CPU as soon as
+# its gradients of the last micro-batch have landed and been added, while the GPU runs the rest of the backward
+# (`step_during_backward`, docs/ENGINE.md "Clipping and overlap"). The CPU's steps run one after another, each no
+# earlier than its unit's gradients: the optimizer ends at max(arrival + the steps from that unit on) over the
+# units in arrival order, and phase B is what of it is left after phase A: the root's step at least (its embedding
+# gradient lands last), all of it when the CPU is the slower side by more than the backward. A model with one
+# block barely overlaps; one whose CPU step is short against its backward ends with the root's step.
+
+
+def cpu_step_after_backward(profile: ModelProfile, placement: Placement, hw: HardwareProfile, shape: TrainShape,
+                            phase_a: float) -> float:
+    """Seconds the CPU optimizer runs after phase A when it steps during the last backward ([Note: the step under
+    backward])."""
+    end = 0.0
+    for u, ready in backward_arrivals(profile, placement, hw, shape, phase_a):
+        if u.trainable and not _optimizer_on_device(placement, u.name):
+            end = max(end, ready) + unit_cpu_step(u, placement, hw, shape)
+    return max(0.0, end - phase_a)
+
+
 def disk_time(read: float, write: float, hw: HardwareProfile) -> float:
     """Seconds the disk needs to read and write these bytes in one phase: each direction at its own sustained rate,
     one after the other; and where the probe measured both in flight at once (`nvme_mixed_bw`), no less than all
@@ -347,9 +400,10 @@ def step_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, 
     separate hardware and overlap; phase time = slowest stream + the exposed fetch of the first unit. The two
     directions of copies together take no less than their bytes at the measured both-ways rate (`duplex_bw`).
     Phase B (optimizer): the CPU optimizer overlaps the disk traffic of the states it updates.
-    Gradient clipping makes B wait for all of A; without clipping B overlaps the last backward (not modelled: the
-    prediction is then an upper bound). On a CPU-only machine compute, memcpy and the optimizer share the cores,
-    so those terms add instead of overlapping; only the disk runs beside them.
+    Gradient clipping makes B wait for all of A; without clipping, on a GPU machine, the CPU steps each unit as its
+    gradients land in the last backward, and B is what is left of it after A ([Note: the step under backward]).
+    On a CPU-only machine compute, memcpy and the optimizer share the cores, so those terms add instead of
+    overlapping; only the disk runs beside them.
     """
     a = shape.grad_accum
     kernels, host = 0.0, engine_host_time(profile, placement, hw, shape)
@@ -380,6 +434,8 @@ def step_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, 
         backward_passes, step_passes = (b / host_pass_rate(hw) for b in host_pass_bytes(profile, placement, shape))
         phase_a = max(compute, link, disk_a, backward_passes)
         cpu_step = cpu_opt / hw.cpu_adam_rate + step_passes
+        if steps_under_backward(profile, shape):
+            cpu_step = cpu_step_after_backward(profile, placement, hw, shape, phase_a)
         phase_b = max(cpu_step, disk_b, h2d_b) + dev_opt / hw.device_adam_rate
         opt += step_passes
         pred.passes_s = backward_passes + step_passes

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tightfit.offload.placement import State, Tier
-from tightfit.planner.costs import host_pass_rate, unit_host_time, unit_pass_bytes, work_time
+from tightfit.planner.costs import (host_pass_rate, steps_under_backward, unit_host_time, unit_pass_bytes,
+                                    work_time)
 from tightfit.planner.plan import TIERS, Plan
 
 
@@ -79,6 +80,7 @@ def simulate(plan: Plan) -> Timeline:
     ck = set(p.checkpoint_units)
     units = prof.units
     t_done = 0.0
+    grads_ready: dict[str, float] = {}  # unit -> its gradients of the last micro-batch complete on their tier
 
     def hooks(u) -> float:  # the engine's host time for the unit, half in each pass
         return unit_host_time(hw, shape, u.name in streamed) / 2
@@ -122,23 +124,29 @@ def simulate(plan: Plan) -> Timeline:
                 sim.change(end, "device", -pbytes)
             released.append(end)
             t_done = end
+            grads_ready[u.name] = end
             if u.trainable and p.of(u.name).grads != Tier.DEVICE:
                 g = u.trainable * shape.compute_bytes
-                out = sim.run("device->host", f"grads {u.name}", g / hw.d2h_bw, end)
+                out = grads_ready[u.name] = sim.run("device->host", f"grads {u.name}", g / hw.d2h_bw, end)
                 if hw.cuda:  # [Note: host passes] in costs.py: the sum and the norms, on the gradient worker
-                    sim.run("gradient worker", f"sum grads {u.name}",
-                            unit_pass_bytes(u, p, shape)[0] / shape.grad_accum / host_pass_rate(hw), out)
+                    grads_ready[u.name] = sim.run(
+                        "gradient worker", f"sum grads {u.name}",
+                        unit_pass_bytes(u, p, shape)[0] / shape.grad_accum / host_pass_rate(hw), out)
                 if p.of(u.name).grads == Tier.NVME:
                     sim.run("nvme write", f"write {u.name} grads", u.trainable * 4 / hw.nvme_write_bw, out)
-    # Optimizer: per unit, read its NVMe states, update, write them back.
+    # Optimizer: per unit, read its NVMe states, update, write them back. Without clipping, on a GPU machine, a
+    # unit's CPU step starts when its gradients of the last backward are summed ([Note: the step under backward]
+    # in costs.py), the units in the order they land.
+    early = hw.cuda and steps_under_backward(prof, shape)
     t_opt = t_done
-    for u in units:
+    for u in sorted(units, key=lambda u: grads_ready[u.name]) if early else units:
         if not u.trainable:
             continue
         up = p.of(u.name)
         on_dev = up.master == up.grads == up.optim == Tier.DEVICE
+        start = grads_ready[u.name] if early and not on_dev else t_done
         nv = sum(_state_nbytes(plan, u, s) for s in (State.MASTER, State.OPTIM, State.GRADS) if up.tier(s) == Tier.NVME)
-        ready = sim.run("nvme read", f"read {u.name} optimizer states", nv / hw.nvme_read_bw, t_done) if nv else t_done
+        ready = sim.run("nvme read", f"read {u.name} optimizer states", nv / hw.nvme_read_bw, start) if nv else start
         rate = hw.device_adam_rate if on_dev else hw.cpu_adam_rate
         track = "compute" if on_dev else "optimizer"
         passes = unit_pass_bytes(u, p, shape)[1] / host_pass_rate(hw) if hw.cuda and not on_dev else 0.0
