@@ -63,7 +63,7 @@ def test_benchmarks_smoke_and_one_figures_file(tmp_path):
     # tightfit's side carries its plan's prediction beside the measurement, and its threads' times.
     pv = b["tightfit"]["plan_vs_measured"]
     assert pv["predicted"]["step_s"] > 0 and pv["measured"]["step_s"] == b["tightfit"]["median_step_s"]
-    assert "passes_s" in pv["step_terms"] and "host_pass_bw" in pv["hardware"]
+    assert "passes_s" in pv["step_terms"] and "optim_after_s" in pv["step_terms"] and "host_pass_bw" in pv["hardware"]
     assert b["tightfit"]["engine_s_per_step"]["optimizer_s"] > 0
 
     b = json.loads((parts / "bench_gpu_llama.json").read_text())

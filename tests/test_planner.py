@@ -411,6 +411,7 @@ def test_without_clipping_the_cpu_steps_under_the_last_backward():
     after = cpu_step_after_backward(bf16, host_states, hw, shape, phase_a)
     assert steps["root"] <= after < sum(steps.values())
     assert late.step_s - early.step_s == pytest.approx(sum(steps.values()) - after)
+    assert early.optim_after_s == pytest.approx(after) and late.optim_after_s == pytest.approx(sum(steps.values()))
     c = cfg(gpu_mem="40MiB")  # most states on the host: the CPU's steps are the step
     c.optim.grad_clip, c.train.precision = 0.0, "bf16"
     plan = make_plan(model, c, hw)

@@ -102,6 +102,9 @@ class Prediction:
     passes_s: float = 0.0
     """Of the terms above, the CPU's elementwise passes over host memory besides AdamW on a GPU machine ([Note: host
     passes]): the gradient worker's in backward (a stream of its own) and the step's (in `optim_s`)."""
+    optim_after_s: float = 0.0
+    """Of the CPU optimizer's time on a GPU machine, what runs after phase A: all of it with clipping, less when
+    each unit steps under the last backward ([Note: the step under backward])."""
     exposed_s: float = 0.0
     """Latency nothing hides: fetching the first units before compute can start."""
     step_s: float = 0.0
@@ -437,6 +440,7 @@ def step_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, 
         if steps_under_backward(profile, shape):
             cpu_step = cpu_step_after_backward(profile, placement, hw, shape, phase_a)
         phase_b = max(cpu_step, disk_b, h2d_b) + dev_opt / hw.device_adam_rate
+        pred.optim_after_s = cpu_step
         opt += step_passes
         pred.passes_s = backward_passes + step_passes
         terms = {"compute" if kernels >= host else "host issuing ops": compute, "host<->device": link,
