@@ -348,17 +348,17 @@ def backward_arrivals(profile: ModelProfile, placement: Placement, hw: HardwareP
     complete: the blocks last to first, then the root (a language model's embedding gradient comes last). The last
     micro-batch takes its share of phase A, its backward the backward kernels' share of that (recomputation
     included), and each unit its own share of the backward."""
-    def bwd(u: UnitProfile) -> float:
-        return kernel_time(u.bwd, hw) + (kernel_time(u.fwd, hw) if u.name in placement.checkpoint_units else 0.0)
-
-    total_bwd = sum(bwd(u) for u in profile.units)
-    total = sum(kernel_time(u.fwd, hw) for u in profile.units) + total_bwd
+    fwd = {u.name: kernel_time(u.fwd, hw) for u in profile.units}
+    bwd = {u.name: kernel_time(u.bwd, hw) + (fwd[u.name] if u.name in placement.checkpoint_units else 0.0)
+           for u in profile.units}
+    total_bwd = sum(bwd.values())
+    total = sum(fwd.values()) + total_bwd
     backward = phase_a / shape.grad_accum * (total_bwd / total if total else 0.0)
     order = [u for u in reversed(profile.units) if u.name != ROOT_UNIT] + \
         [u for u in profile.units if u.name == ROOT_UNIT]
     t, out = phase_a - backward, []
     for u in order:
-        t += backward * bwd(u) / total_bwd if total_bwd else 0.0
+        t += backward * bwd[u.name] / total_bwd if total_bwd else 0.0
         out.append((u, t))
     out[-1] = (out[-1][0], phase_a)
     return out

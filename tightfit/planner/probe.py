@@ -451,16 +451,12 @@ def refresh_speeds(hw: HardwareProfile) -> HardwareProfile:
     Apart for the reason `probe_apart` is: the measurements' buffers, freed, stay in this process's heap (the
     planner benchmark's processes, which take their RSS floor after this, planned 100 MiB more than they held
     once the small kernels were measured first: batch Y). Where the child cannot run, here."""
-    code = ("import json, sys, torch\n"
-            "torch.set_num_threads(int(sys.argv[2]))\n"
-            "from tightfit.planner.hardware import HardwareProfile\n"
-            "from tightfit.planner.probe import _refresh_here\n"
-            "print(json.dumps(_refresh_here(HardwareProfile.from_dict(json.loads(sys.argv[1]))).to_dict()))\n")
-    line = _last_line_of_child(code, json.dumps(hw.to_dict()), str(torch.get_num_threads()), timeout=600)
-    if line is not None:
-        with contextlib.suppress(ValueError, TypeError):
-            return HardwareProfile.from_dict(json.loads(line))
-    return _refresh_here(hw)
+    return _apart("_refresh_from_json", json.dumps(hw.to_dict())) or _refresh_here(hw)
+
+
+def _refresh_from_json(hw_json: str) -> HardwareProfile:
+    """`refresh_speeds`' child: the profile given as JSON, its speeds measured again here."""
+    return _refresh_here(HardwareProfile.from_dict(json.loads(hw_json)))
 
 
 def _refresh_here(hw: HardwareProfile) -> HardwareProfile:
@@ -497,15 +493,26 @@ def probe_apart(folder: str | None) -> HardwareProfile:
     by more than the run itself held (a first `make train`: 904 MiB measured against 549 predicted), and took room
     that `--cpu-mem` gives the run. Where the child cannot run (no interpreter, tightfit not importable there) the
     probe runs here, as it did before."""
+    return _apart("_quick_probe", folder or "") or run_probe(folder, sustained=False)
+
+
+def _quick_probe(folder: str) -> HardwareProfile:
+    """`probe_apart`'s child: the quick probe, cached ("": no swap folder)."""
+    return run_probe(folder or None, sustained=False)
+
+
+def _apart(function: str, arg: str) -> HardwareProfile | None:
+    """The profile this module's `function(arg)` returns, called by a fresh Python with this process's thread
+    count; None where that failed."""
     code = ("import json, sys, torch\n"
-            "torch.set_num_threads(int(sys.argv[2]))\n"
-            "from tightfit.planner.probe import run_probe\n"
-            "print(json.dumps(run_probe(sys.argv[1] or None, sustained=False).to_dict()))\n")
-    line = _last_line_of_child(code, folder or "", str(torch.get_num_threads()), timeout=600)
+            "torch.set_num_threads(int(sys.argv[3]))\n"
+            "from tightfit.planner import probe\n"
+            "print(json.dumps(getattr(probe, sys.argv[1])(sys.argv[2]).to_dict()))\n")
+    line = _last_line_of_child(code, function, arg, str(torch.get_num_threads()), timeout=600)
     if line is not None:
         with contextlib.suppress(ValueError, TypeError):
             return HardwareProfile.from_dict(json.loads(line))
-    return run_probe(folder, sustained=False)
+    return None
 
 
 def _last_line_of_child(code: str, *args: str, timeout: float) -> str | None:

@@ -46,8 +46,9 @@ class Work:
 
     def scaled_data(self, f: float) -> "Work":
         """This work at `f` times the tokens: FLOPs and bytes scale, the op count does not."""
-        return Work({k: v * f for k, v in self.gemm_flops.items()}, self.mem_bytes * f, self.n_ops,
-                    {k: v * f for k, v in self.attn_flops.items()}, {k: v * f for k, v in self.timed_bytes.items()})
+        w = self.scaled(f)
+        w.n_ops = self.n_ops
+        return w
 
     @property
     def flops(self) -> float:

@@ -407,12 +407,12 @@ def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> 
         say(f"done: {summary.steps_done} steps in {format_duration(seconds)} ({summary.tokens_per_s:,.0f} tok/s), "
             f"train loss {loss_val:.4f}, val loss {val_loss:.4f} nats/token; peak memory {peaks}; "
             f"checkpoint {path or 'none'}")
-        step_s = statistics.median(step_times) if step_times else seconds / max(1, summary.steps_done)
+        run_step_s = seconds / max(1, summary.steps_done)
+        step_s = statistics.median(step_times) if step_times else run_step_s
         comparison = mem.compare_with_plan(step_s)
         if comparison:
             say(comparison)
-            progress.log({"kind": "plan_vs_measured",
-                          **mem.plan_record(step_s, seconds / max(1, summary.steps_done))})
+            progress.log({"kind": "plan_vs_measured", **mem.plan_record(step_s, run_step_s)})
         if t.plot:
             from tightfit.train.pictures import plot_run
 
