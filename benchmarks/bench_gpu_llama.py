@@ -155,6 +155,7 @@ def run_side(args, side: str) -> dict:
                    achieved_flops=flops / out["median_step_s"])
         if side.startswith("tightfit"):
             out["engine_peaks"] = mem.peak_memory()
+            out["plan_vs_measured"] = mem.plan_record(out["median_step_s"])
             out["moved_per_step"] = util.moved_per_step(mem.model, args.steps)
         return out
     finally:
@@ -232,6 +233,7 @@ def main() -> None:
             sides.append("plain-uncapped")
             results["plain-uncapped"] = util.run_side(__file__, "plain-uncapped", _child_argv(args),
                                                       (lambda: run_side(args, "plain-uncapped")) if here else None)
+        util.save_partial(args.json_out, results)
     # Measured after the sides, so this process holds no GPU memory while they run.
     try:
         peak = results["peak"] = util.peak_flops(torch.device(args.device))

@@ -169,6 +169,7 @@ def run_side(script: str, side: str, argv: list[str], in_process: Callable[[], d
         except Exception as e:  # noqa: BLE001 - a failing side is a figure to report, not a crash
             out = _error_record(e)
         out["wall_s"] = time.perf_counter() - t0
+        print(f"{side}: {summary(out)}", file=sys.stderr, flush=True)
         return out
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "result.json")
@@ -190,7 +191,22 @@ def run_side(script: str, side: str, argv: list[str], in_process: Callable[[], d
         if "error" in out:
             out["log_tail"] = list(tail)
     out["wall_s"] = time.perf_counter() - t0
+    print(f"{side}: {summary(out)}", file=sys.stderr, flush=True)
     return out
+
+
+def summary(out: dict) -> str:
+    """One side's figures in a line, for the log: a run stopped at its time limit keeps what the sides before it
+    measured there as well as in the partial JSON (`save_partial`)."""
+    if "error" in out:
+        return f"failed after {out.get('wall_s', 0):.0f} s: {out['error'][:200]}"
+    gib = 2.0**30
+    parts = [f"median {out['median_step_s']:.3f} s/step"] if "median_step_s" in out else []
+    parts += [f"{out['tokens_per_s']:,.0f} tok/s"] if "tokens_per_s" in out else []
+    if "peak_cuda_allocated" in out:
+        parts.append(f"peak allocated {out['peak_cuda_allocated'] / gib:.2f} GiB, "
+                     f"reserved {out['peak_cuda_reserved'] / gib:.2f} GiB")
+    return ", ".join(parts or ["done"]) + f" ({out.get('wall_s', 0):.0f} s in all)"
 
 
 def child_main(result_path: str, fn: Callable[[], dict]) -> None:
@@ -210,6 +226,16 @@ def _error_record(e: Exception) -> dict:
     if type(e).__name__ == "OutOfMemoryError":
         out["out_of_memory"] = True
     return out
+
+
+def save_partial(path: str | None, results: dict) -> None:
+    """The figures so far, written to `path` (atomically) after each side: a benchmark stopped at its time limit
+    leaves what its finished sides measured."""
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump({**results, "partial": True}, f, indent=2)
+        os.replace(path + ".tmp", path)
 
 
 def write_json(path: str | None, results: dict) -> None:

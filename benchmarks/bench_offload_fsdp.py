@@ -18,8 +18,9 @@ process (bench_gpu_util.py), so each has a clean CUDA context, its own cap
 - tightfit-at-fsdp2-peak (on a GPU): tightfit again, its `--gpu-mem` set to the bytes FSDP2 reserved at its peak.
 Reported per side: median step time over the steps after `--warmup`, tokens/s, the peaks of CUDA memory allocated
 and reserved (the cap bounds reserved bytes), the losses (they agree to bf16 rounding: a check that both train the
-same model); then tightfit's tokens/s over FSDP2's, under the cap and at FSDP2's peak. A side that fails (out of memory under the cap) is reported
-with its error and the exit status is 1. `--json-out PATH` also writes the figures there.
+same model); then tightfit's tokens/s over FSDP2's, under the cap and at FSDP2's peak. A side that fails (out of
+memory under the cap) is reported with its error and the exit status is 1. `--json-out PATH` also writes the
+figures there, after each side (a run stopped at a time limit keeps the sides it finished, marked "partial").
 Defaults (what `make gpu-check` runs): 24 layers x 2048 (1.2 B parameters), batch 2 x 1024 under an 8 GiB cap.
 FSDP2 keeps every block's activations (no checkpointing): about 70 KB per token per block in bf16, 3.4 GB here,
 which the earlier defaults (batch 4 under 6 GiB, 6.8 GB) could not have held.
@@ -205,6 +206,7 @@ def main() -> None:
     for side in SIDES:
         argv = [str(a) for a in shape] + ["--port", str(_free_port())]
         results[side] = util.run_side(__file__, side, argv, (lambda s=side: run[s](args)) if here else None)
+        util.save_partial(args.json_out, results)
     ok = all("error" not in results[s] for s in SIDES)
     if ok:
         results["tokens_per_s_ratio"] = results["tightfit"]["tokens_per_s"] / results["fsdp2"]["tokens_per_s"]

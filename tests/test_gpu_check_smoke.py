@@ -161,3 +161,25 @@ def test_a_failing_side_is_reported_and_the_others_still_run(tmp_path):
     assert util.step_flops(10, 2, 4, 3, 5) == 6 * 10 * 15 + 12 * 2 * 4 * 5 * 15
     assert util.table_peak("NVIDIA H100 80GB HBM3") == 989e12 and util.table_peak("NVIDIA H100 PCIe") == 756e12
     assert util.table_peak("NVIDIA GeForce RTX 3050") is None
+
+
+def test_a_benchmark_stopped_midway_keeps_what_its_finished_sides_measured(tmp_path):
+    """A gpu-check stage that runs past its limit is killed mid-side (the second H200 check lost every benchmark
+    figure so): each side's figures are in the JSON file as soon as it ends, marked partial."""
+    out = tmp_path / "fsdp.json"
+    code = textwrap.dedent("""
+        import sys
+        sys.path.insert(0, "benchmarks")
+        import bench_offload_fsdp as bench
+        def killed(args):
+            raise SystemExit(124)  # the stage's time limit, while the second side runs
+        bench.run_tightfit = killed
+        sys.argv = ["bench_offload_fsdp.py", *sys.argv[1:]]
+        bench.main()
+    """)
+    rc, log = _finish(_start([sys.executable, "-c", code, *FSDP_SMOKE, "--json-out", str(out)]))
+    assert rc == 124, log
+    r = json.loads(out.read_text())
+    assert r["partial"] is True and "tightfit" not in r
+    assert r["fsdp2"]["median_step_s"] > 0 and len(r["fsdp2"]["losses"]) == 3
+    assert "fsdp2: median" in log  # the side's figures in the log too
