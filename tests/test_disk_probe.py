@@ -224,7 +224,7 @@ def test_probe_disk_volume_reaches_the_sustained_measurement(tmp_path, monkeypat
     monkeypatch.setenv("TIGHTFIT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(probe, "probe_disk", fake_probe_disk)
     monkeypatch.setattr(probe, "measure_copies", lambda: (1e10, 1e10))
-    monkeypatch.setattr(probe, "measure_adam", lambda device: 1e8)
+    monkeypatch.setattr(probe, "measure_adam", lambda device, **_: 1e8)
     monkeypatch.setattr(probe, "measure_mem_bw", lambda device: 1e10)
     monkeypatch.setattr(probe, "measure_matmul", lambda device, dtype: {128: 1e11})
     monkeypatch.setattr(probe, "measure_op_overhead", lambda device: 1e-5)

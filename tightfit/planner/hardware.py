@@ -58,7 +58,8 @@ class HardwareProfile:
     mem_bw: float
     """Memory bandwidth of the compute device for memory-bound ops (copy of a large tensor: read + write bytes)."""
     cpu_adam_rate: float
-    """Parameters per second of torch's fused AdamW on CPU (fp32 master + moments + fp32 grads)."""
+    """Parameters per second of torch's fused AdamW on CPU (fp32 master + moments + fp32 grads), over states larger
+    than the host's caches, on the cores the engine's step thread has (`probe.measure_cpu_adam`)."""
     device_adam_rate: float
     """Parameters per second of AdamW on the device (equals cpu_adam_rate on a CPU-only machine)."""
     matmul_flops: dict[int, float] = field(default_factory=dict)
@@ -231,14 +232,15 @@ def machine_key() -> str:
     return f"{socket.gethostname()}|{devs}|threads={torch.get_num_threads()}"
 
 
-PROBE_VERSION = 9
+PROBE_VERSION = 10
 """Bumped whenever a probed figure changes meaning (or a new one is measured). 2: matmul rates by the smallest side
 ([Note: matmul rate by the smallest side] in work.py; they were by square size). 3: the device's math
 workspace. 4: the engine's host time per unit and per step. 5: and per streamed unit. 6: copies both ways at once.
 7: the engine with its views built once ([Note: views built once] in offload/step/unit.py): a cached 6 overstates
 its host time; and the host passes' rate (`host_pass_bw`); on a CPU, copies on one core, as the engine's copy
 threads now make them. 8: fused attention's rate ([Note: attention's own rate] in work.py). 9: and the
-elementwise ops timed alone ([Note: ops slower than their bytes])."""
+elementwise ops timed alone ([Note: ops slower than their bytes]). 10: CPU AdamW over 64 M parameters on the
+engine's step-thread cores (`probe.ADAM_NUMEL`), and on a GPU attention over enough heads to fill it."""
 
 
 def cache_path() -> Path:

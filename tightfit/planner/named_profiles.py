@@ -131,10 +131,12 @@ PROFILES.update({
     # The H200 this project was lent (2026-11-26, ../shared/gpu-runs/2026-11-26/): what was measured there is said so.
     "h200": _rented("NVIDIA H200", gib=139, peak=989e12, achieved=797e12, mem_tbs=4.8, pcie=5, host_gib=125, cores=16,
                     hopper=True,
-                    achieved_note="measured: an 8192^3 bf16 matmul on the H200 lent on 2026-11-26", adam=2.5e9,
+                    achieved_note="measured: an 8192^3 bf16 matmul on the H200 lent on 2026-11-26", adam=3.35e9,
                     measured=["measured on the H200 lent on 2026-11-26: 139.8 GiB visible to torch, 16 CPU cores, "
-                              "125 GiB RAM, bf16 matmul 797 TFLOP/s at 8192, fused AdamW on its CPU at 2.5 G "
-                              "params/s (its probe's; 1.21 B params in 484 ms); every other figure assumed"]),
+                              "125 GiB RAM, bf16 matmul 797 TFLOP/s at 8192, fused AdamW on its CPU at 3.35 G "
+                              "params/s (over 64 M parameters on the engine's 11 step-thread cores, its second "
+                              "run); every other figure assumed (benchmarks/gpu-runs/2026-11-26b/h200-measured.json "
+                              "holds that run's own)"]),
     "a100-40gb": _rented("NVIDIA A100 40GB", gib=40, peak=312e12, achieved=230e12, mem_tbs=1.55, pcie=4,
                          host_gib=85, cores=12, hopper=False, achieved_note="assumed 0.74 of the data sheet's peak"),
     "a100-80gb": _rented("NVIDIA A100 80GB", gib=80, peak=312e12, achieved=230e12, mem_tbs=2.0, pcie=4,

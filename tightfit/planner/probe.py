@@ -94,8 +94,14 @@ def measure_matmul(device: str, dtype: torch.dtype) -> dict[int, float]:
 
 
 _ATTENTION_SHAPES = ((128, 32, 64), (512, 64, 4), (2048, 128, 1))
-"""(tokens, head dim, batch x heads) of the attention the probe times: a small model's short sequences, a mid-sized
-model's, a 1-8 B model's at 2048 tokens; each call ~0.2-4 GFLOP."""
+"""(tokens, head dim, batch x heads) of the attention the probe times on a CPU: a small model's short sequences, a
+mid-sized model's, a 1-8 B model's at 2048 tokens; each call ~0.2-4 GFLOP."""
+
+_GPU_HEADS = 32
+"""On a GPU, batch x heads times this: a fused kernel runs a tile of queries per block, and one head of 2048 tokens
+kept 16 of an H200's 132 SMs busy (17 TFLOP/s measured, the Llama plan's compute priced 3x plain PyTorch's whole
+step: benchmarks/RESULTS.md, "GPU check"). The kernel's launch is the host's op overhead, priced apart, so the rate
+is that of a kernel with the GPU to itself, as a model's batch x heads (64 for the 1.1 B Llama) gives it."""
 
 
 def measure_attention(device: str, dtype: torch.dtype) -> dict[int, float]:
@@ -106,6 +112,7 @@ def measure_attention(device: str, dtype: torch.dtype) -> dict[int, float]:
 
     out = {}
     for t, d, bh in _ATTENTION_SHAPES:
+        bh *= _GPU_HEADS if device == "cuda" else 1
         q, k, v = (_operand(1, bh, t, d, device=device, dtype=dtype).requires_grad_() for _ in range(3))
         grad = _operand(1, bh, t, d, device=device, dtype=dtype)
 
@@ -263,12 +270,33 @@ def measure_device_workspace() -> int:
     return max(0, torch.cuda.memory_allocated() - before - held)
 
 
-def measure_adam(device: str, numel: int = 4 << 20) -> float:
-    """Parameters per second of torch's fused AdamW (fp32 params, grads and moments)."""
+ADAM_NUMEL = 64 << 20
+"""Parameters the probe's AdamW steps: 1 GiB of fp32 master, gradients and moments, past any host's caches, as a
+unit's states are when the engine steps it (each step reads them from memory once). Over 4 M parameters (64 MiB)
+the second H200 run's host stepped 9.67 G parameters/s, out of its caches, and 3.35-3.92 over 64 M; the plan had
+priced the 1.2 B GPT's CPU optimizer at the first (benchmarks/RESULTS.md, "GPU check")."""
+
+
+def measure_adam(device: str, numel: int = ADAM_NUMEL, threads: int | None = None) -> float:
+    """Parameters per second of torch's fused AdamW (fp32 params, grads and moments), on `threads` intra-op threads
+    (None: this thread's count)."""
     p = torch.nn.Parameter(_operand(numel, device=device))
     p.grad = _operand(numel, device=device)
     opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
-    return numel / _timeit(opt.step, min_s=0.2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        return numel / _timeit(opt.step, min_s=0.2)
+    finally:
+        torch.set_num_threads(before)
+
+
+def measure_cpu_adam(cuda: bool) -> float:
+    """CPU AdamW's rate on the threads the engine's step thread runs it on ([Note: thread budget] in
+    offload/runtime/workers.py: on a GPU machine the cores but the gradient worker's and one)."""
+    from tightfit.offload.runtime.workers import thread_budget
+
+    return measure_adam("cpu", threads=thread_budget(torch.get_num_threads(), cuda)["step"])
 
 
 def measure_host_passes(numel: int = 32 << 20) -> float:
@@ -390,7 +418,7 @@ def run_probe(folder: str | None = None, save: bool = True, sustained: bool = Tr
     attention, timed_ops = _small_kernels(device, dtype)
     h2d, d2h = measure_copies()
     disk = measure_disk(folder, sustained=sustained, volume=disk_volume)
-    cpu_adam = measure_adam("cpu")
+    cpu_adam = measure_cpu_adam(cuda)
     hw = HardwareProfile(
         key=machine_key(), cuda=cuda, device_name=torch.cuda.get_device_name(0) if cuda else "cpu",
         gpu_total=gpu_total, gpu_free=gpu_total, host_total=0, host_available=0, nvme_free=0,
@@ -466,7 +494,7 @@ def _refresh_here(hw: HardwareProfile) -> HardwareProfile:
     dtype = torch.bfloat16 if cuda else torch.float32
     attention, timed_ops = _small_kernels(device, dtype)
     h2d, d2h = measure_copies()
-    cpu_adam = measure_adam("cpu")
+    cpu_adam = measure_cpu_adam(cuda)
     return replace(hw, matmul_flops=measure_matmul(device, dtype), attention_flops=attention, timed_op_bw=timed_ops,
                    mem_bw=measure_mem_bw(device), op_overhead_s=measure_op_overhead(device), cpu_adam_rate=cpu_adam,
                    host_pass_bw=measure_host_passes(),
