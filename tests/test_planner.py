@@ -386,12 +386,14 @@ def test_the_probe_times_each_elementwise_op():
 
 def test_without_clipping_the_cpu_steps_under_the_last_backward():
     """[Note: the step under backward]: on a GPU machine without clipping, each unit's CPU step starts when its
-    gradients land, the blocks last to first, the root (its embedding gradient last) at the end of the backward.
-    What is left after phase A is the root's step at least, the whole CPU step at most. bf16 and fp16 cost the same
-    bytes, but an fp16 loss scaler needs every gradient first: the difference between their steps is the overlap.
-    The simulated step (the plan's picture) agrees with the analytic one."""
-    from tightfit.planner.costs import (TrainShape, backward_arrivals, cpu_step_after_backward, predict,
-                                        unit_cpu_step)
+    gradients land, the blocks last to first, the root (its embedding gradient last) at the end of the backward,
+    after the gradient worker's pass over its last gradients ([Note: one memory under backward]). What is left after
+    phase A is the root's pass and step at least, every unit's at most; where the CPU binds, the queue never idles
+    from the first unit's gradients on. bf16 and fp16 cost the same bytes, but an fp16 loss scaler needs every
+    gradient first: it steps after phase A, slower. The simulated step (the plan's picture) agrees with the
+    analytic one."""
+    from tightfit.planner.costs import (TrainShape, backward_arrivals, cpu_step_after_backward, last_gradient_pass,
+                                        predict, unit_cpu_step)
     from tightfit.planner.trace import simulate
 
     host_states = Placement(default=UnitPlacement(params=Tier.DEVICE, master=Tier.HOST, grads=Tier.HOST,
@@ -402,16 +404,25 @@ def test_without_clipping_the_cpu_steps_under_the_last_backward():
         model = GPT(GPTConfig(n_layer=6, n_embd=256, n_head=4, vocab_size=256))
     bf16, fp16 = (profile_model(model, 4, 128, dtype) for dtype in ("bf16", "fp16"))
     early, late = predict(bf16, host_states, hw, shape), predict(fp16, host_states, hw, shape)
-    phase_a = late.step_s - late.exposed_s - late.optim_s  # late: A, then the whole CPU step
+    phase_a = early.step_s - early.exposed_s - early.optim_after_s  # early: A, then what of the steps is left
     arrivals = backward_arrivals(bf16, host_states, hw, shape, phase_a)
     assert [u.name for u, _ in arrivals] == [f"blocks.{i}" for i in reversed(range(6))] + ["root"]
     assert [t for _, t in arrivals] == sorted(t for _, t in arrivals) and arrivals[-1][1] == phase_a
     assert arrivals[0][1] > phase_a * 0.5  # the last micro-batch's backward: within its half of phase A
     steps = {u.name: unit_cpu_step(u, host_states, hw, shape) for u, _ in arrivals}
+    queue = {u.name: last_gradient_pass(u, host_states, hw, shape) + steps[u.name] for u, _ in arrivals}
+    assert all(queue[n] > steps[n] for n in queue)  # every unit's gradients are on the host
     after = cpu_step_after_backward(bf16, host_states, hw, shape, phase_a)
-    assert steps["root"] <= after < sum(steps.values())
-    assert late.step_s - early.step_s == pytest.approx(sum(steps.values()) - after)
+    assert queue["root"] <= after < sum(queue.values())
     assert early.optim_after_s == pytest.approx(after) and late.optim_after_s == pytest.approx(sum(steps.values()))
+    assert early.step_s < late.step_s
+    slow = replace(hw, cpu_adam_rate=2e7)  # the CPU binds by far: one busy queue from the first unit's gradients
+    a_slow = predict(bf16, host_states, slow, shape)
+    a_slow = a_slow.step_s - a_slow.exposed_s - a_slow.optim_after_s
+    first = backward_arrivals(bf16, host_states, slow, shape, a_slow)[0][1]
+    busy = sum(last_gradient_pass(u, host_states, slow, shape) + unit_cpu_step(u, host_states, slow, shape)
+               for u in bf16.units)
+    assert a_slow + cpu_step_after_backward(bf16, host_states, slow, shape, a_slow) == pytest.approx(first + busy)
     c = cfg(gpu_mem="40MiB")  # most states on the host: the CPU's steps are the step
     c.optim.grad_clip, c.train.precision = 0.0, "bf16"
     plan = make_plan(model, c, hw)
@@ -428,6 +439,47 @@ def test_the_probe_times_attention_at_each_size():
 
     rates = measure_attention("cpu", torch.float32)
     assert sorted(rates) == [64, 256, 1024] and all(math.isfinite(r) and r > 0 for r in rates.values())
+
+
+def test_the_probe_times_adamw_past_the_caches_on_the_step_threads(monkeypatch):
+    """The engine steps each unit's states from memory, on its step thread's cores ([Note: thread budget]): the
+    probe's AdamW steps 1 GiB of states at that count (on a GPU machine fewer than every core), and leaves the
+    thread's count as it was. Over 64 MiB the second H200 run's host measured 2.9x its rate in memory."""
+    from tightfit.offload.runtime.workers import thread_budget
+    from tightfit.planner import probe
+
+    numels, threads = [], []
+    real = probe._operand
+    monkeypatch.setattr(probe, "_operand", lambda *shape, **k: numels.append(shape) or real(1, **k).expand(*shape))
+    monkeypatch.setattr(probe, "_timeit", lambda fn, **k: threads.append(torch.get_num_threads()) or 0.5)
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        for cuda in (True, False):
+            numels.clear()
+            rate = probe.measure_cpu_adam(cuda)
+            assert numels and all(n * 16 >= 1 << 30 for (n,) in numels) and rate == numels[0][0] / 0.5
+            assert threads[-1] == (thread_budget(4, cuda)["step"] or 4) and torch.get_num_threads() == 4
+        assert threads == [2, 4]  # a GPU machine's step thread: 4 cores less the gradient worker's and one
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_on_a_gpu_the_probe_times_attention_over_heads_that_fill_it(monkeypatch):
+    """One head of 2048 tokens keeps a few of a GPU's SMs busy: the GPU's shapes have 32x the CPU's batch x heads,
+    at the same sizes (keys)."""
+    from tightfit.planner import probe
+
+    shapes = {}
+    for device in ("cpu", "cuda"):
+        seen = shapes[device] = []
+        monkeypatch.setattr(probe, "_operand",
+                            lambda *shape, seen=seen, **k: seen.append(shape) or torch.zeros(shape, dtype=k["dtype"]))
+        monkeypatch.setattr(probe, "_timeit", lambda fn, **k: 1.0)
+        keys = probe.measure_attention(device, torch.float32)
+        assert sorted(keys) == [64, 256, 1024]
+    assert [s[1] * 32 for s in shapes["cpu"]] == [s[1] for s in shapes["cuda"]]
+    assert [s[2:] for s in shapes["cpu"]] == [s[2:] for s in shapes["cuda"]]
 
 
 def test_a_cached_profile_of_an_older_probe_is_measured_again(tmp_path, monkeypatch):

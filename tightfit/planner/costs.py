@@ -342,6 +342,15 @@ def unit_cpu_step(u: UnitProfile, placement: Placement, hw: HardwareProfile, sha
     return u.trainable / hw.cpu_adam_rate + unit_pass_bytes(u, placement, shape)[1] / host_pass_rate(hw)
 
 
+def last_gradient_pass(u: UnitProfile, placement: Placement, hw: HardwareProfile, shape: TrainShape) -> float:
+    """Seconds of the gradient worker's pass over one unit's gradients of the last micro-batch, in a step that steps
+    under backward (no clip: no norm pass): the pack read, the sum written, and read where micro-batches came before
+    ([Note: host passes], [Note: one memory under backward])."""
+    if not u.trainable or placement.of(u.name).grads == Tier.DEVICE:
+        return 0.0
+    return u.trainable * (shape.compute_bytes + 4 + (4 if shape.grad_accum > 1 else 0)) / host_pass_rate(hw)
+
+
 def backward_arrivals(profile: ModelProfile, placement: Placement, hw: HardwareProfile, shape: TrainShape,
                       phase_a: float) -> list[tuple[UnitProfile, float]]:
     """(unit, when its gradients are complete, from the start of the step) in the last backward, in the order they
@@ -371,16 +380,26 @@ def backward_arrivals(profile: ModelProfile, placement: Placement, hw: HardwareP
 # units in arrival order, and phase B is what of it is left after phase A: the root's step at least (its embedding
 # gradient lands last), all of it when the CPU is the slower side by more than the backward. A model with one
 # block barely overlaps; one whose CPU step is short against its backward ends with the root's step.
+#
+# [Note: one memory under backward] Under the last backward two host threads pass over the same memory: the gradient
+# worker adds each unit's last gradients into their sum, the step thread runs AdamW and the master's cast on the
+# units whose sums are done. Each pass is bound by the host's memory and the probe measures each alone, on every
+# core; at once they share it. The second H200 run (benchmarks/RESULTS.md, "GPU check") measured the 1.2 B GPT's step
+# thread at 0.70 s for 1.21 G parameters while the worker's passes ran beside it (0.39 s), where AdamW alone runs
+# 3.35-3.92 G parameters/s over 64 M. So a unit's CPU step follows its gradients' last pass on one queue: the
+# worker's pass over a unit's last gradients is counted before that unit's step. The earlier micro-batches' passes,
+# under backwards with no step beside them, stay a stream of phase A of their own.
 
 
 def cpu_step_after_backward(profile: ModelProfile, placement: Placement, hw: HardwareProfile, shape: TrainShape,
                             phase_a: float) -> float:
     """Seconds the CPU optimizer runs after phase A when it steps during the last backward ([Note: the step under
+    backward]), each unit's step after the gradient worker's last pass over its gradients ([Note: one memory under
     backward])."""
     end = 0.0
     for u, ready in backward_arrivals(profile, placement, hw, shape, phase_a):
         if u.trainable and not _optimizer_on_device(placement, u.name):
-            end = max(end, ready) + unit_cpu_step(u, placement, hw, shape)
+            end = max(end, ready) + last_gradient_pass(u, placement, hw, shape) + unit_cpu_step(u, placement, hw, shape)
     return max(0.0, end - phase_a)
 
 
@@ -435,16 +454,20 @@ def step_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, 
         # Both directions at once share the link: no less than all the bytes at the rate both together reach.
         link = max(h2d, d2h, (tr["h2d"] + tr["d2h"]) / hw.duplex_bw if hw.duplex_bw else 0.0)
         backward_passes, step_passes = (b / host_pass_rate(hw) for b in host_pass_bytes(profile, placement, shape))
-        phase_a = max(compute, link, disk_a, backward_passes)
+        early = steps_under_backward(profile, shape)
+        # Stepping under backward, the last micro-batch's passes queue with the steps ([Note: one memory under
+        # backward]): phase A's stream of them holds the earlier micro-batches'.
+        last_passes = sum(last_gradient_pass(u, placement, hw, shape) for u in profile.units) if early else 0.0
+        phase_a = max(compute, link, disk_a, backward_passes - last_passes)
         cpu_step = cpu_opt / hw.cpu_adam_rate + step_passes
-        if steps_under_backward(profile, shape):
+        if early:
             cpu_step = cpu_step_after_backward(profile, placement, hw, shape, phase_a)
         phase_b = max(cpu_step, disk_b, h2d_b) + dev_opt / hw.device_adam_rate
         pred.optim_after_s = cpu_step
         opt += step_passes
         pred.passes_s = backward_passes + step_passes
         terms = {"compute" if kernels >= host else "host issuing ops": compute, "host<->device": link,
-                 "nvme": disk_a, "host gradient sums": backward_passes}
+                 "nvme": disk_a, "host gradient sums": backward_passes - last_passes}
     else:
         # One set of cores: compute and memcpy serialise; the disk threads wait on DMA and overlap.
         phase_a = max(compute + h2d + d2h, disk_a)

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tightfit.offload.placement import State, Tier
-from tightfit.planner.costs import (host_pass_rate, steps_under_backward, unit_host_time, unit_pass_bytes,
-                                    work_time)
+from tightfit.planner.costs import (host_pass_rate, last_gradient_pass, steps_under_backward, unit_host_time,
+                                    unit_pass_bytes, work_time)
 from tightfit.planner.plan import TIERS, Plan
 
 
@@ -81,6 +81,7 @@ def simulate(plan: Plan) -> Timeline:
     units = prof.units
     t_done = 0.0
     grads_ready: dict[str, float] = {}  # unit -> its gradients of the last micro-batch complete on their tier
+    landed: dict[str, float] = {}  # unit -> its gradients of the last micro-batch on the host, before their sum
 
     def hooks(u) -> float:  # the engine's host time for the unit, half in each pass
         return unit_host_time(hw, shape, u.name in streamed) / 2
@@ -124,10 +125,11 @@ def simulate(plan: Plan) -> Timeline:
                 sim.change(end, "device", -pbytes)
             released.append(end)
             t_done = end
-            grads_ready[u.name] = end
+            grads_ready[u.name] = landed[u.name] = end
             if u.trainable and p.of(u.name).grads != Tier.DEVICE:
                 g = u.trainable * shape.compute_bytes
-                out = grads_ready[u.name] = sim.run("device->host", f"grads {u.name}", g / hw.d2h_bw, end)
+                out = grads_ready[u.name] = landed[u.name] = sim.run("device->host", f"grads {u.name}", g / hw.d2h_bw,
+                                                                     end)
                 if hw.cuda:  # [Note: host passes] in costs.py: the sum and the norms, on the gradient worker
                     grads_ready[u.name] = sim.run(
                         "gradient worker", f"sum grads {u.name}",
@@ -137,6 +139,8 @@ def simulate(plan: Plan) -> Timeline:
     # Optimizer: per unit, read its NVMe states, update, write them back. Without clipping, on a GPU machine, a
     # unit's CPU step starts when its gradients of the last backward are summed ([Note: the step under backward]
     # in costs.py), the units in the order they land.
+    # Its step then follows the worker's pass over its last gradients on the host's one memory ([Note: one memory
+    # under backward] in costs.py): it starts when they land, that pass counted first.
     early = hw.cuda and steps_under_backward(prof, shape)
     t_opt = t_done
     for u in sorted(units, key=lambda u: grads_ready[u.name]) if early else units:
@@ -144,12 +148,15 @@ def simulate(plan: Plan) -> Timeline:
             continue
         up = p.of(u.name)
         on_dev = up.master == up.grads == up.optim == Tier.DEVICE
-        start = grads_ready[u.name] if early and not on_dev else t_done
+        shared = early and not on_dev
+        start = landed[u.name] if shared else t_done
         nv = sum(_state_nbytes(plan, u, s) for s in (State.MASTER, State.OPTIM, State.GRADS) if up.tier(s) == Tier.NVME)
         ready = sim.run("nvme read", f"read {u.name} optimizer states", nv / hw.nvme_read_bw, start) if nv else start
         rate = hw.device_adam_rate if on_dev else hw.cpu_adam_rate
         track = "compute" if on_dev else "optimizer"
         passes = unit_pass_bytes(u, p, shape)[1] / host_pass_rate(hw) if hw.cuda and not on_dev else 0.0
+        if shared:
+            passes += last_gradient_pass(u, p, hw, shape)
         end = sim.run(track, f"adamw {u.name}", u.trainable / rate + passes, ready)
         if nv:
             end = max(end, sim.run("nvme write", f"write {u.name} optimizer states", nv / hw.nvme_write_bw, end))
