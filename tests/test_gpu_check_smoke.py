@@ -183,3 +183,21 @@ def test_a_benchmark_stopped_midway_keeps_what_its_finished_sides_measured(tmp_p
     assert r["partial"] is True and "tightfit" not in r
     assert r["fsdp2"]["median_step_s"] > 0 and len(r["fsdp2"]["losses"]) == 3
     assert "fsdp2: median" in log  # the side's figures in the log too
+
+
+def test_a_gpu_runs_plans_are_predicted_again_against_what_it_measured():
+    """benchmarks/replay_gpu_plans.py: the second H200 run's tightfit sides planned again on this machine for that
+    machine's figures (its folder's hardware file), each beside the step and device peak the run measured."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import replay_gpu_plans as replay
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    rows = {r["case"]: r for r in replay.replay(replay.RUN, as_run=False, save=None, load=None)}
+    assert rows["fsdp-tightfit"]["measured_step_s"] == pytest.approx(0.9163534790000085)
+    assert rows["fsdp-tightfit"]["measured_device"] == 3400169984
+    for r in rows.values():
+        assert r["predicted_step_s"] > 0 and r["predicted_device"] > 0 and " on " in r["placement"]
+    if "llama-tightfit-host" in rows:  # transformers installed
+        assert rows["llama-tightfit-host"]["placement"] == "92 on host"
+        assert rows["llama-tightfit-host"]["measured_step_s"] == 3.483
