@@ -156,6 +156,7 @@ def run_side(args, side: str) -> dict:
         if side.startswith("tightfit"):
             out["engine_peaks"] = mem.peak_memory()
             out["plan_vs_measured"] = mem.plan_record(out["median_step_s"])
+            out["placement"] = util.placement_of(mem)  # what replay_gpu_plans.py predicts again
             out["moved_per_step"] = util.moved_per_step(mem.model, args.steps)
         return out
     finally:

@@ -228,6 +228,12 @@ def _error_record(e: Exception) -> dict:
     return out
 
 
+def placement_of(mem) -> dict | None:
+    """The placement a tightfit side trained with (its plan's), as JSON data; None where it made no plan."""
+    plan = getattr(mem, "plan", None)
+    return plan.placement.to_dict() if plan is not None else None
+
+
 def save_partial(path: str | None, results: dict) -> None:
     """The figures so far, written to `path` (atomically) after each side: a benchmark stopped at its time limit
     leaves what its finished sides measured."""

@@ -150,6 +150,7 @@ def run_tightfit(args) -> dict:
         # among them: [Note: host passes] in tightfit/planner/costs.py).
         out["plan_vs_measured"] = mem.plan_record(out["median_step_s"])
         out["plan"] = mem.describe()
+        out["placement"] = util.placement_of(mem)  # what replay_gpu_plans.py predicts again
         out["engine_peaks"] = mem.peak_memory()
         out["moved_per_step"] = util.moved_per_step(mem.model, args.steps)
         return out

@@ -10,6 +10,7 @@ and planned for that hardware as `tightfit train` plans it; printed: the plan, i
 and the run's measured ones.
 - `--as-run`: the hardware as the run's own probe saw it (`h200-as-run.json`: the figures the probe of the code
   that ran measured differently, such as AdamW over states that fitted the host's caches).
+- A side whose JSON holds its placement (the benchmarks record it since this run) is predicted at that placement.
 - `--save-placements DIR`: write each plan's placement there (JSON); `--placements DIR`: predict those placements
   instead of planning. With `--as-run --save-placements` under the code that ran (a worktree of its commit on
   PYTHONPATH) the placements the run trained with are saved; `--placements` then predicts them with this code, the
@@ -94,8 +95,9 @@ def replay(run: Path, as_run: bool, save: Path | None, load: Path | None) -> lis
         plan = make_plan(model, cfg, hw, what_if=True)
         name = f"{bench}-{side}"
         placement, pred = plan.placement, plan.prediction
-        if load:
-            placement = Placement.from_json((load / f"{name}.json").read_text())
+        if load or measured.get("placement"):  # a run that recorded its placement: that one
+            placement = (Placement.from_json((load / f"{name}.json").read_text()) if load
+                         else Placement.from_dict(measured["placement"]))
             pred = predict(plan.profile, placement, plan.hardware, plan.shape)
         if save:
             save.mkdir(parents=True, exist_ok=True)

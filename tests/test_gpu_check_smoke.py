@@ -65,6 +65,10 @@ def test_benchmarks_smoke_and_one_figures_file(tmp_path):
     assert pv["predicted"]["step_s"] > 0 and pv["measured"]["step_s"] == b["tightfit"]["median_step_s"]
     assert "passes_s" in pv["step_terms"] and "optim_after_s" in pv["step_terms"] and "host_pass_bw" in pv["hardware"]
     assert b["tightfit"]["engine_s_per_step"]["optimizer_s"] > 0
+    # ... and the placement it trained with, which benchmarks/replay_gpu_plans.py predicts again.
+    from tightfit.offload.placement import Placement
+
+    assert Placement.from_dict(b["tightfit"]["placement"]).to_dict() == b["tightfit"]["placement"]
 
     b = json.loads((parts / "bench_gpu_llama.json").read_text())
     assert b["model"] in ("llama", "gpt") and b["model_note"] and b["failed_sides"] == []
@@ -75,6 +79,7 @@ def test_benchmarks_smoke_and_one_figures_file(tmp_path):
     assert abs(b["plain"]["losses"][0] - b["tightfit"]["losses"][0]) < 0.05
     assert b["tightfit-host"]["tokens_per_s_over_plain"] > 0 and b["tightfit-host"]["tokens_per_step"] == 2 * 2 * 32
     assert b["tightfit-nvme"]["moved_per_step"]["nvme_read"] > 0
+    assert b["tightfit-host"]["placement"]["default"]["master"] == "host"
 
     # The report gathers the stages' files into one figures file, with each offloaded step against the floors.
     (parts / "stages.tsv").write_text("tests\t0\t60\t480\tT\nfsdp\t0\t9\t420\tT\nllama\t1\t12\t540\tT\n")
