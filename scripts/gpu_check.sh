@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# `make gpu-check`: on a machine with a CUDA GPU, in one call (about 7 minutes on one H200; its stages' limits sum to 10), run the
-# CUDA tests, measure the machine's floors, run the default `tightfit train` and the GPU benchmarks, and leave four
+# `make gpu-check`: on a machine with a CUDA GPU, in one call (about 7.5 minutes on one H200; its stages' limits sum
+# to 9, so a device call of 10 minutes ends with its report), run the CUDA tests, measure the machine's floors, run
+# the default `tightfit train` and the GPU benchmarks, and leave four
 # files in runs/gpu-check/: figures.json and figures.md (every figure), gpu-check.log (every stage's output) and
 # parts.tar.gz (what the stages wrote: JUnit XML, each benchmark's JSON, the train run's metrics, env.json).
 #
@@ -12,15 +13,15 @@
 #     tightfit there with `pip install --no-index --no-deps --no-build-isolation -e .` (nothing fetched: the build
 #     uses the setuptools already there); where pip cannot, a .pth file naming this checkout does the same job;
 #   - where no virtual environment can be made, runs everything with PYTHONPATH=. (tightfit from this checkout).
-# Stages, each under a time limit (seconds; they sum to 10 minutes; what each took on an H200 on 2026-11-26):
-#   tests  (150)  pytest -m cuda tests/test_offload_cuda.py (the H200 deadlock's scenario among them; ~110 s)
-#   floors (40)   benchmarks/bench_gpu_floors.py: CPU AdamW on every thread, at the engine's step-thread counts and
+# Stages, each under a time limit (seconds; they sum to 545; what each took on an H200 on 2026-11-26):
+#   tests  (130)  pytest -m cuda tests/test_offload_cuda.py (the H200 deadlock's scenario among them; ~110 s)
+#   floors (35)   benchmarks/bench_gpu_floors.py: CPU AdamW on every thread, at the engine's step-thread counts and
 #                 at the probe's size, H2D/D2H alone and both at once, the disk under the swap folder (24 s)
-#   train  (100)  tightfit train, the default run (the README's `make train`) on the GPU: the probe first (32 s on
+#   train  (90)   tightfit train, the default run (the README's `make train`) on the GPU: the probe first (32 s on
 #                 a machine it has not measured), then 1500 steps (~30 s)
-#   fsdp   (150)  benchmarks/bench_offload_fsdp.py: tightfit vs FSDP2 + CPUOffloadPolicy under an 8 GiB cap, and
+#   fsdp   (140)  benchmarks/bench_offload_fsdp.py: tightfit vs FSDP2 + CPUOffloadPolicy under an 8 GiB cap, and
 #                 tightfit with its budget at FSDP2's measured peak (~40 s a side)
-#   llama  (160)  benchmarks/bench_gpu_llama.py: TinyLlama-1.1B's shape under a 24 GiB cap: plain PyTorch on the
+#   llama  (150)  benchmarks/bench_gpu_llama.py: TinyLlama-1.1B's shape under a 24 GiB cap: plain PyTorch on the
 #                 whole GPU, tightfit's plan, every state on host (32k tokens per step) (~40 s a side);
 #                 GPU_CHECK_LLAMA_NVME=1 adds every state on NVMe (not timed on a GPU yet)
 # GPU_CHECK_STAGES="tests fsdp" runs some of them (a stage run again replaces only its own results, so stages run
@@ -138,24 +139,24 @@ for stage in $stages; do
         # A hung test fails alone where pytest-timeout is installed; else the stage's limit stops them all.
         per_test=()
         "$py" -c "import pytest_timeout" >/dev/null 2>&1 && per_test=(--timeout=60)
-        run_stage tests 150 "$py" -m pytest -v --durations=10 -m cuda -p no:cacheprovider tests/test_offload_cuda.py \
+        run_stage tests 130 "$py" -m pytest -v --durations=10 -m cuda -p no:cacheprovider tests/test_offload_cuda.py \
             --junitxml="$parts/cuda-tests.xml" "${per_test[@]}" "${collect[@]}" ;;
     floors)
         rm -f "$parts/bench_gpu_floors.json"
-        run_stage floors 40 "$py" benchmarks/bench_gpu_floors.py --nvme "$swap/floors" "${floors_shape[@]}" \
+        run_stage floors 35 "$py" benchmarks/bench_gpu_floors.py --nvme "$swap/floors" "${floors_shape[@]}" \
             --json-out "$parts/bench_gpu_floors.json" ;;
     train)
         rm -rf "$parts/train"
-        run_stage train 100 "$py" -m tightfit.cli train --out-dir "$swap/train" "${train_shape[@]}"
+        run_stage train 90 "$py" -m tightfit.cli train --out-dir "$swap/train" "${train_shape[@]}"
         mkdir -p "$parts/train"
         cp "$swap/train/metrics.jsonl" "$parts/train/" 2>/dev/null ;;
     fsdp)
         rm -f "$parts/bench_offload_fsdp.json"
-        run_stage fsdp 150 "$py" benchmarks/bench_offload_fsdp.py "${fsdp_shape[@]}" \
+        run_stage fsdp 140 "$py" benchmarks/bench_offload_fsdp.py "${fsdp_shape[@]}" \
             --json-out "$parts/bench_offload_fsdp.json" ;;
     llama)
         rm -f "$parts/bench_gpu_llama.json"
-        run_stage llama 160 "$py" benchmarks/bench_gpu_llama.py "${llama_shape[@]}" --nvme "$swap/llama" \
+        run_stage llama 150 "$py" benchmarks/bench_gpu_llama.py "${llama_shape[@]}" --nvme "$swap/llama" \
             --json-out "$parts/bench_gpu_llama.json" ;;
     *)
         echo "gpu-check: unknown stage '$stage' (GPU_CHECK_STAGES takes tests, floors, train, fsdp, llama)" >&2
