@@ -238,17 +238,21 @@ def save_partial(path: str | None, results: dict) -> None:
     """The figures so far, written to `path` (atomically) after each side: a benchmark stopped at its time limit
     leaves what its finished sides measured."""
     if path:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path + ".tmp", "w") as f:
-            json.dump({**results, "partial": True}, f, indent=2)
-        os.replace(path + ".tmp", path)
+        _write(path, json.dumps({**results, "partial": True}, indent=2))
 
 
 def write_json(path: str | None, results: dict) -> None:
+    """The figures, printed, and written to `path` where one is given (replacing a partial file)."""
     text = json.dumps(results, indent=2)
     print(text)
     if path:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            f.write(text + "\n")
+        _write(path, text)
         print(f"figures written to {path}", file=sys.stderr)
+
+
+def _write(path: str, text: str) -> None:
+    """`text` into `path` atomically, its folder made."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        f.write(text + "\n")
+    os.replace(path + ".tmp", path)

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_gpu_util as util  # noqa: E402
 
 
 def timed_probe(folder: str | None) -> tuple[float, dict[str, float]]:
@@ -67,10 +69,7 @@ def main() -> None:
     print(f"{'probe':32s} {total:7.2f} s (device start before it: {init:.2f} s)", file=sys.stderr)
     out = {"benchmark": "bench_probe_time", "device": torch.cuda.get_device_name(0) if torch.cuda.is_available()
            else "cpu", "threads": torch.get_num_threads(), "probe_s": total, "device_init_s": init, "parts_s": parts}
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.json_out:
-        Path(args.json_out).write_text(text + "\n")
+    util.write_json(args.json_out, out)
 
 
 if __name__ == "__main__":

@@ -79,6 +79,7 @@ def replay(run: Path, as_run: bool, save: Path | None, load: Path | None) -> lis
     from tightfit.offload.placement import Placement
     from tightfit.planner import make_plan
     from tightfit.planner.costs import predict
+    from tightfit.planner.plan import states_by_tier
 
     hw = _hardware(run, as_run)
     rows = []
@@ -104,23 +105,11 @@ def replay(run: Path, as_run: bool, save: Path | None, load: Path | None) -> lis
             (save / f"{name}.json").write_text(placement.to_json())
         m_step = measured.get("median_step_s")
         m_dev = measured.get("peak_cuda_allocated")
-        rows.append({"case": name, "placement": _where(placement, plan.profile), "predicted_step_s": pred.step_s,
-                     "bottleneck": pred.bottleneck, "optim_after_s": pred.optim_after_s, "compute_s": pred.compute_s,
-                     "predicted_device": pred.peak.get("device"), "measured_step_s": m_step,
-                     "measured_device": m_dev})
+        rows.append({"case": name, "placement": states_by_tier(placement, plan.profile),
+                     "predicted_step_s": pred.step_s, "bottleneck": pred.bottleneck,
+                     "optim_after_s": pred.optim_after_s, "compute_s": pred.compute_s,
+                     "predicted_device": pred.peak.get("device"), "measured_step_s": m_step, "measured_device": m_dev})
     return rows
-
-
-def _where(placement, profile) -> str:
-    """"16 on device, 76 on host": the plan's first line's count of unit states per tier."""
-    from tightfit.offload.placement import State
-
-    counts: dict[str, int] = {}
-    for u in profile.units:
-        for s in State:
-            t = placement.of(u.name).tier(s).value
-            counts[t] = counts.get(t, 0) + 1
-    return ", ".join(f"{n} on {t}" for t, n in counts.items())
 
 
 def main() -> None:

@@ -176,13 +176,19 @@ def unit_pass_bytes(u: UnitProfile, placement: Placement, shape: TrainShape) -> 
     a, c = shape.grad_accum, shape.compute_bytes
     up, n = placement.of(u.name), u.trainable
     backward = step = 0.0
-    if n and up.grads != Tier.DEVICE:  # per micro-batch: pack read, sum written; the sum read from the 2nd on
-        backward = n * (a * (c + 4) + (a - 1) * 4 + (4 if shape.grad_clip else 0))  # a clip: one norm pass
+    if n and up.grads != Tier.DEVICE:
+        backward = n * (sum(_sum_bytes(c, m) for m in range(a)) + (4 if shape.grad_clip else 0))  # a clip: a norm
     if n and not _optimizer_on_device(placement, u.name):
         step = n * 8 if shape.grad_clip else 0  # the clip coefficient's multiply
         if up.params != up.master or c != 4:  # the compute copy is not the master: the cast
             step += n * (4 + c)
     return backward, step
+
+
+def _sum_bytes(compute_bytes: int, micro: int) -> int:
+    """Bytes per parameter the gradient worker's add of micro-batch `micro` moves: the pack read, the fp32 sum
+    written, and read from the second micro-batch on."""
+    return compute_bytes + 4 + (4 if micro else 0)
 
 
 def host_pass_rate(hw: HardwareProfile) -> float:
@@ -348,7 +354,7 @@ def last_gradient_pass(u: UnitProfile, placement: Placement, hw: HardwareProfile
     ([Note: host passes], [Note: one memory under backward])."""
     if not u.trainable or placement.of(u.name).grads == Tier.DEVICE:
         return 0.0
-    return u.trainable * (shape.compute_bytes + 4 + (4 if shape.grad_accum > 1 else 0)) / host_pass_rate(hw)
+    return u.trainable * _sum_bytes(shape.compute_bytes, shape.grad_accum - 1) / host_pass_rate(hw)
 
 
 def backward_arrivals(profile: ModelProfile, placement: Placement, hw: HardwareProfile, shape: TrainShape,

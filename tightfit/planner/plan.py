@@ -122,12 +122,7 @@ class Plan:
     def summary(self) -> str:
         """A few lines for `tightfit train` to print before training."""
         p, pr = self.placement, self.prediction
-        counts: dict[str, int] = {}
-        for u in self.profile.units:
-            for s in State:
-                t = p.of(u.name).tier(s).value
-                counts[t] = counts.get(t, 0) + 1
-        where = ", ".join(f"{n} on {t}" for t, n in counts.items())
+        where = states_by_tier(p, self.profile)
         peaks = ", ".join(f"{t} {self._figure(t + '_peak')}/{self._budget_text(t)}" for t in TIERS
                           if pr.peak.get(t, 0) or t != "nvme")
         lines = [f"plan ({self.mode}): {len(self.profile.units)} units x 4 states: {where}",
@@ -226,3 +221,12 @@ class Plan:
                 out.append(t)
         return out
 
+
+def states_by_tier(placement: Placement, profile: ModelProfile) -> str:
+    """"16 on device, 76 on host": how many unit states each tier holds (the summary's first line)."""
+    counts: dict[str, int] = {}
+    for u in profile.units:
+        for s in State:
+            t = placement.of(u.name).tier(s).value
+            counts[t] = counts.get(t, 0) + 1
+    return ", ".join(f"{n} on {t}" for t, n in counts.items())
