@@ -348,3 +348,27 @@ def test_the_probe_measures_the_math_workspace_after_other_matmuls():
     (x @ x).sum().backward()
     torch.cuda.synchronize()
     assert measure_device_workspace() >= 1 << 20
+
+
+def test_gradients_convert_on_the_device_a_bounded_chunk_at_a_time():
+    """[Note: gradients land converted]: the CUDA mover copies a bf16 gradient into an fp32 page-locked sum, converted
+    on the copy's stream `CONVERT_CHUNK` elements at a time: the exact fp32 values, and at most one chunk's
+    temporary beyond what was allocated (a whole-gradient conversion would be 3x the chunk here)."""
+    from tightfit.offload.memory_model import CONVERT_CHUNK
+    from tightfit.offload.runtime.host_memory import HostPool, RegisteredAllocator
+    from tightfit.offload.runtime.movers import CudaMover
+
+    alloc = RegisteredAllocator()
+    mover = CudaMover(HostPool(None, allocator=alloc), torch.device("cuda"))
+    n = 3 * CONVERT_CHUNK + 5
+    g = torch.randn(n, device="cuda").to(torch.bfloat16)
+    dst, _ = alloc.allocate(n + 16, torch.float32)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    t = mover.pack_grads([((16, g.shape), g)], dst)
+    t.done.result(timeout=60)
+    assert torch.cuda.max_memory_allocated() - before <= 4 * CONVERT_CHUNK + (2 << 20)
+    assert torch.equal(dst[16:], g.float().cpu())
+    mover.close()
+    alloc.release(dst)

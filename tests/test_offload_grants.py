@@ -151,10 +151,9 @@ def test_the_gradient_worker_takes_every_core_but_one_when_no_step_runs_beside_i
     seen = []
     real = gradients._add_into
     monkeypatch.setattr(gradients, "_add_into", lambda *a: (seen.append(torch.get_num_threads()), real(*a))[1])
-    expected, *_ = train(tiny_gpt, steps=2)
-    losses, *_ = train(tiny_gpt, Placement.everywhere(Tier.HOST), steps=2, early=early, clip=None if early else 1.0)
-    if not early:
-        expected, *_ = train(tiny_gpt, steps=2, clip=1.0)
+    clip = None if early else 1.0  # two micro-batches: the second's are added ([Note: gradients land converted])
+    expected, *_ = train(tiny_gpt, steps=2, accum=2, clip=clip)
+    losses, *_ = train(tiny_gpt, Placement.everywhere(Tier.HOST), steps=2, accum=2, early=early, clip=clip)
     assert losses == expected
     assert seen and set(seen) == {1 if early else 2}
 

@@ -234,33 +234,39 @@ def test_registered_allocator_pins_exact_pages_and_unpins_on_drop():
     assert not registered and pool.bytes == alloc.held == 0
 
 
-def test_host_tier_pins_only_the_params_a_gpu_copies_from():
-    """Finding 3: masters, gradients and moments of the host tier never take part in an asynchronous device copy, so
-    only the compute params are page-locked."""
+def test_host_tier_pins_only_what_a_gpu_copies_from_or_into():
+    """Finding 3: masters and moments of the host tier never take part in an asynchronous device copy, so only the
+    compute params (uploaded) and the gradients (their first micro-batch lands there: [Note: gradients land
+    converted]) are page-locked."""
     registered: dict[int, int] = {}
     alloc = RegisteredAllocator(register=registered.__setitem__, unregister=registered.pop)
     store = MemoryStore(Tier.HOST, torch.device("cpu"), pinned=alloc)
     store.allocate("u", {"params": (1000, torch.bfloat16), "master": (1000, torch.float32),
                          "grads": (1000, torch.float32), "exp_avg": (1000, torch.float32)})
-    assert list(registered.values()) == [4096]
-    assert store.bytes == 4096 + 3 * 4000
+    assert list(registered.values()) == [4096, 4096]
+    assert store.bytes == 2 * 4096 + 2 * 4000
+    assert store.copy_target("u", "grads") is not None and store.copy_target("u", "master") is None
     store.close()
     assert not registered
 
 
-# ---- finding 4: gradients leave the device in their own dtype -----------------------------------------------------
+# ---- finding 4: what gradients cost on their way off the device ----------------------------------------------------
 
-def test_bf16_gradients_move_two_bytes_per_parameter(tmp_path):
-    """Finding 4. A pack that also converted bf16 -> fp32 did it on the device (an unmetered fp32 temporary per
-    gradient) and moved 4 bytes per parameter; the pack moves the bf16 bytes and the host upcasts them."""
+def test_bf16_gradients_move_four_bytes_then_two_per_parameter(tmp_path):
+    """Finding 4, revisited by [Note: gradients land converted]. A step's first gradients leave the device as fp32
+    (converted on the device a bounded chunk at a time, a temporary the plan counts) and are the sum itself: 4 bytes
+    a parameter over the link and no host pass. A later micro-batch's are added on the host to that sum: they move
+    the bf16 bytes and the host upcasts them."""
     model = tightfit.wrap(tiny_gpt(), Placement.everywhere(Tier.NVME, nvme_dir=str(tmp_path)),
                           compute_dtype=torch.bfloat16)
     engine = engine_of(model)
-    loss_of(model, *batch(0)).backward()
-    engine.wait_grads()
     trainable = sum(u.spec.train_numel for u in engine.units.values())
-    packed = sum(u.grad_bytes for u in engine.units.values())
-    assert engine.mover.stats["bytes_to_host"] == packed == 2 * trainable
+    autograd = sum(u.grad_bytes for u in engine.units.values())
+    for micro, total in ((0, 4 * trainable), (1, 6 * trainable)):
+        loss_of(model, *batch(micro)).backward()
+        engine.wait_grads()
+        assert engine.mover.stats["bytes_to_host"] == total, micro
+    assert autograd == 2 * trainable
     engine.close()
 
 

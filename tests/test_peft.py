@@ -50,9 +50,10 @@ def test_frozen_base_has_no_master_grad_or_moments(tmp_path):
     tightfit.wrap(model, tightfit.Placement.everywhere("host"), compute_dtype=torch.bfloat16, device="cpu")
     engine = engine_of(model)
     units = engine.units.values()
-    # The params a GPU copies from are page-locked, each entry its own pages (the suite's device is GPU-shaped).
+    # The params and gradients a GPU copies from and into are page-locked, each entry its own pages (the suite's
+    # device is GPU-shaped).
     page = (lambda n: -(-n // 4096) * 4096) if engine.separate else (lambda n: n)
-    expected = sum(page(2 * u.spec.numel) + 16 * u.spec.train_numel for u in units)
+    expected = sum(page(2 * u.spec.numel) + page(4 * u.spec.train_numel) + 12 * u.spec.train_numel for u in units)
     assert engine.stores[Tier.HOST].bytes == expected
     for u in units:
         report = engine.unit_report(u)["states"]

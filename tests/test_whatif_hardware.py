@@ -231,10 +231,11 @@ def test_llama2_7b_on_a_24gib_gpu_matches_the_documented_arithmetic(tmp_path, ca
     for tier, want in (("device", device), ("host", host), ("nvme", nvme)):
         assert tiers[tier] == format_size(want), (tier, tiers[tier], format_size(want))
     # Traffic per step: every block's updated bf16 params go up, the root's (on host) are fetched for the forward
-    # and the recomputing backward; gradients come down (bf16 from blocks whose gradients live on host, fp32 from
-    # those kept on the device for the CPU optimizer); master + moments of the NVMe blocks are read and written once.
+    # and the recomputing backward; every gradient comes down as fp32 (one micro-batch: those whose sums live on the
+    # host land converted, those kept on the device go to the CPU optimizer); master + moments of the NVMe blocks
+    # are read and written once.
     h2d = 2 * L * block + 2 * 2 * root
-    d2h = 2 * (L + 1 - g_dev) * block + 4 * (root + (g_dev - 1) * block)
+    d2h = 4 * n
     assert (f"traffic per step: host->device {format_size(h2d)}, device->host {format_size(d2h)}, "
             f"nvme read {format_size(nvme)}, nvme write {format_size(nvme)}") in out
     # The bound: the optimizer phase waits on the disk.
@@ -295,9 +296,8 @@ GPT_1_2B_UNDER_8GIB = ["--n-layer", "24", "--n-embd", "2048", "--n-head", "16", 
 def test_the_fastest_plan_then_the_smallest(capsys, tmp_path):
     """A 1.2 B GPT under an 8 GiB cap on an H100 is bound by the CPU optimizer. Within 3% of the fastest plan the
     search keeps the least device memory (issue 26, item 5): the greedy fill's states that shortened the step by
-    less than 3% go back to host memory. Recomputing every block would free 5 GiB more of the GPU, but for more
-    than 3% of the fastest plan's step (each search's trim spends its own 3%: the two are compared with the
-    faster search's fullest plan, not with their own), so it is not taken.
+    less than 3% go back to host memory, and of the two searches (every unit recomputed, or as few as fit) the
+    one whose step is within 3% of the faster and whose device peak is smaller is taken.
 
     The CPU's passes besides AdamW are taken as free here ([Note: host passes] in costs.py; a profile whose
     `host_pass_bw` is unbounded), as the model had them when this case was found: they favour keeping gradients on
@@ -313,24 +313,30 @@ def test_the_fastest_plan_then_the_smallest(capsys, tmp_path):
     fastest = float(m.group(2)) / 1e3
     step = _step_s(out)
     assert fastest <= step <= 1.03 * fastest + 1e-3
-    rows = {r.group(1): r.group(2) for r in re.finditer(r"^(device|host|nvme)\s+(\S+ \S+)", out, re.M)}
-    # No device-resident state but the root's bf16 params (6 MiB, the last group the trim reaches, least touched
-    # first, after the others have spent the 3%): each of the 24 blocks' states bought less than 3%.
-    assert parse_size(rows["device"].replace(" ", "")) <= 2 * 3_149_824, rows
-    assert "bottleneck: cpu optimizer" in out and "checkpointed units 0" in out
-    rc, recomputing, err = _run(capsys, *args, "--checkpointing", "on")
-    assert rc == 0, err
-    recompute_step = _step_s(recomputing)
-    # Within 3% of this plan's trimmed step (the old comparison took it, 6.8 -> 1.9 GiB), not of the fastest.
-    assert 1.03 * fastest < recompute_step <= 1.03 * step
+    assert parse_size(m.group(1).replace(" ", "")) > GiB  # what the trim gave back
+    assert "bottleneck: cpu optimizer" in out
+
+    def peak(text: str) -> int:
+        return parse_size(re.search(r"^device\s+\S+ \S+\s+(\S+ \S+)", text, re.M).group(1).replace(" ", ""))
+
+    either = {}
+    for ck in ("on", "off"):
+        rc, text, err = _run(capsys, *args, "--checkpointing", ck)
+        assert rc == 0, err
+        either[ck] = (_step_s(text), peak(text))
+    best = min(s for s, _ in either.values())
+    within = [v for v in either.values() if v[0] <= 1.03 * best]
+    assert (step, peak(out)) == min(within, key=lambda v: v[1])
+    assert len(within) == 2 and either["on"][1] < either["off"][1]  # both within 3%: the recomputing, smaller one
 
 
 def test_host_passes_keep_gradients_on_the_gpu(capsys):
-    """The same 1.2 B GPT and cap with the CPU's passes besides AdamW priced ([Note: host passes] in costs.py): a
-    block whose gradients stay on the GPU needs no sum and no norm on the host in backward, so the search keeps
-    gradients there, making room by recomputing every block, and the plan is faster than the one that does not
-    recompute."""
-    args = ["plan", "--hardware", "h100-pcie", *GPT_1_2B_UNDER_8GIB]
+    """The same 1.2 B GPT and cap, four micro-batches a step, with the CPU's passes besides AdamW priced ([Note: host
+    passes] in costs.py): a block whose gradients stay on the GPU needs no sums and no norm on the host in backward
+    (from the second micro-batch on the host adds each pack into the sum; the first lands as it), so the search
+    keeps gradients there, making room by recomputing every block, and the plan is faster than the one that does
+    not recompute."""
+    args = ["plan", "--hardware", "h100-pcie", *GPT_1_2B_UNDER_8GIB, "--grad-accum", "4"]
     rc, out, err = _run(capsys, *args)
     assert rc == 0, err
     grads_on_device = int(re.search(r"grads: \d+ unit\(s\) on host, (\d+) unit\(s\) on device", out).group(1))
@@ -355,7 +361,7 @@ def test_recomputation_is_weighed_where_the_activations_fit_without_it(capsys):
     without, with_all = int(m.group(1)), int(m.group(2))
     assert with_all < 0.9 * without and "checkpointed units 24" in out
     rc, off, err = _run(capsys, *args, "--checkpointing", "off")
-    assert rc == 0 and round(float(re.search(r"predicted step: ([0-9.]+) ms", off).group(1))) == without
+    assert rc == 0 and abs(float(re.search(r"predicted step: ([0-9.]+) ms", off).group(1)) - without) < 1
     assert "checkpointed units 0" in off
 
 

@@ -53,7 +53,9 @@ parameters, 4.7 GB of master and moments) made the save, not backward, the run's
 master and moments are NVMe files are copied file to file through 16 MiB buffers (`save_bytes`).
 
 Activations are the model's: the engine does not meter them. The planner passes its measured figures
-(`Activations`) and the model adds them to the device in forward and backward.
+(`Activations`) and the model adds them to the device in forward and backward. Nor does it meter the temporary in
+which a GPU converts gradients to fp32 on their way to the host ([Note: gradients land converted] in
+offload/step/gradients.py): at most `CONVERT_CHUNK` elements on the copy's stream in backward ("grad conversion").
 """
 
 from __future__ import annotations
@@ -122,6 +124,9 @@ def autograd_grad_bytes(u: UnitSize, c: int) -> int:
 
 PAGE = 4096
 """What a page-locked staging buffer is rounded up to (host_memory.RegisteredAllocator: one mapping per buffer)."""
+CONVERT_CHUNK = 1 << 20
+"""Elements of a gradient a GPU converts to fp32 at a time on its way to an fp32 host sum (CudaMover.pack_grads in
+runtime/movers.py): a 4 MiB temporary at most, whose copy (~80 us at 50 GB/s) outlasts its two launches."""
 
 
 def host_addressable(tier: Tier, separate: bool) -> bool:
@@ -257,14 +262,14 @@ def save_bytes(units: list[UnitSize], p: Placement, largest_param: int = 0) -> i
 
 def tier_states(units: list[UnitSize], p: Placement, c: int, separate: bool = False) -> dict[Tier, int]:
     """Bytes of every unit's states on each tier. `separate` (device memory apart from the host's): the host tier's
-    compute params are page-locked for the copies to the device, one mapping each, so each is rounded up to PAGE
-    (stores.MemoryStore, host_memory.RegisteredAllocator)."""
+    compute params and gradients are page-locked for the copies to and from the device, one mapping each, so each is
+    rounded up to PAGE (stores.MemoryStore, host_memory.RegisteredAllocator)."""
     out = dict.fromkeys(Tier, 0)
     for u in units:
         up = p.of(u.name)
         for s in State:
             n = state_bytes(u, s, up, c)
-            if separate and s is State.PARAMS and up.params == Tier.HOST:
+            if separate and s in (State.PARAMS, State.GRADS) and up.tier(s) == Tier.HOST:
                 n = -(-n // PAGE) * PAGE
             out[up.tier(s)] += n
     return out
@@ -318,9 +323,23 @@ class StepMemory:
         return dict(self.phases[phase][tier])
 
     def engine_device(self) -> int:
-        """The engine's own device count at its peak (everything but activations and the libraries' workspace)."""
-        return max(self.at(ph, "device") - self.phases[ph]["device"].get("activations", 0)
-                   - self.phases[ph]["device"].get("workspace", 0) for ph in PHASES)
+        """The engine's own device count at its peak (everything but activations, the libraries' workspace and the
+        gradients' conversion)."""
+        return max(self.at(ph, "device") - sum(self.phases[ph]["device"].get(k, 0) for k in UNMETERED)
+                   for ph in PHASES)
+
+
+UNMETERED = ("activations", "workspace", "grad conversion")
+"""Device components the engine's own count leaves out."""
+
+
+def conversion_bytes(units: list[UnitSize], p: Placement, c: int) -> int:
+    """Device bytes of the temporary in which a GPU converts gradients to fp32 on their way to the host: the largest
+    chunk any unit whose gradients leave the device converts (none when they are fp32 already)."""
+    if c == 4:
+        return 0
+    shipped = [u.trainable for u in units if u.trainable and p.of(u.name).grads != Tier.DEVICE]
+    return 4 * min(CONVERT_CHUNK, max(shipped, default=0))
 
 
 def step_memory(units: list[UnitSize], p: Placement, c: int, cuda: bool, act: Activations | None = None,
@@ -342,6 +361,8 @@ def step_memory(units: list[UnitSize], p: Placement, c: int, cuda: bool, act: Ac
         dev["activations"] = {"forward": act.saved, "backward": act.peak, "backward end": late, "step": 0}[phase]
         if workspace:
             dev["workspace"] = workspace  # the math libraries' (cuBLAS's), held from the first matmul on
+        if cuda and phase.startswith("backward") and conversion_bytes(units, p, c):
+            dev["grad conversion"] = conversion_bytes(units, p, c)
         out[phase] = {"device": dev, "host": {"states": states[Tier.HOST], "buffers": pool},
                       "nvme": {"states": states[Tier.NVME]}}
     return StepMemory(out)

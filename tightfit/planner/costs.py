@@ -29,8 +29,10 @@ kernels alone, 16.0 ms measured). `--offload none` runs no engine: its floor is 
 
 [Note: host passes] On a GPU machine the CPU makes elementwise passes over host memory besides AdamW's, for every
 unit whose gradients or optimizer live there (offload/step/gradients.py, offload/step/optimizer.py):
-- in backward, the gradient worker adds each micro-batch's packed gradients into their fp32 sum (the pack read at
-  the compute dtype, the sum written, and read too from the second micro-batch on) and, in a step that clips, takes
+- in backward, the gradient worker adds each micro-batch's packed gradients into their fp32 sum from the second
+  micro-batch on (the pack read at the compute dtype, the sum read and written; the first micro-batch's land
+  converted to fp32, with no host pass: [Note: gradients land converted] in offload/step/gradients.py, which
+  `traffic` counts as 4 bytes a parameter over the link) and, in a step that clips, takes
   each parameter's norm once, of the last micro-batch's sum (read again; [Note: norms when asked] in
   offload/step/grad_norms.py: `tightfit train` declares its last micro-batch; a loss scaler's norms without
   clipping are not counted);
@@ -186,9 +188,9 @@ def unit_pass_bytes(u: UnitProfile, placement: Placement, shape: TrainShape) -> 
 
 
 def _sum_bytes(compute_bytes: int, micro: int) -> int:
-    """Bytes per parameter the gradient worker's add of micro-batch `micro` moves: the pack read, the fp32 sum
-    written, and read from the second micro-batch on."""
-    return compute_bytes + 4 + (4 if micro else 0)
+    """Bytes per parameter the gradient worker's add of micro-batch `micro` moves: from the second micro-batch on the
+    pack read and the fp32 sum read and written; none for the first, which lands as the sum."""
+    return compute_bytes + 8 if micro else 0
 
 
 def host_pass_rate(hw: HardwareProfile) -> float:
@@ -313,7 +315,7 @@ def traffic(profile: ModelProfile, placement: Placement, shape: TrainShape) -> d
                 t["nvme_read"] += uses * p
         g = u.trainable * 4
         if up.grads != Tier.DEVICE:
-            t["d2h"] += a * u.trainable * shape.compute_bytes
+            t["d2h"] += u.trainable * (4 + (a - 1) * shape.compute_bytes)  # the first micro-batch's as fp32
             if up.grads == Tier.NVME:  # accumulate: write each micro-batch, read back all but the first
                 t["nvme_write"] += a * g
                 t["nvme_read"] += (a - 1) * g
@@ -350,7 +352,7 @@ def unit_cpu_step(u: UnitProfile, placement: Placement, hw: HardwareProfile, sha
 
 def last_gradient_pass(u: UnitProfile, placement: Placement, hw: HardwareProfile, shape: TrainShape) -> float:
     """Seconds of the gradient worker's pass over one unit's gradients of the last micro-batch, in a step that steps
-    under backward (no clip: no norm pass): the pack read, the sum written, and read where micro-batches came before
+    under backward (no clip: no norm pass): where micro-batches came before, the pack read and the sum read and written
     ([Note: host passes], [Note: one memory under backward])."""
     if not u.trainable or placement.of(u.name).grads == Tier.DEVICE:
         return 0.0
@@ -409,6 +411,17 @@ def cpu_step_after_backward(profile: ModelProfile, placement: Placement, hw: Har
     return max(0.0, end - phase_a)
 
 
+def last_passes_end(profile: ModelProfile, placement: Placement, hw: HardwareProfile, shape: TrainShape,
+                    phase_a: float) -> float:
+    """When the gradient worker's passes over the last micro-batch's gradients end, from the start of the step, in a
+    step whose CPU optimizer waits for backward: each unit's pass no earlier than its gradients (`backward_arrivals`),
+    one after another. (Phase A's stream of passes cannot end before it.)"""
+    end = 0.0
+    for u, ready in backward_arrivals(profile, placement, hw, shape, phase_a):
+        end = max(end, ready) + last_gradient_pass(u, placement, hw, shape)
+    return end
+
+
 def disk_time(read: float, write: float, hw: HardwareProfile) -> float:
     """Seconds the disk needs to read and write these bytes in one phase: each direction at its own sustained rate,
     one after the other; and where the probe measured both in flight at once (`nvme_mixed_bw`), no less than all
@@ -461,13 +474,16 @@ def step_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, 
         link = max(h2d, d2h, (tr["h2d"] + tr["d2h"]) / hw.duplex_bw if hw.duplex_bw else 0.0)
         backward_passes, step_passes = (b / host_pass_rate(hw) for b in host_pass_bytes(profile, placement, shape))
         early = steps_under_backward(profile, shape)
-        # Stepping under backward, the last micro-batch's passes queue with the steps ([Note: one memory under
-        # backward]): phase A's stream of them holds the earlier micro-batches'.
-        last_passes = sum(last_gradient_pass(u, placement, hw, shape) for u in profile.units) if early else 0.0
+        # The last micro-batch's passes follow its gradients' arrivals: stepping under backward they queue with the
+        # steps ([Note: one memory under backward]), otherwise phase A ends no earlier than they do. Phase A's
+        # stream of passes holds the earlier micro-batches'.
+        last_passes = sum(last_gradient_pass(u, placement, hw, shape) for u in profile.units)
         phase_a = max(compute, link, disk_a, backward_passes - last_passes)
         cpu_step = cpu_opt / hw.cpu_adam_rate + step_passes
         if early:
             cpu_step = cpu_step_after_backward(profile, placement, hw, shape, phase_a)
+        elif last_passes:
+            phase_a = max(phase_a, backward_passes, last_passes_end(profile, placement, hw, shape, phase_a))
         phase_b = max(cpu_step, disk_b, h2d_b) + dev_opt / hw.device_adam_rate
         pred.optim_after_s = cpu_step
         opt += step_passes

@@ -16,9 +16,11 @@ complete copies late on purpose and check the rules (`strict`), which is how the
    the host never waits for the GPU. CPU: the compute "stream" is the host thread, so it waits for the copy.
 3. `cancel(transfer)`: `dst` is about to be freed. A copy not yet issued is dropped; one already issued is ordered
    before whatever the compute stream does next (CUDA: an event wait, no host sync; CPU: the host waits for it).
-4. `pack_grads(grads, buf)` starts copying gradients, in their own dtype, into `buf` (a granted host buffer); the
-   transfer's `done` completes once the host may read it (CUDA: after the copy's event, seen by the one completion
-   thread). The gradients stay alive until the copy has read them.
+4. `pack_grads(grads, buf)` starts copying gradients into `buf` (a granted host buffer, or the host tier's
+   page-locked sum: [Note: gradients land converted] in step/gradients.py), converted to its dtype on the way (on
+   CUDA on the device, `CONVERT_CHUNK` elements at a time); the transfer's `done` completes once the host may read
+   it (CUDA: after the copy's event, seen by the one completion thread). The gradients stay alive until the copy
+   has read them.
 5. The mover owns no host buffer. Whoever granted one gives it back after the `done` of every transfer that touches
    it (`Grant.give(name, after=t.done)`); `done` completes also when the read failed or the fetch was cancelled,
    and only then is nothing touching the buffer any more.
@@ -55,6 +57,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tightfit.offload.memory_model import CONVERT_CHUNK  # the plan counts its temporary ("grad conversion")
 from tightfit.offload.runtime.host_memory import HostPool
 from tightfit.offload.runtime.workers import set_own_threads
 from tightfit.utils import ranges
@@ -195,9 +198,9 @@ class CpuMover:
         return t.done.result()
 
     def pack_grads(self, grads: list[tuple[tuple[int, torch.Size], torch.Tensor]], buf: torch.Tensor) -> Transfer:
-        """Copy gradients into `buf`, a granted host buffer of their dtype (no conversion on the way: the reader
-        upcasts). `grads` pairs a slot's (offset, shape) in the unit's flat layout with its gradient; regions of
-        slots without one are left unwritten."""
+        """Copy gradients into `buf` (a granted host buffer, or the host tier's page-locked sum), converted to its
+        dtype. `grads` pairs a slot's (offset, shape) in the unit's flat layout with its gradient; regions of slots
+        without one are left unwritten."""
         self._raise_violations()
         t = Transfer()
         self.stats["bytes_to_host"] += sum(g.numel() for _, g in grads) * buf.element_size()  # what lands on the host
@@ -442,15 +445,23 @@ class CudaMover:
         return t.done.result()
 
     def pack_grads(self, grads: list[tuple[tuple[int, torch.Size], torch.Tensor]], buf: torch.Tensor) -> Transfer:
-        # In the gradients' own dtype: a copy that also converted would convert on the GPU (an unmetered fp32
-        # temporary per gradient) and move twice the bytes; the gradient worker upcasts on the host.
+        # Into `buf`'s dtype: a gradient converted (fp32 sums) goes a chunk at a time through a temporary on the d2h
+        # stream, so the device holds at most CONVERT_CHUNK elements more than autograd's gradients (a copy_ across
+        # devices and dtypes would convert the whole gradient at once). The allocator reuses a freed temporary only
+        # for a later allocation on the same stream, after the copy that read it.
         t = Transfer()
         produced = self._event()
         produced.record(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.d2h), ranges.span("tightfit::pack_grads"):
             self.d2h.wait_event(produced)
             for view, g in grads:
-                _region(buf, view).copy_(g, non_blocking=True)
+                dst = _region(buf, view)
+                if dst.dtype == g.dtype:
+                    dst.copy_(g, non_blocking=True)
+                    continue
+                flat_dst, flat_g = dst.view(-1), g.reshape(-1)
+                for a in range(0, flat_g.numel(), CONVERT_CHUNK):
+                    flat_dst[a:a + CONVERT_CHUNK].copy_(flat_g[a:a + CONVERT_CHUNK].to(dst.dtype), non_blocking=True)
                 # The caller drops param.grad right after this call; the allocator must not reuse its memory until
                 # the d2h stream has read it.
                 g.record_stream(self.d2h)

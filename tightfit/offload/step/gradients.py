@@ -3,14 +3,23 @@
 Why right away: a unit's `param.grad`s are device memory the next units' backward needs. When the grads tier is
 addressable where the gradients are (the device tier; the host tier of a CPU device that shares host memory) they
 are added in place at once. Otherwise the ship is a job ([Note: jobs and grants], runtime/host_memory.py): the
-thread running backward is granted the job's buffers at once (a pack in the gradients' own dtype, and an fp32
-accumulator when they go to disk), the mover copies them into the pack (CUDA: a device-to-host copy on its own
-stream), and the gradient worker adds them to their tier while backward goes on:
-- host tier: added straight from the pack into the fp32 tier tensor, the upcast inside the add (no second buffer);
-- NVMe: the old gradients read into the accumulator, the pack added to them, the sum written back (fp32 gradients
-  with nothing to add to are written from the pack itself: no accumulator is granted).
+mover copies them off the device (CUDA: a device-to-host copy on its own stream) and the gradient worker finishes
+them on their tier while backward goes on.
+
+[Note: gradients land converted] Gradients with nothing to add to (the first micro-batch of a step) are the sum
+itself: the mover's copy converts them to fp32 on the device and they land where the sum lives, with no host pass:
+- host tier: straight into the fp32 tier tensor, which is page-locked for it (tiers/stores.py, `PINNED`);
+- NVMe: into an fp32 pack granted at once, written to disk (or held for the step) as it is.
+Later micro-batches are added to that sum on the host: the thread running backward is granted a pack in the
+gradients' own dtype (half the bytes over the link) and, for NVMe, an fp32 accumulator; the gradient worker adds
+the pack into the tier tensor (host, the upcast inside the add) or into the old sum read back into the accumulator
+(NVMe), and writes the sum back. Why convert on the device: on a GPU machine the host's cores and memory are the
+CPU optimizer's, and a widening pass over every gradient (6 bytes a parameter) ran beside it, where the link moves
+the 2 bytes more of an fp32 gradient on a DMA engine (the second H200 run: the optimizer stepped 1.72 G params/s
+beside the worker, 3.35 alone). On CUDA the conversion runs on the copy's stream a bounded chunk at a time
+(runtime/movers.py, `CONVERT_CHUNK`), a temporary the plan counts (memory_model.py, "grad conversion").
 Accumulation is `old + new` in fp32, the same bits as torch's `param.grad += new` (every bf16/fp16 value is an fp32
-value, and the add rounds once). The worker takes each parameter's gradient norm as it adds the micro-batch a step
+value, so the conversion is exact, and the add rounds once). The worker takes each parameter's gradient norm as it adds the micro-batch a step
 will ask it for ([Note: norms when asked], grad_norms.py: no second pass over the disk). When the optimizer has
 declared that a step follows this backward, a unit's final accumulator goes straight to its step through the host
 cache instead of to disk and back, as far as the speculative bound admits it.
@@ -73,17 +82,38 @@ class GradientShipper:
             _norms(unit, views, new, norms)
             unit.life.on(Event.GRADS_STORED)
             return None
+        slots = [((slot.offset, slot.shape), g) for _, slot, g in pairs]
+        target = None if any(had) else unit.store[State.GRADS].copy_target(unit.name, GRADS)
+        if target is not None:  # [Note: gradients land converted]: into the host tier's sum itself
+            packed = self.mover.pack_grads(slots, target)
+            unit.life.on(Event.GRADS_SHIPPED)
+            unit.grad_pending = self.worker.submit(self._landed, unit, packed, unit.grad_pending, new, norms, threads)
+            return packed
         # The thread running backward holds no other grant: waiting here waits for ships and steps in flight, which
         # finish on their own ([Note: jobs and grants]).
         sizes = dict(unit.jobs["ship"])
-        if GRADS in sizes and sizes["pack"][1] == torch.float32 and not any(had):
-            del sizes[GRADS]  # fp32 and nothing to add to: the pack is the sum, written (or held) as it is
+        if GRADS in sizes and not any(had):
+            sizes = {"pack": sizes[GRADS]}  # nothing to add to: an fp32 pack is the sum, written (or held) as it is
         grant = self.pool.reserve(f"ship grads of {unit.name}", sizes)
-        packed = self.mover.pack_grads([((slot.offset, slot.shape), g) for _, slot, g in pairs], grant["pack"])
+        packed = self.mover.pack_grads(slots, grant["pack"])
         unit.life.on(Event.GRADS_SHIPPED)
         unit.grad_pending = self.worker.submit(self._accumulate, unit, grant, packed, unit.grad_pending, new, had,
                                                hold, norms, threads)
         return packed
+
+    def _landed(self, unit: OffloadUnit, packed, previous: Future | None, new: set[int], norms: bool,
+                threads: int | None) -> None:
+        """Gradient worker: gradients copied into the host tier's sum itself are there once the copy is done."""
+        t0 = time.perf_counter()
+        self.worker.use_threads(threads)
+        try:
+            if previous is not None:
+                previous.result()
+            packed.done.result()
+            _norms(unit, unit.stored_views(State.GRADS, GRADS), new, norms)
+            unit.life.on(Event.GRADS_LANDED)
+        finally:
+            self.timers.since("grad_accumulate_s", t0)
 
     def _accumulate(self, unit: OffloadUnit, grant: Grant, packed, previous: Future | None, new: set[int],
                     had: list[bool], hold: bool, norms: bool, threads: int | None) -> None:

@@ -45,6 +45,10 @@ class TierStore:
         """The stored tensor itself (1-D), or None when the tier is not addressable memory."""
         return None
 
+    def copy_target(self, unit: str, entry: str) -> torch.Tensor | None:
+        """The stored tensor when a device copy may write it asynchronously, else None."""
+        return None
+
     def load(self, unit: str, entry: str, dst: torch.Tensor, urgent: bool = False, *,
              start: int | None = None) -> Future:
         """Copy the stored entry into `dst`. urgent: compute is about to wait for it (a parameter fetch); a tier
@@ -61,12 +65,18 @@ class TierStore:
         pass
 
 
+PINNED = ("params", "grads")
+"""The host tier's entries a GPU copies into or out of asynchronously, page-locked (`MemoryStore`)."""
+
+
 class MemoryStore(TierStore):
     """Flat tensors in device or host memory.
 
-    pinned: an allocator of page-locked memory (staging.RegisteredAllocator) for the entries a GPU copies from
-    asynchronously: the compute params of the host tier. Masters, gradients and moments never take part in such a
-    copy and stay pageable ([Note: metering what the allocator holds], runtime/host_memory.py).
+    pinned: an allocator of page-locked memory (staging.RegisteredAllocator) for the entries a GPU copies from or
+    into asynchronously (`PINNED`): the host tier's compute params (uploaded by every fetch) and gradients (the
+    first micro-batch's land there straight from the device: [Note: gradients land converted], step/gradients.py).
+    Masters and moments never take part in such a copy and stay pageable ([Note: metering what the allocator
+    holds], runtime/host_memory.py).
     copier: `fn(dst, src) -> Future` running a copy off the caller's thread; used for loads and saves that cross
     memories (the device tier of a GPU to or from a host buffer), so no hook or step waits for such a copy inline.
     Copies within one memory are plain synchronous copies. remote: this store's memory is apart from the host's
@@ -85,7 +95,7 @@ class MemoryStore(TierStore):
 
     def allocate(self, unit, entries):
         for entry, (numel, dtype) in entries.items():
-            if self.pinned is not None and entry == "params":
+            if self.pinned is not None and entry in PINNED:
                 t, held = self.pinned.allocate(numel, dtype)
             else:
                 t, held = torch.empty(numel, dtype=dtype, device=self.device), numel * dtype.itemsize
@@ -96,6 +106,10 @@ class MemoryStore(TierStore):
 
     def tensor(self, unit, entry):
         return self._tensors[(unit, entry)]
+
+    def copy_target(self, unit, entry):
+        """Page-locked on a GPU (its stand-in on the CPU suite's GPU-shaped device): the mover copies into it."""
+        return self._tensors[(unit, entry)] if self.pinned is not None and entry in PINNED else None
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, into_store: bool) -> Future:
         if self.copier is not None and (self.remote or dst.device != src.device):
@@ -117,7 +131,7 @@ class MemoryStore(TierStore):
     def close(self):
         if self.pinned is not None:
             for (_, entry), t in self._tensors.items():
-                if entry == "params":
+                if entry in PINNED:
                     self.pinned.release(t)
         self._tensors.clear()
         self.bytes = 0
