@@ -11,6 +11,12 @@
 - Host<->device copies of `--mib` MiB between page-locked host memory and the GPU: host-to-device alone,
   device-to-host alone, and both at once on two streams (what an offloaded step does: fetches up, gradients down),
   in bytes per second each way.
+- Contention: the engine's host threads share the host's memory with each other and with the copies' DMA. The
+  gradient worker's widening add (a bf16 pack into its fp32 sum, `add_widening`) on its thread count alone, beside
+  AdamW on the step thread's count, and (CUDA) beside both-way copies; AdamW alone and beside the widening add. Each
+  "beside" runs the other side in a second thread, without pause, while the first is timed. The second H200 run's
+  step thread measured half its floor rate beside the worker, and the host-only Llama's worker 1.5x slower than the
+  probe's pass rate (benchmarks/RESULTS.md, batch Z): these say which share each loses to which.
 - With `--nvme DIR`: the disk under DIR, read and written with O_DIRECT at 8 transfers in flight (the planner's
   burst probe, `tightfit.planner.disk_probe.probe_disk`, over `--disk-mib` MiB).
 `bench_gpu_llama.py` and `bench_offload_fsdp.py` put each offloaded step against max(compute, transfers, CPU
@@ -73,6 +79,86 @@ def adam_rates_by_threads(numel: int, reps: int) -> dict[str, float]:
     return rates
 
 
+def _beside(fn, other, threads: int, other_threads: int, sync, reps: int) -> float:
+    """Median seconds of `fn` on `threads` intra-op threads while a second thread runs `other` (on its own count)
+    without pause; `other` None: alone."""
+    import threading
+
+    from tightfit.offload.runtime.workers import set_own_threads
+
+    stop = threading.Event()
+
+    def loop() -> None:
+        set_own_threads(other_threads)
+        while not stop.is_set():
+            other()
+
+    t = threading.Thread(target=loop, daemon=True) if other is not None else None
+    if t is not None:
+        t.start()
+    try:
+        set_own_threads(threads)
+        return _median_seconds(fn, sync, reps)
+    finally:
+        stop.set()
+        if t is not None:
+            t.join()
+
+
+def contention(device: str, numel: int, nbytes: int, reps: int) -> dict[str, float]:
+    """Rates of the gradient worker's widening add (bytes/s: the pack read, the sum read and written) and of AdamW
+    (params/s), alone and beside each other and (CUDA) the widening beside both-way copies."""
+    import torch
+
+    from tightfit.offload.runtime.widening import add_widening
+    from tightfit.offload.runtime.workers import thread_budget
+
+    total = torch.get_num_threads()
+    budget = thread_budget(total, cuda=True)
+    pack, acc = torch.rand(numel).to(torch.bfloat16), torch.zeros(numel)
+    p, g, m, v = (torch.rand(numel) for _ in range(4))
+    step = torch.tensor(0.0)
+
+    def widen() -> None:
+        add_widening(acc, pack)
+
+    def adam() -> None:
+        torch._fused_adamw_([p], [g], [m], [v], [], [step], amsgrad=False, lr=1e-3, beta1=0.9, beta2=0.999,
+                            weight_decay=0.1, eps=1e-8, maximize=False)
+
+    def none() -> None:
+        pass
+
+    widen_b, adam_n = 10 * numel, numel
+    out = {"widen_threads": budget["grads"], "adam_threads": budget["step"]}
+    try:
+        out["widen_alone_bytes_per_s"] = widen_b / _beside(widen, None, budget["grads"], 0, none, reps)
+        out["widen_beside_adam_bytes_per_s"] = widen_b / _beside(widen, adam, budget["grads"], budget["step"], none,
+                                                                 reps)
+        out["adam_alone_params_per_s"] = adam_n / _beside(adam, None, budget["step"], 0, none, reps)
+        out["adam_beside_widen_params_per_s"] = adam_n / _beside(adam, widen, budget["step"], budget["grads"], none,
+                                                                 reps)
+        if device == "cuda":
+            host_up = torch.empty(nbytes // 4, pin_memory=True)
+            host_down = torch.empty(nbytes // 4, pin_memory=True)
+            dev_up, dev_down = torch.empty(nbytes // 4, device="cuda"), torch.ones(nbytes // 4, device="cuda")
+            up, down = torch.cuda.Stream(), torch.cuda.Stream()
+
+            def copies() -> None:
+                with torch.cuda.stream(up):
+                    dev_up.copy_(host_up, non_blocking=True)
+                with torch.cuda.stream(down):
+                    host_down.copy_(dev_down, non_blocking=True)
+                torch.cuda.synchronize()
+
+            out["widen_alone_all_threads_bytes_per_s"] = widen_b / _beside(widen, None, budget["alone"], 0, none,
+                                                                           reps)
+            out["widen_beside_copies_bytes_per_s"] = widen_b / _beside(widen, copies, budget["alone"], 1, none, reps)
+    finally:
+        torch.set_num_threads(total)
+    return out
+
+
 def copy_rates(device: str, nbytes: int, reps: int) -> dict:
     """Bytes per second host->device, device->host, and each way while both run at once."""
     import torch
@@ -122,6 +208,7 @@ def main(argv=None) -> None:
            "adamw_by_threads": adam_rates_by_threads(args.numel, args.reps),
            "copy_bytes": args.mib << 20, **{f"{k}_bytes_per_s": v for k, v in
                                            copy_rates(device, args.mib << 20, args.reps).items()}}
+    out["contention"] = contention(device, args.numel // 2, args.mib << 20, args.reps)
     if device == "cuda":
         out["gpu"] = torch.cuda.get_device_name(0)
     if args.nvme:

@@ -211,6 +211,17 @@ def markdown(f: dict) -> str:
             lines += ["CPU AdamW by intra-op threads (the engine's step thread: beside the gradient worker, alone, "
                       "every thread): " + ", ".join(f"{n}: {r / 1e9:.2f}" for n, r in by.items()) + " Gparam/s"
                       + (f"; at the probe's 4 M elements {probe / 1e9:.2f}" if probe else "") + ".", ""]
+        c = fl.get("contention")
+        if c:
+            g = 1e9
+            lines += [f"Contention (the gradient worker's widening add on {c['widen_threads']} threads, AdamW on "
+                      f"{c['adam_threads']}): widening {c['widen_alone_bytes_per_s'] / g:.1f} GB/s alone, "
+                      f"{c['widen_beside_adam_bytes_per_s'] / g:.1f} beside AdamW; AdamW "
+                      f"{c['adam_alone_params_per_s'] / g:.2f} Gparam/s alone, "
+                      f"{c['adam_beside_widen_params_per_s'] / g:.2f} beside the widening"
+                      + (f"; widening on every core but one {c['widen_alone_all_threads_bytes_per_s'] / g:.1f} GB/s "
+                         f"alone, {c['widen_beside_copies_bytes_per_s'] / g:.1f} beside both-way copies"
+                         if "widen_beside_copies_bytes_per_s" in c else "") + ".", ""]
     tr = (f.get("train") or {}).get("summary")
     if tr:
         lines += ["## Default `tightfit train`", "",

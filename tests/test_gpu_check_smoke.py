@@ -105,6 +105,9 @@ def test_benchmarks_smoke_and_one_figures_file(tmp_path):
     assert "tightfit's plan: step" in md and "host passes besides AdamW" in md
     assert "FSDP2" in md and "| tightfit-nvme |" in md and "`test_b`: boom" in md and "Floors" in md
     assert "probe_size" in figures["floors"]["adamw_by_threads"] and "CPU AdamW by intra-op threads" in md
+    contention = figures["floors"]["contention"]
+    assert contention["adam_beside_widen_params_per_s"] > 0 and contention["widen_beside_adam_bytes_per_s"] > 0
+    assert "Contention (the gradient worker's widening add" in md
 
     # Where no Python has a CUDA torch, gpu_check.sh says so, in its figures file too, and fails.
     rc, log = _finish(nogpu)

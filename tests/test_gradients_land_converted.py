@@ -13,18 +13,18 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from offload_helpers import tiny_gpt, train  # noqa: E402
+from offload_helpers import tiny_gpt, train
 
-from tightfit import Placement, Tier  # noqa: E402
-from tightfit.offload.memory_model import (  # noqa: E402
+from tightfit import Placement, Tier
+from tightfit.offload.memory_model import (
     CONVERT_CHUNK,
     UnitSize,
     conversion_bytes,
     step_memory,
     tier_states,
 )
-from tightfit.offload.runtime.host_memory import HostPool  # noqa: E402
-from tightfit.offload.step import gradients  # noqa: E402
+from tightfit.offload.runtime.host_memory import HostPool
+from tightfit.offload.step import gradients
 
 
 @pytest.fixture
