@@ -446,6 +446,18 @@ def test_the_probe_times_attention_at_each_size():
     assert sorted(rates) == [64, 256, 1024] and all(math.isfinite(r) and r > 0 for r in rates.values())
 
 
+def test_the_runtime_floor_measured_by_a_child_started_earlier():
+    """[Note: the probe's overlap]: a GPU probe starts the runtime-RSS child first and waits for it later; the figure
+    is the same child's either way (a fresh Python with torch and tightfit imported and a tiny step run)."""
+    from tightfit.planner import probe
+
+    child = probe.start_runtime_rss()
+    assert child is not None and child.poll() is None  # started, not waited for
+    overlapped, now = probe.measure_runtime_rss(child), probe.measure_runtime_rss()
+    assert child.returncode == 0 and overlapped > 100 * MiB
+    assert abs(overlapped - now) < 0.25 * now
+
+
 def test_the_probe_times_adamw_past_the_caches_on_the_step_threads(monkeypatch):
     """The engine steps each unit's states from memory, on its step thread's cores ([Note: thread budget]): the
     probe's AdamW steps 1 GiB of states at that count (on a GPU machine fewer than every core), and leaves the
@@ -508,7 +520,7 @@ def test_probing_leaves_the_seeded_generator_alone(tmp_path, monkeypatch):
     from tightfit.planner import probe
 
     monkeypatch.setenv("TIGHTFIT_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(probe, "measure_runtime_rss", lambda: 300 << 20)  # a subprocess, with its own generators
+    monkeypatch.setattr(probe, "measure_runtime_rss", lambda started=None: 300 << 20)  # a subprocess: own generators
     torch.manual_seed(0)
     before = torch.get_rng_state()
     probe.run_probe(str(tmp_path / "swap"), sustained=False)

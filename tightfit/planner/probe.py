@@ -375,20 +375,47 @@ def measure_duplex(nbytes: int = 256 << 20) -> float:
     return 2 * nbytes / _timeit(both)
 
 
-def measure_runtime_rss() -> int:
-    """RSS of a fresh Python that imported torch and tightfit and ran a tiny training step."""
-    # What every training process pays before its model: torch, tightfit (planner and engine imported), the
-    # engine's threads and one tiny wrapped step with the CPU optimizer.
-    code = ("import psutil, torch, tightfit, tightfit.planner\n"
-            "from tightfit.models.gpt import GPT, GPTConfig\n"
-            "from tightfit.optim import AdamW\n"
-            "m = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))\n"
-            "tightfit.wrap(m, tightfit.Placement.everywhere('host'), device='cpu')\n"
-            "opt = AdamW(m.parameters())\n"
-            "x = torch.zeros(2, 16, dtype=torch.long)\n"
-            "m(x, x).backward(); opt.step()\n"
-            "print(psutil.Process().memory_info().rss)\n")
-    line = _last_line_of_child(code, timeout=120)
+_RUNTIME_RSS_CODE = ("import psutil, torch, tightfit, tightfit.planner\n"
+                     "from tightfit.models.gpt import GPT, GPTConfig\n"
+                     "from tightfit.optim import AdamW\n"
+                     "m = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))\n"
+                     "tightfit.wrap(m, tightfit.Placement.everywhere('host'), device='cpu')\n"
+                     "opt = AdamW(m.parameters())\n"
+                     "x = torch.zeros(2, 16, dtype=torch.long)\n"
+                     "m(x, x).backward(); opt.step()\n"
+                     "print(psutil.Process().memory_info().rss)\n")
+"""What every training process pays before its model: torch, tightfit (planner and engine imported), the engine's
+threads and one tiny wrapped step with the CPU optimizer."""
+
+
+def start_runtime_rss() -> subprocess.Popen | None:
+    """Start `measure_runtime_rss`'s child now, to be waited for later (None where it cannot start).
+
+    [Note: the probe's overlap] The child is a fresh Python importing torch on one core: on the H200 lent, 12.4 of
+    the first run's 32 s probe. A GPU probe starts it first and measures what keeps the host's cores idle meanwhile
+    (the GPU's kernels, the copies, the disk: ~10 s there), and waits for it before the first measurement the
+    host's cores make (AdamW on the CPU). A CPU-only probe runs it last, as before: there every measurement needs
+    the cores."""
+    try:
+        return subprocess.Popen([sys.executable, "-c", _RUNTIME_RSS_CODE], stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True, env=_child_env())
+    except OSError:
+        return None
+
+
+def measure_runtime_rss(started: subprocess.Popen | None = None) -> int:
+    """RSS of a fresh Python that imported torch and tightfit and ran a tiny training step; `started`: that child,
+    already running (`start_runtime_rss`), else it runs now. This process's RSS where the child fails."""
+    if started is None:
+        line = _last_line_of_child(_RUNTIME_RSS_CODE, timeout=120)
+    else:
+        try:
+            out, _ = started.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            started.kill()
+            out, _ = started.communicate()
+        lines = (out or "").strip().splitlines()
+        line = lines[-1] if started.returncode == 0 and lines else None
     if line is not None and line.isdigit():
         return int(line)
     import psutil
@@ -423,9 +450,11 @@ def run_probe(folder: str | None = None, save: bool = True, sustained: bool = Tr
     device = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float32
     gpu_total = torch.cuda.get_device_properties(0).total_memory if cuda else 0
+    rss_child = start_runtime_rss() if cuda else None  # [Note: the probe's overlap]
     attention, timed_ops = _small_kernels(device, dtype)
     h2d, d2h = measure_copies()
     disk = measure_disk(folder, sustained=sustained, volume=disk_volume)
+    runtime_rss = measure_runtime_rss(rss_child) if rss_child is not None else None  # the host's cores from here on
     cpu_adam = measure_cpu_adam(cuda)
     hw = HardwareProfile(
         key=machine_key(), cuda=cuda, device_name=torch.cuda.get_device_name(0) if cuda else "cpu",
@@ -441,7 +470,7 @@ def run_probe(folder: str | None = None, save: bool = True, sustained: bool = Tr
         matmul_flops=measure_matmul(device, dtype), op_overhead_s=measure_op_overhead(device),
         attention_flops=attention, timed_op_bw=timed_ops,
         **_engine_overhead(device), device_workspace=measure_device_workspace() if cuda else 0,
-        runtime_rss=measure_runtime_rss(), threads=torch.get_num_threads(), measured_at=time.time(),
+        runtime_rss=runtime_rss or measure_runtime_rss(), threads=torch.get_num_threads(), measured_at=time.time(),
         probe_version=PROBE_VERSION)
     hw = current(hw, folder)
     if save:
@@ -551,16 +580,21 @@ def _apart(function: str, arg: str) -> HardwareProfile | None:
     return None
 
 
+def _child_env() -> dict[str, str]:
+    """The environment of a child that imports this tightfit (see `_last_line_of_child`)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+                                         *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
 def _last_line_of_child(code: str, *args: str, timeout: float) -> str | None:
     """The last line `python -c code args...` printed, or None where it failed. The child imports this tightfit:
     the folder it was imported from goes first on the child's path (a benchmark or a worktree that put its own
     checkout on `sys.path` measures that checkout's code)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]),
-                                         *filter(None, [env.get("PYTHONPATH")])])
     try:
         res = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout,
-                             env=env)
+                             env=_child_env())
     except (subprocess.SubprocessError, OSError):
         return None
     lines = res.stdout.strip().splitlines()
