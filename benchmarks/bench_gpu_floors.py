@@ -13,7 +13,8 @@
   in bytes per second each way.
 - Contention: the engine's host threads share the host's memory with each other and with the copies' DMA. The
   gradient worker's widening add (a bf16 pack into its fp32 sum, `add_widening`) on its thread count alone, beside
-  AdamW on the step thread's count, and (CUDA) beside both-way copies; AdamW alone and beside the widening add. Each
+  AdamW on the step thread's count, and (CUDA) beside both-way copies; AdamW alone and beside the widening add;
+  AdamW with the new master's cast to bf16, a span at a time, as the engine steps a unit on the CPU. Each
   "beside" runs the other side in a second thread, without pause, while the first is timed. The second H200 run's
   step thread measured half its floor rate beside the worker, and the host-only Llama's worker 1.5x slower than the
   probe's pass rate (benchmarks/RESULTS.md, batch Z): these say which share each loses to which.
@@ -112,6 +113,7 @@ def contention(device: str, numel: int, nbytes: int, reps: int) -> dict[str, flo
 
     from tightfit.offload.runtime.widening import add_widening
     from tightfit.offload.runtime.workers import thread_budget
+    from tightfit.offload.step.adamw import SPAN
 
     total = torch.get_num_threads()
     budget = thread_budget(total, cuda=True)
@@ -129,9 +131,19 @@ def contention(device: str, numel: int, nbytes: int, reps: int) -> dict[str, flo
     def none() -> None:
         pass
 
+    compute = torch.empty(numel, dtype=torch.bfloat16)
+
+    def adam_cast() -> None:  # the engine's CPU step of a unit: AdamW, then the new master's cast, a span at a time
+        for a in range(0, numel, SPAN):
+            b = min(numel, a + SPAN)
+            torch._fused_adamw_([p[a:b]], [g[a:b]], [m[a:b]], [v[a:b]], [], [step], amsgrad=False, lr=1e-3,
+                                beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8, maximize=False)
+            compute[a:b].copy_(p[a:b])
+
     widen_b, adam_n = 10 * numel, numel
     out = {"widen_threads": budget["grads"], "adam_threads": budget["step"]}
     try:
+        out["adam_cast_alone_params_per_s"] = adam_n / _beside(adam_cast, None, budget["step"], 0, none, reps)
         out["widen_alone_bytes_per_s"] = widen_b / _beside(widen, None, budget["grads"], 0, none, reps)
         out["widen_beside_adam_bytes_per_s"] = widen_b / _beside(widen, adam, budget["grads"], budget["step"], none,
                                                                  reps)

@@ -218,7 +218,8 @@ def markdown(f: dict) -> str:
                       f"{c['adam_threads']}): widening {c['widen_alone_bytes_per_s'] / g:.1f} GB/s alone, "
                       f"{c['widen_beside_adam_bytes_per_s'] / g:.1f} beside AdamW; AdamW "
                       f"{c['adam_alone_params_per_s'] / g:.2f} Gparam/s alone, "
-                      f"{c['adam_beside_widen_params_per_s'] / g:.2f} beside the widening"
+                      f"{c['adam_beside_widen_params_per_s'] / g:.2f} beside the widening, "
+                      f"{c['adam_cast_alone_params_per_s'] / g:.2f} with the cast to bf16 in spans"
                       + (f"; widening on every core but one {c['widen_alone_all_threads_bytes_per_s'] / g:.1f} GB/s "
                          f"alone, {c['widen_beside_copies_bytes_per_s'] / g:.1f} beside both-way copies"
                          if "widen_beside_copies_bytes_per_s" in c else "") + ".", ""]
