@@ -97,3 +97,19 @@ def test_the_plan_counts_page_locked_sums_and_the_devices_conversion():
     assert "grad conversion" not in mem.phases["forward"]["device"]
     assert mem.engine_device() == max(sum(v for k, v in mem.phases[ph]["device"].items() if k != "grad conversion")
                                       for ph in mem.phases)
+
+
+def test_a_placement_that_packs_first_gradients_in_the_compute_dtype(recorded):
+    """`Placement.land_grads_fp32` False (the planner's choice where the link binds): a step's first gradients leave
+    in bf16 too and the host widens them; the same bits."""
+    bf16 = dict(compute_dtype=torch.bfloat16, steps=2)
+    expected, *_ = train(tiny_gpt, Placement.everywhere(Tier.DEVICE), **bf16)
+    recorded["ships"].clear()
+    packed = Placement.everywhere(Tier.HOST, land_grads_fp32=False)
+    losses, *_ = train(tiny_gpt, packed, **bf16)
+    assert losses == expected
+    units = len(recorded["ships"]) // 2
+    assert units > 1 and recorded["ships"] == [{"pack": torch.bfloat16}] * 2 * units
+    assert recorded["adds"] == 2 * units
+    assert Placement.from_json(packed.to_json()).land_grads_fp32 is False
+    assert Placement.from_dict({}).land_grads_fp32 is True  # a plan file from before the option

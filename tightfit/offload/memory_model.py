@@ -335,8 +335,9 @@ UNMETERED = ("activations", "workspace", "grad conversion")
 
 def conversion_bytes(units: list[UnitSize], p: Placement, c: int) -> int:
     """Device bytes of the temporary in which a GPU converts gradients to fp32 on their way to the host: the largest
-    chunk any unit whose gradients leave the device converts (none when they are fp32 already)."""
-    if c == 4:
+    chunk any unit whose gradients leave the device converts (none when they are fp32 already, or leave in the
+    compute dtype: `Placement.land_grads_fp32` False)."""
+    if c == 4 or not p.land_grads_fp32:
         return 0
     shipped = [u.trainable for u in units if u.trainable and p.of(u.name).grads != Tier.DEVICE]
     return 4 * min(CONVERT_CHUNK, max(shipped, default=0))

@@ -111,6 +111,10 @@ class Placement:
     """Units whose activations are recomputed in backward instead of stored."""
     tiled_linears: dict[str, int] = field(default_factory=dict)
     """Linear modules to replace by tiles before wrapping: module path -> number of tiles."""
+    land_grads_fp32: bool = True
+    """A step's first gradients leave the device converted to fp32 and land as their sum, with no host pass (4 bytes a
+    parameter over the link: [Note: gradients land converted] in step/gradients.py); False: in the compute dtype,
+    widened on the host (2 bytes over the link, 6 over host memory). The planner takes the faster."""
 
     def of(self, unit: str) -> UnitPlacement:
         """The tiers of `unit`, or of the group that contains it ("blocks.2" is in "blocks.0-3")."""

@@ -179,7 +179,8 @@ def unit_pass_bytes(u: UnitProfile, placement: Placement, shape: TrainShape) -> 
     up, n = placement.of(u.name), u.trainable
     backward = step = 0.0
     if n and up.grads != Tier.DEVICE:
-        backward = n * (sum(_sum_bytes(c, m) for m in range(a)) + (4 if shape.grad_clip else 0))  # a clip: a norm
+        backward = n * (sum(_sum_bytes(c, m, placement) for m in range(a))
+                        + (4 if shape.grad_clip else 0))  # a clip: a norm
     if n and not _optimizer_on_device(placement, u.name):
         step = n * 8 if shape.grad_clip else 0  # the clip coefficient's multiply
         if up.params != up.master or c != 4:  # the compute copy is not the master: the cast
@@ -187,10 +188,18 @@ def unit_pass_bytes(u: UnitProfile, placement: Placement, shape: TrainShape) -> 
     return backward, step
 
 
-def _sum_bytes(compute_bytes: int, micro: int) -> int:
+def _sum_bytes(compute_bytes: int, micro: int, placement: Placement) -> int:
     """Bytes per parameter the gradient worker's add of micro-batch `micro` moves: from the second micro-batch on the
-    pack read and the fp32 sum read and written; none for the first, which lands as the sum."""
-    return compute_bytes + 8 if micro else 0
+    pack read and the fp32 sum read and written; none for the first, which lands as the sum, unless it comes in the
+    compute dtype (`Placement.land_grads_fp32` False): then the pack read and the sum written."""
+    if micro:
+        return compute_bytes + 8
+    return 0 if _lands_fp32(compute_bytes, placement) else compute_bytes + 4
+
+
+def _lands_fp32(compute_bytes: int, placement: Placement) -> bool:
+    """Does a step's first micro-batch leave the device as fp32? ([Note: gradients land converted])"""
+    return compute_bytes == 4 or placement.land_grads_fp32
 
 
 def host_pass_rate(hw: HardwareProfile) -> float:
@@ -315,7 +324,8 @@ def traffic(profile: ModelProfile, placement: Placement, shape: TrainShape) -> d
                 t["nvme_read"] += uses * p
         g = u.trainable * 4
         if up.grads != Tier.DEVICE:
-            t["d2h"] += u.trainable * (4 + (a - 1) * shape.compute_bytes)  # the first micro-batch's as fp32
+            first = 4 if _lands_fp32(shape.compute_bytes, placement) else shape.compute_bytes
+            t["d2h"] += u.trainable * (first + (a - 1) * shape.compute_bytes)
             if up.grads == Tier.NVME:  # accumulate: write each micro-batch, read back all but the first
                 t["nvme_write"] += a * g
                 t["nvme_read"] += (a - 1) * g
@@ -356,7 +366,7 @@ def last_gradient_pass(u: UnitProfile, placement: Placement, hw: HardwareProfile
     ([Note: host passes], [Note: one memory under backward])."""
     if not u.trainable or placement.of(u.name).grads == Tier.DEVICE:
         return 0.0
-    return u.trainable * _sum_bytes(shape.compute_bytes, shape.grad_accum - 1) / host_pass_rate(hw)
+    return u.trainable * _sum_bytes(shape.compute_bytes, shape.grad_accum - 1, placement) / host_pass_rate(hw)
 
 
 def backward_arrivals(profile: ModelProfile, placement: Placement, hw: HardwareProfile, shape: TrainShape,

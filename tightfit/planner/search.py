@@ -255,10 +255,11 @@ def fixed(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainSh
     return SearchResult(engine_budgets(p, pred), pred, profile, reasons)
 
 
-def _finish(p: Placement, profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainShape) -> Placement:
-    """Prefetch depth and budgets of a placement whose tiers are chosen."""
+def _finish(p: Placement, profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainShape,
+            land_fp32: bool = True) -> Placement:
+    """Prefetch depth and budgets of a placement whose tiers are chosen (and how its gradients leave the device)."""
     depth = units_per_window(profile, p, hw, shape)
-    return replace(p, prefetch_depth=depth, device_budget=b.device,
+    return replace(p, prefetch_depth=depth, device_budget=b.device, land_grads_fp32=land_fp32,
                    host_budget=b.host, nvme_dir=b.nvme_dir, nvme_budget=b.nvme if b.nvme_dir else None)
 
 
@@ -267,7 +268,7 @@ def search(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainS
     """The fastest placement the budgets allow (see the module docstring for the order of decisions). Raises
     `Infeasible` with the smallest change that fits, each figure found by planning again with it."""
     try:
-        return _search_units(profile, hw, b, shape, checkpointing)
+        return search_fastest_grads(profile, hw, b, shape, checkpointing)
     except _NoFit as nf:
         from tightfit.planner.suggest import suggest
 
@@ -282,8 +283,48 @@ def _fits(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainSh
         return False
 
 
+def search_fastest_grads(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainShape,
+                         checkpointing: str) -> SearchResult:
+    """The search with a step's first gradients landing as fp32 ([Note: gradients land converted] in
+    offload/step/gradients.py), and, where the link is what phase A waits on, again with them packed in the compute
+    dtype and widened on the host (half the link's bytes, a pass over host memory more): of the two, as of the two
+    checkpointing searches (`_search_units`), the least scarce memory within TRIM_TOLERANCE of the faster's fullest
+    plan. Raises `_NoFit`."""
+    res = _search_units(profile, hw, b, shape, checkpointing)
+    if not _link_binds(res, hw, shape):
+        return res
+    try:
+        packed = _search_units(profile, hw, b, shape, checkpointing, land_fp32=False)
+    except _NoFit:
+        return res
+    fastest = min(res.fastest, packed.fastest)
+    within = [r for r in (res, packed) if r.prediction.step_s <= fastest * (1 + TRIM_TOLERANCE)]
+    within = within or [min((res, packed), key=lambda r: r.prediction.step_s)]
+    memory, _ = _scarce_memory(hw)
+    if min(within, key=lambda r: (memory(r.prediction), r.prediction.step_s)) is res:
+        return res
+    packed.reasons.append(f"gradients: a step's first leave the GPU in the compute dtype and are widened on the host "
+                          f"({packed.prediction.step_s * 1e3:.0f} ms per step, against "
+                          f"{res.prediction.step_s * 1e3:.0f} ms landing as fp32: the link is what the step waits on)")
+    return packed
+
+
+def _link_binds(res: SearchResult, hw: HardwareProfile, shape: TrainShape) -> bool:
+    """Could gradients packed in the compute dtype shorten `res`'s step? On a GPU, with a compute dtype narrower than
+    fp32, gradients leaving the device, and host<->device copies no shorter than the compute in phase A."""
+    p, pred = res.placement, res.prediction
+    if not (hw.cuda and shape.engine and shape.compute_bytes < 4 and p.land_grads_fp32):
+        return False
+    if not any(u.trainable and p.of(u.name).grads != Tier.DEVICE for u in res.profile.units):
+        return False
+    tr = pred.traffic
+    link = max(tr["h2d"] / hw.h2d_bw, tr["d2h"] / hw.d2h_bw,
+               (tr["h2d"] + tr["d2h"]) / hw.duplex_bw if hw.duplex_bw else 0.0)
+    return link >= pred.compute_s
+
+
 def _search_units(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainShape,
-                  checkpointing: str) -> SearchResult:
+                  checkpointing: str, land_fp32: bool = True) -> SearchResult:
     """The search; with --checkpointing auto, also with every unit checkpointed, keeping the fastest, then within
     TRIM_TOLERANCE of it the smallest device peak (decision 5). Raises `_NoFit` when neither fits.
 
@@ -294,7 +335,7 @@ def _search_units(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape:
     without checkpointing: 536 -> 447 ms, docs/PLANNER.md). The greedy fill cannot see that trade, so both are
     searched, unless every state already sits on the device without recomputation."""
     try:
-        res = _search_joined(profile, hw, b, shape, checkpointing)
+        res = _search_joined(profile, hw, b, shape, checkpointing, land_fp32)
     except _NoFit:
         if checkpointing != "auto":
             raise
@@ -304,7 +345,7 @@ def _search_units(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape:
             res is not None and (set(res.placement.checkpoint_units) >= set(everything) or _all_on_device(res))):
         return res
     try:
-        alt = _search_joined(profile, hw, b, shape, "on")
+        alt = _search_joined(profile, hw, b, shape, "on", land_fp32)
     except _NoFit:
         if res is None:
             raise
@@ -354,10 +395,10 @@ def _all_on_device(res: SearchResult) -> bool:
 
 
 def _search_joined(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainShape,
-                   checkpointing: str) -> SearchResult:
+                   checkpointing: str, land_fp32: bool = True) -> SearchResult:
     """The search, run again with small blocks joined into larger units when the first answer puts them on NVMe
     (unit_size.py). Raises `_NoFit`."""
-    res = _search(profile, hw, b, shape, checkpointing)
+    res = _search(profile, hw, b, shape, checkpointing, land_fp32)
     found = small_block_groups(res.placement, res.profile)
     if found is None:
         return res
@@ -368,7 +409,7 @@ def _search_joined(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape
     # buffer was fixed, where one block per unit stayed at 0.97 (benchmarks/RESULTS.md, "Batch H").
     margin = 2 * max(4 * (u.numel + u.trainable) for u in grouped.units if u.name != ROOT_UNIT)
     try:
-        joined = _search(grouped, hw, replace(b, host=b.host - margin), shape, checkpointing)
+        joined = _search(grouped, hw, replace(b, host=b.host - margin), shape, checkpointing, land_fp32)
     except _NoFit:
         joined = None
     if joined is None or not joined.placement.uses(Tier.NVME) or joined.placement.tiled_linears:
@@ -381,12 +422,13 @@ def _search_joined(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape
 
 
 def _search(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainShape,
-            checkpointing: str) -> SearchResult:
+            checkpointing: str, land_fp32: bool = True) -> SearchResult:
     reasons: list[str] = []
     ckable = sorted((u for u in profile.units if u.checkpointable), key=lambda u: u.act_input - u.act_saved)
     ck: set[str] = {u.name for u in ckable} if checkpointing == "on" else set()
 
-    everything = _finish(Placement.everywhere(Tier.DEVICE, checkpoint_units=sorted(ck)), profile, hw, b, shape)
+    everything = _finish(Placement.everywhere(Tier.DEVICE, checkpoint_units=sorted(ck)), profile, hw, b, shape,
+                         land_fp32)
     pred = predict(profile, everything, hw, shape)
     if not violations(pred, b):
         reasons.append("everything fits on the device tier: no offload")
@@ -405,7 +447,7 @@ def _search(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: Train
     profile, tiled = _tile(profile, shape, dev_room - act_bytes(profile, ck), reasons)
 
     p = Placement.everywhere(Tier.HOST, checkpoint_units=sorted(ck), tiled_linears=tiled)
-    p = _finish(p, profile, hw, b, shape)
+    p = _finish(p, profile, hw, b, shape, land_fp32)
     items = _items(profile, shape, ck)
     groups = _groups(shape)
     p = _promote(p, items, groups, profile, hw, b, shape)

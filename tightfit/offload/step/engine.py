@@ -200,7 +200,8 @@ class OffloadEngine:
         self.writes = WriteBacks()  # the optimizer's write-backs in flight (write_backs.py)
         self.scheduler = Scheduler(placement.prefetch_depth)
         self.meter = DeviceMeter(self.stores[Tier.DEVICE], placement.device_budget, self.mover)
-        self.shipper = GradientShipper(self.pool, self.mover, self.cache, self.grad_worker, self.timers)
+        self.shipper = GradientShipper(self.pool, self.mover, self.cache, self.grad_worker, self.timers,
+                                       land_fp32=placement.land_grads_fp32)
         self.stepper = StepRunner(self.pool, self.cache, self.mover, self.writes, self.scheduler, self.timers,
                                   device, self.separate)
         self.residency = Residency(self.units, self.meter, self.mover, self.pool, self.cache, self.timers,

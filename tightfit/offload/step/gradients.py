@@ -10,7 +10,9 @@ them on their tier while backward goes on.
 itself: the mover's copy converts them to fp32 on the device and they land where the sum lives, with no host pass:
 - host tier: straight into the fp32 tier tensor, which is page-locked for it (tiers/stores.py, `PINNED`);
 - NVMe: into an fp32 pack granted at once, written to disk (or held for the step) as it is.
-Later micro-batches are added to that sum on the host: the thread running backward is granted a pack in the
+Where the plan finds the link slower than the host's pass (`Placement.land_grads_fp32` False: a PCIe link the
+step waits on), the first micro-batch is packed in the compute dtype too. Later micro-batches are added to that sum
+on the host: the thread running backward is granted a pack in the
 gradients' own dtype (half the bytes over the link) and, for NVMe, an fp32 accumulator; the gradient worker adds
 the pack into the tier tensor (host, the upcast inside the add) or into the old sum read back into the accumulator
 (NVMe), and writes the sum back. Why convert on the device: on a GPU machine the host's cores and memory are the
@@ -48,12 +50,14 @@ class GradientShipper:
     """Ships units' gradients to their tier. Collaborators: the pool that grants a ship's buffers, the mover that
     packs, the host cache that may hold the final gradients for a step, the gradient worker, the timers."""
 
-    def __init__(self, pool: HostPool, mover, cache: HostCache, worker: Worker, timers: Timers) -> None:
+    def __init__(self, pool: HostPool, mover, cache: HostCache, worker: Worker, timers: Timers,
+                 land_fp32: bool = True) -> None:
         self.pool = pool
         self.mover = mover
         self.cache = cache
         self.worker = worker
         self.timers = timers
+        self.land_fp32 = land_fp32  # Placement.land_grads_fp32: a first micro-batch's converted on the device
 
     def ship(self, unit: OffloadUnit, hold: bool, norms: bool, threads: int | None = None):
         """Move the unit's new `param.grad`s into its grads tier, accumulating; drop `param.grad`. Returns the
@@ -83,7 +87,8 @@ class GradientShipper:
             unit.life.on(Event.GRADS_STORED)
             return None
         slots = [((slot.offset, slot.shape), g) for _, slot, g in pairs]
-        target = None if any(had) else unit.store[State.GRADS].copy_target(unit.name, GRADS)
+        as_sum = not any(had) and (self.land_fp32 or all(g.dtype == torch.float32 for _, _, g in pairs))
+        target = unit.store[State.GRADS].copy_target(unit.name, GRADS) if as_sum else None
         if target is not None:  # [Note: gradients land converted]: into the host tier's sum itself
             packed = self.mover.pack_grads(slots, target)
             unit.life.on(Event.GRADS_SHIPPED)
@@ -92,7 +97,7 @@ class GradientShipper:
         # The thread running backward holds no other grant: waiting here waits for ships and steps in flight, which
         # finish on their own ([Note: jobs and grants]).
         sizes = dict(unit.jobs["ship"])
-        if GRADS in sizes and not any(had):
+        if GRADS in sizes and as_sum:
             sizes = {"pack": sizes[GRADS]}  # nothing to add to: an fp32 pack is the sum, written (or held) as it is
         grant = self.pool.reserve(f"ship grads of {unit.name}", sizes)
         packed = self.mover.pack_grads(slots, grant["pack"])
