@@ -16,7 +16,8 @@
 # Stages, each under a time limit (seconds; they sum to 545; what each took on an H200 on 2026-11-26):
 #   tests  (130)  pytest -m cuda tests/test_offload_cuda.py (the H200 deadlock's scenario among them; ~110 s)
 #   floors (35)   benchmarks/bench_gpu_floors.py: CPU AdamW on every thread, at the engine's step-thread counts and
-#                 at the probe's size, H2D/D2H alone and both at once, the disk under the swap folder (24 s)
+#                 at the probe's size, H2D/D2H alone and both at once, the disk under the swap folder (24 s), and
+#                 the host's contention (the widening add and AdamW beside each other and the copies: a few s more)
 #   train  (90)   tightfit train, the default run (the README's `make train`) on the GPU: the probe first (32 s on
 #                 a machine it has not measured), then 1500 steps (~30 s)
 #   fsdp   (140)  benchmarks/bench_offload_fsdp.py: tightfit vs FSDP2 + CPUOffloadPolicy under an 8 GiB cap, and
