@@ -10,21 +10,22 @@ them on their tier while backward goes on.
 itself: the mover's copy converts them to fp32 on the device and they land where the sum lives, with no host pass:
 - host tier: straight into the fp32 tier tensor, which is page-locked for it (tiers/stores.py, `PINNED`);
 - NVMe: into an fp32 pack granted at once, written to disk (or held for the step) as it is.
-Where the plan finds the link slower than the host's pass (`Placement.land_grads_fp32` False: a PCIe link the
-step waits on), the first micro-batch is packed in the compute dtype too. Later micro-batches are added to that sum
-on the host: the thread running backward is granted a pack in the
+Why on the device: on a GPU machine the host's cores and memory are the CPU optimizer's, and a widening pass over
+every gradient (6 bytes a parameter) ran beside it, while the link moves the 2 bytes more of an fp32 gradient on a
+DMA engine (the second H200 run: AdamW stepped 1.72 G params/s beside the worker, 3.35 alone). On CUDA the
+conversion runs on the copy's stream a bounded chunk at a time (runtime/movers.py, `CONVERT_CHUNK`), a temporary
+the plan counts (memory_model.py, "grad conversion"). Where the plan finds the step waiting on the link instead
+(`Placement.land_grads_fp32` False) the first micro-batch leaves in the compute dtype as the later ones do.
+
+Later micro-batches are added to the sum on the host: the thread running backward is granted a pack in the
 gradients' own dtype (half the bytes over the link) and, for NVMe, an fp32 accumulator; the gradient worker adds
-the pack into the tier tensor (host, the upcast inside the add) or into the old sum read back into the accumulator
-(NVMe), and writes the sum back. Why convert on the device: on a GPU machine the host's cores and memory are the
-CPU optimizer's, and a widening pass over every gradient (6 bytes a parameter) ran beside it, where the link moves
-the 2 bytes more of an fp32 gradient on a DMA engine (the second H200 run: the optimizer stepped 1.72 G params/s
-beside the worker, 3.35 alone). On CUDA the conversion runs on the copy's stream a bounded chunk at a time
-(runtime/movers.py, `CONVERT_CHUNK`), a temporary the plan counts (memory_model.py, "grad conversion").
-Accumulation is `old + new` in fp32, the same bits as torch's `param.grad += new` (every bf16/fp16 value is an fp32
-value, so the conversion is exact, and the add rounds once). The worker takes each parameter's gradient norm as it adds the micro-batch a step
-will ask it for ([Note: norms when asked], grad_norms.py: no second pass over the disk). When the optimizer has
-declared that a step follows this backward, a unit's final accumulator goes straight to its step through the host
-cache instead of to disk and back, as far as the speculative bound admits it.
+the pack into the tier tensor (host tier, the upcast inside the add) or into the old sum read back into the
+accumulator (NVMe), and writes the sum back. Accumulation is `old + new` in fp32, the same bits as torch's
+`param.grad += new` (every bf16/fp16 value is an fp32 value, so the conversion is exact, and the add rounds once).
+The worker takes each parameter's gradient norm as it adds the micro-batch a step will ask it for ([Note: norms
+when asked], grad_norms.py: no second pass over the disk). When the optimizer has declared that a step follows
+this backward, a unit's final accumulator goes straight to its step through the host cache instead of to disk and
+back, as far as the speculative bound admits it.
 """
 
 from __future__ import annotations
