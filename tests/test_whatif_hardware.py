@@ -409,8 +409,8 @@ def test_where_the_link_binds_first_gradients_leave_in_the_compute_dtype(capsys)
     gpt = ["--n-layer", "24", "--n-embd", "2048", "--n-head", "16", "--seq-len", "1024"]
     rc, out, err = _run(capsys, "plan", "--hardware", "gpu24-pcie4", *gpt, "--micro-batch", "1", "--gpu-mem", "6GiB")
     assert rc == 0, err
-    m = re.search(r"gradients: a step's first leave the GPU in the compute dtype and are widened on the host \(([0-9]+) "
-                  r"ms per step, against ([0-9]+) ms landing as fp32", out)
+    m = re.search(r"gradients: a step's first leave the GPU in the compute dtype and are widened on the host "
+                  r"\(([0-9]+) ms per step, against ([0-9]+) ms landing as fp32", out)
     assert m and int(m.group(1)) < int(m.group(2)), out
     assert abs(_step_s(out) * 1e3 - int(m.group(1))) < 1
     rc, out, err = _run(capsys, "plan", "--hardware", "h200", *gpt, "--micro-batch", "2", "--gpu-mem", "8GiB",
