@@ -113,3 +113,20 @@ def test_a_placement_that_packs_first_gradients_in_the_compute_dtype(recorded):
     assert recorded["adds"] == 2 * units
     assert Placement.from_json(packed.to_json()).land_grads_fp32 is False
     assert Placement.from_dict({}).land_grads_fp32 is True  # a plan file from before the option
+
+
+@pytest.mark.parametrize("chunk", [97, 4096])
+def test_the_conversion_in_chunks_is_the_whole_copy(recorded, monkeypatch, chunk):
+    """Both movers convert a gradient `CONVERT_CHUNK` elements at a time (the CUDA temporary's bound): with chunks
+    that split every parameter at odd places, the strict mover's late copies give the device tier's bits."""
+    from tightfit.offload.runtime import movers
+
+    monkeypatch.setattr(movers, "CONVERT_CHUNK", chunk)
+    bf16 = dict(compute_dtype=torch.bfloat16, steps=2, accum=2)
+    expected, *_ = train(tiny_gpt, Placement.everywhere(Tier.DEVICE), **bf16)
+    losses, *_ = train(tiny_gpt, Placement.everywhere(Tier.HOST), **bf16)
+    assert losses == expected
+    g = torch.randn(3, 1000).to(torch.bfloat16)
+    dst, pieces = torch.full((3000,), -1.0), []
+    movers._copy_converting(dst.view(3, 1000), g, lambda d, c: (pieces.append(c.numel()), d.copy_(c)))
+    assert torch.equal(dst, g.float().view(-1)) and max(pieces) <= chunk and sum(pieces) == 3000

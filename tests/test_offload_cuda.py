@@ -372,3 +372,28 @@ def test_gradients_convert_on_the_device_a_bounded_chunk_at_a_time():
     assert torch.equal(dst[16:], g.float().cpu())
     mover.close()
     alloc.release(dst)
+
+
+def test_every_packed_gradient_is_kept_for_the_copy_stream(monkeypatch):
+    """The caller drops `param.grad` right after `pack_grads`: each gradient, packed in its own dtype or converted,
+    is recorded on the d2h stream so the allocator cannot hand its memory to the compute stream before the copy
+    has read it."""
+    from tightfit.offload.runtime.host_memory import HostPool, RegisteredAllocator
+    from tightfit.offload.runtime.movers import CudaMover
+
+    recorded = []
+    real = torch.Tensor.record_stream
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: (recorded.append(self.data_ptr()),
+                                                                        real(self, s))[1])
+    alloc = RegisteredAllocator()
+    mover = CudaMover(HostPool(None, allocator=alloc), torch.device("cuda"))
+    grads = [torch.randn(1000, device="cuda").to(torch.bfloat16) for _ in range(2)]
+    for dtype in (torch.bfloat16, torch.float32):
+        recorded.clear()
+        buf, _ = alloc.allocate(2000, dtype)
+        t = mover.pack_grads([((1000 * i, g.shape), g) for i, g in enumerate(grads)], buf)
+        t.done.result(timeout=60)
+        assert recorded == [g.data_ptr() for g in grads], dtype
+        assert torch.equal(buf.view(2, 1000), torch.stack(grads).to(dtype).cpu())
+        alloc.release(buf)
+    mover.close()

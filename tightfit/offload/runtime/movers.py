@@ -101,6 +101,18 @@ def _region(buf: torch.Tensor, view_like: tuple[int, torch.Size]) -> torch.Tenso
     return buf[offset : offset + shape.numel()].view(shape)
 
 
+def _copy_converting(dst: torch.Tensor, g: torch.Tensor, chunk, same=None) -> None:
+    """dst <- g. In one copy (`same`, default `chunk`) where the dtypes match; converted to dst's dtype
+    `CONVERT_CHUNK` elements at a time (`chunk(dst_piece, g_piece)`) where they do not. One loop for both movers,
+    so the CPU suite runs the chunks' arithmetic that bounds a GPU's temporary."""
+    if dst.dtype == g.dtype:
+        (same or chunk)(dst, g)
+        return
+    flat_dst, flat_g = dst.view(-1), g.reshape(-1)
+    for a in range(0, flat_g.numel(), CONVERT_CHUNK):
+        chunk(flat_dst[a:a + CONVERT_CHUNK], flat_g[a:a + CONVERT_CHUNK])
+
+
 def strict_from_env() -> bool:
     """The strict CPU mover is on when TIGHTFIT_STRICT_MOVER is set to 1 (the test suite sets it)."""
     return os.environ.get("TIGHTFIT_STRICT_MOVER", "") == "1"
@@ -207,7 +219,7 @@ class CpuMover:
 
         def pack() -> None:
             for view, g in grads:
-                _region(buf, view).copy_(g)
+                _copy_converting(_region(buf, view), g, lambda d, c: d.copy_(c))
 
         touches = [buf, *(g for _, g in grads)]
         self._run(t, pack, touches, [_span(x) for x in touches], label="tightfit::pack_grads")
@@ -455,13 +467,9 @@ class CudaMover:
         with torch.cuda.stream(self.d2h), ranges.span("tightfit::pack_grads"):
             self.d2h.wait_event(produced)
             for view, g in grads:
-                dst = _region(buf, view)
-                if dst.dtype == g.dtype:
-                    dst.copy_(g, non_blocking=True)
-                    continue
-                flat_dst, flat_g = dst.view(-1), g.reshape(-1)
-                for a in range(0, flat_g.numel(), CONVERT_CHUNK):
-                    flat_dst[a:a + CONVERT_CHUNK].copy_(flat_g[a:a + CONVERT_CHUNK].to(dst.dtype), non_blocking=True)
+                _copy_converting(_region(buf, view), g,
+                                 lambda d, c: d.copy_(c.to(d.dtype), non_blocking=True),
+                                 same=lambda d, c: d.copy_(c, non_blocking=True))
                 # The caller drops param.grad right after this call; the allocator must not reuse its memory until
                 # the d2h stream has read it.
                 g.record_stream(self.d2h)
