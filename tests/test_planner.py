@@ -712,3 +712,25 @@ def test_a_gpu_plan_counts_the_cpus_passes_besides_adamw():
     assert (backward, step) == (n * 2 * (2 + 8), n * (4 + 2))
     on_cpu = [make_plan(model, c, replace(CPU, host_pass_bw=bw)).prediction for bw in (1e6, 1e12)]
     assert on_cpu[0].step_s == on_cpu[1].step_s and on_cpu[0].passes_s == 0.0
+
+
+def test_the_simulated_clipped_step_waits_for_every_gradient_sum():
+    """The simulated step (`--trace`) against [Note: host passes] and [Note: gradients land converted]: a step that
+    clips needs every gradient summed before its norm, so no unit's CPU step starts before the gradient worker's
+    last sum (the simulation used to start them when the last backward's kernels ended); the first micro-batch's
+    gradients come down as fp32 with no sum, the later ones in bf16 with one."""
+    from tightfit.planner.trace import simulate
+
+    c = cfg(offload="host")
+    c.train.micro_batch, c.train.seq_len, c.train.grad_accum, c.train.precision = 2, 64, 3, "bf16"
+    plan = make_plan(meta_gpt(n_layer=4, n_embd=512, n_head=4), c, replace(GPU, host_pass_bw=2e9))
+    tl = simulate(plan)
+    sums = [e for e in tl.events if e["name"].startswith("sum grads")]
+    steps = [e for e in tl.events if e["name"].startswith("adamw")]
+    down = [e for e in tl.events if e["name"].startswith("grads ")]
+    units = len(plan.profile.units)
+    assert len(sums) == 2 * units and len(down) == 3 * units  # no sum for the first micro-batch
+    assert min(e["ts"] for e in steps) >= max(e["ts"] + e["dur"] for e in sums) - 1e-3
+    first, later = down[:units], down[units:2 * units]
+    assert all(abs(a["dur"] - 2 * b["dur"]) < 1e-3 for a, b in zip(first, later))  # 4 bytes against 2
+    assert tl.step_s == pytest.approx(plan.prediction.step_s, rel=0.15)

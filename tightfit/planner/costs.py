@@ -179,13 +179,30 @@ def unit_pass_bytes(u: UnitProfile, placement: Placement, shape: TrainShape) -> 
     up, n = placement.of(u.name), u.trainable
     backward = step = 0.0
     if n and up.grads != Tier.DEVICE:
-        backward = n * (sum(_sum_bytes(c, m, placement) for m in range(a))
-                        + (4 if shape.grad_clip else 0))  # a clip: a norm
+        backward = sum(micro_pass_bytes(u, placement, shape, m) for m in range(a))
     if n and not _optimizer_on_device(placement, u.name):
         step = n * 8 if shape.grad_clip else 0  # the clip coefficient's multiply
         if up.params != up.master or c != 4:  # the compute copy is not the master: the cast
             step += n * (4 + c)
     return backward, step
+
+
+def micro_pass_bytes(u: UnitProfile, placement: Placement, shape: TrainShape, micro: int) -> int:
+    """Bytes the gradient worker moves over unit `u`'s gradients of micro-batch `micro` on a GPU machine: its add
+    into the sum, and in a step that clips, the sum's norm after the last micro-batch."""
+    if not u.trainable or placement.of(u.name).grads == Tier.DEVICE:
+        return 0
+    norm = 4 if shape.grad_clip and micro == shape.grad_accum - 1 else 0
+    return u.trainable * (_sum_bytes(shape.compute_bytes, micro, placement) + norm)
+
+
+def grads_off_bytes(u: UnitProfile, placement: Placement, shape: TrainShape, micro: int) -> int:
+    """Bytes of unit `u`'s gradients of micro-batch `micro` over the link to their tier off the device: fp32 for a
+    step's first where they land as the sum ([Note: gradients land converted]), else the compute dtype's."""
+    if not u.trainable or placement.of(u.name).grads == Tier.DEVICE:
+        return 0
+    fp32 = micro == 0 and _lands_fp32(shape.compute_bytes, placement)
+    return u.trainable * (4 if fp32 else shape.compute_bytes)
 
 
 def _sum_bytes(compute_bytes: int, micro: int, placement: Placement) -> int:
@@ -324,8 +341,7 @@ def traffic(profile: ModelProfile, placement: Placement, shape: TrainShape) -> d
                 t["nvme_read"] += uses * p
         g = u.trainable * 4
         if up.grads != Tier.DEVICE:
-            first = 4 if _lands_fp32(shape.compute_bytes, placement) else shape.compute_bytes
-            t["d2h"] += u.trainable * (first + (a - 1) * shape.compute_bytes)
+            t["d2h"] += sum(grads_off_bytes(u, placement, shape, m) for m in range(a))
             if up.grads == Tier.NVME:  # accumulate: write each micro-batch, read back all but the first
                 t["nvme_write"] += a * g
                 t["nvme_read"] += (a - 1) * g

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tightfit.offload.placement import State, Tier
-from tightfit.planner.costs import (host_pass_rate, last_gradient_pass, steps_under_backward, unit_host_time,
-                                    unit_pass_bytes, work_time)
+from tightfit.planner.costs import (grads_off_bytes, host_pass_rate, last_gradient_pass, micro_pass_bytes,
+                                    steps_under_backward, unit_host_time, unit_pass_bytes, work_time)
 from tightfit.planner.plan import TIERS, Plan
 
 
@@ -127,13 +127,13 @@ def simulate(plan: Plan) -> Timeline:
             t_done = end
             grads_ready[u.name] = landed[u.name] = end
             if u.trainable and p.of(u.name).grads != Tier.DEVICE:
-                g = u.trainable * shape.compute_bytes
+                g = grads_off_bytes(u, p, shape, micro)
                 out = grads_ready[u.name] = landed[u.name] = sim.run("device->host", f"grads {u.name}", g / hw.d2h_bw,
                                                                      end)
-                if hw.cuda:  # [Note: host passes] in costs.py: the sum and the norms, on the gradient worker
-                    grads_ready[u.name] = sim.run(
-                        "gradient worker", f"sum grads {u.name}",
-                        unit_pass_bytes(u, p, shape)[0] / shape.grad_accum / host_pass_rate(hw), out)
+                passes = micro_pass_bytes(u, p, shape, micro) if hw.cuda else 0
+                if passes:  # [Note: host passes] in costs.py: the sum and the norms, on the gradient worker
+                    grads_ready[u.name] = sim.run("gradient worker", f"sum grads {u.name}",
+                                                  passes / host_pass_rate(hw), out)
                 if p.of(u.name).grads == Tier.NVME:
                     sim.run("nvme write", f"write {u.name} grads", u.trainable * 4 / hw.nvme_write_bw, out)
     # Optimizer: per unit, read its NVMe states, update, write them back. Without clipping, on a GPU machine, a
@@ -142,6 +142,8 @@ def simulate(plan: Plan) -> Timeline:
     # Its step then follows the worker's pass over its last gradients on the host's one memory ([Note: one memory
     # under backward] in costs.py): it starts when they land, that pass counted first.
     early = hw.cuda and steps_under_backward(prof, shape)
+    if not early:  # a clip's norm (or a loss scaler's check) needs every gradient summed first
+        t_done = max([t_done, *grads_ready.values()])
     t_opt = t_done
     for u in sorted(units, key=lambda u: grads_ready[u.name]) if early else units:
         if not u.trainable:
