@@ -130,3 +130,24 @@ def test_the_conversion_in_chunks_is_the_whole_copy(recorded, monkeypatch, chunk
     dst, pieces = torch.full((3000,), -1.0), []
     movers._copy_converting(dst.view(3, 1000), g, lambda d, c: (pieces.append(c.numel()), d.copy_(c)))
     assert torch.equal(dst, g.float().view(-1)) and max(pieces) <= chunk and sum(pieces) == 3000
+
+
+def test_gradients_a_system_would_not_page_lock_come_through_packs(recorded, monkeypatch):
+    """Where page-locking the host tier's gradients is refused they stay pageable, and a step's first gradients come
+    through a pack as the later ones do: the same bits, no copy into pageable memory from the device."""
+    from tightfit.offload.runtime.host_memory import RegisteredAllocator
+
+    real = RegisteredAllocator.allocate
+
+    def refuse_fp32(self, numel, dtype):
+        if dtype == torch.float32:
+            raise RuntimeError("cudaHostRegister of 4096 B failed (error 2)")
+        return real(self, numel, dtype)
+
+    bf16 = dict(compute_dtype=torch.bfloat16, steps=2)
+    expected, *_ = train(tiny_gpt, Placement.everywhere(Tier.DEVICE), **bf16)
+    monkeypatch.setattr(RegisteredAllocator, "allocate", refuse_fp32)
+    recorded["ships"].clear()
+    losses, *_ = train(tiny_gpt, Placement.everywhere(Tier.HOST), **bf16)
+    assert losses == expected
+    assert recorded["ships"] and all(s == {"pack": torch.bfloat16} for s in recorded["ships"])

@@ -250,6 +250,27 @@ def test_host_tier_pins_only_what_a_gpu_copies_from_or_into():
     assert not registered
 
 
+def test_host_gradients_stay_pageable_where_the_system_locks_no_more():
+    """A refused page-locking of the gradients leaves them pageable (they come through packs: no copy target);
+    the compute params, which every fetch uploads, still need it and say so."""
+    registered: dict[int, int] = {}
+
+    def register(ptr: int, nbytes: int) -> None:
+        if registered:
+            raise RuntimeError(f"cudaHostRegister of {nbytes} B failed (error 2)")
+        registered[ptr] = nbytes
+
+    alloc = RegisteredAllocator(register=register, unregister=registered.pop)
+    store = MemoryStore(Tier.HOST, torch.device("cpu"), pinned=alloc)
+    store.allocate("u", {"params": (1000, torch.bfloat16), "grads": (1000, torch.float32)})
+    assert store.copy_target("u", "params") is not None and store.copy_target("u", "grads") is None
+    assert store.bytes == 4096 + 4000 and list(registered.values()) == [4096]
+    with pytest.raises(RuntimeError, match="cudaHostRegister"):
+        store.allocate("v", {"params": (1000, torch.bfloat16)})
+    store.close()
+    assert not registered
+
+
 # ---- finding 4: what gradients cost on their way off the device ----------------------------------------------------
 
 def test_bf16_gradients_move_four_bytes_then_two_per_parameter(tmp_path):

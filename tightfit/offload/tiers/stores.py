@@ -91,13 +91,22 @@ class MemoryStore(TierStore):
         self.remote = remote  # every copy in or out crosses memories (device memory apart from the host's)
         # (unit, entry) -> 1-D tensor. Lives as long as the engine (freed by `close`).
         self._tensors: dict[tuple[str, str], torch.Tensor] = {}
+        self._locked: set[tuple[str, str]] = set()  # the entries `pinned` allocated (released by `close`)
         self.bytes = 0
 
     def allocate(self, unit, entries):
         for entry, (numel, dtype) in entries.items():
+            t = None
             if self.pinned is not None and entry in PINNED:
-                t, held = self.pinned.allocate(numel, dtype)
-            else:
+                try:
+                    t, held = self.pinned.allocate(numel, dtype)
+                    self._locked.add((unit, entry))
+                except RuntimeError:
+                    if entry != "grads":
+                        raise
+                    # A system that page-locks no more: the gradients stay pageable and come through packs, as a
+                    # later micro-batch's do (`copy_target` None).
+            if t is None:
                 t, held = torch.empty(numel, dtype=dtype, device=self.device), numel * dtype.itemsize
             # Zeroed so a model built on the meta device reads zeros, not garbage, before import_state.
             t.zero_()
@@ -109,7 +118,7 @@ class MemoryStore(TierStore):
 
     def copy_target(self, unit, entry):
         """Page-locked on a GPU (its stand-in on the CPU suite's GPU-shaped device): the mover copies into it."""
-        return self._tensors[(unit, entry)] if self.pinned is not None and entry in PINNED else None
+        return self._tensors[(unit, entry)] if (unit, entry) in self._locked else None
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, into_store: bool) -> Future:
         if self.copier is not None and (self.remote or dst.device != src.device):
@@ -129,10 +138,9 @@ class MemoryStore(TierStore):
         return self._copy(self._stored(unit, entry, start, src.numel()), src, into_store=True)
 
     def close(self):
-        if self.pinned is not None:
-            for (_, entry), t in self._tensors.items():
-                if entry in PINNED:
-                    self.pinned.release(t)
+        for key in self._locked:
+            self.pinned.release(self._tensors[key])
+        self._locked.clear()
         self._tensors.clear()
         self.bytes = 0
 
