@@ -151,16 +151,11 @@ def contention(device: str, numel: int, nbytes: int, reps: int) -> dict[str, flo
         out["adam_beside_widen_params_per_s"] = adam_n / _beside(adam, widen, budget["step"], budget["grads"], none,
                                                                  reps)
         if device == "cuda":
-            host_up = torch.empty(nbytes // 4, pin_memory=True)
-            host_down = torch.empty(nbytes // 4, pin_memory=True)
-            dev_up, dev_down = torch.empty(nbytes // 4, device="cuda"), torch.ones(nbytes // 4, device="cuda")
-            up, down = torch.cuda.Stream(), torch.cuda.Stream()
+            h2d, d2h = _pinned_copies(nbytes)
 
             def copies() -> None:
-                with torch.cuda.stream(up):
-                    dev_up.copy_(host_up, non_blocking=True)
-                with torch.cuda.stream(down):
-                    host_down.copy_(dev_down, non_blocking=True)
+                h2d()
+                d2h()
                 torch.cuda.synchronize()
 
             out["widen_alone_all_threads_bytes_per_s"] = widen_b / _beside(widen, None, budget["alone"], 0, none,
@@ -171,20 +166,14 @@ def contention(device: str, numel: int, nbytes: int, reps: int) -> dict[str, flo
     return out
 
 
-def copy_rates(device: str, nbytes: int, reps: int) -> dict:
-    """Bytes per second host->device, device->host, and each way while both run at once."""
+def _pinned_copies(nbytes: int):
+    """(host->device, device->host): each issues one copy of `nbytes` between page-locked host memory and the GPU on
+    a stream of its own, without waiting for it."""
     import torch
 
-    if device != "cuda":
-        a, b = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
-        t = _median_seconds(lambda: b.copy_(a), lambda: None, reps)
-        return {"h2d": nbytes / t, "d2h": nbytes / t, "both_h2d": nbytes / t, "both_d2h": nbytes / t}
-    host_up = torch.empty(nbytes // 4, pin_memory=True)
-    host_down = torch.empty(nbytes // 4, pin_memory=True)
-    dev_up = torch.empty(nbytes // 4, device="cuda")
-    dev_down = torch.ones(nbytes // 4, device="cuda")
+    host_up, host_down = torch.empty(nbytes // 4, pin_memory=True), torch.empty(nbytes // 4, pin_memory=True)
+    dev_up, dev_down = torch.empty(nbytes // 4, device="cuda"), torch.ones(nbytes // 4, device="cuda")
     up, down = torch.cuda.Stream(), torch.cuda.Stream()
-    sync = torch.cuda.synchronize
 
     def h2d() -> None:
         with torch.cuda.stream(up):
@@ -194,11 +183,24 @@ def copy_rates(device: str, nbytes: int, reps: int) -> dict:
         with torch.cuda.stream(down):
             host_down.copy_(dev_down, non_blocking=True)
 
+    return h2d, d2h
+
+
+def copy_rates(device: str, nbytes: int, reps: int) -> dict:
+    """Bytes per second host->device, device->host, and each way while both run at once."""
+    import torch
+
+    if device != "cuda":
+        a, b = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+        t = _median_seconds(lambda: b.copy_(a), lambda: None, reps)
+        return {"h2d": nbytes / t, "d2h": nbytes / t, "both_h2d": nbytes / t, "both_d2h": nbytes / t}
+    h2d, d2h = _pinned_copies(nbytes)
+
     def both() -> None:
         h2d()
         d2h()
 
-    t_up, t_down, t_both = (_median_seconds(f, sync, reps) for f in (h2d, d2h, both))
+    t_up, t_down, t_both = (_median_seconds(f, torch.cuda.synchronize, reps) for f in (h2d, d2h, both))
     return {"h2d": nbytes / t_up, "d2h": nbytes / t_down, "both_h2d": nbytes / t_both, "both_d2h": nbytes / t_both}
 
 

@@ -355,6 +355,7 @@ def step_memory(units: list[UnitSize], p: Placement, c: int, cuda: bool, act: Ac
     root_grads = sum(autograd_grad_bytes(u, c) for u in units if u.is_root)
     early = root_grads if act.root_grads_early is None else min(root_grads, act.root_grads_early)
     late = act.peak if act.at_root_end is None else min(act.peak, act.at_root_end)
+    convert = conversion_bytes(units, p, c) if cuda else 0
     for phase in PHASES:
         dev = device_parts(units, p, c, phase)
         if phase == "backward":  # the root's last gradient is not there yet
@@ -362,8 +363,8 @@ def step_memory(units: list[UnitSize], p: Placement, c: int, cuda: bool, act: Ac
         dev["activations"] = {"forward": act.saved, "backward": act.peak, "backward end": late, "step": 0}[phase]
         if workspace:
             dev["workspace"] = workspace  # the math libraries' (cuBLAS's), held from the first matmul on
-        if cuda and phase.startswith("backward") and conversion_bytes(units, p, c):
-            dev["grad conversion"] = conversion_bytes(units, p, c)
+        if convert and phase.startswith("backward"):
+            dev["grad conversion"] = convert
         out[phase] = {"device": dev, "host": {"states": states[Tier.HOST], "buffers": pool},
                       "nvme": {"states": states[Tier.NVME]}}
     return StepMemory(out)

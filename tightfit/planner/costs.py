@@ -448,6 +448,13 @@ def last_passes_end(profile: ModelProfile, placement: Placement, hw: HardwarePro
     return end
 
 
+def link_time(tr: dict[str, float], hw: HardwareProfile) -> float:
+    """Seconds phase A's host<->device copies (`traffic`) take on a GPU: each direction at its own rate, and both
+    at once share the link, no less than all the bytes at the rate both together reach (`duplex_bw`)."""
+    both = (tr["h2d"] + tr["d2h"]) / hw.duplex_bw if hw.duplex_bw else 0.0
+    return max(tr["h2d"] / hw.h2d_bw, tr["d2h"] / hw.d2h_bw, both)
+
+
 def disk_time(read: float, write: float, hw: HardwareProfile) -> float:
     """Seconds the disk needs to read and write these bytes in one phase: each direction at its own sustained rate,
     one after the other; and where the probe measured both in flight at once (`nvme_mixed_bw`), no less than all
@@ -496,8 +503,7 @@ def step_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, 
     if any(placement.of(u.name).params == Tier.NVME for u in profile.units):
         exposed += first / hw.nvme_read_bw
     if hw.cuda:
-        # Both directions at once share the link: no less than all the bytes at the rate both together reach.
-        link = max(h2d, d2h, (tr["h2d"] + tr["d2h"]) / hw.duplex_bw if hw.duplex_bw else 0.0)
+        link = link_time(tr, hw)
         backward_passes, step_passes = (b / host_pass_rate(hw) for b in host_pass_bytes(profile, placement, shape))
         early = steps_under_backward(profile, shape)
         # The last micro-batch's passes follow its gradients' arrivals: stepping under backward they queue with the

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from tightfit.errors import UsageError
 from tightfit.offload.placement import ROOT_UNIT, Placement, State, Tier
 from tightfit.offload.step.units import padded
-from tightfit.planner.costs import (Prediction, TrainShape, act_bytes, engine_budgets, memory, predict,
+from tightfit.planner.costs import (Prediction, TrainShape, act_bytes, engine_budgets, link_time, memory, predict,
                                    units_per_window)
 from tightfit.planner.hardware import GiB, HardwareProfile
 from tightfit.planner.model_profile import ModelProfile, UnitProfile
@@ -297,11 +297,7 @@ def search_fastest_grads(profile: ModelProfile, hw: HardwareProfile, b: Budgets,
         packed = _search_units(profile, hw, b, shape, checkpointing, land_fp32=False)
     except _NoFit:
         return res
-    fastest = min(res.fastest, packed.fastest)
-    within = [r for r in (res, packed) if r.prediction.step_s <= fastest * (1 + TRIM_TOLERANCE)]
-    within = within or [min((res, packed), key=lambda r: r.prediction.step_s)]
-    memory, _ = _scarce_memory(hw)
-    if min(within, key=lambda r: (memory(r.prediction), r.prediction.step_s)) is res:
+    if _fastest_then_smallest(res, packed, hw) is res:
         return res
     packed.reasons.append(f"gradients: a step's first leave the GPU in the compute dtype and are widened on the host "
                           f"({packed.prediction.step_s * 1e3:.0f} ms per step, against "
@@ -317,10 +313,7 @@ def _link_binds(res: SearchResult, hw: HardwareProfile, shape: TrainShape) -> bo
         return False
     if not any(u.trainable and p.of(u.name).grads != Tier.DEVICE for u in res.profile.units):
         return False
-    tr = pred.traffic
-    link = max(tr["h2d"] / hw.h2d_bw, tr["d2h"] / hw.d2h_bw,
-               (tr["h2d"] + tr["d2h"]) / hw.duplex_bw if hw.duplex_bw else 0.0)
-    return link >= pred.compute_s
+    return link_time(pred.traffic, hw) >= pred.compute_s
 
 
 def _search_units(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainShape,
@@ -353,14 +346,8 @@ def _search_units(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape:
     if res is None:
         alt.reasons.insert(0, "activation checkpointing of every unit: the activations do not fit otherwise")
         return alt
-    # The fastest plan is the faster search's fullest; a plan is "within 3%" of that, not of its own fullest (each
-    # search's trim already spent up to 3% of its own).
-    fastest = min(res.fastest, alt.fastest)
-    within = [r for r in (res, alt) if r.prediction.step_s <= fastest * (1 + TRIM_TOLERANCE)]
-    within = within or [min((res, alt), key=lambda r: r.prediction.step_s)]
     memory, what = _scarce_memory(hw)
-    best = min(within, key=lambda r: (memory(r.prediction), r.prediction.step_s))
-    if best is res:
+    if _fastest_then_smallest(res, alt, hw) is res:
         if res.prediction.step_s < alt.prediction.step_s:
             return res
         res.reasons.insert(0, f"activation checkpointing of {len(res.placement.checkpoint_units)} unit(s), not all: "
@@ -376,6 +363,17 @@ def _search_units(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape:
                           f"{len(res.placement.checkpoint_units)} checkpointed, {alt.prediction.step_s * 1e3:.0f} ms "
                           f"and {format_size(memory(alt.prediction))} with all)")
     return alt
+
+
+def _fastest_then_smallest(a: SearchResult, b: SearchResult, hw: HardwareProfile) -> SearchResult:
+    """Of two searches' plans (decision 5): the least scarce memory among those within TRIM_TOLERANCE of the faster
+    search's fullest plan, or the faster where neither is. A plan is compared with the faster fullest plan, not
+    with its own (each search's trim already spent up to TRIM_TOLERANCE of its own)."""
+    fastest = min(a.fastest, b.fastest)
+    within = [r for r in (a, b) if r.prediction.step_s <= fastest * (1 + TRIM_TOLERANCE)]
+    within = within or [min((a, b), key=lambda r: r.prediction.step_s)]
+    memory, _ = _scarce_memory(hw)
+    return min(within, key=lambda r: (memory(r.prediction), r.prediction.step_s))
 
 
 def _scarce_memory(hw: HardwareProfile):

@@ -89,7 +89,7 @@ class GradientShipper:
             unit.life.on(Event.GRADS_STORED)
             return None
         slots = [((slot.offset, slot.shape), g) for _, slot, g in pairs]
-        as_sum = not any(had) and (self.land_fp32 or all(g.dtype == torch.float32 for _, _, g in pairs))
+        as_sum = not any(had) and (self.land_fp32 or unit.compute_dtype == torch.float32)
         target = unit.store[State.GRADS].copy_target(unit.name, GRADS) if as_sum else None
         if target is not None:  # [Note: gradients land converted]: into the host tier's sum itself
             packed = self.mover.pack_grads(slots, target)
