@@ -127,3 +127,37 @@ def test_pool_is_cut_to_the_room_but_never_below_one_working_set():
     assert mm.pool_bytes(UNITS, p, 4, cuda=False, room=need + 1) == need
     assert mm.pool_bytes(UNITS, p, 4, cuda=False, room=one + 5) == one + 5
     assert mm.pool_bytes(UNITS, p, 4, cuda=False, room=10) == one
+
+
+def test_a_first_micro_batch_lands_as_its_sum_so_one_micro_batch_takes_no_pack():
+    """[Note: gradients land converted]: a step's first gradients land as their fp32 sum, into the host tier's
+    page-locked sum (no pool buffer) or, bound for NVMe, an fp32 pack that is the sum (no bf16 pack beside it).
+    With one micro-batch a step the pool needs no more; with more, the later ones' packs; `wrap`'s minimum keeps
+    the whole ship job (it does not know how many micro-batches a step has)."""
+    def page(n):
+        return -(-n // 4096) * 4096
+
+    host, c = Placement.everywhere(Tier.HOST), 2  # bf16 on a GPU
+    packs = page(2 * ROOT) + 2 * page(2 * BLOCK)
+    assert mm.pool_parts(UNITS, host, c, cuda=True, accum=1)["grad packs"] == 0
+    assert mm.pool_parts(UNITS, host, c, cuda=True, accum=2)["grad packs"] == packs
+    assert mm.pool_parts(UNITS, host, c, cuda=True)["grad packs"] == packs  # any number
+    assert mm.pool_bytes(UNITS, host, c, cuda=True, accum=1) == mm.pool_minimum(UNITS, host, c, cuda=True) \
+        == page(2 * ROOT)
+    # The plan's choice to pack a first micro-batch in bf16 (`land_grads_fp32` False): a pack for every one.
+    bf16_packs = Placement.everywhere(Tier.HOST, land_grads_fp32=False)
+    assert mm.pool_parts(UNITS, bf16_packs, c, cuda=True, accum=1)["grad packs"] == packs
+
+    nvme = Placement.everywhere(Tier.NVME, nvme_dir="/swap")
+    assert mm.pool_parts(UNITS, nvme, c, cuda=True, accum=1)["grad packs"] == page(4 * ROOT) + 2 * page(4 * BLOCK)
+    later = page(2 * ROOT) + page(4 * ROOT) + 2 * (page(2 * BLOCK) + page(4 * BLOCK))
+    assert mm.pool_parts(UNITS, nvme, c, cuda=True, accum=4)["grad packs"] == later
+    # fp32 compute lands as the sum whatever the option: its pack is the compute dtype's already.
+    assert mm.pool_parts(UNITS, nvme, 4, cuda=False, accum=1)["grad packs"] == 4 * ROOT + 2 * 4 * BLOCK
+    assert mm.pool_parts(UNITS, nvme, 4, cuda=False, accum=2)["grad packs"] == 8 * ROOT + 2 * 8 * BLOCK
+
+    # The engine's grants follow the same rule (step/gradients.py calls it): pageable host sums take a pack.
+    ship = mm.unit_jobs(UNITS[1], host.of("blocks.0"), c, separate=True)["ship"]
+    assert mm.ship_buffers(ship, as_sum=True) == {}
+    assert mm.ship_buffers(ship, as_sum=True, locked=False) == ship == {"pack": (BLOCK, 2)}
+    assert mm.ship_buffers(ship, as_sum=False) == ship

@@ -38,7 +38,8 @@ the pool grows to its capacity: its predicted bytes *are* its capacity. The plan
 (`pool_bytes`) and hands the engine host budget = host tier + that, instead of all the RAM it has. In jobs
 (`unit_jobs`, the very buffer sets the engine reserves), a capacity holds:
 - the ships of gradients leaving the device (a GPU, or NVMe-bound gradients): two blocks' (the running block's and
-  the previous one's) and the root's;
+  the previous one's) and the root's; a step's first micro-batch's land as their sum (`ship_buffers`), so with one
+  micro-batch a step host-tier gradients take none and NVMe-bound ones their fp32 pack alone;
 - the fetches of params from NVMe: the running block's and `depth` prefetched;
 - the steps of units whose step goes through buffers: the one stepped + `depth` preloaded;
 and never less than the largest single job, which the engine requires (`pool_minimum`): with that, no
@@ -174,6 +175,18 @@ def unit_jobs(u: UnitSize, up: UnitPlacement, c: int, separate: bool) -> dict[st
     return jobs
 
 
+def ship_buffers(ship: dict[str, tuple[int, int]], as_sum: bool, locked: bool = True) -> dict[str, tuple[int, int]]:
+    """The buffers a ship (`unit_jobs`' "ship") is granted for one micro-batch's gradients. `as_sum`: they have
+    nothing to add to and land as their fp32 sum ([Note: gradients land converted] in step/gradients.py): an
+    NVMe-bound unit's fp32 pack is that sum (its accumulator alone), and the host tier's sum takes them itself
+    where it is page-locked (`locked`; pageable, they come through a pack as later micro-batches' do)."""
+    if not as_sum or not ship:
+        return ship
+    if "grads" in ship:
+        return {"pack": ship["grads"]}
+    return {} if locked else ship
+
+
 def job_bytes(buffers: dict[str, tuple[int, int]], separate: bool) -> int:
     """Pool bytes of one job's buffers: page-rounded where the pool page-locks them (`separate`)."""
     if not separate:
@@ -191,21 +204,32 @@ def largest_job(units: list[UnitSize], p: Placement, c: int, separate: bool) -> 
 
 
 def pool_minimum(units: list[UnitSize], p: Placement, c: int, cuda: bool) -> int:
-    """The smallest pool the engine accepts: the largest single job (`largest_job`)."""
+    """The smallest pool the engine accepts: the largest single job (`largest_job`), a ship's whole pack among them:
+    a step's later micro-batches, and a first one where the host will not page-lock its sum, need it, and `wrap`
+    does not know how many micro-batches a step has."""
     return largest_job(units, p, c, cuda)[0]
 
 
 def pool_parts(units: list[UnitSize], p: Placement, c: int, cuda: bool,
-               depth: int | None = None) -> dict[str, int]:
+               depth: int | None = None, accum: int | None = None) -> dict[str, int]:
     """What a pool needs for the schedule at prefetch `depth` to run without waiting for buffers ([Note: the pool]),
     in jobs (`unit_jobs`): "grad packs" (the root's ship and two blocks': backward overlaps two), "fetch staging"
     (the root's and the running block's + `depth` prefetched) and "optimizer" (the root's step and the stepped
     block's + `depth` loading ahead). `cuda`: device memory apart from the host (a GPU, or the CPU suite's
-    GPU-shaped device)."""
+    GPU-shaped device). `accum`: micro-batches a step has (None: any number); a ship of a step's first lands as the
+    sum (`ship_buffers`), so with one micro-batch host-tier gradients take no pack."""
     depth = p.prefetch_depth if depth is None else depth
+    first_as_sum = c == 4 or p.land_grads_fp32
 
-    def part(job: str, blocks: int) -> int:
-        sizes = [(u.is_root, job_bytes(unit_jobs(u, p.of(u.name), c, cuda).get(job, {}), cuda)) for u in units]
+    def job(u: UnitSize, name: str) -> int:
+        bufs = unit_jobs(u, p.of(u.name), c, cuda).get(name, {})
+        if name != "ship":
+            return job_bytes(bufs, cuda)
+        ships = [ship_buffers(bufs, first_as_sum)] + ([bufs] if accum is None or accum > 1 else [])
+        return max(job_bytes(b, cuda) for b in ships)
+
+    def part(name: str, blocks: int) -> int:
+        sizes = [(u.is_root, job(u, name)) for u in units]
         return sum(b for root, b in sizes if root) + blocks * max((b for root, b in sizes if not root), default=0)
 
     return {"grad packs": part("ship", 2), "fetch staging": part("fetch", depth + 1),
@@ -213,10 +237,10 @@ def pool_parts(units: list[UnitSize], p: Placement, c: int, cuda: bool,
 
 
 def pool_bytes(units: list[UnitSize], p: Placement, c: int, cuda: bool, room: int | None = None,
-               depth: int | None = None) -> int:
+               depth: int | None = None, accum: int | None = None) -> int:
     """The pool capacity a plan gives the engine: what the schedule needs (`pool_parts`), cut to `room` (the
     host bytes left; the engine then waits for buffers instead of growing), but never below `pool_minimum`."""
-    want = sum(pool_parts(units, p, c, cuda, depth).values())
+    want = sum(pool_parts(units, p, c, cuda, depth, accum).values())
     if room is not None:
         want = min(want, max(0, room))
     return max(want, pool_minimum(units, p, c, cuda))

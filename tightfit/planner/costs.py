@@ -254,7 +254,7 @@ def step_memory(profile: ModelProfile, placement: Placement, hw: HardwareProfile
         room = placement.host_budget - mm.tier_states(units, placement, c, separate)[Tier.HOST]
         if shares_ram(placement, hw):
             room -= mm.step_memory(units, placement, c, hw.cuda, act, pool=0, separate=separate).peak("device")
-    pool = mm.pool_bytes(units, placement, c, separate, room)
+    pool = mm.pool_bytes(units, placement, c, separate, room, accum=shape.grad_accum)
     return mm.step_memory(units, placement, c, hw.cuda, act, pool, separate=separate,
                           workspace=hw.device_workspace if hw.cuda else 0)
 

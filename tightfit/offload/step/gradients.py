@@ -37,6 +37,7 @@ from concurrent.futures import Future
 import torch
 from torch._C import DisableTorchFunctionSubclass
 
+from tightfit.offload.memory_model import ship_buffers
 from tightfit.offload.runtime.host_cache import Held, HostCache
 from tightfit.offload.runtime.host_memory import Grant, HostPool
 from tightfit.offload.runtime.widening import add_widening
@@ -98,9 +99,9 @@ class GradientShipper:
             return packed
         # The thread running backward holds no other grant: waiting here waits for ships and steps in flight, which
         # finish on their own ([Note: jobs and grants]).
-        sizes = dict(unit.jobs["ship"])
-        if GRADS in sizes and as_sum:
-            sizes = {"pack": sizes[GRADS]}  # nothing to add to: an fp32 pack is the sum, written (or held) as it is
+        # Nothing to add to: an NVMe-bound fp32 pack is the sum, written (or held) as it is; pageable host gradients
+        # come through a pack.
+        sizes = ship_buffers(unit.jobs["ship"], as_sum, locked=False)
         grant = self.pool.reserve(f"ship grads of {unit.name}", sizes)
         packed = self.mover.pack_grads(slots, grant["pack"])
         unit.life.on(Event.GRADS_SHIPPED)
