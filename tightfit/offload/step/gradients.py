@@ -38,11 +38,11 @@ import torch
 from torch._C import DisableTorchFunctionSubclass
 
 from tightfit.offload.memory_model import ship_buffers
+from tightfit.offload.placement import State
 from tightfit.offload.runtime.host_cache import Held, HostCache
 from tightfit.offload.runtime.host_memory import Grant, HostPool
 from tightfit.offload.runtime.widening import add_widening
 from tightfit.offload.runtime.workers import Timers, Worker
-from tightfit.offload.placement import State
 from tightfit.offload.step.grad_norms import forget_norms, record_norms
 from tightfit.offload.step.lifecycle import Event
 from tightfit.offload.step.unit import GRADS, OffloadUnit
