@@ -8,9 +8,11 @@ of a bf16 pack into an fp32 sum, which torch runs at a fraction of memory speed 
 (its MLP weights 16.8 M elements, a 1.2 B GPT's), 4 micro-batches of 1 x 16 tokens, clipping. Prints the step,
 the gradient worker's wall time (waits for the packs included) and its adds' CPU time on the worker's own thread.
 `--accum 1 --early`: one micro-batch a step, no clipping, each unit stepped during backward (the shape of step of
-the bench against FSDP2).
+the bench against FSDP2). `--cast-on-device`: the masters uploaded and cast by the device, no compute copy on the
+host (`Placement.cast_on_device`); the step's casts then leave the optimizer's time.
 
     .venv/bin/python benchmarks/bench_gradient_worker.py [--steps 6] [--warmup 2] [--accum 4] [--early]
+        [--cast-on-device]
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--accum", type=int, default=4)
     ap.add_argument("--early", action="store_true", help="no clipping; each unit stepped during backward")
+    ap.add_argument("--cast-on-device", action="store_true", help="the device casts the uploaded masters")
     args = ap.parse_args()
     adds = [0.0]
     add_into = gradients._add_into
@@ -48,7 +51,8 @@ def main() -> None:
     gradients._add_into = timed
     torch.manual_seed(0)
     model = tightfit.wrap(GPT(GPTConfig(n_layer=2, n_embd=2048, n_head=16, block_size=64, vocab_size=256)),
-                          tightfit.Placement.everywhere("host"), compute_dtype=torch.bfloat16, device="cpu")
+                          tightfit.Placement.everywhere("host", cast_on_device=args.cast_on_device),
+                          compute_dtype=torch.bfloat16, device="cpu")
     opt = AdamW(model.parameters(), lr=1e-3)
     x = torch.randint(0, 256, (1, 16))
     engine = engine_of(model)
@@ -74,7 +78,8 @@ def main() -> None:
     timers = engine.timers.snapshot()
     print(f"step {wall * 1e3:.0f} ms; gradient worker {timers.get('grad_accumulate_s', 0) / args.steps * 1e3:.0f} ms "
           f"(wall), its adds {adds[0] / args.steps * 1e3:.0f} ms (CPU); optimizer "
-          f"{timers.get('optimizer_s', 0) / args.steps * 1e3:.0f} ms; {torch.get_num_threads()} threads, "
+          f"{timers.get('optimizer_s', 0) / args.steps * 1e3:.0f} ms; host tier "
+          f"{engine.stores[tightfit.Tier.HOST].bytes / 2**20:.0f} MiB; {torch.get_num_threads()} threads, "
           f"{time.strftime('%Y-%m-%d %H:%M')}")
     engine.close()
 

@@ -374,6 +374,48 @@ def test_gradients_convert_on_the_device_a_bounded_chunk_at_a_time():
     alloc.release(dst)
 
 
+def test_an_uploaded_master_is_cast_on_the_device_a_bounded_chunk_at_a_time():
+    """[Note: the device casts the master]: the CUDA mover fetches an fp32 page-locked master into a bf16 device
+    buffer, cast on the upload's stream `CONVERT_CHUNK` elements at a time: the exact bf16 values, and at most one
+    chunk's fp32 temporary beyond the destination (a copy_ across devices and dtypes would cast on the host, and a
+    whole-tensor upload would be 3x the chunk here)."""
+    from tightfit.offload.memory_model import CONVERT_CHUNK
+    from tightfit.offload.placement import Tier
+    from tightfit.offload.runtime.host_memory import HostPool, RegisteredAllocator
+    from tightfit.offload.runtime.movers import CudaMover
+    from tightfit.offload.tiers.stores import MemoryStore
+
+    alloc = RegisteredAllocator()
+    mover = CudaMover(HostPool(None, allocator=alloc), torch.device("cuda"))
+    store = MemoryStore(Tier.HOST, torch.device("cpu"), pinned=alloc)
+    n = 3 * CONVERT_CHUNK + 5
+    store.allocate("u", {"master": (n, torch.float32)}, lock=("master",))
+    master = store.tensor("u", "master")
+    master.copy_(torch.randn(n))
+    dst = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    t = mover.fetch(store, "u", "master", dst)
+    mover.wait(t)
+    t.done.result(timeout=60)
+    assert torch.cuda.max_memory_allocated() - before <= 4 * CONVERT_CHUNK + (2 << 20)
+    assert torch.equal(dst.cpu(), master.to(torch.bfloat16))
+    assert mover.stats["bytes_to_device"] == 4 * n
+    mover.close()
+    store.close()
+
+
+def test_the_device_casts_the_master_in_training_with_the_same_bits():
+    """`Placement.cast_on_device` on a GPU: every state on the host, bf16, the masters uploaded and cast by the
+    device; the losses equal the host compute copy's, bit for bit (both cast fp32 -> bf16, round to nearest even)."""
+    bf16 = {"compute_dtype": torch.bfloat16, "steps": 3, "device": "cuda"}
+    expected, *_ = train(tiny_gpt, Placement.everywhere(Tier.HOST), **bf16)
+    losses, model, _ = train(tiny_gpt, Placement.everywhere(Tier.HOST, cast_on_device=True), **bf16)
+    assert losses == expected
+    assert all(u.casts_on_device for u in engine_of(model).units.values())
+
+
 def test_every_packed_gradient_is_kept_for_the_copy_stream(monkeypatch):
     """The caller drops `param.grad` right after `pack_grads`: each gradient, packed in its own dtype or converted,
     is recorded on the d2h stream so the allocator cannot hand its memory to the compute stream before the copy

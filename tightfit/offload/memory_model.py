@@ -8,7 +8,8 @@ the functions below, so the bytes that decide a refusal are the bytes the plan p
 [Note: bytes per state] For a unit with N elements in its flat buffer (padding included), n of them trainable,
 compute dtype of c bytes:
   params N*c; master n*4 (frozen parameters have none; and no master at all when c is 4 and it shares the
-  params' tier: one tensor, `step/unit.py`);
+  params' tier: one tensor, `step/unit.py`); no params at rest where the device casts the master as it uploads it
+  (`casts_on_device`);
   grads n*4 (fp32, accumulated over micro-batches); optim n*8 (Adam's two moments, fp32).
 While a unit computes its backward, autograd's `param.grad`s add n*c on the device until they are shipped.
 
@@ -56,7 +57,9 @@ master and moments are NVMe files are copied file to file through 16 MiB buffers
 Activations are the model's: the engine does not meter them. The planner passes its measured figures
 (`Activations`) and the model adds them to the device in forward and backward. Nor does it meter the temporary in
 which a GPU converts gradients to fp32 on their way to the host ([Note: gradients land converted] in
-offload/step/gradients.py): at most `CONVERT_CHUNK` elements on the copy's stream in backward ("grad conversion").
+offload/step/gradients.py): at most `CONVERT_CHUNK` elements on the copy's stream in backward ("grad conversion"),
+nor the one in which it casts an uploaded fp32 master ([Note: the device casts the master] in step/unit.py; "param
+conversion", in forward and backward).
 """
 
 from __future__ import annotations
@@ -102,10 +105,20 @@ class Activations:
 
 # ---- per unit ([Note: bytes per state]) --------------------------------------------------------------------------
 
-def state_bytes(u: UnitSize, state: State, up: UnitPlacement, c: int) -> int:
-    """Bytes `state` of unit `u` occupies on its tier (c: bytes per compute element)."""
+def casts_on_device(u: UnitSize, up: UnitPlacement, c: int, enabled: bool) -> bool:
+    """Does a fetch of unit `u` upload its fp32 master for the device to cast, with no compute copy on the host
+    (`enabled`: `Placement.cast_on_device`; [Note: the device casts the master] in step/unit.py)? Only where the
+    master is the whole unit (no frozen tail kept in the compute dtype) and lives on the host tier, as the params
+    would."""
+    return (enabled and c < 4 and u.trainable == u.numel > 0
+            and up.params == up.master == Tier.HOST)
+
+
+def state_bytes(u: UnitSize, state: State, up: UnitPlacement, c: int, casts: bool = False) -> int:
+    """Bytes `state` of unit `u` occupies on its tier (c: bytes per compute element; `casts`: `casts_on_device`, no
+    compute copy at rest)."""
     if state is State.PARAMS:
-        return u.numel * c
+        return 0 if casts else u.numel * c
     if state is State.MASTER:
         return 0 if (c == 4 and up.master == up.params) else u.trainable * 4  # frozen: no master
     if state is State.GRADS:
@@ -123,11 +136,15 @@ def autograd_grad_bytes(u: UnitSize, c: int) -> int:
     return u.trainable * c
 
 
+PINNED_ENTRIES = ("params", "grads")
+"""The host tier's entries a GPU copies into or out of asynchronously, page-locked (tiers/stores.py); a master the
+device casts as it uploads it is one more (`casts_on_device`)."""
 PAGE = 4096
 """What a page-locked staging buffer is rounded up to (host_memory.RegisteredAllocator: one mapping per buffer)."""
 CONVERT_CHUNK = 1 << 20
-"""Elements of a gradient a GPU converts to fp32 at a time on its way to an fp32 host sum (CudaMover.pack_grads in
-runtime/movers.py): a 4 MiB temporary at most, whose copy (~80 us at 50 GB/s) outlasts its two launches."""
+"""Elements a GPU converts at a time: a gradient to fp32 on its way to an fp32 host sum (CudaMover.pack_grads in
+runtime/movers.py), an uploaded fp32 master to the compute dtype (CudaMover.fetch): a 4 MiB temporary at most, whose
+copy (~80 us at 50 GB/s) outlasts its two launches."""
 
 
 def host_addressable(tier: Tier, separate: bool) -> bool:
@@ -286,14 +303,17 @@ def save_bytes(units: list[UnitSize], p: Placement, largest_param: int = 0) -> i
 
 def tier_states(units: list[UnitSize], p: Placement, c: int, separate: bool = False) -> dict[Tier, int]:
     """Bytes of every unit's states on each tier. `separate` (device memory apart from the host's): the host tier's
-    compute params and gradients are page-locked for the copies to and from the device, one mapping each, so each is
-    rounded up to PAGE (stores.MemoryStore, host_memory.RegisteredAllocator)."""
+    compute params and gradients (and a master the device casts from) are page-locked for the copies to and from
+    the device, one mapping each, so each is rounded up to PAGE (stores.MemoryStore,
+    host_memory.RegisteredAllocator)."""
     out = dict.fromkeys(Tier, 0)
     for u in units:
         up = p.of(u.name)
+        casts = casts_on_device(u, up, c, p.cast_on_device)
+        locked = (State.PARAMS, State.GRADS, State.MASTER) if casts else (State.PARAMS, State.GRADS)
         for s in State:
-            n = state_bytes(u, s, up, c)
-            if separate and s in (State.PARAMS, State.GRADS) and up.tier(s) == Tier.HOST:
+            n = state_bytes(u, s, up, c, casts)
+            if separate and n and s in locked and up.tier(s) == Tier.HOST:
                 n = -(-n // PAGE) * PAGE
             out[up.tier(s)] += n
     return out
@@ -353,8 +373,15 @@ class StepMemory:
                    for ph in PHASES)
 
 
-UNMETERED = ("activations", "workspace", "grad conversion")
+UNMETERED = ("activations", "workspace", "grad conversion", "param conversion")
 """Device components the engine's own count leaves out."""
+
+
+def upload_conversion_bytes(units: list[UnitSize], p: Placement, c: int) -> int:
+    """Device bytes of the temporary in which a GPU casts an uploaded fp32 master to the compute dtype
+    (`casts_on_device`): the largest chunk any such unit converts, on the upload's stream in forward and backward."""
+    cast = [u.numel for u in units if casts_on_device(u, p.of(u.name), c, p.cast_on_device)]
+    return 4 * min(CONVERT_CHUNK, max(cast)) if cast else 0
 
 
 def conversion_bytes(units: list[UnitSize], p: Placement, c: int) -> int:
@@ -380,6 +407,7 @@ def step_memory(units: list[UnitSize], p: Placement, c: int, cuda: bool, act: Ac
     early = root_grads if act.root_grads_early is None else min(root_grads, act.root_grads_early)
     late = act.peak if act.at_root_end is None else min(act.peak, act.at_root_end)
     convert = conversion_bytes(units, p, c) if cuda else 0
+    upload = upload_conversion_bytes(units, p, c) if cuda else 0
     for phase in PHASES:
         dev = device_parts(units, p, c, phase)
         if phase == "backward":  # the root's last gradient is not there yet
@@ -389,6 +417,8 @@ def step_memory(units: list[UnitSize], p: Placement, c: int, cuda: bool, act: Ac
             dev["workspace"] = workspace  # the math libraries' (cuBLAS's), held from the first matmul on
         if convert and phase.startswith("backward"):
             dev["grad conversion"] = convert
+        if upload and phase != "step":
+            dev["param conversion"] = upload
         out[phase] = {"device": dev, "host": {"states": states[Tier.HOST], "buffers": pool},
                       "nvme": {"states": states[Tier.NVME]}}
     return StepMemory(out)

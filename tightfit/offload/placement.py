@@ -115,6 +115,12 @@ class Placement:
     """A step's first gradients leave the device converted to fp32 and land as their sum, with no host pass (4 bytes a
     parameter over the link: [Note: gradients land converted] in step/gradients.py); False: in the compute dtype,
     widened on the host (2 bytes over the link, 6 over host memory). The planner takes the faster."""
+    cast_on_device: bool = False
+    """Units whose params and master are both on the host tier, all of their parameters trainable, in a compute dtype
+    narrower than fp32, keep no compute copy there: a fetch uploads the fp32 master and the device casts it ([Note:
+    the device casts the master] in step/unit.py). 4 bytes a parameter over the link per fetch instead of 2, and
+    the CPU's step no longer casts (6 bytes a parameter over host memory) nor holds the copy (2 bytes a parameter
+    of page-locked memory; the master is page-locked instead). The planner takes the faster."""
 
     def of(self, unit: str) -> UnitPlacement:
         """The tiers of `unit`, or of the group that contains it ("blocks.2" is in "blocks.0-3")."""

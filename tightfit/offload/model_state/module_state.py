@@ -30,14 +30,13 @@ import weakref
 from collections.abc import Iterator
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from tightfit.errors import UsageError
 from tightfit.offload.model_state import wrapped_param
-from tightfit.offload.runtime.aligned import aligned_empty
-from tightfit.offload.step.unit import PARAMS, OffloadUnit
-from tightfit.offload.placement import State
 from tightfit.offload.model_state.wrapped_param import _local, bypass, info_of
+from tightfit.offload.runtime.aligned import aligned_empty
+from tightfit.offload.step.unit import OffloadUnit
 
 _STATES: weakref.WeakKeyDictionary[nn.Module, ModuleState] = weakref.WeakKeyDictionary()
 
@@ -84,7 +83,7 @@ class ModuleState:
         if self._params is None or self._params[:2] != (unit.name, unit.version):
             self._params = None
             out = aligned_empty(unit.spec.numel, unit.compute_dtype)
-            unit.store[State.PARAMS].load(unit.name, PARAMS, out).result()
+            unit.read_params(out)
             self._params = (unit.name, unit.version, out)
         return self._params[2]
 

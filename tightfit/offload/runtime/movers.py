@@ -102,9 +102,10 @@ def _region(buf: torch.Tensor, view_like: tuple[int, torch.Size]) -> torch.Tenso
 
 
 def _copy_converting(dst: torch.Tensor, g: torch.Tensor, chunk, same=None) -> None:
-    """dst <- g. In one copy (`same`, default `chunk`) where the dtypes match; converted to dst's dtype
-    `CONVERT_CHUNK` elements at a time (`chunk(dst_piece, g_piece)`) where they do not. One loop for both movers,
-    so the CPU suite runs the chunks' arithmetic that bounds a GPU's temporary."""
+    """dst <- g (a gradient packed for the host, or an fp32 master uploaded for the device to cast). In one copy
+    (`same`, default `chunk`) where the dtypes match; converted to dst's dtype `CONVERT_CHUNK` elements at a time
+    (`chunk(dst_piece, g_piece)`) where they do not. One loop for both movers, so the CPU suite runs the chunks'
+    arithmetic that bounds a GPU's temporary."""
     if dst.dtype == g.dtype:
         (same or chunk)(dst, g)
         return
@@ -271,10 +272,10 @@ class CpuMover:
     # ---- the machinery -----------------------------------------------------------------------------------------
 
     def _issue(self, t: Transfer, dst: torch.Tensor, span: tuple[int, int], src: torch.Tensor) -> None:
-        self.stats["bytes_to_device"] += dst.numel() * dst.element_size()
+        self.stats["bytes_to_device"] += src.numel() * src.element_size()  # what crosses: an fp32 master is 4 B
 
         def copy() -> None:
-            dst.copy_(src)
+            _copy_converting(dst, src, lambda d, c: d.copy_(c))  # a master the device casts: as CudaMover, in chunks
 
         self._run(t, copy, [dst, src], [span, _span(src)], label="tightfit::fetch")
 
@@ -433,11 +434,16 @@ class CudaMover:
         """Issue `dst <- src` on the h2d stream after `after_event`; record its event on `t`, mark `t` issued."""
         with torch.cuda.device(self.device), torch.cuda.stream(self.h2d), ranges.span("tightfit::upload"):
             self.h2d.wait_event(after_event)
-            dst.copy_(src, non_blocking=True)
+            # An fp32 master the device casts ([Note: the device casts the master] in step/unit.py) goes up a chunk
+            # at a time into a temporary on this stream and is cast from there (a copy_ across devices and dtypes
+            # would cast the whole of it on the host first); the allocator reuses a freed temporary only for a
+            # later allocation on this stream, after the cast that read it.
+            _copy_converting(dst, src, lambda d, c: d.copy_(c.to(d.device, non_blocking=True)),
+                             same=lambda d, c: d.copy_(c, non_blocking=True))
             t.event = self._event()
             t.event.record(self.h2d)
         t.issued.set_result(None)
-        self.stats["bytes_to_device"] += dst.numel() * dst.element_size()
+        self.stats["bytes_to_device"] += src.numel() * src.element_size()
 
     def wait(self, t: Transfer) -> None:
         t.issued.result()  # a disk read still running: host memory, not the GPU

@@ -39,8 +39,10 @@ def host_tier_bytes(units: dict[str, OffloadUnit], separate: bool = False) -> in
 
 
 def _placement_of(units: dict[str, OffloadUnit]) -> Placement:
-    """A placement with each unit's own tiers (the engine's units may be joined blocks or tiles)."""
-    return Placement(units={u.name: u.placement for u in units.values()})
+    """A placement with each unit's own tiers (the engine's units may be joined blocks or tiles), and whether the
+    device casts their masters."""
+    return Placement(units={u.name: u.placement for u in units.values()},
+                     cast_on_device=any(u.casts_on_device for u in units.values()))
 
 
 def largest_job(units: dict[str, OffloadUnit], separate: bool) -> tuple[int, str]:

@@ -173,7 +173,8 @@ class OffloadEngine:
                                                threads=disk.threads if disk else None,
                                                chunk_bytes=disk.chunk_bytes if disk else None)
         self.units: dict[str, OffloadUnit] = {
-            s.name: OffloadUnit(s, placement.of(s.name), self.stores, compute_dtype, device, self.separate)
+            s.name: OffloadUnit(s, placement.of(s.name), self.stores, compute_dtype, device, self.separate,
+                                placement.cast_on_device)
             for s in specs}
         try:
             check_budgets(self.units, placement, self.separate)

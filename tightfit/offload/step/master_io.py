@@ -18,7 +18,7 @@ from tightfit.offload.tiers.stores import TierStore
 def initialise(unit: OffloadUnit, stores: dict[Tier, TierStore], meta_init: bool, compute_dtype: torch.dtype) -> None:
     """Allocate the unit's entries in their stores, write the model's current values, bind the params."""
     for tier, entries in unit.entries().items():
-        stores[tier].allocate(unit.name, entries)
+        stores[tier].allocate(unit.name, entries, lock=unit.locked)
     if not meta_init:  # a model built on the meta device gets its values from import_state
         master = aligned_empty(unit.spec.numel, torch.float32)
         master.zero_()  # padding between parameters stays zero forever
@@ -34,7 +34,8 @@ def write_master(unit: OffloadUnit, master: torch.Tensor, compute_dtype: torch.d
     if unit.master_entry == MASTER:
         if unit.master_numel:
             unit.store[State.MASTER].save(unit.name, MASTER, master[:unit.master_numel]).result()
-        unit.store[State.PARAMS].save(unit.name, PARAMS, master.to(compute_dtype)).result()
+        if not unit.casts_on_device:  # else the device casts the master as it uploads it: no copy at rest
+            unit.store[State.PARAMS].save(unit.name, PARAMS, master.to(compute_dtype)).result()
     else:
         unit.store[State.MASTER].save(unit.name, PARAMS, master).result()
 

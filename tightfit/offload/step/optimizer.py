@@ -273,7 +273,7 @@ class StepRunner:
         """Where the step casts the new master for a separate compute copy: the step job's granted buffer, or the
         copy's tier tensor, addressable where the step runs. None: the params are their own master."""
         unit, grant = work.unit, work.grant
-        if unit.master_entry != MASTER:
+        if unit.master_entry != MASTER or unit.casts_on_device:  # [Note: the device casts the master] in unit.py
             return None
         if grant is not None and "cast" in grant:
             return grant["cast"]

@@ -21,6 +21,17 @@ forward's fetch. On a CPU device that shares host memory, the root unit stays ma
 (`ParamsState.KEPT_FOR_STEP`): its step runs in place on `flat` itself, which the next forward uses as is, and
 `flat_write` is that step's write-back of `flat` (the storage must outlive it).
 
+[Note: the device casts the master] (`Placement.cast_on_device`, `memory_model.casts_on_device`) A unit whose
+params and fp32 master are both on the host tier, every parameter trainable, with a narrower compute dtype, may keep
+no compute copy on the host: a fetch uploads the master (page-locked for it, `locked`) and the device casts it, the
+mover a chunk at a time (runtime/movers.py). What that saves is the CPU step's cast into the compute copy (6 bytes
+a parameter over host memory, beside AdamW on the same cores) and the copy itself; what it costs is 2 bytes a
+parameter more over the link per fetch. FSDP2's CPU offload works this way (fp32 sharded params on the host, cast
+to `param_dtype` after the copy). The step writes the master in place while no copy reads it: the unit's last
+upload before its step was waited on by its backward, whose gradients the step waits for; the next forward's fetch
+comes after the step (the same order the host compute copy had). Its compute-dtype values, where something asks
+for them outside a fetch, are the master cast (`params_source`).
+
 [Note: views built once] A step, a gradient ship and a norm each work on per-parameter views of a unit's flat
 tensors, and building a view is a host-side call that costs more than a small parameter's kernels (on the CPU,
 0.2 ms per unit and step for a 12-parameter block: benchmarks/RESULTS.md, batch U). The views of a tensor that
@@ -37,7 +48,13 @@ from enum import Enum
 
 import torch
 
-from tightfit.offload.memory_model import UnitSize, host_addressable, unit_jobs
+from tightfit.offload.memory_model import (
+    PINNED_ENTRIES,
+    UnitSize,
+    casts_on_device,
+    host_addressable,
+    unit_jobs,
+)
 from tightfit.offload.placement import State, Tier, UnitPlacement
 from tightfit.offload.runtime.host_memory import Sizes
 from tightfit.offload.step.lifecycle import Event, GradsState, Lifecycle, ParamsState
@@ -72,7 +89,8 @@ class OffloadUnit:
     separate: device memory is apart from host memory (device_kind.py): what the CPU may work on in place."""
 
     def __init__(self, spec: UnitSpec, placement: UnitPlacement, stores: dict[Tier, TierStore],
-                 compute_dtype: torch.dtype, device: torch.device, separate: bool) -> None:
+                 compute_dtype: torch.dtype, device: torch.device, separate: bool,
+                 cast_on_device: bool = False) -> None:
         self.spec = spec
         self.name = spec.name
         self.placement = placement
@@ -83,6 +101,9 @@ class OffloadUnit:
         self.master_entry = PARAMS if (compute_dtype == torch.float32
                                        and placement.params == placement.master) else MASTER
         self.trainable = spec.trainable  # slots with gradients, in flat order
+        # [Note: the device casts the master]: no compute copy at rest, the master uploaded and cast by the device.
+        self.casts_on_device = casts_on_device(UnitSize(self.name, spec.numel, spec.train_numel), placement,
+                                               compute_dtype.itemsize, cast_on_device)
         self.resident = placement.params == Tier.DEVICE
         self.life = Lifecycle(self.name, self.resident)
         # States the CPU works on in place (no pool buffer): [Note: jobs and grants] in host_memory.py.
@@ -124,7 +145,8 @@ class OffloadUnit:
         """What each tier must allocate for this unit: entry -> (numel, dtype)."""
         n, nt = self.spec.numel, self.spec.train_numel
         out: dict[Tier, dict[str, tuple[int, torch.dtype]]] = {}
-        out.setdefault(self.placement.params, {})[PARAMS] = (n, self.compute_dtype)
+        if not self.casts_on_device:
+            out.setdefault(self.placement.params, {})[PARAMS] = (n, self.compute_dtype)
         if self.master_entry == MASTER and nt:
             out.setdefault(self.placement.master, {})[MASTER] = (nt, torch.float32)
         if nt:
@@ -132,6 +154,28 @@ class OffloadUnit:
             out.setdefault(self.placement.optim, {})[EXP_AVG] = (nt, torch.float32)
             out[self.placement.optim][EXP_AVG_SQ] = (nt, torch.float32)
         return out
+
+    @property
+    def locked(self) -> tuple[str, ...]:
+        """The host tier's entries of this unit a GPU copies asynchronously (page-locked: stores.MemoryStore)."""
+        return (*PINNED_ENTRIES, MASTER) if self.casts_on_device else PINNED_ENTRIES
+
+    def params_source(self) -> tuple[TierStore, str]:
+        """(store, entry) the compute copy is fetched from: the params, or the fp32 master the device casts."""
+        if self.casts_on_device:
+            return self.store[State.MASTER], MASTER
+        return self.store[State.PARAMS], PARAMS
+
+    def read_params(self, out: torch.Tensor) -> None:
+        """The compute copy's values into `out` (a host tensor of the unit's flat size, compute dtype), from its tier
+        or cast from the master."""
+        store, entry = self.params_source()
+        if entry == PARAMS:
+            store.load(self.name, PARAMS, out).result()
+            return
+        master = torch.empty(self.spec.numel, dtype=torch.float32)
+        store.load(self.name, MASTER, master).result()
+        out.copy_(master)
 
     @property
     def master_numel(self) -> int:
@@ -190,7 +234,8 @@ class OffloadUnit:
         if source is not None:
             self.fetch = mover.copy_in(source, self.flat_io)
         else:
-            self.fetch = mover.fetch(self.store[State.PARAMS], self.name, PARAMS, self.flat_io, staging)
+            store, entry = self.params_source()
+            self.fetch = mover.fetch(store, self.name, entry, self.flat_io, staging)
 
     def finish_fetch(self, mover) -> None:
         mover.wait(self.fetch)

@@ -23,9 +23,10 @@ from concurrent.futures import wait as wait_futures
 import torch
 
 from tightfit.errors import UsageError
+from tightfit.offload.memory_model import PINNED_ENTRIES
+from tightfit.offload.placement import Tier
 from tightfit.offload.runtime.futures import done_future
 from tightfit.offload.tiers.nvme.io_queue import FETCH, LOAD, WRITE
-from tightfit.offload.placement import Tier
 
 
 def _nbytes(numel: int, dtype: torch.dtype) -> int:
@@ -38,7 +39,9 @@ class TierStore:
     tier: Tier
     bytes: int = 0
 
-    def allocate(self, unit: str, entries: dict[str, tuple[int, torch.dtype]]) -> None:
+    def allocate(self, unit: str, entries: dict[str, tuple[int, torch.dtype]], lock: tuple[str, ...] = ()) -> None:
+        """Room for the unit's `entries`; `lock`: those a GPU copies into or out of asynchronously (page-locked
+        where the store's memory can be)."""
         raise NotImplementedError
 
     def tensor(self, unit: str, entry: str) -> torch.Tensor | None:
@@ -65,8 +68,9 @@ class TierStore:
         pass
 
 
-PINNED = ("params", "grads")
-"""The host tier's entries a GPU copies into or out of asynchronously, page-locked (`MemoryStore`)."""
+PINNED = PINNED_ENTRIES
+"""The host tier's entries a GPU copies into or out of asynchronously, page-locked (`MemoryStore`), unless a unit
+names its own (`OffloadUnit.locked`: a master the device casts as it uploads it)."""
 
 
 class MemoryStore(TierStore):
@@ -94,18 +98,19 @@ class MemoryStore(TierStore):
         self._locked: set[tuple[str, str]] = set()  # the entries `pinned` allocated (released by `close`)
         self.bytes = 0
 
-    def allocate(self, unit, entries):
+    def allocate(self, unit, entries, lock=PINNED):
         for entry, (numel, dtype) in entries.items():
             t = None
-            if self.pinned is not None and entry in PINNED:
+            if self.pinned is not None and entry in lock:
                 try:
                     t, held = self.pinned.allocate(numel, dtype)
                     self._locked.add((unit, entry))
                 except RuntimeError:
-                    if entry != "grads":
+                    if entry == "params":
                         raise
                     # A system that page-locks no more: the gradients stay pageable and come through packs, as a
-                    # later micro-batch's do (`copy_target` None).
+                    # later micro-batch's do (`copy_target` None); a master is uploaded from pageable memory (the
+                    # driver stages it: the copy no longer overlaps the host).
             if t is None:
                 t, held = torch.empty(numel, dtype=dtype, device=self.device), numel * dtype.itemsize
             # Zeroed so a model built on the meta device reads zeros, not garbage, before import_state.
@@ -183,7 +188,7 @@ class DiskStore(TierStore):
         self._inflight: dict[tuple[str, str], tuple[list[Future], Future | None]] = {}
         self._waiting: set[Future] = set()  # requests held back by the entry order, not yet given to the disk
 
-    def allocate(self, unit, entries):
+    def allocate(self, unit, entries, lock=()):
         file = unit  # the store adds ".safetensors"; unit names are module paths, plain file names
         self._files[unit] = file
         self.nvme.create(file, {entry: ((numel,), dtype) for entry, (numel, dtype) in entries.items()})
