@@ -148,7 +148,19 @@ def unit_sizes(profile: ModelProfile) -> list[mm.UnitSize]:
 def state_bytes(u: UnitProfile, state: State, placement: Placement, shape: TrainShape) -> int:
     """Bytes `state` of unit `u` occupies on its tier ([Note: bytes per state] in memory_model.py)."""
     return mm.state_bytes(mm.UnitSize(u.name, u.numel, u.trainable), state, placement.of(u.name),
-                          shape.compute_bytes)
+                          shape.compute_bytes, casts_on_device(u, placement, shape))
+
+
+def casts_on_device(u: UnitProfile, placement: Placement, shape: TrainShape) -> bool:
+    """Does a fetch of `u` upload its fp32 master for the device to cast? ([Note: the device casts the master] in
+    offload/step/unit.py)"""
+    return mm.casts_on_device(mm.UnitSize(u.name, u.numel, u.trainable), placement.of(u.name), shape.compute_bytes,
+                              placement.cast_on_device)
+
+
+def fetch_bytes(u: UnitProfile, placement: Placement, shape: TrainShape) -> int:
+    """Bytes one fetch of `u`'s params moves to the device: its compute copy, or the fp32 master the device casts."""
+    return u.numel * (4 if casts_on_device(u, placement, shape) else shape.compute_bytes)
 
 
 def act_bytes(profile: ModelProfile, checkpointed: set[str]) -> int:
@@ -182,8 +194,8 @@ def unit_pass_bytes(u: UnitProfile, placement: Placement, shape: TrainShape) -> 
         backward = sum(micro_pass_bytes(u, placement, shape, m) for m in range(a))
     if n and not _optimizer_on_device(placement, u.name):
         step = n * 8 if shape.grad_clip else 0  # the clip coefficient's multiply
-        if up.params != up.master or c != 4:  # the compute copy is not the master: the cast
-            step += n * (4 + c)
+        if (up.params != up.master or c != 4) and not casts_on_device(u, placement, shape):
+            step += n * (4 + c)  # the compute copy is not the master: the cast (unless the device casts)
     return backward, step
 
 
@@ -225,8 +237,8 @@ def host_pass_rate(hw: HardwareProfile) -> float:
 
 
 def stream_unit_bytes(profile: ModelProfile, placement: Placement, shape: TrainShape) -> int:
-    """Compute-parameter bytes of the largest unit whose parameters are streamed (0 when none is)."""
-    sizes = [u.numel * shape.compute_bytes for u in profile.units if placement.of(u.name).params != Tier.DEVICE]
+    """Bytes of the largest fetch of a unit whose parameters are streamed (`fetch_bytes`; 0 when none is)."""
+    sizes = [fetch_bytes(u, placement, shape) for u in profile.units if placement.of(u.name).params != Tier.DEVICE]
     return max(sizes, default=0)
 
 
@@ -336,7 +348,7 @@ def traffic(profile: ModelProfile, placement: Placement, shape: TrainShape) -> d
         p = u.numel * shape.compute_bytes
         uses = (3 if u.name in placement.checkpoint_units else 2) * a  # forward, backward (+ recompute)
         if up.params != Tier.DEVICE:
-            t["h2d"] += uses * p
+            t["h2d"] += uses * fetch_bytes(u, placement, shape)
             if up.params == Tier.NVME:
                 t["nvme_read"] += uses * p
         g = u.trainable * 4
@@ -558,7 +570,7 @@ def units_per_window(profile: ModelProfile, placement: Placement, hw: HardwarePr
     fetch_bw = hw.h2d_bw
     if any(placement.of(u.name).params == Tier.NVME for u in streamed):
         fetch_bw = min(fetch_bw, hw.nvme_read_bw)
-    fetch = max(u.numel * shape.compute_bytes for u in streamed) / fetch_bw
+    fetch = max(fetch_bytes(u, placement, shape) for u in streamed) / fetch_bw
     # A unit's forward: its kernels and ops, and the forward's half of the engine's host time for it.
     per_unit = min(work_time(u.fwd, hw) for u in streamed) + unit_host_time(hw, shape, streamed=True) / 2
     per_unit = per_unit or 1e-9

@@ -26,13 +26,22 @@ from dataclasses import dataclass, field, replace
 from tightfit.errors import UsageError
 from tightfit.offload.placement import ROOT_UNIT, Placement, State, Tier
 from tightfit.offload.step.units import padded
-from tightfit.planner.costs import (Prediction, TrainShape, act_bytes, engine_budgets, link_time, memory, predict,
-                                   units_per_window)
+from tightfit.planner.costs import (
+    Prediction,
+    TrainShape,
+    act_bytes,
+    casts_on_device,
+    engine_budgets,
+    link_time,
+    memory,
+    predict,
+    units_per_window,
+)
 from tightfit.planner.hardware import GiB, HardwareProfile
 from tightfit.planner.model_profile import ModelProfile, UnitProfile
-from tightfit.planner.work import Work
 from tightfit.planner.naming import CLI, Naming
 from tightfit.planner.unit_size import joined_reason, small_block_groups
+from tightfit.planner.work import Work
 from tightfit.utils.sizes import format_size, parse_size
 
 
@@ -206,12 +215,14 @@ class SearchResult:
     """The profile the placement refers to (with tile units when tiling was applied)."""
     reasons: list[str]
     fastest_s: float = 0.0
-    """Predicted step of the fullest placement the fill found, before `_trim` gave residency back: the fastest this
-    search can do (0: the placement is the fullest)."""
+    """Predicted step of the fullest placement the fill found, before `_trim` gave residency back (0: the placement
+    is the fullest)."""
 
     @property
     def fastest(self) -> float:
-        return self.fastest_s or self.prediction.step_s
+        """The fastest this search can do: its fullest placement's step, or the placement's where giving residency
+        back made it faster (params back on the host are masters the GPU casts, `Placement.cast_on_device`)."""
+        return min(self.fastest_s or self.prediction.step_s, self.prediction.step_s)
 
 
 def _set(placement: Placement, unit: str, states: tuple[State, ...], tier: Tier) -> Placement:
@@ -255,12 +266,22 @@ def fixed(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainSh
     return SearchResult(engine_budgets(p, pred), pred, profile, reasons)
 
 
+@dataclass(frozen=True)
+class Copies:
+    """How a plan's copies use the link, which the search does not choose unit by unit: how a step's first gradients
+    leave the device (`Placement.land_grads_fp32`) and who casts the masters (`Placement.cast_on_device`)."""
+
+    land_grads_fp32: bool = True
+    cast_on_device: bool = False
+
+
 def _finish(p: Placement, profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainShape,
-            land_fp32: bool = True) -> Placement:
-    """Prefetch depth and budgets of a placement whose tiers are chosen (and how its gradients leave the device)."""
+            copies: Copies = Copies()) -> Placement:
+    """Prefetch depth and budgets of a placement whose tiers are chosen (and how its copies use the link)."""
+    p = replace(p, land_grads_fp32=copies.land_grads_fp32, cast_on_device=copies.cast_on_device)
     depth = units_per_window(profile, p, hw, shape)
-    return replace(p, prefetch_depth=depth, device_budget=b.device, land_grads_fp32=land_fp32,
-                   host_budget=b.host, nvme_dir=b.nvme_dir, nvme_budget=b.nvme if b.nvme_dir else None)
+    return replace(p, prefetch_depth=depth, device_budget=b.device, host_budget=b.host, nvme_dir=b.nvme_dir,
+                   nvme_budget=b.nvme if b.nvme_dir else None)
 
 
 def search(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainShape,
@@ -268,7 +289,7 @@ def search(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainS
     """The fastest placement the budgets allow (see the module docstring for the order of decisions). Raises
     `Infeasible` with the smallest change that fits, each figure found by planning again with it."""
     try:
-        return search_fastest_grads(profile, hw, b, shape, checkpointing)
+        return search_fastest(profile, hw, b, shape, checkpointing)
     except _NoFit as nf:
         from tightfit.planner.suggest import suggest
 
@@ -283,6 +304,51 @@ def _fits(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainSh
         return False
 
 
+def search_fastest(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainShape,
+                   checkpointing: str) -> SearchResult:
+    """The search with how gradients leave the device chosen (`search_fastest_grads`), then, where the CPU's step
+    casts masters into host compute copies, again with the GPU casting them instead ([Note: the device casts the
+    master] in offload/step/unit.py: the CPU's step casts nothing and the host keeps no compute copy, for 2 bytes a
+    parameter more over the link per fetch, so the search may keep more on the device where the link then binds): of
+    the two, as of the checkpointing searches, the fastest then smallest. Raises `_NoFit`."""
+    res = search_fastest_grads(profile, hw, b, shape, checkpointing)
+    if not _cpu_casts(res, hw, shape):
+        return res
+    try:
+        cast = _search_units(profile, hw, b, shape, checkpointing,
+                             Copies(res.placement.land_grads_fp32, cast_on_device=True))
+    except _NoFit:
+        return res
+    if _fastest_then_smallest(res, cast, hw) is res:
+        return res
+    cast.reasons += [r for r in res.reasons if r.startswith(PACKED_GRADS)]  # the choice this search kept
+    what = "masters: uploaded as fp32 and cast to the compute dtype by the GPU, with no compute copy on the host"
+    new, old = cast.prediction.step_s, res.prediction.step_s
+    saved = res.prediction.peak.get("device", 0) - cast.prediction.peak.get("device", 0)
+    if new < old:
+        more = f", and {format_size(saved)} less of the GPU's memory" if saved > 0 else ""
+        cast.reasons.append(f"{what} ({new * 1e3:.0f} ms per step, against {old * 1e3:.0f} ms with the CPU's step "
+                            f"casting them{more})")
+    else:
+        cast.reasons.append(f"{what}: {format_size(saved)} less of the GPU's memory for a step within "
+                            f"{TRIM_TOLERANCE:.0%} of the CPU's step casting them ({new * 1e3:.0f} ms against "
+                            f"{old * 1e3:.0f} ms)")
+    return cast
+
+
+def _cpu_casts(res: SearchResult, hw: HardwareProfile, shape: TrainShape) -> bool:
+    """Does `res`'s CPU step cast masters into host compute copies that the GPU could cast instead? On a GPU, with a
+    compute dtype narrower than fp32, some unit's params and master on the host tier."""
+    if not (hw.cuda and shape.engine and shape.compute_bytes < 4) or res.placement.cast_on_device:
+        return False
+    p = replace(res.placement, cast_on_device=True)
+    return any(casts_on_device(u, p, shape) for u in res.profile.units)
+
+
+PACKED_GRADS = "gradients: a step's first leave the GPU in the compute dtype"
+"""How a plan's reasons start the line that says its first gradients leave packed (`search_fastest_grads`)."""
+
+
 def search_fastest_grads(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainShape,
                          checkpointing: str) -> SearchResult:
     """The search with a step's first gradients landing as fp32 ([Note: gradients land converted] in
@@ -294,12 +360,12 @@ def search_fastest_grads(profile: ModelProfile, hw: HardwareProfile, b: Budgets,
     if not _link_binds(res, hw, shape):
         return res
     try:
-        packed = _search_units(profile, hw, b, shape, checkpointing, land_fp32=False)
+        packed = _search_units(profile, hw, b, shape, checkpointing, Copies(land_grads_fp32=False))
     except _NoFit:
         return res
     if _fastest_then_smallest(res, packed, hw) is res:
         return res
-    packed.reasons.append(f"gradients: a step's first leave the GPU in the compute dtype and are widened on the host "
+    packed.reasons.append(f"{PACKED_GRADS} and are widened on the host "
                           f"({packed.prediction.step_s * 1e3:.0f} ms per step, against "
                           f"{res.prediction.step_s * 1e3:.0f} ms landing as fp32: the link is what the step waits on)")
     return packed
@@ -317,7 +383,7 @@ def _link_binds(res: SearchResult, hw: HardwareProfile, shape: TrainShape) -> bo
 
 
 def _search_units(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainShape,
-                  checkpointing: str, land_fp32: bool = True) -> SearchResult:
+                  checkpointing: str, copies: Copies = Copies()) -> SearchResult:
     """The search; with --checkpointing auto, also with every unit checkpointed, keeping the fastest, then within
     TRIM_TOLERANCE of it the smallest device peak (decision 5). Raises `_NoFit` when neither fits.
 
@@ -328,7 +394,7 @@ def _search_units(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape:
     without checkpointing: 536 -> 447 ms, docs/PLANNER.md). The greedy fill cannot see that trade, so both are
     searched, unless every state already sits on the device without recomputation."""
     try:
-        res = _search_joined(profile, hw, b, shape, checkpointing, land_fp32)
+        res = _search_joined(profile, hw, b, shape, checkpointing, copies)
     except _NoFit:
         if checkpointing != "auto":
             raise
@@ -338,7 +404,7 @@ def _search_units(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape:
             res is not None and (set(res.placement.checkpoint_units) >= set(everything) or _all_on_device(res))):
         return res
     try:
-        alt = _search_joined(profile, hw, b, shape, "on", land_fp32)
+        alt = _search_joined(profile, hw, b, shape, "on", copies)
     except _NoFit:
         if res is None:
             raise
@@ -393,10 +459,10 @@ def _all_on_device(res: SearchResult) -> bool:
 
 
 def _search_joined(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainShape,
-                   checkpointing: str, land_fp32: bool = True) -> SearchResult:
+                   checkpointing: str, copies: Copies = Copies()) -> SearchResult:
     """The search, run again with small blocks joined into larger units when the first answer puts them on NVMe
     (unit_size.py). Raises `_NoFit`."""
-    res = _search(profile, hw, b, shape, checkpointing, land_fp32)
+    res = _search(profile, hw, b, shape, checkpointing, copies)
     found = small_block_groups(res.placement, res.profile)
     if found is None:
         return res
@@ -407,7 +473,7 @@ def _search_joined(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape
     # buffer was fixed, where one block per unit stayed at 0.97 (benchmarks/RESULTS.md, "Batch H").
     margin = 2 * max(4 * (u.numel + u.trainable) for u in grouped.units if u.name != ROOT_UNIT)
     try:
-        joined = _search(grouped, hw, replace(b, host=b.host - margin), shape, checkpointing, land_fp32)
+        joined = _search(grouped, hw, replace(b, host=b.host - margin), shape, checkpointing, copies)
     except _NoFit:
         joined = None
     if joined is None or not joined.placement.uses(Tier.NVME) or joined.placement.tiled_linears:
@@ -420,13 +486,13 @@ def _search_joined(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape
 
 
 def _search(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainShape,
-            checkpointing: str, land_fp32: bool = True) -> SearchResult:
+            checkpointing: str, copies: Copies = Copies()) -> SearchResult:
     reasons: list[str] = []
     ckable = sorted((u for u in profile.units if u.checkpointable), key=lambda u: u.act_input - u.act_saved)
     ck: set[str] = {u.name for u in ckable} if checkpointing == "on" else set()
 
     everything = _finish(Placement.everywhere(Tier.DEVICE, checkpoint_units=sorted(ck)), profile, hw, b, shape,
-                         land_fp32)
+                         copies)
     pred = predict(profile, everything, hw, shape)
     if not violations(pred, b):
         reasons.append("everything fits on the device tier: no offload")
@@ -445,14 +511,14 @@ def _search(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: Train
     profile, tiled = _tile(profile, shape, dev_room - act_bytes(profile, ck), reasons)
 
     p = Placement.everywhere(Tier.HOST, checkpoint_units=sorted(ck), tiled_linears=tiled)
-    p = _finish(p, profile, hw, b, shape, land_fp32)
+    p = _finish(p, profile, hw, b, shape, copies)
     items = _items(profile, shape, ck)
     groups = _groups(shape)
     p = _promote(p, items, groups, profile, hw, b, shape)
     p = _demote(p, items, groups, profile, hw, b, shape)
     p = _promote(p, items, groups, profile, hw, b, shape)
     fullest = predict(profile, p, hw, shape)
-    p, pred = _trim(p, fullest, items, groups, profile, hw, b, shape, reasons)
+    p, pred, best = _trim(p, fullest, items, groups, profile, hw, b, shape, reasons)
     while violations(pred, b) and p.prefetch_depth > 1:  # a shallower window may be what makes it fit
         p = replace(p, prefetch_depth=p.prefetch_depth - 1)
         pred = predict(profile, p, hw, shape)
@@ -466,7 +532,7 @@ def _search(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: Train
     # engine refused the plan's device budget at wrap time).
     if tiled:
         p = p.with_units(**{u.name: p.of(u.name) for u in profile.units if ".tiles." in u.name})
-    fastest = fullest.step_s if not violations(fullest, b) else 0.0
+    fastest = best.step_s if not violations(fullest, b) else 0.0
     return SearchResult(engine_budgets(p, pred), pred, profile, reasons, fastest)
 
 
@@ -516,15 +582,19 @@ TRIM_TOLERANCE = 0.03
 
 
 def _trim(p, fastest: Prediction, items, groups, profile, hw, b, shape,
-          reasons: list[str]) -> tuple[Placement, Prediction]:
+          reasons: list[str]) -> tuple[Placement, Prediction, Prediction]:
     """The fastest plan, then the smallest: the greedy fill promotes whatever fits, also where the step is bound by
     something device residency does not shorten (the CPU optimizer, the disk); give back, least touched first,
     every device-resident group whose return to host memory keeps the predicted step within TRIM_TOLERANCE of the
-    fastest (`fastest`: the fill's own prediction) and the plan within its budgets. Returns the placement and its
-    prediction."""
+    fastest seen (`fastest`: the fill's own prediction, or a faster plan the walk found) and the plan within its
+    budgets. Returns the placement, its prediction and the fastest plan's.
+
+    Giving residency back can make a step faster: params returned to the host are masters the GPU casts
+    (`Placement.cast_on_device`), which takes their cast off the CPU's step, until the link binds. So the tolerance
+    is measured from the fastest plan seen so far; every accepted plan is within it of the fastest accepted one."""
     if fastest.step_s <= 0 or violations(fastest, b):
-        return p, fastest
-    limit, after = fastest.step_s * (1 + TRIM_TOLERANCE), fastest
+        return p, fastest, fastest
+    best, after = fastest, fastest
     for unit, group in reversed(items):
         up = p.of(unit)
         states = groups[group]
@@ -534,14 +604,19 @@ def _trim(p, fastest: Prediction, items, groups, profile, hw, b, shape,
             continue  # the device optimizer needs this unit's gradients (and master) on the device
         trial = _set(p, unit, states, Tier.HOST)
         pred = predict(profile, trial, hw, shape)
-        if pred.step_s <= limit and not violations(pred, b):
+        if pred.step_s <= best.step_s * (1 + TRIM_TOLERANCE) and not violations(pred, b):
             p, after = trial, pred
+            best = min(best, pred, key=lambda x: x.step_s)
     saved = fastest.peak.get("device", 0) - after.peak.get("device", 0)
-    if saved > 0:
+    if saved > 0 and best is fastest:
         reasons.append(f"device: {format_size(saved)} less than the fullest plan, for a predicted step within "
                        f"{TRIM_TOLERANCE:.0%} of its {fastest.step_s * 1e3:.0f} ms (bound by {fastest.bottleneck}: "
                        "more residency would not shorten it)")
-    return p, after
+    elif saved > 0:
+        reasons.append(f"device: {format_size(saved)} less than the fullest plan, which is slower "
+                       f"({fastest.step_s * 1e3:.0f} ms, bound by {fastest.bottleneck}), for a predicted step within "
+                       f"{TRIM_TOLERANCE:.0%} of the fastest found ({best.step_s * 1e3:.0f} ms)")
+    return p, after, best
 
 
 def predict_mem(profile, p, hw, shape) -> Prediction:

@@ -21,7 +21,7 @@ from tightfit.planner.costs import TrainShape
 from tightfit.planner.hardware import HardwareProfile
 from tightfit.planner.model_profile import ModelProfile
 from tightfit.planner.naming import Naming
-from tightfit.planner.search import Budgets, _fits, _NoFit, _search_units, search_fastest_grads, with_given
+from tightfit.planner.search import Budgets, _fits, _NoFit, _search_units, search_fastest, with_given
 from tightfit.utils.sizes import format_size, parse_size
 
 def _round_up_text(n: int) -> str:
@@ -164,7 +164,7 @@ def what_more_buys(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape
         if not now:
             continue
         try:
-            more = search_fastest_grads(profile, hw, with_given(b, hw, names, key, 2 * now), shape, checkpointing)
+            more = search_fastest(profile, hw, with_given(b, hw, names, key, 2 * now), shape, checkpointing)
         except _NoFit:
             continue
         t = more.prediction.step_s

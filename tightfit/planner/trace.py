@@ -24,8 +24,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tightfit.offload.placement import State, Tier
-from tightfit.planner.costs import (grads_off_bytes, host_pass_rate, last_gradient_pass, micro_pass_bytes,
-                                    steps_under_backward, unit_host_time, unit_pass_bytes, work_time)
+from tightfit.planner.costs import (
+    fetch_bytes,
+    grads_off_bytes,
+    host_pass_rate,
+    last_gradient_pass,
+    micro_pass_bytes,
+    steps_under_backward,
+    unit_host_time,
+    unit_pass_bytes,
+    work_time,
+)
 from tightfit.planner.plan import TIERS, Plan
 
 
@@ -90,13 +99,13 @@ def simulate(plan: Plan) -> Timeline:
         # Forward: fetch unit i when unit i - depth - 1 has released its window slot.
         released: list[float] = []
         for i, u in enumerate(units):
-            pbytes = u.numel * shape.compute_bytes
+            pbytes, moved = u.numel * shape.compute_bytes, fetch_bytes(u, plan.placement, shape)
             ready = t_done
             if u.name in streamed:
                 slot = released[i - p.prefetch_depth - 1] if i > p.prefetch_depth else 0.0
                 if p.of(u.name).params == Tier.NVME:
                     slot = sim.run("nvme read", f"read {u.name} params", pbytes / hw.nvme_read_bw, slot)
-                ready = sim.run("host->device", f"fetch {u.name}", pbytes / hw.h2d_bw, slot)
+                ready = sim.run("host->device", f"fetch {u.name}", moved / hw.h2d_bw, slot)
                 sim.change(ready, "device", pbytes)
             end = sim.run("compute", f"fwd {u.name}", work_time(u.fwd, hw) + hooks(u), ready)
             saved = u.act_input if u.name in ck else u.act_saved
@@ -108,13 +117,13 @@ def simulate(plan: Plan) -> Timeline:
         # Backward, last unit first.
         released = []
         for j, u in enumerate(reversed(units)):
-            pbytes = u.numel * shape.compute_bytes
+            pbytes, moved = u.numel * shape.compute_bytes, fetch_bytes(u, plan.placement, shape)
             ready = t_done
             if u.name in streamed:
                 slot = released[j - p.prefetch_depth - 1] if j > p.prefetch_depth else t_done
                 if p.of(u.name).params == Tier.NVME:
                     slot = sim.run("nvme read", f"read {u.name} params", pbytes / hw.nvme_read_bw, slot)
-                ready = sim.run("host->device", f"fetch {u.name}", pbytes / hw.h2d_bw, slot)
+                ready = sim.run("host->device", f"fetch {u.name}", moved / hw.h2d_bw, slot)
                 sim.change(ready, "device", pbytes)
             if u.name in ck:
                 ready = sim.run("compute", f"recompute {u.name}", work_time(u.fwd, hw), ready)
