@@ -15,7 +15,11 @@ process (bench_gpu_util.py), so each has a clean CUDA context, its own cap
 - tightfit: what `tightfit train` does: the planner places every state for the same cap (`--gpu-mem`, the cap
   unless `--gpu-mem-gib` says otherwise) and the machine's RAM (no NVMe), `tightfit.wrap` with that plan,
   `tightfit.optim.AdamW` stepping each unit during backward (no clipping), the plan printed.
-- tightfit-at-fsdp2-peak (on a GPU): tightfit again, its `--gpu-mem` set to the bytes FSDP2 reserved at its peak.
+- tightfit-at-fsdp2-peak (on a GPU, where tightfit reserved more than FSDP2): tightfit again, its `--gpu-mem` set
+  to the bytes FSDP2 reserved at its peak.
+- tightfit-cpu-casts (where the plan had the GPU cast the uploaded masters, `Placement.cast_on_device`): tightfit
+  again with that choice taken away (its CPU step casts them into host compute copies, as before decision 8 of
+  docs/PLANNER.md): the choice's worth measured, not only predicted.
 Reported per side: median step time over the steps after `--warmup`, tokens/s, the peaks of CUDA memory allocated
 and reserved (the cap bounds reserved bytes), the losses (they agree to bf16 rounding: a check that both train the
 same model); then tightfit's tokens/s over FSDP2's, under the cap and at FSDP2's peak. A side that fails (out of
@@ -124,7 +128,15 @@ def run_tightfit(args) -> dict:
     torch.manual_seed(0)
     model = GPT(_config(args))
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    mem = setup_memory(model, cfg, device, dtype)
+    from tightfit.planner import search
+
+    offered = search._cpu_casts
+    if args.cpu_casts:  # the plan's other choice: masters cast by the CPU's step (docs/PLANNER.md, decision 8)
+        search._cpu_casts = lambda *a: False
+    try:
+        mem = setup_memory(model, cfg, device, dtype)
+    finally:
+        search._cpu_casts = offered
     print(mem.describe(), file=sys.stderr, flush=True)
     try:
         util.reset_peaks(device)
@@ -158,6 +170,11 @@ def run_tightfit(args) -> dict:
         mem.close()
 
 
+def _with(args, **changes):
+    """A copy of the parsed arguments with `changes` (a side run in this process with other settings)."""
+    return argparse.Namespace(**{**vars(args), **changes})
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -179,6 +196,7 @@ def parse_args(argv=None):
     ap.add_argument("--json-out", default=None, help="also write the figures to this file")
     ap.add_argument("--isolate", action="store_true", help="each side in its own process on the CPU too "
                     "(always so on a GPU)")
+    ap.add_argument("--cpu-casts", action="store_true", help="tightfit's plan without the GPU casting the masters")
     ap.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # one side, in a child process
     ap.add_argument("--result", help=argparse.SUPPRESS)  # where the child writes its result
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -203,7 +221,8 @@ def main() -> None:
              args.device] + (["--gpu-mem-gib", args.gpu_mem_gib] if args.gpu_mem_gib else [])
     here = args.device == "cpu" and not args.isolate
     results: dict = {"benchmark": "bench_offload_fsdp", "config": {k: v for k, v in vars(args).items()
-                                                                   if k not in ("side", "port", "result", "isolate")}}
+                                                                   if k not in ("side", "port", "result", "isolate",
+                                                                                "cpu_casts")}}
     for side in SIDES:
         argv = [str(a) for a in shape] + ["--port", str(_free_port())]
         results[side] = util.run_side(__file__, side, argv, (lambda s=side: run[s](args)) if here else None)
@@ -212,7 +231,8 @@ def main() -> None:
     if ok:
         results["tokens_per_s_ratio"] = results["tightfit"]["tokens_per_s"] / results["fsdp2"]["tokens_per_s"]
     fsdp_peak = results["fsdp2"].get("peak_cuda_reserved")
-    if fsdp_peak and not args.gpu_mem_gib:
+    ours = results["tightfit"].get("peak_cuda_reserved", 0)
+    if fsdp_peak and not args.gpu_mem_gib and ours > fsdp_peak:
         # tightfit's budget set to what FSDP2 itself reserved: as fast in no more memory?
         gib = fsdp_peak / 2**30
         argv = [str(a) for a in shape] + ["--gpu-mem-gib", f"{gib:.3f}", "--port", str(_free_port())]
@@ -220,6 +240,14 @@ def main() -> None:
         r["gpu_mem_gib"] = gib
         if "tokens_per_s" in r:
             results["tokens_per_s_ratio_at_fsdp2_peak"] = r["tokens_per_s"] / results["fsdp2"]["tokens_per_s"]
+        util.save_partial(args.json_out, results)
+    if (results["tightfit"].get("placement") or {}).get("cast_on_device") and not args.cpu_casts:
+        argv = [str(a) for a in shape] + ["--cpu-casts", "--port", str(_free_port())]
+        r = results["tightfit-cpu-casts"] = util.run_side(__file__, "tightfit", argv,
+                                                          (lambda: run_tightfit(_with(args, cpu_casts=True)))
+                                                          if here else None)
+        if "tokens_per_s" in r and "tokens_per_s" in results["tightfit"]:
+            results["tokens_per_s_ratio_device_casts"] = results["tightfit"]["tokens_per_s"] / r["tokens_per_s"]
     util.write_json(args.json_out, results)
     sys.exit(0 if ok else 1)
 

@@ -21,7 +21,8 @@
 #   train  (90)   tightfit train, the default run (the README's `make train`) on the GPU: the probe first (32 s on
 #                 a machine it has not measured), then 1500 steps (~30 s)
 #   fsdp   (140)  benchmarks/bench_offload_fsdp.py: tightfit vs FSDP2 + CPUOffloadPolicy under an 8 GiB cap, and
-#                 tightfit with its budget at FSDP2's measured peak (~40 s a side)
+#                 tightfit's plan with the CPU's step casting the masters where the plan had the GPU cast them
+#                 (decision 8), or tightfit with its budget at FSDP2's peak where it reserved more (~40 s a side)
 #   llama  (150)  benchmarks/bench_gpu_llama.py: TinyLlama-1.1B's shape under a 24 GiB cap: plain PyTorch on the
 #                 whole GPU, tightfit's plan, every state on host (32k tokens per step) (~40 s a side);
 #                 GPU_CHECK_LLAMA_NVME=1 adds every state on NVMe (not timed on a GPU yet)

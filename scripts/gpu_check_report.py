@@ -130,7 +130,7 @@ def _bounds(figures: dict) -> None:
             if b:
                 llama[side]["floors"] = b
     fsdp = figures.get("fsdp") or {}
-    for side in ("tightfit", "tightfit-at-fsdp2-peak"):
+    for side in ("tightfit", "tightfit-at-fsdp2-peak", "tightfit-cpu-casts"):
         if side in fsdp:
             b = floors_bound(fsdp[side], floors, None)
             if b:
@@ -275,7 +275,8 @@ def markdown(f: dict) -> str:
         lines += ["## tightfit vs FSDP2 + CPUOffloadPolicy (`benchmarks/bench_offload_fsdp.py`)", "",
                   f"GPT {c['layers']} layers x {c['embd']}, batch {c['batch']} x {c['seq']}, {c['dtype']}, cap "
                   f"{c['cap_gib']} GiB for both sides (set_per_process_memory_fraction).", ""] + header
-        lines += [_side_row(s, b[s]) for s in ("fsdp2", "tightfit", "tightfit-at-fsdp2-peak") if s in b]
+        lines += [_side_row(s, b[s]) for s in ("fsdp2", "tightfit", "tightfit-at-fsdp2-peak", "tightfit-cpu-casts")
+                  if s in b]
         pv = b.get("tightfit", {}).get("plan_vs_measured")
         if pv and pv["predicted"].get("step_s") and pv["measured"].get("step_s"):
             terms, timers = pv.get("step_terms", {}), b["tightfit"].get("engine_s_per_step", {})
@@ -292,7 +293,10 @@ def markdown(f: dict) -> str:
         if "tokens_per_s_ratio" in b:
             lines += ["", f"tightfit / FSDP2 tokens/s: {b['tokens_per_s_ratio']:.2f} under the cap"
                       + (f", {b['tokens_per_s_ratio_at_fsdp2_peak']:.2f} with tightfit's budget at FSDP2's peak"
-                         if "tokens_per_s_ratio_at_fsdp2_peak" in b else "")]
+                         if "tokens_per_s_ratio_at_fsdp2_peak" in b else "")
+                      + (f"; the GPU casting the masters / the CPU's step casting them: "
+                         f"{b['tokens_per_s_ratio_device_casts']:.2f}" if "tokens_per_s_ratio_device_casts" in b
+                         else "")]
         lines.append("")
     b = f.get("llama")
     if b:
