@@ -13,9 +13,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from offload_helpers import tiny_gpt, train
+from offload_helpers import batch, loss_of, tiny_gpt, train
 
-from tightfit import Placement, Tier
+from tightfit import Placement, Tier, wrap
 from tightfit.offload import memory_model as mm
 from tightfit.offload.runtime import movers
 from tightfit.offload.step import adamw
@@ -115,3 +115,20 @@ def test_the_memory_model_drops_the_copy_and_locks_the_master():
 def test_a_plan_file_from_before_the_option_reads_as_off():
     assert Placement.from_dict({}).cast_on_device is False
     assert Placement.from_json(Placement(cast_on_device=True).to_json()).cast_on_device is True
+
+
+def test_load_state_dict_writes_the_master_the_device_casts(casts):
+    """A state dict loaded into such a unit goes to its master alone (there is no compute copy to write): the next
+    forward computes with its cast, exactly as a bf16 copy of the source."""
+    torch.manual_seed(5)
+    source = tiny_gpt()
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    wrap(model, Placement.everywhere(Tier.HOST, cast_on_device=True), compute_dtype=torch.bfloat16, device="cpu")
+    model.load_state_dict(source.state_dict())
+    got = model.state_dict()
+    for k, v in source.state_dict().items():
+        assert torch.equal(got[k], v), k
+    x, y = batch(3)
+    with torch.no_grad():
+        assert torch.equal(loss_of(model, x, y), loss_of(source.to(torch.bfloat16), x, y))
