@@ -12,7 +12,7 @@ import json
 from dataclasses import asdict, dataclass
 
 from tightfit.offload.placement import Placement, State
-from tightfit.planner.costs import Prediction, TrainShape, state_bytes
+from tightfit.planner.costs import Prediction, TrainShape, casts_on_device, state_bytes
 from tightfit.planner.hardware import GiB, HardwareProfile
 from tightfit.planner.model_profile import ModelProfile
 from tightfit.utils.sizes import format_size
@@ -142,6 +142,13 @@ class Plan:
         lines += [f"  {r}" for r in self.reasons if r.startswith(("warning:", "what more memory buys"))]
         return "\n".join(lines)
 
+    def _cell(self, u, s: State) -> str:
+        """One state's bytes and tier in the unit table; a compute copy the GPU casts from the master it uploads
+        has none at rest ([Note: the device casts the master] in offload/step/unit.py)."""
+        if s is State.PARAMS and casts_on_device(u, self.placement, self.shape):
+            return "cast on GPU"
+        return f"{format_size(state_bytes(u, s, self.placement, self.shape))} {self.placement.of(u.name).tier(s).value}"
+
     def table(self) -> str:
         """The full `tightfit plan` output."""
         p, pr = self.placement, self.prediction
@@ -151,9 +158,7 @@ class Plan:
         head = f"{'unit':<28}{'params':>10}  " + "".join(f"{s.value:>18}" for s in State)
         lines += [head, "-" * len(head)]
         for u in self.profile.units:
-            up = p.of(u.name)
-            cells = "".join(f"{format_size(state_bytes(u, s, p, self.shape)) + ' ' + up.tier(s).value:>18}"
-                            for s in State)
+            cells = "".join(f"{self._cell(u, s):>18}" for s in State)
             lines.append(f"{u.name:<28}{u.numel:>10,}  {cells}")
         lines.append("")
         tb = self.tier_bytes()
