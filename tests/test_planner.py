@@ -734,3 +734,38 @@ def test_the_simulated_clipped_step_waits_for_every_gradient_sum():
     first, later = down[:units], down[units:2 * units]
     assert all(abs(a["dur"] - 2 * b["dur"]) < 1e-3 for a, b in zip(first, later))  # 4 bytes against 2
     assert tl.step_s == pytest.approx(plan.prediction.step_s, rel=0.15)
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+@pytest.mark.parametrize("checkpointed", [False, True])
+@pytest.mark.parametrize("cast", [False, True])
+def test_the_plans_host_to_device_bytes_are_the_engines(monkeypatch, depth, checkpointed, cast):
+    """A streamed unit's params cross to the device for its forward and its backward (a checkpointed unit's
+    recomputation runs on the backward's copy), once for the root and the last `depth` blocks of forward, whose
+    copy stays for their backward; fp32 masters where the device casts them. The plan's h2d bytes are the engine's
+    own count, exactly (the GPU-shaped CPU device; two micro-batches a step)."""
+    import tightfit
+    from tightfit.offload.step.engine import engine_of
+    from tightfit.optim import AdamW
+    from tightfit.planner.costs import TrainShape, traffic
+
+    monkeypatch.setenv("TIGHTFIT_CPU_DEVICE", "separate")
+    config = GPTConfig(n_layer=5, n_embd=64, n_head=2, block_size=32, vocab_size=128)
+    ck = [f"blocks.{i}" for i in range(5)] if checkpointed else []
+    p = Placement.everywhere(Tier.HOST, checkpoint_units=ck, prefetch_depth=depth, cast_on_device=cast)
+    torch.manual_seed(0)
+    model = tightfit.wrap(GPT(config), p, compute_dtype=torch.bfloat16, device="cpu")
+    opt, x, engine = AdamW(model.parameters(), lr=1e-3), torch.randint(0, 128, (2, 32)), engine_of(model)
+    for step in range(3):
+        if step == 1:  # the first forward records the unit order: count from the second step
+            engine.mover.stats["bytes_to_device"] = 0
+        for _ in range(2):
+            (model(x, x) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    measured = engine.mover.stats["bytes_to_device"] / 2
+    engine.close()
+    with torch.device("meta"):
+        prof = profile_model(GPT(config), 2, 32, "bf16", cuda=True)
+    shape = TrainShape(compute_bytes=2, grad_accum=2, grad_clip=False)
+    assert traffic(prof, p, shape)["h2d"] == measured

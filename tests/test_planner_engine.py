@@ -152,7 +152,11 @@ def test_a_tiled_plan_runs_as_planned_when_a_block_keeps_states_on_the_device():
     with torch.device("meta"):
         plan = make_plan(GPT(gcfg), cfg, hw)
     p = plan.placement
-    assert p.tiled_linears and p.of("blocks.0").params == Tier.DEVICE  # the case: a tiled block's rest on device
+    assert p.tiled_linears and all(p.of(n).params == Tier.HOST for n in p.units if ".tiles." in n)
+    # The case: a tiled block's rest on the device, its tiles on the host. Set here by hand: whether the search
+    # keeps that residency depends on the machine's figures (with a backward fetch counted per recomputation, as
+    # the planner did until batch AB, it did on these).
+    plan.placement = p.with_units(**{"blocks.0": replace(p.of("blocks.0"), params=Tier.DEVICE)})
     model = apply_plan(GPT(gcfg), plan, device="cpu")
     engine = engine_of(model)
     try:

@@ -237,12 +237,12 @@ def test_llama2_7b_on_a_24gib_gpu_matches_the_documented_arithmetic(tmp_path, ca
     tiers = {t: r[0] for t, r in rows.items()}
     for tier, want in (("device", device), ("host", host), ("nvme", nvme)):
         assert tiers[tier] == format_size(want), (tier, tiers[tier], format_size(want))
-    # Traffic per step: the updated bf16 params of the 21 blocks on the device go up; the root's fp32 master is
-    # fetched for the forward and the backward, the 10 blocks' for the forward, the recomputation and the backward,
-    # the last block's bf16 compute copy three times too; every gradient comes down as fp32 (one micro-batch: those
-    # whose sums live on the host land converted, those kept on the device go to the CPU optimizer); master +
-    # moments of the NVMe blocks are read and written once.
-    h2d = 2 * (L - cast - 1) * block + 4 * (2 * root + 3 * cast * block) + 2 * 3 * block
+    # Traffic per step: the updated bf16 params of the 21 blocks on the device go up; the 10 blocks' fp32 masters
+    # are fetched for the forward and the backward (whose recomputation runs on that copy), the root's once (kept
+    # from forward to backward), the last block's bf16 compute copy once (kept for backward: the reuse distance);
+    # every gradient comes down as fp32 (one micro-batch: those whose sums live on the host land converted, those
+    # kept on the device go to the CPU optimizer); master + moments of the NVMe blocks are read and written once.
+    h2d = 2 * (L - cast - 1) * block + 4 * (root + 2 * cast * block) + 2 * block
     d2h = 4 * n
     assert (f"traffic per step: host->device {format_size(h2d)}, device->host {format_size(d2h)}, "
             f"nvme read {format_size(nvme)}, nvme write {format_size(nvme)}") in out

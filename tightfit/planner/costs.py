@@ -332,21 +332,35 @@ def engine_host_time(profile: ModelProfile, placement: Placement, hw: HardwarePr
     return shape.grad_accum * per_micro + hw.step_overhead_s
 
 
+def kept_for_backward(profile: ModelProfile, placement: Placement) -> set[str]:
+    """Units whose params a forward's fetch leaves on the device for their backward ([Note: phases] in
+    offload/memory_model.py): the root (materialised from forward start to its gradients) and the last
+    `prefetch_depth` blocks of forward, the first of backward (the reuse distance)."""
+    blocks = [u.name for u in profile.units if u.name != ROOT_UNIT]
+    depth = min(placement.prefetch_depth, len(blocks))
+    return {ROOT_UNIT, *blocks[len(blocks) - depth:]}
+
+
+def fetches_per_micro(name: str, kept: set[str]) -> int:
+    """Fetches of a streamed unit's params per micro-batch: its forward's, and its backward's unless its params were
+    kept (`kept_for_backward`). A checkpointed unit's recomputation runs inside its backward, on the params that
+    backward fetched: no fetch of its own (the engine's bytes to the device, tests/test_planner.py)."""
+    return 1 if name in kept else 2
+
+
 def traffic(profile: ModelProfile, placement: Placement, shape: TrainShape) -> dict[str, float]:
     """Bytes moved per optimizer step on each link (see docs/PLANNER.md, "Traffic")."""
     t = {"h2d": 0.0, "d2h": 0.0, "nvme_read": 0.0, "nvme_write": 0.0, "h2d_opt": 0.0, "nvme_read_opt": 0.0,
          "nvme_write_opt": 0.0}
     a = shape.grad_accum
-    blocks = [u.name for u in profile.units if u.name != ROOT_UNIT]
     # Fetched last in forward and kept for backward: their staging buffer is their step's fp32 master ([Note: master
     # from the fetch] in offload/step/unit.py). (With a step declared before backward, as `tightfit train` does, every
     # unit's backward fetch is; counted only for these, the reads are an upper bound.)
-    last_fetched = {ROOT_UNIT, *blocks[len(blocks) - placement.prefetch_depth:]} if placement.prefetch_depth else {
-        ROOT_UNIT}
+    last_fetched = kept_for_backward(profile, placement)
     for u in profile.units:
         up = placement.of(u.name)
         p = u.numel * shape.compute_bytes
-        uses = (3 if u.name in placement.checkpoint_units else 2) * a  # forward, backward (+ recompute)
+        uses = fetches_per_micro(u.name, last_fetched) * a
         if up.params != Tier.DEVICE:
             t["h2d"] += uses * fetch_bytes(u, placement, shape)
             if up.params == Tier.NVME:

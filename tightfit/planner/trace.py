@@ -28,6 +28,7 @@ from tightfit.planner.costs import (
     fetch_bytes,
     grads_off_bytes,
     host_pass_rate,
+    kept_for_backward,
     last_gradient_pass,
     micro_pass_bytes,
     steps_under_backward,
@@ -82,6 +83,7 @@ def simulate(plan: Plan) -> Timeline:
     p, hw, prof, shape = plan.placement, plan.hardware, plan.profile, plan.shape
     sim = _Sim(plan)
     streamed = {u.name for u in prof.units if p.of(u.name).params != Tier.DEVICE}
+    kept = kept_for_backward(prof, p) & streamed  # fetched once a micro-batch: their forward's copy stays
     resident = plan.tier_bytes()
     for t in TIERS:
         sim.change(0.0, t, resident[t])
@@ -110,7 +112,7 @@ def simulate(plan: Plan) -> Timeline:
             end = sim.run("compute", f"fwd {u.name}", work_time(u.fwd, hw) + hooks(u), ready)
             saved = u.act_input if u.name in ck else u.act_saved
             sim.change(end, "device", saved)
-            if u.name in streamed:
+            if u.name in streamed and u.name not in kept:
                 sim.change(end, "device", -pbytes)
             released.append(end)
             t_done = end
@@ -119,7 +121,7 @@ def simulate(plan: Plan) -> Timeline:
         for j, u in enumerate(reversed(units)):
             pbytes, moved = u.numel * shape.compute_bytes, fetch_bytes(u, plan.placement, shape)
             ready = t_done
-            if u.name in streamed:
+            if u.name in streamed and u.name not in kept:
                 slot = released[j - p.prefetch_depth - 1] if j > p.prefetch_depth else t_done
                 if p.of(u.name).params == Tier.NVME:
                     slot = sim.run("nvme read", f"read {u.name} params", pbytes / hw.nvme_read_bw, slot)
