@@ -415,14 +415,27 @@ def backward_arrivals(profile: ModelProfile, placement: Placement, hw: HardwareP
                       phase_a: float) -> list[tuple[UnitProfile, float]]:
     """(unit, when its gradients are complete, from the start of the step) in the last backward, in the order they
     complete: the blocks last to first, then the root (a language model's embedding gradient comes last). The last
-    micro-batch takes its share of phase A, its backward the backward kernels' share of that (recomputation
-    included), and each unit its own share of the backward."""
+    micro-batch takes its share of phase A, its backward the backward's share of that, and each unit its own share
+    of the backward (its kernels', recomputation included).
+
+    The backward's share is that of the stream that binds each half: the compute's (split by the kernels' times),
+    or the link's where it takes longer (a forward fetches every streamed unit, a backward those not kept for it and
+    sends every gradient down): a forward bound by its fetches ends later than its kernels' share says."""
     fwd = {u.name: kernel_time(u.fwd, hw) for u in profile.units}
     bwd = {u.name: kernel_time(u.bwd, hw) + (fwd[u.name] if u.name in placement.checkpoint_units else 0.0)
            for u in profile.units}
     total_bwd = sum(bwd.values())
     total = sum(fwd.values()) + total_bwd
-    backward = phase_a / shape.grad_accum * (total_bwd / total if total else 0.0)
+    a = shape.grad_accum
+    compute = compute_time(profile, placement, hw, shape)[0] / a
+    share = total_bwd / total if total else 0.0
+    kept = kept_for_backward(profile, placement)
+    streamed = [u for u in profile.units if placement.of(u.name).params != Tier.DEVICE]
+    fetch_f = sum(fetch_bytes(u, placement, shape) for u in streamed) / hw.h2d_bw
+    fetch_b = sum(fetch_bytes(u, placement, shape) for u in streamed if u.name not in kept) / hw.h2d_bw
+    down = sum(grads_off_bytes(u, placement, shape, a - 1) for u in profile.units) / hw.d2h_bw
+    f, b = max(compute * (1 - share), fetch_f), max(compute * share, fetch_b, down)
+    backward = phase_a / a * (b / (f + b) if f + b else 0.0)
     order = [u for u in reversed(profile.units) if u.name != ROOT_UNIT] + \
         [u for u in profile.units if u.name == ROOT_UNIT]
     t, out = phase_a - backward, []
@@ -492,6 +505,20 @@ def disk_time(read: float, write: float, hw: HardwareProfile) -> float:
     return t
 
 
+def compute_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile,
+                 shape: TrainShape) -> tuple[float, float, float]:
+    """(compute, its kernels, the host's issuing) of every micro-batch's forward and backward, recomputation
+    included, in seconds. [Note: the host floor]: a GPU runs what the host issued before while the host issues more;
+    a CPU does both on its cores."""
+    a = shape.grad_accum
+    kernels, host = 0.0, engine_host_time(profile, placement, hw, shape)
+    for u in profile.units:
+        forwards = 2 if u.name in placement.checkpoint_units else 1  # recomputation runs the forward again
+        kernels += a * (forwards * kernel_time(u.fwd, hw) + kernel_time(u.bwd, hw))
+        host += a * (forwards * u.fwd.n_ops + u.bwd.n_ops) * hw.op_overhead_s
+    return (max(kernels, host) if hw.cuda else kernels + host), kernels, host
+
+
 def step_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, shape: TrainShape,
               pred: Prediction) -> None:
     """Fill the time terms of `pred`.
@@ -506,13 +533,7 @@ def step_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, 
     overlapping; only the disk runs beside them.
     """
     a = shape.grad_accum
-    kernels, host = 0.0, engine_host_time(profile, placement, hw, shape)
-    for u in profile.units:
-        forwards = 2 if u.name in placement.checkpoint_units else 1  # recomputation runs the forward again
-        kernels += a * (forwards * kernel_time(u.fwd, hw) + kernel_time(u.bwd, hw))
-        host += a * (forwards * u.fwd.n_ops + u.bwd.n_ops) * hw.op_overhead_s
-    # [Note: the host floor]: a GPU runs what the host issued before while the host issues more.
-    compute = max(kernels, host) if hw.cuda else kernels + host
+    compute, kernels, host = compute_time(profile, placement, hw, shape)
     tr = traffic(profile, placement, shape)
     pred.traffic = {k: v for k, v in tr.items()}
     h2d = tr["h2d"] / hw.h2d_bw
