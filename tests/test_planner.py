@@ -791,3 +791,5 @@ def test_a_forward_bound_by_its_fetches_delays_the_steps_under_backward():
     plan = make_plan(model, c, hw, what_if=True)
     assert plan.placement.cast_on_device and plan.prediction.bottleneck == "cpu optimizer"
     assert simulate(plan).step_s == pytest.approx(plan.prediction.step_s, rel=0.03)
+    # What `tightfit train` prints before training says so.
+    assert "the GPU casts 25 unit(s)' fp32 masters as it uploads them (no compute copy on the host)" in plan.summary()

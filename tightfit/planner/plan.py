@@ -137,6 +137,10 @@ class Plan:
             extras.append(f"checkpointing {len(p.checkpoint_units)} unit(s)")
         if p.tiled_linears:
             extras.append("tiling " + ", ".join(f"{k} x{v}" for k, v in p.tiled_linears.items()))
+        cast = sum(casts_on_device(u, p, self.shape) for u in self.profile.units)
+        if cast:
+            extras.append(f"the GPU casts {cast} unit(s)' fp32 masters as it uploads them (no compute copy on the "
+                          "host)")
         if extras:
             lines.append("  " + "; ".join(extras))
         lines += [f"  {r}" for r in self.reasons if r.startswith(("warning:", "what more memory buys"))]
