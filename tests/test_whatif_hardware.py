@@ -453,3 +453,9 @@ def test_where_the_cpu_steps_the_masters_the_gpu_casts_them(capsys):
     rc, out, err = _run(capsys, "plan", "--hardware", "h200", "--n-layer", "2", "--n-embd", "64", "--n-head", "2")
     assert rc == 0, err
     assert "everything fits on the device tier" in out and "masters: uploaded as fp32" not in out
+    # --offload host fixes the tiers, not who casts: the plan chooses that too.
+    rc, out, err = _run(capsys, "plan", "--hardware", "h200", *gpt, "--micro-batch", "2", "--gpu-mem", "8GiB",
+                        "--grad-clip", "0", "--offload", "host")
+    assert rc == 0, err
+    m = re.search(r"masters: uploaded as fp32 .* \(([0-9]+) ms per step, against ([0-9]+) ms with the CPU's step", out)
+    assert m and int(m.group(1)) < int(m.group(2)) and "every state on the host tier" in out, out

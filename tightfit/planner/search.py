@@ -261,9 +261,17 @@ def fixed(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainSh
         profile = profile.grouped(groups)
         p = _finish(replace(p, min_unit_bytes=target).for_groups(groups), profile, hw, b, shape)
         pred = predict(profile, p, hw, shape)
-    for t, need, have in violations(pred, b):
-        reasons.append(f"warning: {t} needs {format_size(need)}, budget {format_size(have)}: this run may not fit")
-    return SearchResult(engine_budgets(p, pred), pred, profile, reasons)
+    res = SearchResult(engine_budgets(p, pred), pred, profile, reasons)
+    if _cpu_casts(res, hw, shape):  # who casts the masters is the plan's choice in any mode (decision 8)
+        cp = _finish(p, profile, hw, b, shape, Copies(p.land_grads_fp32, cast_on_device=True))
+        cpred = predict(profile, cp, hw, shape)
+        cast = SearchResult(engine_budgets(cp, cpred), cpred, profile, reasons)
+        if _fastest_then_smallest(res, cast, hw) is cast:
+            res = _say_cast(cast, res)
+    for t, need, have in violations(res.prediction, b):
+        res.reasons.append(f"warning: {t} needs {format_size(need)}, budget {format_size(have)}: this run may not "
+                           "fit")
+    return res
 
 
 @dataclass(frozen=True)
@@ -322,6 +330,13 @@ def search_fastest(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape
     if _fastest_then_smallest(res, cast, hw) is res:
         return res
     cast.reasons += [r for r in res.reasons if r.startswith(PACKED_GRADS)]  # the choice this search kept
+    return _say_cast(cast, res)
+
+
+def _say_cast(cast: SearchResult, res: SearchResult) -> SearchResult:
+    """`cast` (the GPU casting the masters), its reasons saying what that bought against `res` (the CPU's step
+    casting them)."""
+    cast.reasons = list(cast.reasons)
     what = "masters: uploaded as fp32 and cast to the compute dtype by the GPU, with no compute copy on the host"
     new, old = cast.prediction.step_s, res.prediction.step_s
     saved = res.prediction.peak.get("device", 0) - cast.prediction.peak.get("device", 0)
