@@ -30,7 +30,7 @@ parameter more over the link per fetch. FSDP2's CPU offload works this way (fp32
 to `param_dtype` after the copy). The step writes the master in place while no copy reads it: the unit's last
 upload before its step was waited on by its backward, whose gradients the step waits for; the next forward's fetch
 comes after the step (the same order the host compute copy had). Its compute-dtype values, where something asks
-for them outside a fetch, are the master cast (`params_source`).
+for them outside a fetch, are the master cast (`read_params`).
 
 [Note: views built once] A step, a gradient ship and a norm each work on per-parameter views of a unit's flat
 tensors, and building a view is a host-side call that costs more than a small parameter's kernels (on the CPU,
