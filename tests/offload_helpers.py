@@ -46,6 +46,19 @@ def loss_of(model, x, y) -> torch.Tensor:
     return model(input_ids=x, labels=x).loss
 
 
+def continue_training(model, opt, steps) -> list[float]:
+    """The losses of `model` trained on the batches of `steps` (a range of step numbers, one micro-batch each), as
+    `train` trains: a resumed run's continuation."""
+    losses = []
+    for step in steps:
+        loss = loss_of(model, *batch(step))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def train(build, placement=None, *, steps=10, accum=1, clip=None, fused=True, lr=1e-2, freeze=(),
           compute_dtype=torch.float32, wrap_kwargs=None, scaler=None, seed=0, early=False, preload=False,
           device="cpu"):

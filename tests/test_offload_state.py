@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from offload_helpers import one_torch_thread  # noqa: F401  (autouse fixture: one intra-op thread)
-from offload_helpers import hf_gpt2, tiny_gpt, train
+from offload_helpers import continue_training, hf_gpt2, tiny_gpt, train
 from tightfit import Placement, Tier, UnitPlacement
 from tightfit.offload.model_state.state_io import export_state, import_state
 
@@ -34,8 +34,6 @@ def test_resume_from_export_equals_uninterrupted_run(tmp_path):
     assert first == ref[:3]
 
     def continue_with(placement):
-        from offload_helpers import batch, loss_of
-
         torch.manual_seed(123)  # a different init: everything must come from the checkpoint
         fresh = tiny_gpt()
         if placement is None:
@@ -47,14 +45,7 @@ def test_resume_from_export_equals_uninterrupted_run(tmp_path):
             tightfit.wrap(fresh, placement)
             opt2 = AdamW(fresh.parameters(), lr=1e-2, weight_decay=0.1)
         import_state(fresh, opt2, saved.__getitem__)
-        losses = []
-        for step in range(3, 6):
-            loss = loss_of(fresh, *batch(step))
-            loss.backward()
-            opt2.step()
-            opt2.zero_grad()
-            losses.append(loss.item())
-        return losses
+        return continue_training(fresh, opt2, range(3, 6))
 
     assert continue_with(Placement.everywhere(Tier.HOST)) == ref[3:]
     assert continue_with(None) == ref[3:]

@@ -192,6 +192,13 @@ def unit_jobs(u: UnitSize, up: UnitPlacement, c: int, separate: bool) -> dict[st
     return jobs
 
 
+def first_lands_as_sum(c: int, land_grads_fp32: bool) -> bool:
+    """Do a step's first micro-batch's gradients leave the device as fp32 and land as their sum? ([Note: gradients
+    land converted] in step/gradients.py: fp32 compute always; a narrower one unless `Placement.land_grads_fp32` is
+    False.)"""
+    return c == 4 or land_grads_fp32
+
+
 def ship_buffers(ship: dict[str, tuple[int, int]], as_sum: bool, locked: bool = True) -> dict[str, tuple[int, int]]:
     """The buffers a ship (`unit_jobs`' "ship") is granted for one micro-batch's gradients. `as_sum`: they have
     nothing to add to and land as their fp32 sum ([Note: gradients land converted] in step/gradients.py): an
@@ -236,7 +243,7 @@ def pool_parts(units: list[UnitSize], p: Placement, c: int, cuda: bool,
     GPU-shaped device). `accum`: micro-batches a step has (None: any number); a ship of a step's first lands as the
     sum (`ship_buffers`), so with one micro-batch host-tier gradients take no pack."""
     depth = p.prefetch_depth if depth is None else depth
-    first_as_sum = c == 4 or p.land_grads_fp32
+    first_as_sum = first_lands_as_sum(c, p.land_grads_fp32)
 
     def job(u: UnitSize, name: str) -> int:
         bufs = unit_jobs(u, p.of(u.name), c, cuda).get(name, {})
@@ -380,8 +387,7 @@ UNMETERED = ("activations", "workspace", "grad conversion", "param conversion")
 def upload_conversion_bytes(units: list[UnitSize], p: Placement, c: int) -> int:
     """Device bytes of the temporary in which a GPU casts an uploaded fp32 master to the compute dtype
     (`casts_on_device`): the largest chunk any such unit converts, on the upload's stream in forward and backward."""
-    cast = [u.numel for u in units if casts_on_device(u, p.of(u.name), c, p.cast_on_device)]
-    return 4 * min(CONVERT_CHUNK, max(cast)) if cast else 0
+    return _chunk_bytes([u.numel for u in units if casts_on_device(u, p.of(u.name), c, p.cast_on_device)])
 
 
 def conversion_bytes(units: list[UnitSize], p: Placement, c: int) -> int:
@@ -390,8 +396,12 @@ def conversion_bytes(units: list[UnitSize], p: Placement, c: int) -> int:
     compute dtype: `Placement.land_grads_fp32` False)."""
     if c == 4 or not p.land_grads_fp32:
         return 0
-    shipped = [u.trainable for u in units if u.trainable and p.of(u.name).grads != Tier.DEVICE]
-    return 4 * min(CONVERT_CHUNK, max(shipped, default=0))
+    return _chunk_bytes([u.trainable for u in units if u.trainable and p.of(u.name).grads != Tier.DEVICE])
+
+
+def _chunk_bytes(numels: list[int]) -> int:
+    """The fp32 temporary of a conversion `CONVERT_CHUNK` elements at a time, over tensors of these sizes."""
+    return 4 * min(CONVERT_CHUNK, max(numels, default=0))
 
 
 def step_memory(units: list[UnitSize], p: Placement, c: int, cuda: bool, act: Activations | None = None,

@@ -213,7 +213,7 @@ def grads_off_bytes(u: UnitProfile, placement: Placement, shape: TrainShape, mic
     step's first where they land as the sum ([Note: gradients land converted]), else the compute dtype's."""
     if not u.trainable or placement.of(u.name).grads == Tier.DEVICE:
         return 0
-    fp32 = micro == 0 and _lands_fp32(shape.compute_bytes, placement)
+    fp32 = micro == 0 and mm.first_lands_as_sum(shape.compute_bytes, placement.land_grads_fp32)
     return u.trainable * (4 if fp32 else shape.compute_bytes)
 
 
@@ -223,12 +223,7 @@ def _sum_bytes(compute_bytes: int, micro: int, placement: Placement) -> int:
     compute dtype (`Placement.land_grads_fp32` False): then the pack read and the sum written."""
     if micro:
         return compute_bytes + 8
-    return 0 if _lands_fp32(compute_bytes, placement) else compute_bytes + 4
-
-
-def _lands_fp32(compute_bytes: int, placement: Placement) -> bool:
-    """Does a step's first micro-batch leave the device as fp32? ([Note: gradients land converted])"""
-    return compute_bytes == 4 or placement.land_grads_fp32
+    return 0 if mm.first_lands_as_sum(compute_bytes, placement.land_grads_fp32) else compute_bytes + 4
 
 
 def host_pass_rate(hw: HardwareProfile) -> float:

@@ -8,7 +8,7 @@ them on their tier while backward goes on.
 
 [Note: gradients land converted] Gradients with nothing to add to (the first micro-batch of a step) are the sum
 itself: the mover's copy converts them to fp32 on the device and they land where the sum lives, with no host pass:
-- host tier: straight into the fp32 tier tensor, which is page-locked for it (tiers/stores.py, `PINNED`; where
+- host tier: straight into the fp32 tier tensor, which is page-locked for it (tiers/stores.py, `memory_model.PINNED_ENTRIES`; where
   the system refuses to lock more, it stays pageable and they come through a pack, as later micro-batches do);
 - NVMe: into an fp32 pack granted at once, written to disk (or held for the step) as it is.
 Why on the device: on a GPU machine the host's cores and memory are the CPU optimizer's, and a widening pass over
@@ -37,7 +37,7 @@ from concurrent.futures import Future
 import torch
 from torch._C import DisableTorchFunctionSubclass
 
-from tightfit.offload.memory_model import ship_buffers
+from tightfit.offload.memory_model import first_lands_as_sum, ship_buffers
 from tightfit.offload.placement import State
 from tightfit.offload.runtime.host_cache import Held, HostCache
 from tightfit.offload.runtime.host_memory import Grant, HostPool
@@ -90,7 +90,7 @@ class GradientShipper:
             unit.life.on(Event.GRADS_STORED)
             return None
         slots = [((slot.offset, slot.shape), g) for _, slot, g in pairs]
-        as_sum = not any(had) and (self.land_fp32 or unit.compute_dtype == torch.float32)
+        as_sum = not any(had) and first_lands_as_sum(unit.compute_dtype.itemsize, self.land_fp32)
         target = unit.store[State.GRADS].copy_target(unit.name, GRADS) if as_sum else None
         if target is not None:  # [Note: gradients land converted]: into the host tier's sum itself
             packed = self.mover.pack_grads(slots, target)

@@ -68,16 +68,11 @@ class TierStore:
         pass
 
 
-PINNED = PINNED_ENTRIES
-"""The host tier's entries a GPU copies into or out of asynchronously, page-locked (`MemoryStore`), unless a unit
-names its own (`OffloadUnit.locked`: a master the device casts as it uploads it)."""
-
-
 class MemoryStore(TierStore):
     """Flat tensors in device or host memory.
 
     pinned: an allocator of page-locked memory (staging.RegisteredAllocator) for the entries a GPU copies from or
-    into asynchronously (`PINNED`): the host tier's compute params (uploaded by every fetch) and gradients (the
+    into asynchronously (`memory_model.PINNED_ENTRIES`, unless a unit names its own: `OffloadUnit.locked`): the host tier's compute params (uploaded by every fetch) and gradients (the
     first micro-batch's land there straight from the device: [Note: gradients land converted], step/gradients.py).
     Masters and moments never take part in such a copy and stay pageable ([Note: metering what the allocator
     holds], runtime/host_memory.py).
@@ -98,7 +93,7 @@ class MemoryStore(TierStore):
         self._locked: set[tuple[str, str]] = set()  # the entries `pinned` allocated (released by `close`)
         self.bytes = 0
 
-    def allocate(self, unit, entries, lock=PINNED):
+    def allocate(self, unit, entries, lock=PINNED_ENTRIES):
         for entry, (numel, dtype) in entries.items():
             t = None
             if self.pinned is not None and entry in lock:
