@@ -15,6 +15,10 @@ reads exactly the same keys as from any other shard ([Note: views] in docs/CHECK
 
 Consistency: the copy is taken after `quiesce` (no request in flight, every write-back on disk) and before the
 trainer's next step can change a swap file, so it is the state of one step for every unit.
+
+The run's last save hands the swap over ([Note: the last save takes the swap's place] in
+offload/memory_model.py): each unit's swap file is removed once its states are in the checkpoint, and the engine
+is closed right after.
 """
 
 from __future__ import annotations
@@ -176,9 +180,11 @@ def swap_copy(unit, with_optim: bool) -> SwapCopy:
     return SwapCopy(unit.name, ranges, views, small)
 
 
-def state_groups(model, opt):
+def state_groups(model, opt, hand_over: bool = False):
     """What a checkpoint of `model` holds, a unit at a time: (group, [(key, tensor)]) read through memory, or a
-    SwapCopy for a unit whose states are on NVMe. Plain models: `state_io.export_groups`."""
+    SwapCopy for a unit whose states are on NVMe. Plain models: `state_io.export_groups`. `hand_over`: the run's
+    last save; each unit's swap file is removed once the unit has been taken, and the caller closes the engine
+    when this is done (the checkpoint has its NVMe states, the swap no longer)."""
     from tightfit.offload.step.engine import find_engine
     from tightfit.offload.model_state.state_io import export_groups, export_pieces, quiesce
 
@@ -195,3 +201,7 @@ def state_groups(model, opt):
         else:
             for piece in export_pieces(engine, unit, opt is not None):  # a large unit: several shards
                 yield unit.name, piece
+        if hand_over:  # its shard is written, or its pieces are the writer's own copies
+            for store in {unit.store[s] for s in State}:
+                if isinstance(store, DiskStore):
+                    store.drop(unit.name)

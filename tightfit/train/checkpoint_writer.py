@@ -481,14 +481,19 @@ def checkpoint_bytes(named_shapes: list[tuple[str, tuple[int, ...]]], trainable:
 
 
 def check_room(out_dir: Path, per_checkpoint: int, *, keep: int = 1, kept: int = 0, saves: int | None = None,
-               flag: str = "--out-dir", note: str = "", reserved: int = 0) -> tuple[int, int]:
+               flag: str = "--out-dir", note: str = "", reserved: int = 0, last_frees: int = 0) -> tuple[int, int]:
     """(need, free) for the checkpoints a run will write in `out_dir`; UsageError when they cannot fit. A save
     writes the new checkpoint beside the kept ones before it removes any ([Note: commit]), so the disk must take
     `keep` of them plus the one being written, less the `kept` ones already there (a resumed run's), and never
-    more than the `saves` this run makes; `reserved` bytes there are spoken for (swap files not yet allocated)."""
+    more than the `saves` this run makes; `reserved` bytes there are spoken for (swap files not yet allocated).
+    `last_frees`: bytes of that disk the run's last save gives back while it writes (the swap it takes over, less
+    the range held twice: [Note: the last save takes the swap's place]); counted only where `saves` is known."""
     on_disk = keep + 1 if saves is None else min(keep + 1, kept + saves)
     count = max(1, on_disk - kept)
     need = count * per_checkpoint
+    if saves is not None and last_frees > 0:
+        before_last = max(0, min(keep + 1, kept + saves - 1) - kept) if saves > 1 else 0
+        need = max(need - min(last_frees, per_checkpoint), before_last * per_checkpoint)
     probe = out_dir
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent

@@ -138,6 +138,18 @@ def shares_disk(cfg: Config, out_dir: Path) -> bool:
     return swap is not None and device_of(swap) == device_of(out_dir)
 
 
+def last_save_frees(cfg: Config, out_dir: Path, plan) -> int:
+    """Bytes of `--out-dir`'s disk the run's last save needs less than a whole checkpoint: the swap files it
+    removes as it goes ([Note: the last save takes the swap's place] in memory_model.py). 0 where the swap is on
+    another disk or `--export-hf` reads the states after that save."""
+    from tightfit.offload.memory_model import handed_over
+    from tightfit.planner.costs import unit_sizes
+
+    if plan is None or cfg.train.export_hf or not shares_disk(cfg, out_dir):
+        return 0
+    return handed_over(unit_sizes(plan.profile), plan.placement, plan.shape.compute_bytes)
+
+
 def train(cfg: Config, *, quiet: bool = False) -> Summary:
     """Run `tightfit train` with a validated config. Raises UsageError on bad input."""
     from tightfit.utils.run_lock import RunLock
@@ -196,20 +208,24 @@ def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> 
     shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
 
-    def room(swap_to_come: int = 0) -> tuple[int, int, int, str]:
+    def room(plan, swap_to_come: int = 0) -> tuple[int, int, int, str]:
         """(per checkpoint, need, free, note): the checkpoints this run keeps fit `--out-dir` (check_room)."""
         per = checkpoint_bytes(shapes, trainable)
         shared = shares_disk(cfg, out_dir)
+        frees = last_save_frees(cfg, out_dir, plan)
         note = ("" if not shared else "the --nvme swap files, already allocated, share this disk" if not swap_to_come
                 else f"the {format_size(swap_to_come)} of --nvme swap files this plan keeps share this disk")
+        if frees:
+            note += f", and the last save takes {format_size(frees)} of them over"
         saves = 1 + ((t.steps - 1 - start_step) // t.save_interval if t.save_interval else 0)  # + the last
         need, free = check_room(out_dir, per, keep=t.keep_checkpoints, kept=len(committed(ckpt_root)), saves=saves,
-                                note=f" ({note})" if note else "", reserved=swap_to_come if shared else 0)
+                                note=f" ({note})" if note else "", reserved=swap_to_come if shared else 0,
+                                last_frees=frees)
         return per, need, free, note
 
     # The checkpoints must fit beside the swap files: checked on the plan, before the engine fills them.
-    early = (lambda plan: room(plan.prediction.peak.get("nvme", 0))) if t.keep_checkpoints and t.steps > start_step \
-        else None
+    early = (lambda plan: room(plan, plan.prediction.peak.get("nvme", 0))) \
+        if t.keep_checkpoints and t.steps > start_step else None
     mem: MemorySetup = setup_memory(model, cfg, device, dtype, planned=early)
     pending = None  # the checkpoint being written (a CheckpointWriter), if any
     profiler = None  # --profile DIR: records a few steps (profiling.py)
@@ -254,7 +270,7 @@ def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> 
         if removed:
             say(f"removed what an interrupted save left in {ckpt_root}: {', '.join(removed)}")
         if t.keep_checkpoints:
-            per, need, free, note = room()  # again, now that the swap files are allocated
+            per, need, free, note = room(getattr(mem, "plan", None))  # again, now the swap files are allocated
             say(f"checkpoint: {format_size(per)} per save in {ckpt_root} ({format_size(free)} free now, keeping "
                 f"{t.keep_checkpoints}: {format_size(need)} more at the peak{'; ' + note if note else ''})")
         else:
@@ -293,14 +309,20 @@ def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> 
             last_good = (writer.step, path)
             retention.committed(writer.step, path)
 
-        def save(step: int) -> None:
+        def save(step: int, last: bool = False) -> None:
+            """`last`: the run's last save, which takes the swap files over unless --export-hf reads the states
+            after it; the engine is closed once it has ([Note: the last save takes the swap's place])."""
             nonlocal pending
             if not t.keep_checkpoints:
                 return
             settle()  # one save at a time: its memory and disk are what the plan counted
-            pending = ckpt.start_save(ckpt_root, state_groups(model, opt), step=step, config=cfg.to_dict(),
-                                      signature=ckpt.model_signature(mem.named_shapes()), rng=ckpt.capture_rng(gen),
-                                      loss_scaler=scaler_state(scaler), health=health.record(step))
+            hand_over = last and not t.export_hf
+            pending = ckpt.start_save(ckpt_root, state_groups(model, opt, hand_over=hand_over), step=step,
+                                      config=cfg.to_dict(), signature=ckpt.model_signature(mem.named_shapes()),
+                                      rng=ckpt.capture_rng(gen), loss_scaler=scaler_state(scaler),
+                                      health=health.record(step))
+            if hand_over:
+                mem.close()
 
         if t.profile:
             from tightfit.train.profiling import StepProfiler
@@ -382,7 +404,7 @@ def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> 
         if profiler is not None:
             say(f"profile: {', '.join(str(f) for f in profiler.close())}")
         if signalled is None or t.save_on_signal:
-            save(step)
+            save(step, last=True)
         settle()
         retention.judge(final=True)
         path = last_good[1] if last_good else None

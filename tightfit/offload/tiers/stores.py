@@ -192,6 +192,13 @@ class DiskStore(TierStore):
     def load(self, unit, entry, dst, urgent=False, *, start=None):
         return self._ordered("read", unit, entry, dst, FETCH if urgent else LOAD, start)
 
+    def drop(self, unit: str) -> None:
+        """Remove `unit`'s swap file once its requests are done: the run's last checkpoint has its states ([Note: the
+        last save takes the swap's place] in memory_model.py). A later request for the unit fails."""
+        file = self._files.pop(unit, None)
+        if file is not None:
+            self.nvme.delete(file)
+
     def save(self, unit, entry, src, *, start=None):
         return self._ordered("write", unit, entry, src, WRITE, start)
 
