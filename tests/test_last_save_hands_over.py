@@ -138,3 +138,23 @@ def test_units_read_through_memory_hand_their_swap_over_too(tmp_path, monkeypatc
     for k in ref:
         if not k.startswith("rng."):
             torch.testing.assert_close(got[k], ref[k], rtol=1e-6, atol=0, msg=k)
+
+
+def test_the_summary_reports_the_engines_peaks_as_they_stood_before_the_hand_over(tiny_args, tmp_path):
+    """The last save closes the engine, whose closed stores hold no bytes: the summary and the plan's comparison
+    report the peaks the run reached, the same as a run that saves nothing and closes the engine after them."""
+    import json
+
+    i = tiny_args.index("--out-dir")
+
+    def summary(name, *extra):
+        args = tiny_args[: i + 1] + [str(tmp_path / name)] + tiny_args[i + 2:]
+        assert main(["train", *args, "--steps", "2", "--offload", "host", *extra]) == 0
+        lines = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return (next(x for x in lines if x.get("kind") == "summary")["peak_memory"],
+                next(x for x in lines if x.get("kind") == "plan_vs_measured")["measured"])
+
+    saved, unsaved = summary("saved"), summary("unsaved", "--keep-checkpoints", "0")
+    for key in ("host", "device"):
+        assert saved[0][key] == unsaved[0][key] > 0, (key, saved, unsaved)
+    assert saved[1]["host_peak"] == unsaved[1]["host_peak"] > 0

@@ -221,6 +221,7 @@ class OffloadMemory(_Stepping):
         self.scaler = LossScaler() if dtype == torch.float16 else None
         self._step_early = o.grad_clip <= 0 and self.scaler is None
         self._peak_rss = _rss()
+        self._closed_report: dict | None = None  # the engine's meters as they stood when it was closed
 
     def describe(self) -> str:
         return self.plan.summary()
@@ -229,7 +230,15 @@ class OffloadMemory(_Stepping):
         return self.optimizer.clip_grad_norm_(max_norm)
 
     def close(self) -> None:
-        self.engine.close()  # drains write-backs, stops the I/O threads, deletes the swap files
+        """Close the engine (drains write-backs, stops the I/O threads, deletes the swap files). Its meters are kept
+        as they stood: the run's last save closes it ([Note: the last save takes the swap's place] in
+        memory_model.py) before the summary reports the peaks, and a closed store holds no bytes."""
+        if self._closed_report is None:
+            self._closed_report = self.engine.memory_report()
+        self.engine.close()
+
+    def _report(self) -> dict:
+        return self._closed_report if self._closed_report is not None else self.engine.memory_report()
 
     def backward(self, loss: torch.Tensor, last: bool = False) -> None:
         # Without clipping or loss scaling nothing needs every gradient before a unit steps: each unit's optimizer
@@ -245,14 +254,14 @@ class OffloadMemory(_Stepping):
         return list(self._shapes)
 
     def memory_in_use(self) -> dict[str, int]:
-        r = self.engine.memory_report()
+        r = self._report()
         rss = _rss()
         self._peak_rss = max(self._peak_rss, rss, _rss_high_water())
         return {"device": r["device"]["in_use"], "host": r["host"]["tier"] + r["host"]["staging"],
                 "nvme": r["nvme"]["bytes"], "rss": rss}
 
     def peak_memory(self) -> dict[str, int]:
-        r = self.engine.memory_report()
+        r = self._report()
         self.memory_in_use()
         peaks = {"device": r["device"]["peak"], "host": r["host"]["tier"] + r["host"]["staging_peak"],
                  "nvme": r["nvme"]["bytes"], "rss": self._peak_rss}
