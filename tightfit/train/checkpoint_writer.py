@@ -172,7 +172,7 @@ class NonFinite:
     what: str  # "nan", "inf" or "-inf"
 
 
-def _non_finite(t: torch.Tensor) -> str | None:
+def non_finite_in(t: torch.Tensor) -> str | None:
     """None when every element is finite, else "nan", "inf" or "-inf" (the first that min/max show)."""
     if not t.is_floating_point() or t.numel() == 0:
         return None
@@ -192,7 +192,7 @@ VERIFY_CHUNK = 16 << 20
 
 
 def _read_back(f, start: int, numel: int, dtype: torch.dtype) -> tuple[int, str | None]:
-    """(CRC-32, `_non_finite`'s answer) of `numel` elements of `dtype` at byte `start` of file `f`, read in
+    """(CRC-32, `non_finite_in`'s answer) of `numel` elements of `dtype` at byte `start` of file `f`, read in
     VERIFY_CHUNK pieces: the CRC continues from piece to piece, so it equals the whole tensor's."""
     per = max(1, VERIFY_CHUNK // dtype.itemsize)
     buf = torch.empty(min(per, max(numel, 1)), dtype=dtype)
@@ -203,7 +203,7 @@ def _read_back(f, start: int, numel: int, dtype: torch.dtype) -> tuple[int, str 
         f.seek(start + done * dtype.itemsize)
         if f.readinto(tensor_bytes(piece)) != n * dtype.itemsize:
             raise OSError(f"short read of {f.name}")
-        what = _non_finite(piece)
+        what = non_finite_in(piece)
         if what is not None:
             return crc, what
         crc = zlib.crc32(tensor_bytes(piece), crc)
@@ -424,7 +424,7 @@ class CheckpointWriter:
                     return False
                 self._record_entry(v.key, file, v.dtype, v.shape, numel, crc, (v.entry, v.offset))
         for key, t in copy.small:
-            what = _non_finite(t)
+            what = non_finite_in(t)
             if what is not None:
                 self.non_finite = NonFinite(key, what)
                 return False
@@ -435,7 +435,7 @@ class CheckpointWriter:
         """Check, checksum and write one shard; False when a tensor is non-finite (nothing is committed)."""
         items = [(k, t.detach().cpu().contiguous()) for k, t in items]
         for key, t in items:
-            what = _non_finite(t)
+            what = non_finite_in(t)
             if what is not None:
                 self.non_finite = NonFinite(key, what)
                 return False

@@ -121,11 +121,21 @@ def evaluate(model, batches, loss_fn, device, autocast) -> float:
     return total / len(batches)
 
 
-def export_hf(model: torch.nn.Module, mem: MemorySetup, folder: str) -> None:
-    """Write the trained model as a Hugging Face folder, streamed from wherever its weights live."""
+def export_hf(model: torch.nn.Module, mem: MemorySetup, folder: str, non_finite=None) -> None:
+    """Write the trained model as a Hugging Face folder, streamed from wherever its weights live. `non_finite(key,
+    what)`: the error to raise for a weight that is NaN or infinite (the export is then not written): a run
+    exports before its last save, which would have refused such a state."""
     from tightfit.models.hf_save import save_hf_model
+    from tightfit.train.checkpoint_writer import non_finite_in
 
-    save_hf_model(model, folder, tensors=mem.export_state(), strip_prefix="model.")
+    def checked():
+        for key, t in mem.export_state():
+            bad = non_finite_in(t) if non_finite is not None and key.startswith("model.") else None
+            if bad:
+                raise non_finite(key, bad)
+            yield key, t
+
+    save_hf_model(model, folder, tensors=checked(), strip_prefix="model.")
 
 
 def shares_disk(cfg: Config, out_dir: Path) -> bool:
@@ -141,11 +151,11 @@ def shares_disk(cfg: Config, out_dir: Path) -> bool:
 def last_save_frees(cfg: Config, out_dir: Path, plan) -> int:
     """Bytes of `--out-dir`'s disk the run's last save needs less than a whole checkpoint: the swap files it
     removes as it goes ([Note: the last save takes the swap's place] in memory_model.py). 0 where the swap is on
-    another disk or `--export-hf` reads the states after that save."""
+    another disk."""
     from tightfit.offload.memory_model import handed_over
     from tightfit.planner.costs import unit_sizes
 
-    if plan is None or cfg.train.export_hf or not shares_disk(cfg, out_dir):
+    if plan is None or not shares_disk(cfg, out_dir):
         return 0
     return handed_over(unit_sizes(plan.profile), plan.placement, plan.shape.compute_bytes)
 
@@ -310,18 +320,17 @@ def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> 
             retention.committed(writer.step, path)
 
         def save(step: int, last: bool = False) -> None:
-            """`last`: the run's last save, which takes the swap files over unless --export-hf reads the states
-            after it; the engine is closed once it has ([Note: the last save takes the swap's place])."""
+            """`last`: the run's last save, which takes the swap files over; the engine is closed once it has
+            ([Note: the last save takes the swap's place] in memory_model.py)."""
             nonlocal pending
             if not t.keep_checkpoints:
                 return
             settle()  # one save at a time: its memory and disk are what the plan counted
-            hand_over = last and not t.export_hf
-            pending = ckpt.start_save(ckpt_root, state_groups(model, opt, hand_over=hand_over), step=step,
+            pending = ckpt.start_save(ckpt_root, state_groups(model, opt, hand_over=last), step=step,
                                       config=cfg.to_dict(), signature=ckpt.model_signature(mem.named_shapes()),
                                       rng=ckpt.capture_rng(gen), loss_scaler=scaler_state(scaler),
                                       health=health.record(step))
-            if hand_over:
+            if last:
                 mem.close()
 
         if t.profile:
@@ -403,6 +412,15 @@ def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> 
         progress.close()
         if profiler is not None:
             say(f"profile: {', '.join(str(f) for f in profiler.close())}")
+        settle()  # a save in flight commits or names what diverged first
+        if t.export_hf:  # before the last save, which takes the states' swap files over
+
+            def export_diverged(key: str, what: str) -> UsageError:
+                retention.judge()
+                return divergence(step, f"{describe_key(key)} became {what}")
+
+            export_hf(model, mem, t.export_hf, non_finite=export_diverged)
+            say(f"exported the model in the Hugging Face layout to {t.export_hf}")
         if signalled is None or t.save_on_signal:
             save(step, last=True)
         settle()
@@ -415,9 +433,6 @@ def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> 
             say(f"warning: the final checkpoint (step {step}) was taken inside a loss spike (from step "
                 f"{health.first_spike.step if health.first_spike else '?'}); "
                 + (f"the newest healthy one is step {good[0]} in {good[1]}" if good else "no healthy one was kept"))
-        if t.export_hf:
-            export_hf(model, mem, t.export_hf)
-            say(f"exported the model in the Hugging Face layout to {t.export_hf}")
         summary = Summary(steps_done=step - start_step, final_step=step, train_loss=loss_val, val_loss=val_loss,
                           seconds=seconds, tokens_per_s=(step - start_step) * tokens_per_step / max(seconds, 1e-9),
                           checkpoint=path, peak_memory=mem.peak_memory(),
