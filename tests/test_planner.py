@@ -793,3 +793,42 @@ def test_a_forward_bound_by_its_fetches_delays_the_steps_under_backward():
     assert simulate(plan).step_s == pytest.approx(plan.prediction.step_s, rel=0.03)
     # What `tightfit train` prints before training says so.
     assert "the GPU casts 25 unit(s)' fp32 masters as it uploads them (no compute copy on the host)" in plan.summary()
+
+
+def test_a_profile_measured_on_a_busy_machine_says_so_in_the_plan(monkeypatch):
+    """The probe records how long tasks waited for a core while it timed the matmuls (Linux PSI): a cached profile
+    measured during someone else's job priced this VM's 3.4 B step 2.2x too slow, silently (RESULTS.md, batch AC)."""
+    import time
+
+    from tightfit.planner import probe
+    from tightfit.planner.hardware import PRESSURE_WARNING
+
+    waited = iter([1_000_000, 1_160_000])  # microseconds some task waited for a core, read before and after
+
+    def matmuls(device, dtype):
+        time.sleep(0.2)
+        return {128: 1e11}
+
+    monkeypatch.setattr(probe, "_psi_some_us", lambda: next(waited))
+    monkeypatch.setattr(probe, "measure_matmul", matmuls)
+    rates, share = probe.measure_matmul_and_pressure("cpu", torch.float32)
+    assert rates == {128: 1e11} and 0.6 < share <= 0.8, share
+    monkeypatch.setattr(probe, "_psi_some_us", lambda: None)
+    assert probe.measure_matmul_and_pressure("cpu", torch.float32)[1] == -1.0  # a kernel without PSI: not known
+
+    def plan_on(pressure):
+        return make_plan(meta_gpt(), cfg(), HardwareProfile.synthetic(cpu_pressure=pressure))
+
+    busy = plan_on(0.8)
+    assert any("other work kept its cores busy (a task waited for a core 80% of the time)" in r
+               for r in busy.reasons) and "80%" in busy.summary()
+    for quiet in (0.0, PRESSURE_WARNING, -1.0):
+        assert not any("busy" in r for r in plan_on(quiet).reasons)
+    assert "(other work kept a core busy 80% of that time)" in str(HardwareProfile.synthetic(cpu_pressure=0.8))
+    # A hardware file (`--hardware FILE`, the cache) keeps the figure, and refuses one that is no share of time.
+    from tightfit.planner.hardware_file import profile_from_dict
+
+    data = {k: v for k, v in asdict(HardwareProfile.synthetic()).items() if k != "nvme_volumes"}
+    assert profile_from_dict({**data, "cpu_pressure": 0.8}, "f.json").cpu_pressure == 0.8
+    with pytest.raises(UsageError, match="f.json: field cpu_pressure: a share of time"):
+        profile_from_dict({**data, "cpu_pressure": 2}, "f.json")

@@ -121,6 +121,10 @@ class HardwareProfile:
     """RSS of a process that imported torch and ran a tiny step: the floor under every host measurement."""
     threads: int = 1
     """torch intra-op threads during the measurements."""
+    cpu_pressure: float = -1.0
+    """Share of the matmul measurement's wall time during which a runnable task waited for a core (Linux PSI "some",
+    /proc/pressure/cpu): other work on a shared machine slows every compute-side figure with it (-1: not known).
+    The plan warns above PRESSURE_WARNING."""
     measured_at: float = 0.0
     """Unix time of the measurement (0: synthetic, or a profile stated by hand)."""
     probe_version: int = 0
@@ -167,7 +171,9 @@ class HardwareProfile:
                  f"  memory: GPU {self.gpu_free / GiB:.1f}/{self.gpu_total / GiB:.1f} GiB free, RAM "
                  f"{self.host_available / GiB:.1f}/{self.host_total / GiB:.1f} GiB available, swap folder "
                  f"{self.nvme_free / GiB:.1f} GiB free",
-                 f"  matmul TFLOP/s by size: {mm}",
+                 f"  matmul TFLOP/s by size: {mm}"
+                 + (f" (other work kept a core busy {self.cpu_pressure:.0%} of that time)"
+                    if self.cpu_pressure >= 0 else ""),
                  *(["  attention TFLOP/s by size: " + ", ".join(
                      f"{k}: {v / 1e12:.2f}" for k, v in sorted(self.attention_flops.items()))]
                    if self.attention_flops else []),
@@ -279,6 +285,11 @@ def free_bytes(folder: str | Path) -> int:
     while not path.exists() and path != path.parent:
         path = path.parent
     return shutil.disk_usage(path).free
+
+
+PRESSURE_WARNING = 0.25
+"""A profile measured while tasks waited for a core this share of the time was measured on a busy machine: on the
+2-core VM two busy loops beside the probe gave 0.95 and half the matmul rate, a quiet minute 0.02."""
 
 
 def current(hw: HardwareProfile, nvme_dir: str | None) -> HardwareProfile:

@@ -36,7 +36,7 @@ _BYTES = ("gpu_total", "gpu_free", "host_total", "host_available", "nvme_free", 
 _RATES_BPS = ("nvme_read_bw", "nvme_write_bw", "nvme_mixed_bw", "h2d_bw", "d2h_bw", "mem_bw", "duplex_bw",
               "host_pass_bw")
 _NUMBERS = ("cpu_adam_rate", "device_adam_rate", "op_overhead_s", "unit_overhead_s", "stream_overhead_s",
-            "step_overhead_s", "measured_at")
+            "step_overhead_s", "measured_at", "cpu_pressure")
 _INTS = ("nvme_io_threads", "threads")
 _REQUIRED = ("cuda", "device_name", "host_total", "nvme_read_bw", "nvme_write_bw", "h2d_bw", "d2h_bw", "mem_bw",
              "cpu_adam_rate", "matmul_flops")
@@ -153,6 +153,9 @@ def profile_from_dict(data: dict, where: str, default_key: str = "file") -> Hard
     for key in ("op_overhead_s", "unit_overhead_s", "stream_overhead_s", "step_overhead_s"):
         if out.get(key, 0.0) < 0:
             raise UsageError(f"{where}: field {key}: seconds cannot be negative, got {data[key]!r}")
+    if not (out.get("cpu_pressure", -1.0) == -1.0 or 0.0 <= out["cpu_pressure"] <= 1.0):
+        raise UsageError(f"{where}: field cpu_pressure: a share of time from 0 to 1 (-1: not known), got "
+                         f"{data['cpu_pressure']!r}")
     if out["cuda"] and out.get("gpu_total", 0) <= 0:
         raise UsageError(f"{where}: field gpu_total: a GPU profile needs its memory, got {data.get('gpu_total')!r}")
     out.setdefault("key", default_key)

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 from tightfit.offload.placement import Placement, State
 from tightfit.planner.costs import Prediction, TrainShape, casts_on_device, state_bytes
-from tightfit.planner.hardware import GiB, HardwareProfile
+from tightfit.planner.hardware import PRESSURE_WARNING, GiB, HardwareProfile
 from tightfit.planner.model_profile import ModelProfile
 from tightfit.utils.sizes import format_size
 
@@ -89,6 +89,15 @@ class Plan:
         return (f"warning: the disk's rates were measured over {format_size(measured)}, this plan keeps "
                 f"{format_size(swap)} on it: past a cache in front of the disk, steps may be slower than predicted; "
                 f"measure that volume with `tightfit probe --nvme {self.placement.nvme_dir} --disk-volume {gib}GiB`")
+
+    def pressure_warning(self) -> str | None:
+        """A warning when the machine's speeds were measured while other work kept its cores busy: every time
+        the plan predicts is then too slow by as much (`HardwareProfile.cpu_pressure`)."""
+        if self.hardware.cpu_pressure <= PRESSURE_WARNING:
+            return None
+        return (f"warning: this machine's speeds were measured while other work kept its cores busy (a task waited "
+                f"for a core {self.hardware.cpu_pressure:.0%} of the time): steps may be faster than predicted; run "
+                "`tightfit probe` again when the machine is quiet")
 
     def _budget_text(self, tier: str) -> str:
         b = self.budgets.get(tier)

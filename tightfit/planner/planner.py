@@ -70,8 +70,9 @@ def make_plan(model: nn.Module, cfg, hardware: HardwareProfile | None = None, na
         plan = place(at_volume)  # the disk's rates over the volume this run keeps there ([Note: sustained bandwidth])
         plan.reasons.append(f"disk rates: those measured over {format_size(at_volume.nvme_measured_bytes)}, the "
                             f"least volume measured that holds this run's {format_size(swap)} of swap")
-    if (disk := plan.disk_warning()) is not None:
-        plan.reasons.append(disk)
+    for warning in (plan.disk_warning(), plan.pressure_warning()):
+        if warning is not None:
+            plan.reasons.append(warning)
     if mode == "auto":
         from tightfit.planner.suggest import what_more_buys
 

@@ -93,6 +93,30 @@ def measure_matmul(device: str, dtype: torch.dtype) -> dict[int, float]:
     return out
 
 
+def _psi_some_us() -> int | None:
+    """Microseconds some runnable task has waited for a core since boot (Linux PSI); None where the kernel does not
+    say (no /proc/pressure: an older kernel, another OS, a container without it)."""
+    try:
+        with open("/proc/pressure/cpu") as f:
+            for line in f:
+                if line.startswith("some "):
+                    return int(line.rsplit("total=", 1)[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def measure_matmul_and_pressure(device: str, dtype: torch.dtype) -> tuple[dict[int, float], float]:
+    """`measure_matmul`, and the share of its wall time in which a runnable task waited for a core (-1: not known):
+    what says whether the machine was busy with other work while its speeds were measured."""
+    t0, w0 = time.perf_counter(), _psi_some_us()
+    rates = measure_matmul(device, dtype)
+    t1, w1 = time.perf_counter(), _psi_some_us()
+    if w0 is None or w1 is None or t1 <= t0:
+        return rates, -1.0
+    return rates, min(1.0, max(0.0, (w1 - w0) / 1e6 / (t1 - t0)))
+
+
 _ATTENTION_SHAPES = ((128, 32, 64), (512, 64, 4), (2048, 128, 1))
 """(tokens, head dim, batch x heads) of the attention the probe times on a CPU: a small model's short sequences, a
 mid-sized model's, a 1-8 B model's at 2048 tokens; each call ~0.2-4 GFLOP."""
@@ -456,6 +480,7 @@ def run_probe(folder: str | None = None, save: bool = True, sustained: bool = Tr
     disk = measure_disk(folder, sustained=sustained, volume=disk_volume)
     runtime_rss = measure_runtime_rss(rss_child) if rss_child is not None else None  # the host's cores from here on
     cpu_adam = measure_cpu_adam(cuda)
+    matmul, pressure = measure_matmul_and_pressure(device, dtype)
     hw = HardwareProfile(
         key=machine_key(), cuda=cuda, device_name=torch.cuda.get_device_name(0) if cuda else "cpu",
         gpu_total=gpu_total, gpu_free=gpu_total, host_total=0, host_available=0, nvme_free=0,
@@ -467,7 +492,7 @@ def run_probe(folder: str | None = None, save: bool = True, sustained: bool = Tr
         mem_bw=measure_mem_bw(device),
         cpu_adam_rate=cpu_adam, device_adam_rate=measure_adam("cuda") if cuda else cpu_adam,
         host_pass_bw=measure_host_passes(),
-        matmul_flops=measure_matmul(device, dtype), op_overhead_s=measure_op_overhead(device),
+        matmul_flops=matmul, cpu_pressure=pressure, op_overhead_s=measure_op_overhead(device),
         attention_flops=attention, timed_op_bw=timed_ops,
         **_engine_overhead(device), device_workspace=measure_device_workspace() if cuda else 0,
         runtime_rss=runtime_rss or measure_runtime_rss(), threads=torch.get_num_threads(), measured_at=time.time(),
@@ -532,7 +557,8 @@ def _refresh_here(hw: HardwareProfile) -> HardwareProfile:
     attention, timed_ops = _small_kernels(device, dtype)
     h2d, d2h = measure_copies()
     cpu_adam = measure_cpu_adam(cuda)
-    return replace(hw, matmul_flops=measure_matmul(device, dtype), attention_flops=attention, timed_op_bw=timed_ops,
+    matmul, pressure = measure_matmul_and_pressure(device, dtype)
+    return replace(hw, matmul_flops=matmul, cpu_pressure=pressure, attention_flops=attention, timed_op_bw=timed_ops,
                    mem_bw=measure_mem_bw(device), op_overhead_s=measure_op_overhead(device), cpu_adam_rate=cpu_adam,
                    host_pass_bw=measure_host_passes(),
                    **_engine_overhead(device),
