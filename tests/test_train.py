@@ -99,3 +99,41 @@ def test_offloaded_run_without_clipping_steps_during_backward_and_matches_plain(
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=1e-6, atol=0, msg=k)
     assert not list((tmp_path / "swap").glob("*.safetensors")), "the run left its swap files behind"
+
+
+def test_the_corpus_is_held_once_in_its_own_dtype_and_batches_are_the_same_int64(tmp_path):
+    """The corpus is in RAM for the whole run: held once as loaded (1 byte a token for text, 4 for a tokenizer's
+    ids), the train and held-out parts indexing it in place. It was widened to int64 and copied into the two
+    parts: 8 bytes a token at rest, 17 while loading. A batch is widened to int64, with the values the parts held
+    as streams of their blocks."""
+    import numpy as np
+
+    from tightfit.train.data import TokenDataset, load_tokens
+
+    rng = np.random.default_rng(0)
+    for dtype, vocab in ((np.uint8, 256), (np.int32, 50_000)):
+        tokens = rng.integers(0, vocab, 200_000).astype(dtype)
+        data = TokenDataset.from_tokens(tokens, seq_len=32, val_fraction=0.1, vocab_size=vocab)
+        assert data.train.tokens.data_ptr() == data.val.tokens.data_ptr() == tokens.ctypes.data  # no copy
+        assert data.train.tokens.element_size() == np.dtype(dtype).itemsize
+        # The parts as the trainer had them: every 10th block held out, the rest one int64 stream.
+        block = data.train.tokens.shape[1]
+        t = torch.from_numpy(tokens[: data.train.tokens.numel()].astype(np.int64)).view(-1, block)
+        held = torch.arange(len(t)) % 10 == 9
+        streams = {"train": t[~held].reshape(-1), "val": t[held].reshape(-1)}
+        assert len(data.train) == len(streams["train"]) and len(data.val) == len(streams["val"])
+        g = torch.Generator().manual_seed(1)
+        x, y = data.sample(4, torch.Generator().manual_seed(1))
+        starts = torch.randint(0, len(streams["train"]) - 33, (4,), generator=g)
+        want = streams["train"][starts[:, None] + torch.arange(33)[None, :]]
+        assert x.dtype == torch.int64 and torch.equal(x, want[:, :-1]) and torch.equal(y, want[:, 1:])
+        vx, _ = data.val_batches(2, 4)[1]
+        g = torch.Generator().manual_seed(0)
+        torch.randint(0, len(streams["val"]) - 33, (4,), generator=g)
+        starts = torch.randint(0, len(streams["val"]) - 33, (4,), generator=g)
+        assert torch.equal(vx, streams["val"][starts[:, None] + torch.arange(32)[None, :]])
+    # Text files are read into the array's own buffer, joined by newlines.
+    (tmp_path / "a.txt").write_bytes(b"abc")
+    (tmp_path / "b.txt").write_bytes(b"de")
+    loaded = load_tokens(str(tmp_path))
+    assert loaded.dtype == np.uint8 and loaded.tobytes() == b"abc\nde" and loaded.flags.writeable

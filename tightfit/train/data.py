@@ -58,15 +58,39 @@ def corpus_files(data: str | None) -> list[Path]:
 
 
 def load_tokens(data: str | None, tokenizer=None) -> np.ndarray:
-    """The whole corpus as one token array (uint8 for bytes, int32 for a tokenizer's ids)."""
+    """The whole corpus as one token array (uint8 for bytes, int32 for a tokenizer's ids). Bytes are read straight
+    into one buffer, the array's own: the corpus is held once, also while it loads."""
     files = corpus_files(data)
     if tokenizer is None:
-        raw = b"\n".join(_read(f, Path.read_bytes) for f in files)
-        tokens = np.frombuffer(raw, dtype=np.uint8)
+        sizes = [_read(f, lambda p: p.stat().st_size) for f in files]
+        buf = bytearray(sum(sizes) + len(files) - 1)
+        at = 0
+        for i, (f, size) in enumerate(zip(files, sizes)):
+            if i:
+                buf[at] = ord("\n")
+                at += 1
+            got = _read(f, lambda p, at=at, size=size: _read_into(p, memoryview(buf)[at:at + size]))
+            if got != size:
+                raise UsageError(f"--data: {f} changed while it was read ({size} bytes, then {got}); run again "
+                                 "once nothing writes to the corpus")
+            at += size
+        tokens = np.frombuffer(buf, dtype=np.uint8)
     else:
         text = "\n".join(_read(f, lambda p: p.read_text(encoding="utf-8", errors="replace")) for f in files)
         tokens = np.asarray(tokenizer.encode(text), dtype=np.int32)
     return tokens
+
+
+def _read_into(path: Path, view: memoryview) -> int:
+    """Bytes of `path` read into `view`; fewer where the file shrank, one more where it grew."""
+    with open(path, "rb") as f:
+        got = 0
+        while got < len(view):
+            n = f.readinto(view[got:])
+            if not n:
+                return got
+            got += n
+        return got + len(f.read(1))
 
 
 def _read(path: Path, read):
@@ -79,11 +103,32 @@ def _read(path: Path, read):
 
 
 @dataclass
-class TokenDataset:
-    """A token stream split into train and validation parts, and the batch sampler over it."""
+class Split:
+    """One part of the corpus, the training or the held-out blocks, read in place from the whole corpus: index `j`
+    is token `j % block` of this part's `j // block`-th block, as if its blocks were one stream (no copy of them)."""
 
-    train: torch.Tensor  # [N_train] int64
-    val: torch.Tensor  # [N_val] int64
+    tokens: torch.Tensor  # [n_blocks, block], the corpus in its own dtype (uint8 bytes, int32 ids)
+    blocks: torch.Tensor  # int64: this part's blocks, in order
+
+    def __len__(self) -> int:
+        return len(self.blocks) * self.tokens.shape[1]
+
+    def __getitem__(self, idx: torch.Tensor) -> torch.Tensor:
+        """The tokens at `idx` (int64 positions in this part), widened to int64."""
+        block = self.tokens.shape[1]
+        return self.tokens[self.blocks[idx // block], idx % block].long()
+
+
+@dataclass
+class TokenDataset:
+    """A token stream split into train and validation parts, and the batch sampler over it.
+
+    The corpus is in RAM for the whole run, held once as loaded (1 byte a token for text, 4 for a tokenizer's ids):
+    the parts index it in place, and only a batch is widened to int64 (8 bytes a token, and two copies of the
+    corpus, made a 1 GB text take 17 GB while it loaded)."""
+
+    train: Split
+    val: Split
     seq_len: int
     vocab_size: int
 
@@ -101,12 +146,12 @@ class TokenDataset:
                 f"{source}: corpus has {n} tokens, too few for --seq-len {seq_len} with --val-fraction "
                 f"{val_fraction}; give more text or a shorter --seq-len"
             )
-        t = torch.from_numpy(tokens[: n_blocks * block].astype(np.int64)).view(n_blocks, block)
+        t = torch.from_numpy(tokens[: n_blocks * block]).view(n_blocks, block)
         held_out = torch.arange(n_blocks) % every == every - 1
-        return cls(train=t[~held_out].reshape(-1), val=t[held_out].reshape(-1), seq_len=seq_len,
-                   vocab_size=vocab_size)
+        return cls(train=Split(t, torch.nonzero(~held_out).flatten()), val=Split(t, torch.nonzero(held_out).flatten()),
+                   seq_len=seq_len, vocab_size=vocab_size)
 
-    def _batch(self, split: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _batch(self, split: Split, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         idx = starts[:, None] + torch.arange(self.seq_len + 1)[None, :]  # [B, T+1]
         chunk = split[idx]
         return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()  # inputs, next-token targets: [B, T] each

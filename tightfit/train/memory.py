@@ -91,7 +91,7 @@ def process_floor(model: nn.Module) -> int:
     """Bytes this process holds apart from the engine's: its RSS now, after the runtime has warmed up as in the
     probe's runtime figure (planner and engine imported, one tiny training step), less the model's own tensors in
     RAM (wrapping replaces them by the tiers', which the plan counts). It includes what the probe's fresh process
-    lacks: the data set (byte-level text held as int64 tokens: 8 bytes per token), the tokenizer, the loop's state.
+    lacks: the data set (held as loaded: a byte a token for text), the tokenizer, the loop's state.
     [Note: process RSS] in tightfit/planner/costs.py."""
     import tightfit
     import tightfit.planner  # noqa: F401 - what the probe's figure includes
