@@ -11,6 +11,7 @@ import torch
 import tightfit.train.checkpoint_swap as cs
 import tightfit.train.checkpoint_writer as cw
 from tightfit.cli import main
+from tightfit.errors import UsageError
 from tightfit.train import checkpoint as ckpt
 from tightfit.utils.sizes import parse_size
 
@@ -198,3 +199,14 @@ def test_an_export_comes_before_the_hand_over_and_refuses_a_non_finite_weight(ti
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "layers.1.mlp.up_proj.weight" in err and "nan" in err, err
     assert not (tmp_path / "bad-hf").exists() and ckpt.latest(tmp_path / "bad") is None
+    # An export that fails otherwise (a full disk there) still leaves the run's last checkpoint, then says why.
+    monkeypatch.setattr(memory.OffloadMemory, "export_state", real)
+    from tightfit.models import hf_save
+
+    def full(*a, **k):
+        raise UsageError("--export-hf: no space left there")
+
+    monkeypatch.setattr(hf_save, "save_hf_model", full)
+    assert run("full") == 2
+    assert "--export-hf: no space left there" in capsys.readouterr().err
+    assert ckpt.latest(tmp_path / "full").name == "step-00000002"

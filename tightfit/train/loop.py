@@ -413,17 +413,27 @@ def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> 
         if profiler is not None:
             say(f"profile: {', '.join(str(f) for f in profiler.close())}")
         settle()  # a save in flight commits or names what diverged first
+        export_failed: Exception | None = None
         if t.export_hf:  # before the last save, which takes the states' swap files over
+            diverged_at: list[UsageError] = []
 
             def export_diverged(key: str, what: str) -> UsageError:
                 retention.judge()
-                return divergence(step, f"{describe_key(key)} became {what}")
+                diverged_at.append(divergence(step, f"{describe_key(key)} became {what}"))
+                return diverged_at[-1]
 
-            export_hf(model, mem, t.export_hf, non_finite=export_diverged)
-            say(f"exported the model in the Hugging Face layout to {t.export_hf}")
+            try:
+                export_hf(model, mem, t.export_hf, non_finite=export_diverged)
+                say(f"exported the model in the Hugging Face layout to {t.export_hf}")
+            except Exception as e:  # the last checkpoint is still taken (unless the state diverged), then this
+                if diverged_at:
+                    raise
+                export_failed = e
         if signalled is None or t.save_on_signal:
             save(step, last=True)
         settle()
+        if export_failed is not None:
+            raise export_failed
         retention.judge(final=True)
         path = last_good[1] if last_good else None
         if path is not None and verdict_of(path) == SUSPECT:
