@@ -9,7 +9,9 @@ What it does: writes a config-only Hugging Face folder (LlamaConfig; random init
 RAM), runs `tightfit train --model hf:FOLDER --micro-batch 1 --seq-len 128 --nvme SWAP --log-interval 1` as a
 subprocess (plus `--cpu-mem`, `--offload` when given), samples the child's RSS every 20 ms, and once `--steps`
 steps are done interrupts it (SIGINT: the trainer closes its engine, which deletes the swap files). It writes no
-checkpoint (`--keep-checkpoints 0`): for 3B parameters one is another ~38 GB, beside the 51 GB of swap files. Reported:
+checkpoint (`--keep-checkpoints 0`): it measures the steps. (A 3B run's own last checkpoint, 38 GiB, takes the swap
+files' place as it is written, so the disk needs the swap and one unit more: benchmarks/RESULTS.md, batch AC.)
+Reported:
 - predicted: the plan's process RSS (the line `tightfit train` prints) and step time;
 - measured: the child's RSS high-water mark (the kernel's VmHWM, read just before the interrupt: every allocation
   counts, however short; the 20 ms samples give the time of the peak) and the median wall time of the steps after
