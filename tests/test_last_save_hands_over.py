@@ -210,3 +210,17 @@ def test_an_export_comes_before_the_hand_over_and_refuses_a_non_finite_weight(ti
     assert run("full") == 2
     assert "--export-hf: no space left there" in capsys.readouterr().err
     assert ckpt.latest(tmp_path / "full").name == "step-00000002"
+
+
+def test_tightfit_plan_says_what_disk_the_end_of_the_run_needs(tmp_path, capsys):
+    """`tightfit plan` with NVMe states names the swap, a checkpoint, and what the last save adds beyond the swap:
+    the same rule the trainer's room check uses (`memory_model.handed_over`), before anything is allocated."""
+    args = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq-len", "32", "--micro-batch", "4"]
+    assert main(["plan", *args, "--offload", "nvme", "--nvme", str(tmp_path / "swap")]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("disk: "))
+    assert "the swap " in line and "a checkpoint about " in line and "beyond the swap" in line, line
+    need = parse_size(line.split("needs ")[1].split(" beyond")[0].replace(" ", ""))
+    checkpoint = parse_size(line.split("a checkpoint about ")[1].split(",")[0].replace(" ", ""))
+    assert 0 < need < checkpoint / 2  # every unit's states are on NVMe: one unit held twice
+    assert main(["plan", *args, "--offload", "host"]) == 0
+    assert "disk: " not in capsys.readouterr().out

@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
+from tightfit.offload import memory_model as mm
 from tightfit.offload.placement import Placement, State
-from tightfit.planner.costs import Prediction, TrainShape, casts_on_device, state_bytes
+from tightfit.planner.costs import Prediction, TrainShape, casts_on_device, state_bytes, unit_sizes
 from tightfit.planner.hardware import PRESSURE_WARNING, GiB, HardwareProfile
 from tightfit.planner.model_profile import ModelProfile
 from tightfit.utils.sizes import format_size
@@ -98,6 +99,20 @@ class Plan:
         return (f"warning: this machine's speeds were measured while other work kept its cores busy (a task waited "
                 f"for a core {self.hardware.cpu_pressure:.0%} of the time): steps may be faster than predicted; run "
                 "`tightfit probe` again when the machine is quiet")
+
+    def disk_line(self) -> str | None:
+        """The disk a run with NVMe states needs at its end: its swap and its checkpoint, the last of which takes the
+        swap's place as it is written ([Note: the last save takes the swap's place] in offload/memory_model.py).
+        None without NVMe states."""
+        swap = self.prediction.peak.get("nvme", 0)
+        if not swap:
+            return None
+        units = unit_sizes(self.profile)
+        checkpoint = sum(mm.export_bytes(u) for u in units)
+        extra = checkpoint - mm.handed_over(units, self.placement, self.shape.compute_bytes)
+        return (f"disk: the swap {format_size(swap)}; a checkpoint about {format_size(checkpoint)}, and where "
+                f"--out-dir is on the swap's disk the run's last save needs {format_size(extra)} beyond the swap "
+                f"(it takes the swap's place as it writes; a save before it, the whole checkpoint)")
 
     def _budget_text(self, tier: str) -> str:
         b = self.budgets.get(tier)
@@ -186,6 +201,9 @@ class Plan:
                      f"{' + CPU device' if not self.hardware.cuda else ''}): {self._figure('rss_peak')}"
                      + (f", while a checkpoint is saved ({format_size(pr.save_bytes)} of it read for the writer; "
                         f"{format_size(parts['step'])} in the step)" if parts["save"] > parts["step"] else ""))
+        disk = self.disk_line()
+        if disk:
+            lines.append(disk)
         lines.append("")
         lines.append(f"schedule: prefetch depth {p.prefetch_depth}, "
                      f"checkpointed units {len(p.checkpoint_units)}, tiled linears {len(p.tiled_linears)}")
