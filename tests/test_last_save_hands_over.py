@@ -3,6 +3,7 @@ offload/memory_model.py): each range copied from a swap file is released from it
 and one checkpoint's worth less than its NVMe states still takes the run's checkpoint (issue 26: the 3.4B Llama's
 38 GiB checkpoint beside its 48 GiB of swap on a 78 GB disk)."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -144,8 +145,6 @@ def test_units_read_through_memory_hand_their_swap_over_too(tmp_path, monkeypatc
 def test_the_summary_reports_the_engines_peaks_as_they_stood_before_the_hand_over(tiny_args, tmp_path):
     """The last save closes the engine, whose closed stores hold no bytes: the summary and the plan's comparison
     report the peaks the run reached, the same as a run that saves nothing and closes the engine after them."""
-    import json
-
     i = tiny_args.index("--out-dir")
 
     def summary(name, *extra):
@@ -222,5 +221,8 @@ def test_tightfit_plan_says_what_disk_the_end_of_the_run_needs(tmp_path, capsys)
     need = parse_size(line.split("needs ")[1].split(" beyond")[0].replace(" ", ""))
     checkpoint = parse_size(line.split("a checkpoint about ")[1].split(",")[0].replace(" ", ""))
     assert 0 < need < checkpoint / 2  # every unit's states are on NVMe: one unit held twice
+    assert main(["plan", *args, "--offload", "nvme", "--nvme", str(tmp_path / "swap"), "--json"]) == 0
+    disk = json.loads(capsys.readouterr().out)["disk"]
+    assert disk["swap"] > 0 and disk["checkpoint"] > 2 * disk["last_save_beyond_swap"] > 0
     assert main(["plan", *args, "--offload", "host"]) == 0
     assert "disk: " not in capsys.readouterr().out

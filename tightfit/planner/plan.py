@@ -51,7 +51,7 @@ class Plan:
         return {"placement": self.placement.to_dict(), "prediction": asdict(self.prediction),
                 "budgets": self.budgets, "budget_sources": self.budget_sources, "reasons": self.reasons,
                 "mode": self.mode, "shape": asdict(self.shape), "profile": asdict(self.profile),
-                "hardware": self.hardware.to_dict(), "shared_pool": self.shared_pool}
+                "hardware": self.hardware.to_dict(), "shared_pool": self.shared_pool, "disk": self.disk_figures()}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -100,19 +100,27 @@ class Plan:
                 f"for a core {self.hardware.cpu_pressure:.0%} of the time): steps may be faster than predicted; run "
                 "`tightfit probe` again when the machine is quiet")
 
-    def disk_line(self) -> str | None:
-        """The disk a run with NVMe states needs at its end: its swap and its checkpoint, the last of which takes the
-        swap's place as it is written ([Note: the last save takes the swap's place] in offload/memory_model.py).
-        None without NVMe states."""
+    def disk_figures(self) -> dict[str, int] | None:
+        """The disk a run with NVMe states needs at its end: its swap, a checkpoint, and what the last save adds
+        beyond the swap where --out-dir shares its disk (it takes the swap's place as it is written: [Note: the last
+        save takes the swap's place] in offload/memory_model.py). None without NVMe states."""
         swap = self.prediction.peak.get("nvme", 0)
         if not swap:
             return None
         units = unit_sizes(self.profile)
         checkpoint = sum(mm.export_bytes(u) for u in units)
-        extra = checkpoint - mm.handed_over(units, self.placement, self.shape.compute_bytes)
-        return (f"disk: the swap {format_size(swap)}; a checkpoint about {format_size(checkpoint)}, and where "
-                f"--out-dir is on the swap's disk the run's last save needs {format_size(extra)} beyond the swap "
-                f"(it takes the swap's place as it writes; a save before it, the whole checkpoint)")
+        return {"swap": swap, "checkpoint": checkpoint,
+                "last_save_beyond_swap": checkpoint - mm.handed_over(units, self.placement, self.shape.compute_bytes)}
+
+    def disk_line(self) -> str | None:
+        """`disk_figures` in words, for `tightfit plan`."""
+        d = self.disk_figures()
+        if d is None:
+            return None
+        return (f"disk: the swap {format_size(d['swap'])}; a checkpoint about {format_size(d['checkpoint'])}, and "
+                f"where --out-dir is on the swap's disk the run's last save needs "
+                f"{format_size(d['last_save_beyond_swap'])} beyond the swap (it takes the swap's place as it writes; "
+                "a save before it, the whole checkpoint)")
 
     def _budget_text(self, tier: str) -> str:
         b = self.budgets.get(tier)
