@@ -100,6 +100,11 @@ class Plan:
                 f"for a core {self.hardware.cpu_pressure:.0%} of the time): steps may be faster than predicted; run "
                 "`tightfit probe` again when the machine is quiet")
 
+    def last_save_takes_over(self) -> int:
+        """Bytes of disk the run's last save needs less than a whole checkpoint where --out-dir shares the swap's
+        disk ([Note: the last save takes the swap's place] in offload/memory_model.py: `handed_over`)."""
+        return mm.handed_over(unit_sizes(self.profile), self.placement, self.shape.compute_bytes)
+
     def disk_figures(self) -> dict[str, int] | None:
         """The disk a run with NVMe states needs at its end: its swap, a checkpoint, and what the last save adds
         beyond the swap where --out-dir shares its disk (it takes the swap's place as it is written: [Note: the last
@@ -107,10 +112,9 @@ class Plan:
         swap = self.prediction.peak.get("nvme", 0)
         if not swap:
             return None
-        units = unit_sizes(self.profile)
-        checkpoint = sum(mm.export_bytes(u) for u in units)
+        checkpoint = sum(mm.export_bytes(u) for u in unit_sizes(self.profile))
         return {"swap": swap, "checkpoint": checkpoint,
-                "last_save_beyond_swap": checkpoint - mm.handed_over(units, self.placement, self.shape.compute_bytes)}
+                "last_save_beyond_swap": checkpoint - self.last_save_takes_over()}
 
     def disk_line(self) -> str | None:
         """`disk_figures` in words, for `tightfit plan`."""

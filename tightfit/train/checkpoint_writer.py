@@ -486,8 +486,8 @@ def check_room(out_dir: Path, per_checkpoint: int, *, keep: int = 1, kept: int =
     writes the new checkpoint beside the kept ones before it removes any ([Note: commit]), so the disk must take
     `keep` of them plus the one being written, less the `kept` ones already there (a resumed run's), and never
     more than the `saves` this run makes; `reserved` bytes there are spoken for (swap files not yet allocated).
-    `last_frees`: bytes of that disk the run's last save gives back while it writes (the swap it takes over, less
-    the range held twice: [Note: the last save takes the swap's place]); counted only where `saves` is known."""
+    `last_frees`: bytes the run's last save needs less than a whole checkpoint, as it removes the swap files it
+    takes over ([Note: the last save takes the swap's place]); counted only where `saves` is known."""
     on_disk = keep + 1 if saves is None else min(keep + 1, kept + saves)
     count = max(1, on_disk - kept)
     need = count * per_checkpoint

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import sysconfig
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -69,7 +70,7 @@ def load_tokens(data: str | None, tokenizer=None) -> np.ndarray:
             if i:
                 buf[at] = ord("\n")
                 at += 1
-            got = _read(f, lambda p, at=at, size=size: _read_into(p, memoryview(buf)[at:at + size]))
+            got = _read(f, partial(_read_into, view=memoryview(buf)[at:at + size]))
             if got != size:
                 raise UsageError(f"--data: {f} changed while it was read ({size} bytes, then {got}); run again "
                                  "once nothing writes to the corpus")

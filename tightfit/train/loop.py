@@ -121,18 +121,26 @@ def evaluate(model, batches, loss_fn, device, autocast) -> float:
     return total / len(batches)
 
 
-def export_hf(model: torch.nn.Module, mem: MemorySetup, folder: str, non_finite=None) -> None:
-    """Write the trained model as a Hugging Face folder, streamed from wherever its weights live. `non_finite(key,
-    what)`: the error to raise for a weight that is NaN or infinite (the export is then not written): a run
-    exports before its last save, which would have refused such a state."""
+class NonFiniteWeight(Exception):
+    """A weight an export found NaN or infinite (`key`, `what`: as the checkpoint writer says it)."""
+
+    def __init__(self, key: str, what: str) -> None:
+        super().__init__(key, what)
+        self.key, self.what = key, what
+
+
+def export_hf(model: torch.nn.Module, mem: MemorySetup, folder: str, check_finite: bool = False) -> None:
+    """Write the trained model as a Hugging Face folder, streamed from wherever its weights live. `check_finite`:
+    raise NonFiniteWeight for a NaN or infinite weight (the export is then not written): a run exports before its
+    last save, which would have refused such a state."""
     from tightfit.models.hf_save import save_hf_model
     from tightfit.train.checkpoint_writer import non_finite_in
 
     def checked():
         for key, t in mem.export_state():
-            bad = non_finite_in(t) if non_finite is not None and key.startswith("model.") else None
+            bad = non_finite_in(t) if check_finite and key.startswith("model.") else None
             if bad:
-                raise non_finite(key, bad)
+                raise NonFiniteWeight(key, bad)
             yield key, t
 
     save_hf_model(model, folder, tensors=checked(), strip_prefix="model.")
@@ -152,12 +160,7 @@ def last_save_frees(cfg: Config, out_dir: Path, plan) -> int:
     """Bytes of `--out-dir`'s disk the run's last save needs less than a whole checkpoint: the swap files it
     removes as it goes ([Note: the last save takes the swap's place] in memory_model.py). 0 where the swap is on
     another disk."""
-    from tightfit.offload.memory_model import handed_over
-    from tightfit.planner.costs import unit_sizes
-
-    if plan is None or not shares_disk(cfg, out_dir):
-        return 0
-    return handed_over(unit_sizes(plan.profile), plan.placement, plan.shape.compute_bytes)
+    return 0 if plan is None or not shares_disk(cfg, out_dir) else plan.last_save_takes_over()
 
 
 def train(cfg: Config, *, quiet: bool = False) -> Summary:
@@ -415,19 +418,13 @@ def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> 
         settle()  # a save in flight commits or names what diverged first
         export_failed: Exception | None = None
         if t.export_hf:  # before the last save, which takes the states' swap files over
-            diverged_at: list[UsageError] = []
-
-            def export_diverged(key: str, what: str) -> UsageError:
-                retention.judge()
-                diverged_at.append(divergence(step, f"{describe_key(key)} became {what}"))
-                return diverged_at[-1]
-
             try:
-                export_hf(model, mem, t.export_hf, non_finite=export_diverged)
+                export_hf(model, mem, t.export_hf, check_finite=True)
                 say(f"exported the model in the Hugging Face layout to {t.export_hf}")
-            except Exception as e:  # the last checkpoint is still taken (unless the state diverged), then this
-                if diverged_at:
-                    raise
+            except NonFiniteWeight as e:  # the last save would refuse this state too
+                retention.judge()
+                raise divergence(step, f"{describe_key(e.key)} became {e.what}") from None
+            except Exception as e:  # the last checkpoint is still taken, then the run ends with this
                 export_failed = e
         if signalled is None or t.save_on_signal:
             save(step, last=True)

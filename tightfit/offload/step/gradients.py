@@ -8,8 +8,9 @@ them on their tier while backward goes on.
 
 [Note: gradients land converted] Gradients with nothing to add to (the first micro-batch of a step) are the sum
 itself: the mover's copy converts them to fp32 on the device and they land where the sum lives, with no host pass:
-- host tier: straight into the fp32 tier tensor, which is page-locked for it (tiers/stores.py, `memory_model.PINNED_ENTRIES`; where
-  the system refuses to lock more, it stays pageable and they come through a pack, as later micro-batches do);
+- host tier: straight into the fp32 tier tensor, which is page-locked for it (tiers/stores.py,
+  `memory_model.PINNED_ENTRIES`; where the system refuses to lock more, it stays pageable and they come through a
+  pack, as later micro-batches do);
 - NVMe: into an fp32 pack granted at once, written to disk (or held for the step) as it is.
 Why on the device: on a GPU machine the host's cores and memory are the CPU optimizer's, and a widening pass over
 every gradient (6 bytes a parameter) ran beside it, while the link moves the 2 bytes more of an fp32 gradient on a

@@ -72,8 +72,9 @@ class MemoryStore(TierStore):
     """Flat tensors in device or host memory.
 
     pinned: an allocator of page-locked memory (staging.RegisteredAllocator) for the entries a GPU copies from or
-    into asynchronously (`memory_model.PINNED_ENTRIES`, unless a unit names its own: `OffloadUnit.locked`): the host tier's compute params (uploaded by every fetch) and gradients (the
-    first micro-batch's land there straight from the device: [Note: gradients land converted], step/gradients.py).
+    into asynchronously (`memory_model.PINNED_ENTRIES`, unless a unit names its own: `OffloadUnit.locked`): the
+    host tier's compute params (uploaded by every fetch) and gradients (the first micro-batch's land there straight
+    from the device: [Note: gradients land converted], step/gradients.py).
     Masters and moments never take part in such a copy and stay pageable ([Note: metering what the allocator
     holds], runtime/host_memory.py).
     copier: `fn(dst, src) -> Future` running a copy off the caller's thread; used for loads and saves that cross
