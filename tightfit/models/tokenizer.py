@@ -62,6 +62,18 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False)
 
+    @property
+    def gives_offsets(self) -> bool:
+        """A fast (Rust) tokenizer says where each id's text is: a corpus is then encoded in pieces
+        (train/corpus_encoding.py)."""
+        return bool(getattr(self._tok, "is_fast", False))
+
+    def encode_with_offsets(self, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """Each text's ids, as `encode` gives them, and each id's (start, end) in that text; one call for all."""
+        enc = self._tok(texts, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False,
+                        return_token_type_ids=False)
+        return list(zip(enc["input_ids"], enc["offset_mapping"]))
+
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids))
 

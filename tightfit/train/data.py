@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from tightfit.errors import UsageError
+from tightfit.train.corpus_encoding import encode_corpus
 
 _TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".json", ".csv", ".tsv", ".html", ".xml", ".c", ".h", ".js", ".tex"}
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "__pycache__", "idlelib", "lib2to3"}
@@ -60,7 +61,8 @@ def corpus_files(data: str | None) -> list[Path]:
 
 def load_tokens(data: str | None, tokenizer=None) -> np.ndarray:
     """The whole corpus as one token array (uint8 for bytes, int32 for a tokenizer's ids). Bytes are read straight
-    into one buffer, the array's own: the corpus is held once, also while it loads."""
+    into one buffer, the array's own: the corpus is held once, also while it loads. A tokenizer's text is read and
+    encoded a piece at a time (train/corpus_encoding.py)."""
     files = corpus_files(data)
     if tokenizer is None:
         sizes = [_read(f, lambda p: p.stat().st_size) for f in files]
@@ -77,9 +79,22 @@ def load_tokens(data: str | None, tokenizer=None) -> np.ndarray:
             at += size
         tokens = np.frombuffer(buf, dtype=np.uint8)
     else:
-        text = "\n".join(_read(f, lambda p: p.read_text(encoding="utf-8", errors="replace")) for f in files)
-        tokens = np.asarray(tokenizer.encode(text), dtype=np.int32)
+        tokens = encode_corpus(_text_chunks(files), tokenizer)
     return tokens
+
+
+TEXT_CHUNK_CHARS = 1 << 20
+"""Characters read from a file at a time for a tokenizer."""
+
+
+def _text_chunks(files: list[Path]):
+    """The files' text, joined by a newline, in chunks (UTF-8; undecodable bytes replaced)."""
+    for i, f in enumerate(files):
+        if i:
+            yield "\n"
+        with _read(f, lambda p: open(p, encoding="utf-8", errors="replace")) as fh:
+            while chunk := _read(f, lambda _: fh.read(TEXT_CHUNK_CHARS)):
+                yield chunk
 
 
 def _read_into(path: Path, view: memoryview) -> int:
