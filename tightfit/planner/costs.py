@@ -372,6 +372,10 @@ def traffic(profile: ModelProfile, placement: Placement, shape: TrainShape) -> d
                 t["d2h"] += g
             if up.params == Tier.DEVICE:
                 t["h2d_opt"] += p  # updated compute parameters go back up
+        elif up.params != Tier.DEVICE and state_bytes(u, State.MASTER, placement, shape):
+            # The device's step casts the new master into the compute copy on its tier (`_cast_to` in
+            # offload/step/optimizer.py): down the link (an NVMe copy's write is counted below).
+            t["d2h"] += u.trainable * shape.compute_bytes
         for s in (State.MASTER, State.OPTIM):
             if up.tier(s) == Tier.NVME:
                 nbytes = state_bytes(u, s, placement, shape)
