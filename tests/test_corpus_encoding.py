@@ -3,6 +3,8 @@ whole text, holding a piece at a time."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -73,7 +75,7 @@ def test_pieces_give_the_ids_of_the_whole_text(tokenizers, sample, kind, monkeyp
     # Through the trainer's loader: files joined by a newline, read in chunks, the same ids.
     for i, t in enumerate(sample):
         (tmp_path / f"{i:03d}.txt").write_text(t, encoding="utf-8", newline="")
-    monkeypatch.setattr("tightfit.train.data.TEXT_CHUNK_CHARS", 1000)
+    monkeypatch.setattr("tightfit.train.data.TEXT_CHUNK_BYTES", 1000)
     from_files = load_tokens(str(tmp_path), tok)
     assert np.array_equal(from_files, np.asarray(tok.encode("\n".join(t.replace("\r\n", "\n") for t in sample)),
                                                  dtype=np.int32))
@@ -122,3 +124,31 @@ def test_no_clean_cut_at_all_is_one_piece(tokenizers, monkeypatch):
     got = corpus_encoding.encode_corpus([text[i:i + 100] for i in range(0, len(text), 100)], spy)
     assert np.array_equal(got, np.asarray(tok.encode(text), dtype=np.int32))
     assert [len(c) for c in spy.calls] == [1]
+
+
+def test_a_long_encoding_says_how_far_it_is(tokenizers, tmp_path, monkeypatch):
+    """Encoding a large corpus takes minutes (about 3 MB/s a core for a byte-level BPE): the trainer prints how much
+    of it is read, the rate and an ETA every PROGRESS_S, from the bytes of the files read. Line ends are made "\\n"
+    and undecodable bytes replaced, as `Path.read_text` reads them, also across chunk boundaries."""
+    from tightfit.train import data
+
+    texts = [b"hello world\r\n" * 40, "héllo ✓\r\n".encode() * 30 + b"\xff\xfe bad bytes\r", b"last"]
+    for i, t in enumerate(texts):
+        (tmp_path / f"{i}.txt").write_bytes(t)
+    monkeypatch.setattr(data, "TEXT_CHUNK_BYTES", 7)  # splits "\r\n" and multi-byte characters
+    ticks = iter(range(0, 10_000, 3))
+    lines = []
+    chunks = list(data._text_chunks(sorted(tmp_path.iterdir()), lines.append, clock=lambda: float(next(ticks))))
+    expected = "\n".join(p.read_text(encoding="utf-8", errors="replace") for p in sorted(tmp_path.iterdir()))
+    assert "".join(chunks) == expected
+    total = sum(len(t) for t in texts)
+    said = [re.fullmatch(r"encoding --data with the tokenizer: (\d+) B of (\d+) B, \d+ B/s, ETA (\d+)m(\d\d)s", x)
+            for x in lines]
+    assert len(said) > 10 and all(said), lines
+    done = [int(m.group(1)) for m in said]
+    assert done == sorted(done) and total - 4 * 7 <= done[-1] < total  # a line every 4th chunk of 7 bytes
+    assert {int(m.group(2)) for m in said} == {total}
+    eta = [60 * int(m.group(3)) + int(m.group(4)) for m in said]
+    assert eta == sorted(eta, reverse=True) and eta[0] > 300 and eta[-1] <= 12  # 2 B/s: the bytes left at that rate
+    tok = tokenizers["byte_level"]
+    assert np.array_equal(load_tokens(str(tmp_path), tok), np.asarray(tok.encode(expected), dtype=np.int32))

@@ -219,7 +219,7 @@ def _train(cfg, env, stopper: GracefulStop | None = None) -> dict:
         raise UsageError("--export-hf: only Hugging Face models (--model hf:PATH) can be exported in that layout; "
                          "the reference GPT's weights are in the checkpoint")
     tokenizer = get_tokenizer(cfg.model.tokenizer) if cfg.model.tokenizer else None
-    dataset = load_dataset(cfg, tokenizer)
+    dataset = load_dataset(cfg, tokenizer, say=lambda s: say(s, flush=True))
     torch.manual_seed(t.seed)  # same seed on every rank: identical initial weights
     model = build_model(cfg.model, vocab_size=dataset.vocab_size, block_size=t.seq_len)
     start_step = 0

@@ -17,8 +17,12 @@ Why this shape:
 
 from __future__ import annotations
 
+import codecs
+import io
 import os
 import sysconfig
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -28,6 +32,8 @@ import torch
 
 from tightfit.errors import UsageError
 from tightfit.train.corpus_encoding import encode_corpus
+from tightfit.train.progress import format_duration
+from tightfit.utils.sizes import format_size
 
 _TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".json", ".csv", ".tsv", ".html", ".xml", ".c", ".h", ".js", ".tex"}
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "__pycache__", "idlelib", "lib2to3"}
@@ -59,10 +65,10 @@ def corpus_files(data: str | None) -> list[Path]:
     return files
 
 
-def load_tokens(data: str | None, tokenizer=None) -> np.ndarray:
+def load_tokens(data: str | None, tokenizer=None, say: Callable[[str], None] | None = None) -> np.ndarray:
     """The whole corpus as one token array (uint8 for bytes, int32 for a tokenizer's ids). Bytes are read straight
     into one buffer, the array's own: the corpus is held once, also while it loads. A tokenizer's text is read and
-    encoded a piece at a time (train/corpus_encoding.py)."""
+    encoded a piece at a time (train/corpus_encoding.py); `say` gets a progress line every PROGRESS_S while it is."""
     files = corpus_files(data)
     if tokenizer is None:
         sizes = [_read(f, lambda p: p.stat().st_size) for f in files]
@@ -79,22 +85,39 @@ def load_tokens(data: str | None, tokenizer=None) -> np.ndarray:
             at += size
         tokens = np.frombuffer(buf, dtype=np.uint8)
     else:
-        tokens = encode_corpus(_text_chunks(files), tokenizer)
+        tokens = encode_corpus(_text_chunks(files, say), tokenizer)
     return tokens
 
 
-TEXT_CHUNK_CHARS = 1 << 20
-"""Characters read from a file at a time for a tokenizer."""
+TEXT_CHUNK_BYTES = 1 << 20
+"""Bytes read from a file at a time for a tokenizer."""
+PROGRESS_S = 10.0
+"""Seconds between two progress lines while a tokenizer encodes the corpus."""
 
 
-def _text_chunks(files: list[Path]):
-    """The files' text, joined by a newline, in chunks (UTF-8; undecodable bytes replaced)."""
+def _text_chunks(files: list[Path], say: Callable[[str], None] | None = None, clock=time.monotonic):
+    """The files' text, joined by a newline, in chunks: UTF-8 with undecodable bytes replaced and line ends made
+    "\\n" (as `Path.read_text` reads it), decoded as it is read so that the bytes read are known for `say`'s line
+    (what the encoder has taken is what it has encoded, less the few pieces it holds)."""
+    total = sum(_read(f, lambda p: p.stat().st_size) for f in files)
+    start = last = clock()
+    done = 0
     for i, f in enumerate(files):
         if i:
             yield "\n"
-        with _read(f, lambda p: open(p, encoding="utf-8", errors="replace")) as fh:
-            while chunk := _read(f, lambda _: fh.read(TEXT_CHUNK_CHARS)):
-                yield chunk
+        decode = io.IncrementalNewlineDecoder(codecs.getincrementaldecoder("utf-8")(errors="replace"),
+                                              translate=True)
+        with _read(f, lambda p: open(p, "rb")) as fh:
+            while raw := _read(f, lambda _: fh.read(TEXT_CHUNK_BYTES)):
+                done += len(raw)
+                yield decode.decode(raw)
+                now = clock()
+                if say is not None and now - last >= PROGRESS_S:
+                    last, rate = now, done / max(now - start, 1e-9)
+                    say(f"encoding --data with the tokenizer: {format_size(done)} of {format_size(total)}, "
+                        f"{format_size(rate)}/s, ETA {format_duration((total - done) / max(rate, 1e-9))}")
+        if tail := decode.decode(b"", final=True):
+            yield tail
 
 
 def _read_into(path: Path, view: memoryview) -> int:

@@ -81,8 +81,9 @@ class Summary:
     """What `tightfit train` exits with: 128 + the signal's number after a signal, else 0."""
 
 
-def load_dataset(cfg: Config, tokenizer) -> TokenDataset:
-    tokens = load_tokens(cfg.data.data, tokenizer)
+def load_dataset(cfg: Config, tokenizer, say=None) -> TokenDataset:
+    """The corpus --data names, split; `say` gets the progress of a tokenizer's encoding (`load_tokens`)."""
+    tokens = load_tokens(cfg.data.data, tokenizer, say)
     vocab = tokenizer.vocab_size if tokenizer is not None else 256
     return TokenDataset.from_tokens(tokens, cfg.train.seq_len, cfg.data.val_fraction, vocab)
 
@@ -197,7 +198,7 @@ def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> 
     torch.manual_seed(t.seed)
     # Byte-level text takes the fast path (raw bytes are the token ids); a named tokenizer encodes the text.
     tokenizer = get_tokenizer(cfg.model.tokenizer) if cfg.model.tokenizer else None
-    dataset = load_dataset(cfg, tokenizer)
+    dataset = load_dataset(cfg, tokenizer, say=None if quiet else (lambda s: print(s, flush=True)))
     # A Hugging Face model that will be offloaded is built on the meta device and its weights stream straight into
     # the planned tiers after wrapping (one unit in host memory at a time): it may be larger than RAM.
     hf_folder = hf_path(cfg.model.model)
