@@ -597,8 +597,10 @@ TRIM_TOLERANCE = 0.03
 """Device residency that makes the predicted step faster by less than this fraction is given back."""
 REFILL_GAIN = 0.002
 """A refill move is made only where it shortens the predicted step by more than this fraction."""
-REFILL_BUNDLES = (("grads", "optimizer"), ("params", "grads", "optimizer"), ("params",), ("grads",))
-"""What one refill move promotes of a unit: what a device optimizer needs, the whole unit, or one group."""
+REFILL_BUNDLES = (("params", "grads", "optimizer"), ("params",), ("grads",))
+"""What one refill move promotes of a unit: the whole unit (its optimizer then steps on the device), its params, or
+its gradients. The optimizer goes to the device only with the whole unit: its step then needs no copy either way,
+where one with the compute copy in host memory would send the new params down the link each step."""
 
 
 def _rework(p: Placement, fullest: Prediction, items, groups, profile, hw, b, shape,
