@@ -15,6 +15,18 @@ runtime, the data set, whatever it held before the engine; `HardwareProfile.runt
 replaces by its own measurement) + the device (states, materialised units, gradients in flight, activations) +
 the host tier + the pool, all at once in backward. With CUDA the process holds the floor + host tier + pool.
 
+[Note: the heap at the step's peak] On a CPU-only machine a step's activations are allocated from glibc's heap,
+which keeps what they free for the next allocations (its mmap threshold rises to the largest block freed, so later
+ones of that size come from the heap, not from fresh pages). At the step's peak in backward about half as many bytes
+as the activations sit free in the heap, too fragmented for the gradients and recomputations allocated then, and
+resident: the process's RSS is higher by that much than the tensors alive. Measured (benchmarks/RESULTS.md, batch
+AD) on six GPT shapes from the default (72 MiB of activations) to 553 MiB: the heap's free bytes at the RSS peak,
+and the RSS above the tensors' count, 0.40 to 0.76 of the activations, 0.53 on average; with a fixed mmap threshold
+(`MALLOC_MMAP_THRESHOLD_=131072`) the gap is gone (RSS within 1% of the tensors) and the default run's step is 55%
+slower, so the plan predicts the heap instead of changing it: HEAP_FREE_AT_PEAK of the activations, in the RSS
+only (the tiers' peaks count tensors). With CUDA the activations are the GPU's (the caching allocator's share,
+[Note: reserved vs allocated] in search.py).
+
 [Note: overlap] See `step_time`: streams that use different hardware run concurrently; on a CPU-only machine
 compute, copies and the CPU optimizer share the cores and add up, only the disk runs beside them.
 
@@ -78,6 +90,11 @@ class TrainShape:
     """The offload engine runs the step (False: `--offload none`, plain PyTorch): its host time counts."""
 
 
+HEAP_FREE_AT_PEAK = 0.5
+"""Of a CPU-only step's activation bytes, what glibc's heap holds free and resident at the step's peak ([Note: the
+heap at the step's peak])."""
+
+
 @dataclass
 class Prediction:
     """What `predict` expects of one placement."""
@@ -136,8 +153,13 @@ class Prediction:
     def rss_parts(self, cuda: bool) -> dict[str, int]:
         """{"step": the RSS at the step's peak, "save": the RSS while a checkpoint is saved}."""
         rest = self.runtime_rss + self.peak.get("host", 0)
-        return {"step": rest + (0 if cuda else self.peak.get("device", 0)),
+        return {"step": rest + (0 if cuda else self.peak.get("device", 0) + self.heap_free(cuda)),
                 "save": rest + (0 if cuda else self.device_states) + self.save_bytes}
+
+    def heap_free(self, cuda: bool) -> int:
+        """Bytes the heap holds free at the step's peak on a CPU-only machine ([Note: the heap at the step's
+        peak]); 0 with CUDA."""
+        return 0 if cuda else int(HEAP_FREE_AT_PEAK * self.breakdown.get("device", {}).get("activations", 0))
 
 
 def unit_sizes(profile: ModelProfile) -> list[mm.UnitSize]:

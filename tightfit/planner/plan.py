@@ -209,8 +209,11 @@ class Plan:
                          f"{self._budget_text(t):>14}   {parts}")
         # The process's RSS holds the host tier; a GPU's memory is not in it ([Note: process RSS] in costs.py).
         parts = pr.rss_parts(self.hardware.cuda)
+        heap = pr.heap_free(self.hardware.cuda)
         lines.append(f"predicted RSS (process floor {format_size(pr.runtime_rss)} + host"
-                     f"{' + CPU device' if not self.hardware.cuda else ''}): {self._figure('rss_peak')}"
+                     f"{' + CPU device' if not self.hardware.cuda else ''}"
+                     f"{f' + {format_size(heap)} the heap holds free at the peak' if heap else ''}): "
+                     f"{self._figure('rss_peak')}"
                      + (f", while a checkpoint is saved ({format_size(pr.save_bytes)} of it read for the writer; "
                         f"{format_size(parts['step'])} in the step)" if parts["save"] > parts["step"] else ""))
         disk = self.disk_line()

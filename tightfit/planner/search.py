@@ -72,6 +72,12 @@ class Budgets:
     given: dict[str, int | None] = field(default_factory=dict)
     """The byte figures the user gave, by key ("gpu_mem", "cpu_mem", "nvme"; None: not given): what a message
     suggesting another figure re-derives the budgets from (`with_given`)."""
+    cpu_only: bool = False
+    """No CUDA: the activations are the process heap's, which holds free bytes at the step's peak ([Note: the heap
+    at the step's peak] in costs.py) that the host side of the budget must hold too."""
+    heap_share: int = 0
+    """What the budget already left the heap (`allocator_share` of a --cpu-mem): only the heap's free bytes beyond
+    it are counted against the host side."""
 
     @property
     def shared(self) -> bool:
@@ -158,7 +164,9 @@ def derive_budgets(hw: HardwareProfile, names: Naming, gpu_mem: int | None, cpu_
     if nvme_dir is not None:
         nvme_bytes = nvme if nvme is not None else int(hw.nvme_free * 0.95)
         src["nvme"] = names.of("nvme") if nvme is not None else f"{names.of('nvme')} (free space)"
-    return Budgets(device, host, nvme_bytes, nvme_dir, src, {"gpu_mem": gpu_mem, "cpu_mem": cpu_mem, "nvme": nvme})
+    heap = allocator_share(cpu_mem, cuda=False) if cpu_mem is not None and not hw.cuda else 0
+    return Budgets(device, host, nvme_bytes, nvme_dir, src, {"gpu_mem": gpu_mem, "cpu_mem": cpu_mem, "nvme": nvme},
+                   cpu_only=not hw.cuda, heap_share=heap)
 
 
 def with_given(b: Budgets, hw: HardwareProfile, names: Naming, key: str, value: int) -> Budgets:
@@ -185,26 +193,32 @@ def violations(pred: Prediction, b: Budgets) -> list[tuple[str, int, int]]:
     """(tier, predicted, budget) for every budget `pred` exceeds."""
     out = []
     if b.shared:
-        total = pred.peak["device"] + pred.peak["host"]
+        total = pred.peak["device"] + _host_side(pred, b)
         if total > b.host:
             out.append(("host", total, b.host))
     else:
-        for tier in ("device", "host"):
-            if pred.peak[tier] > b.for_tier(tier):
-                out.append((tier, pred.peak[tier], b.for_tier(tier)))
+        for tier, used in (("device", pred.peak["device"]), ("host", _host_side(pred, b))):
+            if used > b.for_tier(tier):
+                out.append((tier, used, b.for_tier(tier)))
     if pred.peak["nvme"] > b.for_tier("nvme"):
         out.append(("nvme", pred.peak["nvme"], b.for_tier("nvme")))
     return out
 
 
+def _host_side(pred: Prediction, b: Budgets) -> int:
+    """What the host side of the budget holds: the host tier's peak, and on a CPU-only machine the heap's free bytes
+    at the step's peak beyond what the budget left it (`Budgets.heap_share`)."""
+    return pred.peak["host"] + (max(0, pred.heap_free(cuda=False) - b.heap_share) if b.cpu_only else 0)
+
+
 def _device_ok(pred: Prediction, b: Budgets) -> bool:
     if b.shared:
-        return pred.peak["device"] + pred.peak["host"] <= b.host
+        return pred.peak["device"] + _host_side(pred, b) <= b.host
     return pred.peak["device"] <= b.device
 
 
 def _host_ok(pred: Prediction, b: Budgets) -> bool:
-    used = pred.peak["host"] + (pred.peak["device"] if b.shared else 0)
+    used = _host_side(pred, b) + (pred.peak["device"] if b.shared else 0)
     return used <= b.host
 
 

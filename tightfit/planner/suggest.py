@@ -21,7 +21,7 @@ from tightfit.planner.costs import TrainShape
 from tightfit.planner.hardware import HardwareProfile
 from tightfit.planner.model_profile import ModelProfile
 from tightfit.planner.naming import Naming
-from tightfit.planner.search import Budgets, _fits, _NoFit, _search_units, search_fastest, with_given
+from tightfit.planner.search import Budgets, _fits, _host_side, _NoFit, _search_units, search_fastest, with_given
 from tightfit.utils.sizes import format_size, parse_size
 
 def _round_up_text(n: int) -> str:
@@ -91,8 +91,9 @@ def suggest(nf: _NoFit, profile: ModelProfile, hw: HardwareProfile, b: Budgets, 
         key = "cpu_mem" if b.shared else "gpu_mem"
         figure = _figure(key, profile, hw, b, shape, checkpointing, names)
         if figure is not None:  # the figures of the plan that fits, not of the one that failed
-            pred = _search_units(profile, hw, with_given(b, hw, names, key, figure), shape, checkpointing).prediction
-            need = pred.peak["device"] + (pred.peak["host"] if b.shared else 0)
+            fits = with_given(b, hw, names, key, figure)
+            pred = _search_units(profile, hw, fits, shape, checkpointing).prediction
+            need = pred.peak["device"] + (_host_side(pred, fits) if b.shared else 0)
         act = pred.breakdown["device"]["activations"]
         batch = names.set("micro_batch", profile.micro_batch)
         msg = (f"needs {format_size(need)} device memory (activations of {batch}: {format_size(act)}, "
@@ -113,9 +114,9 @@ def suggest(nf: _NoFit, profile: ModelProfile, hw: HardwareProfile, b: Budgets, 
     if tier == "host":
         figure = _figure("cpu_mem", profile, hw, b, shape, checkpointing, names)
         if figure is not None:  # the figures of the plan that fits, not of the one that failed
-            pred = _search_units(profile, hw, with_given(b, hw, names, "cpu_mem", figure), shape,
-                                 checkpointing).prediction
-            need = pred.peak["host"] + (pred.peak["device"] if b.shared else 0)
+            fits = with_given(b, hw, names, "cpu_mem", figure)
+            pred = _search_units(profile, hw, fits, shape, checkpointing).prediction
+            need = _host_side(pred, fits) + (pred.peak["device"] if b.shared else 0)
         msg = f"needs {format_size(need)} host memory, {format_size(have)} available"
         more = "" if figure is None else \
             f" ({format_size(with_given(b, hw, names, 'cpu_mem', figure).host - b.host)} more)"
