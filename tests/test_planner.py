@@ -916,3 +916,14 @@ def test_a_cpu_plan_counts_the_heaps_free_bytes_at_the_peak_and_keeps_them_in_it
         assert b.heap_share < plan.prediction.heap_free(False)
         assert plan.prediction.rss(False) <= mib * MiB, (mib, plan.prediction.rss(False) / MiB)
     assert accepted >= 3
+    # The room each budget left beside the tiers, which the heap's free bytes use first: a --cpu-mem's 1/16, the
+    # machine's headroom (a plan from the machine keeps the placement it had: the 3.4 B Llama's lost 13% of its
+    # step to 448 MiB of heap counted on top of the headroom, benchmarks/RESULTS.md batch AD); nothing with CUDA.
+    from tightfit.planner.search import host_headroom
+
+    c.memory.cpu_mem = None
+    assert budgets_from(c.memory, CPU).heap_share == host_headroom(CPU) > 0
+    c.memory.cpu_mem = "2GiB"
+    assert budgets_from(c.memory, CPU).heap_share == 2 * GiB // 16
+    cuda = budgets_from(c.memory, GPU)
+    assert cuda.heap_share == 0 and not cuda.cpu_only

@@ -76,8 +76,8 @@ class Budgets:
     """No CUDA: the activations are the process heap's, which holds free bytes at the step's peak ([Note: the heap
     at the step's peak] in costs.py) that the host side of the budget must hold too."""
     heap_share: int = 0
-    """What the budget already left the heap (`allocator_share` of a --cpu-mem): only the heap's free bytes beyond
-    it are counted against the host side."""
+    """The room the budget left beside the tiers (`allocator_share` of a --cpu-mem; the machine's `host_headroom`):
+    only the heap's free bytes beyond it count against the host side."""
 
     @property
     def shared(self) -> bool:
@@ -164,7 +164,9 @@ def derive_budgets(hw: HardwareProfile, names: Naming, gpu_mem: int | None, cpu_
     if nvme_dir is not None:
         nvme_bytes = nvme if nvme is not None else int(hw.nvme_free * 0.95)
         src["nvme"] = names.of("nvme") if nvme is not None else f"{names.of('nvme')} (free space)"
-    heap = allocator_share(cpu_mem, cuda=False) if cpu_mem is not None and not hw.cuda else 0
+    # The room a CPU-only budget left beside the tiers, which the heap's free bytes at the step's peak use first: a
+    # --cpu-mem's heap share, or the machine's headroom (a budget from the machine leaves its RAM's last 10%).
+    heap = 0 if hw.cuda else allocator_share(cpu_mem, cuda=False) if cpu_mem is not None else host_headroom(hw)
     return Budgets(device, host, nvme_bytes, nvme_dir, src, {"gpu_mem": gpu_mem, "cpu_mem": cpu_mem, "nvme": nvme},
                    cpu_only=not hw.cuda, heap_share=heap)
 
