@@ -24,7 +24,8 @@ AD) on six GPT shapes from the default (72 MiB of activations) to 553 MiB: the h
 and the RSS above the tensors' count, 0.40 to 0.76 of the activations, 0.53 on average; with a fixed mmap threshold
 (`MALLOC_MMAP_THRESHOLD_=131072`) the gap is gone (RSS within 1% of the tensors) and the default run's step is 55%
 slower, so the plan predicts the heap instead of changing it: HEAP_FREE_AT_PEAK of the activations, in the RSS
-only (the tiers' peaks count tensors). With CUDA the activations are the GPU's (the caching allocator's share,
+only (the tiers' peaks count tensors); a budget holds them beyond the room it left beside the tiers
+(`Budgets.heap_share` in search.py). With CUDA the activations are the GPU's (the caching allocator's share,
 [Note: reserved vs allocated] in search.py).
 
 [Note: overlap] See `step_time`: streams that use different hardware run concurrently; on a CPU-only machine
