@@ -1,5 +1,5 @@
 """--gpu-mem on CUDA: the plan leaves the caching allocator its share (and --cpu-mem on a CPU-only machine the
-heap its share), and the run caps reserved bytes at the budget (issue 15, finding 8; [Note: reserved vs allocated] in planner/search.py). Planned on CPU for a GPU profile;
+heap its share), and the run caps reserved bytes at the budget (issue 15, finding 8; [Note: reserved vs allocated] in planner/budgets.py). Planned on CPU for a GPU profile;
 the cap is checked against recording stand-ins of torch.cuda's calls."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import tightfit
 from tightfit.models.gpt import GPT, GPTConfig
 from tightfit.planner import HardwareProfile
-from tightfit.planner.search import allocator_share
+from tightfit.planner.budgets import allocator_share
 from tightfit.train import memory
 
 MiB, GiB = 2**20, 2**30

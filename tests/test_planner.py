@@ -18,7 +18,7 @@ from tightfit.planner.costs import act_bytes
 from tightfit.planner.hardware import GiB
 from tightfit.planner.model_profile import profile_model
 from tightfit.planner.work import Work
-from tightfit.planner.search import violations
+from tightfit.planner.budgets import violations
 from tightfit.planner.trace import write_trace
 
 MiB = 2**20
@@ -94,7 +94,7 @@ def test_everything_fits_on_a_large_gpu():
 
 
 def _budgets(plan):
-    from tightfit.planner.search import Budgets
+    from tightfit.planner.budgets import Budgets
 
     return Budgets(plan.budgets["device"], plan.budgets["host"], plan.budgets["nvme"] or 0,
                    plan.placement.nvme_dir, plan.budget_sources)
@@ -129,7 +129,7 @@ def test_more_device_memory_never_means_less_on_the_device():
 
 
 def test_host_limited_spills_least_touched_to_nvme(tmp_path):
-    # 96 MiB: a device budget of 88 MiB once the CUDA allocator's 1/12 is kept back (search.allocator_share).
+    # 96 MiB: a device budget of 88 MiB once the CUDA allocator's 1/12 is kept back (budgets.allocator_share).
     plan = make_plan(meta_gpt(), cfg(gpu_mem="96MiB", cpu_mem="20MiB", nvme=f"{tmp_path}:1GiB",
                                      checkpointing="off"), GPU)
     p = plan.placement
@@ -885,8 +885,8 @@ def test_a_cpu_plan_counts_the_heaps_free_bytes_at_the_peak_and_keeps_them_in_it
     predicted without them; a 64-sequence batch 785-801 MiB against 654). The predicted RSS counts them, a GPU's
     does not (its activations are the device's), and an accepted --cpu-mem plan's predicted RSS stays within the
     figure given: the heap's bytes beyond the share the budget left it count against the host side."""
+    from tightfit.planner.budgets import budgets_from
     from tightfit.planner.costs import HEAP_FREE_AT_PEAK
-    from tightfit.planner.search import budgets_from
     from tightfit.utils.sizes import format_size
 
     model = meta_gpt(n_layer=4, n_embd=128, n_head=4)
@@ -919,7 +919,7 @@ def test_a_cpu_plan_counts_the_heaps_free_bytes_at_the_peak_and_keeps_them_in_it
     # The room each budget left beside the tiers, which the heap's free bytes use first: a --cpu-mem's 1/16, the
     # machine's headroom (a plan from the machine keeps the placement it had: the 3.4 B Llama's lost 13% of its
     # step to 448 MiB of heap counted on top of the headroom, benchmarks/RESULTS.md batch AD); nothing with CUDA.
-    from tightfit.planner.search import host_headroom
+    from tightfit.planner.budgets import host_headroom
 
     c.memory.cpu_mem = None
     assert budgets_from(c.memory, CPU).heap_share == host_headroom(CPU) > 0

@@ -25,8 +25,8 @@ and the RSS above the tensors' count, 0.40 to 0.76 of the activations, 0.53 on a
 (`MALLOC_MMAP_THRESHOLD_=131072`) the gap is gone (RSS within 1% of the tensors) and the default run's step is 55%
 slower, so the plan predicts the heap instead of changing it: HEAP_FREE_AT_PEAK of the activations, in the RSS
 only (the tiers' peaks count tensors); a budget holds them beyond the room it left beside the tiers
-(`Budgets.heap_share` in search.py). With CUDA the activations are the GPU's (the caching allocator's share,
-[Note: reserved vs allocated] in search.py).
+(`Budgets.heap_share` in budgets.py). With CUDA the activations are the GPU's (the caching allocator's share,
+[Note: reserved vs allocated] in budgets.py).
 
 [Note: overlap] See `step_time`: streams that use different hardware run concurrently; on a CPU-only machine
 compute, copies and the CPU optimizer share the cores and add up, only the disk runs beside them.

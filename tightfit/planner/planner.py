@@ -12,13 +12,14 @@ import torch.nn as nn
 
 from tightfit.errors import UsageError
 from tightfit.offload.placement import Tier
+from tightfit.planner.budgets import budgets_from
 from tightfit.planner.costs import TrainShape
 from tightfit.planner.hardware import HardwareProfile, current
 from tightfit.planner.model_profile import DTYPE_BYTES, profile_model
 from tightfit.planner.named_profiles import PROFILES
 from tightfit.planner.naming import CLI, Naming
 from tightfit.planner.plan import Plan
-from tightfit.planner.search import budgets_from, fixed, search
+from tightfit.planner.search import fixed, search
 from tightfit.utils.sizes import format_size
 
 

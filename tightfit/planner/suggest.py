@@ -21,7 +21,8 @@ from tightfit.planner.costs import TrainShape
 from tightfit.planner.hardware import HardwareProfile
 from tightfit.planner.model_profile import ModelProfile
 from tightfit.planner.naming import Naming
-from tightfit.planner.search import Budgets, _fits, _host_side, _NoFit, _search_units, search_fastest, with_given
+from tightfit.planner.budgets import Budgets, host_side, with_given
+from tightfit.planner.search import _fits, _NoFit, _search_units, search_fastest
 from tightfit.utils.sizes import format_size, parse_size
 
 def _round_up_text(n: int) -> str:
@@ -93,7 +94,7 @@ def suggest(nf: _NoFit, profile: ModelProfile, hw: HardwareProfile, b: Budgets, 
         if figure is not None:  # the figures of the plan that fits, not of the one that failed
             fits = with_given(b, hw, names, key, figure)
             pred = _search_units(profile, hw, fits, shape, checkpointing).prediction
-            need = pred.peak["device"] + (_host_side(pred, fits) if b.shared else 0)
+            need = pred.peak["device"] + (host_side(pred, fits) if b.shared else 0)
         act = pred.breakdown["device"]["activations"]
         batch = names.set("micro_batch", profile.micro_batch)
         msg = (f"needs {format_size(need)} device memory (activations of {batch}: {format_size(act)}, "
@@ -116,7 +117,7 @@ def suggest(nf: _NoFit, profile: ModelProfile, hw: HardwareProfile, b: Budgets, 
         if figure is not None:  # the figures of the plan that fits, not of the one that failed
             fits = with_given(b, hw, names, "cpu_mem", figure)
             pred = _search_units(profile, hw, fits, shape, checkpointing).prediction
-            need = _host_side(pred, fits) + (pred.peak["device"] if b.shared else 0)
+            need = host_side(pred, fits) + (pred.peak["device"] if b.shared else 0)
         msg = f"needs {format_size(need)} host memory, {format_size(have)} available"
         more = "" if figure is None else \
             f" ({format_size(with_given(b, hw, names, 'cpu_mem', figure).host - b.host)} more)"

@@ -303,7 +303,7 @@ def cap_device_memory(device: torch.device, gpu_mem: int) -> float | None:
 
     Why: a budget the run can overshoot is no budget. Under the cap the allocator frees its cached segments and
     retries before it fails, so the plan's allocated bytes plus its allocator share ([Note: reserved vs allocated],
-    planner/search.py) are what the GPU gives this process."""
+    planner/budgets.py) are what the GPU gives this process."""
     if device.type != "cuda":
         return None
     total = torch.cuda.get_device_properties(device).total_memory
