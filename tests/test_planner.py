@@ -900,6 +900,8 @@ def test_a_cpu_plan_counts_the_heaps_free_bytes_at_the_peak_and_keeps_them_in_it
     assert parts["step"] == (cpu.prediction.runtime_rss + cpu.prediction.peak["device"] + cpu.prediction.peak["host"]
                              + int(HEAP_FREE_AT_PEAK * act))
     assert f"+ {format_size(int(HEAP_FREE_AT_PEAK * act))} the heap holds free at the peak" in cpu.table()
+    assert json.loads(cpu.to_json())["rss"] == {"peak": cpu.prediction.rss(False), **parts,
+                                                "heap_free": int(HEAP_FREE_AT_PEAK * act)}
     gpu = make_plan(model, c, GPU).prediction
     assert gpu.heap_free(True) == 0 and gpu.rss_parts(True)["step"] == gpu.runtime_rss + gpu.peak["host"]
 

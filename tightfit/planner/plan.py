@@ -51,7 +51,15 @@ class Plan:
         return {"placement": self.placement.to_dict(), "prediction": asdict(self.prediction),
                 "budgets": self.budgets, "budget_sources": self.budget_sources, "reasons": self.reasons,
                 "mode": self.mode, "shape": asdict(self.shape), "profile": asdict(self.profile),
-                "hardware": self.hardware.to_dict(), "shared_pool": self.shared_pool, "disk": self.disk_figures()}
+                "hardware": self.hardware.to_dict(), "shared_pool": self.shared_pool, "disk": self.disk_figures(),
+                "rss": self.rss_figures()}
+
+    def rss_figures(self) -> dict[str, int]:
+        """The predicted process RSS and its moments ([Note: process RSS] in costs.py): the peak, in the step and
+        while a checkpoint is saved, and what of the step's is the heap's free bytes ([Note: the heap at the
+        step's peak])."""
+        pr, cuda = self.prediction, self.hardware.cuda
+        return {"peak": pr.rss(cuda), **pr.rss_parts(cuda), "heap_free": pr.heap_free(cuda)}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
