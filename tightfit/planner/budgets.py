@@ -103,6 +103,9 @@ def derive_budgets(hw: HardwareProfile, names: Naming, gpu_mem: int | None, cpu_
     """Budgets from the byte figures given (None: the machine's, less headroom). The one statement of how a
     figure becomes a budget, so a suggested figure is checked by planning with exactly what the user would get."""
     src: dict[str, str] = {}
+    # The room a CPU-only budget leaves beside the tiers, which the heap's free bytes at the step's peak use first: a
+    # --cpu-mem's heap share, or the machine's headroom (a budget from the machine leaves its RAM's last 10%).
+    heap = 0 if hw.cuda else host_headroom(hw)
     if gpu_mem is not None and hw.cuda:
         share = allocator_share(gpu_mem)
         device = max(0, gpu_mem - share)  # [Note: reserved vs allocated]
@@ -116,9 +119,9 @@ def derive_budgets(hw: HardwareProfile, names: Naming, gpu_mem: int | None, cpu_
     if cpu_mem is not None:
         host, src["host"] = cpu_mem, names.of("cpu_mem")
         if not hw.cuda:  # the device is this RAM: --cpu-mem bounds the whole process ([Note: process RSS], costs.py)
-            share = allocator_share(cpu_mem, cuda=False)  # the heap's, [Note: reserved vs allocated]
-            host = max(0, host - hw.runtime_rss - (device or 0) - share)
-            src["host"] = f"{names.of('cpu_mem')} less {format_size(share)} for the heap"
+            heap = allocator_share(cpu_mem, cuda=False)  # [Note: reserved vs allocated]
+            host = max(0, host - hw.runtime_rss - (device or 0) - heap)
+            src["host"] = f"{names.of('cpu_mem')} less {format_size(heap)} for the heap"
     else:
         host = max(0, hw.host_available - hw.runtime_rss - host_headroom(hw))
         if not hw.cuda and device is not None:
@@ -128,9 +131,6 @@ def derive_budgets(hw: HardwareProfile, names: Naming, gpu_mem: int | None, cpu_
     if nvme_dir is not None:
         nvme_bytes = nvme if nvme is not None else int(hw.nvme_free * 0.95)
         src["nvme"] = names.of("nvme") if nvme is not None else f"{names.of('nvme')} (free space)"
-    # The room a CPU-only budget left beside the tiers, which the heap's free bytes at the step's peak use first: a
-    # --cpu-mem's heap share, or the machine's headroom (a budget from the machine leaves its RAM's last 10%).
-    heap = 0 if hw.cuda else allocator_share(cpu_mem, cuda=False) if cpu_mem is not None else host_headroom(hw)
     return Budgets(device, host, nvme_bytes, nvme_dir, src, {"gpu_mem": gpu_mem, "cpu_mem": cpu_mem, "nvme": nvme},
                    cpu_only=not hw.cuda, heap_share=heap)
 

@@ -59,7 +59,8 @@ class Plan:
         while a checkpoint is saved, and what of the step's is the heap's free bytes ([Note: the heap at the
         step's peak])."""
         pr, cuda = self.prediction, self.hardware.cuda
-        return {"peak": pr.rss(cuda), **pr.rss_parts(cuda), "heap_free": pr.heap_free(cuda)}
+        parts = pr.rss_parts(cuda)
+        return {"peak": max(parts.values()), **parts, "heap_free": pr.heap_free(cuda)}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)

@@ -472,12 +472,12 @@ def _rework(p: Placement, fullest: Prediction, items, groups, profile, hw, b, sh
     the step (`_trim`), the room spent on the states that do (`_refill`), then given back again where the refill
     made earlier residency useless. Returns the placement, its prediction and the fastest plan seen; one reason
     says what this did to the fill's plan."""
-    p, pred, best = _trim(p, fullest, items, groups, profile, hw, b, shape)
+    p, pred, best = _trim(p, fullest, fullest, items, groups, profile, hw, b, shape)
     trimmed = pred
     p, pred, moves = _refill(p, pred, profile, hw, b, shape, groups)
     if moves:
-        best = min(best, pred, key=lambda x: x.step_s)
-        p, pred, best = _trim(p, best, items, groups, profile, hw, b, shape)
+        p, pred, best = _trim(p, pred, min(best, pred, key=lambda x: x.step_s), items, groups, profile, hw, b,
+                              shape)
 
     def dev(x: Prediction) -> str:
         return format_size(x.peak.get("device", 0))
@@ -500,20 +500,20 @@ def _rework(p: Placement, fullest: Prediction, items, groups, profile, hw, b, sh
     return p, pred, best
 
 
-def _trim(p, fastest: Prediction, items, groups, profile, hw, b,
+def _trim(p, pred: Prediction, fastest: Prediction, items, groups, profile, hw, b,
           shape) -> tuple[Placement, Prediction, Prediction]:
     """Give back, least touched first, every device-resident group whose return to host memory keeps the predicted
     step within TRIM_TOLERANCE of the fastest seen (`fastest`: the fill's own prediction, or a faster plan the walk
-    found) and the plan within its budgets: the fill promotes whatever fits, also where the step is bound by
-    something device residency does not shorten (the CPU optimizer, the disk). Returns the placement, its
-    prediction and the fastest plan's.
+    found) and the plan within its budgets (`pred`: `p`'s prediction): the fill promotes whatever fits, also where
+    the step is bound by something device residency does not shorten (the CPU optimizer, the disk). Returns the
+    placement, its prediction and the fastest plan's.
 
     Giving residency back can make a step faster: params returned to the host are masters the GPU casts
     (`Placement.cast_on_device`), which takes their cast off the CPU's step, until the link binds. So the tolerance
     is measured from the fastest plan seen so far; every accepted plan is within it of the fastest accepted one."""
     if fastest.step_s <= 0 or violations(fastest, b):
-        return p, fastest, fastest
-    best, after = fastest, predict(profile, p, hw, shape)
+        return p, pred, fastest
+    best, after = fastest, pred
     for unit, group in reversed(items):
         up = p.of(unit)
         states = groups[group]
@@ -522,10 +522,10 @@ def _trim(p, fastest: Prediction, items, groups, profile, hw, b,
         if group != "optimizer" and up.optim == Tier.DEVICE:
             continue  # the device optimizer needs this unit's gradients (and master) on the device
         trial = _set(p, unit, states, Tier.HOST)
-        pred = predict(profile, trial, hw, shape)
-        if pred.step_s <= best.step_s * (1 + TRIM_TOLERANCE) and not violations(pred, b):
-            p, after = trial, pred
-            best = min(best, pred, key=lambda x: x.step_s)
+        t = predict(profile, trial, hw, shape)
+        if t.step_s <= best.step_s * (1 + TRIM_TOLERANCE) and not violations(t, b):
+            p, after = trial, t
+            best = min(best, t, key=lambda x: x.step_s)
     return p, after, best
 
 
@@ -539,7 +539,7 @@ def _refill(p: Placement, pred: Prediction, profile, hw, b, shape, groups) -> tu
     which saves link bytes. Where the CPU's optimizer bounds the step, link bytes buy nothing and a unit's optimizer
     on the device is what shortens it; the fill never gets there, its room spent on parameters, which the trim then
     gives back (a 1.2 B GPT under 8 GiB on the H200's figures: the fill's 25 units' params on the device, 892 ms;
-    trimmed, 787 ms and the room empty; refilled, 8 units whole on the device, 558 ms). Units of one kind are alike,
+    trimmed, 787 ms and the room empty; refilled and trimmed again, 7 units whole on the device, 560 ms). Units of one kind are alike,
     so a move looks at the first unit that can take each bundle: a few predictions a move."""
     moves = 0
     trainable = {u.name for u in profile.units if u.trainable}

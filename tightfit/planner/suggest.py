@@ -17,11 +17,11 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from tightfit.planner.budgets import Budgets, host_side, with_given
 from tightfit.planner.costs import TrainShape
 from tightfit.planner.hardware import HardwareProfile
 from tightfit.planner.model_profile import ModelProfile
 from tightfit.planner.naming import Naming
-from tightfit.planner.budgets import Budgets, host_side, with_given
 from tightfit.planner.search import _fits, _NoFit, _search_units, search_fastest
 from tightfit.utils.sizes import format_size, parse_size
 
@@ -119,8 +119,7 @@ def suggest(nf: _NoFit, profile: ModelProfile, hw: HardwareProfile, b: Budgets, 
             pred = _search_units(profile, hw, fits, shape, checkpointing).prediction
             need = host_side(pred, fits) + (pred.peak["device"] if b.shared else 0)
         msg = f"needs {format_size(need)} host memory, {format_size(have)} available"
-        more = "" if figure is None else \
-            f" ({format_size(with_given(b, hw, names, 'cpu_mem', figure).host - b.host)} more)"
+        more = "" if figure is None else f" ({format_size(fits.host - b.host)} more)"
         raise_to = "" if figure is None else names.set("cpu_mem", _round_up_text(figure))
         if not b.nvme_dir:
             spill = _nvme_need(profile, hw, b, shape, checkpointing)
