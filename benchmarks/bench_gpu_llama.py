@@ -116,6 +116,8 @@ def run_side(args, side: str) -> dict:
     cfg = Config()
     cfg.train.micro_batch, cfg.train.seq_len, cfg.train.device = args.batch, args.seq, device.type
     cfg.train.precision = "bf16"
+    # The plan predicts the step the side runs: the host side's micro-batches are the plan's grad-accum.
+    cfg.train.grad_accum = args.host_accum if side == "tightfit-host" else 1
     cfg.optim.grad_clip, cfg.optim.lr, cfg.optim.weight_decay = 0.0, 1e-4, 0.1
     cfg.memory.offload = {"plain": "none", "plain-uncapped": "none", "tightfit": "auto", "tightfit-host": "host",
                           "tightfit-nvme": "nvme"}[side]
@@ -135,17 +137,27 @@ def run_side(args, side: str) -> dict:
         accum = args.host_accum if side == "tightfit-host" else 1
         batch_of = _batches(args, device)
 
+        timers = None
+        if side.startswith("tightfit"):
+            from tightfit.offload.step.engine import engine_of
+
+            timers = engine_of(mem.model).timers
+        calls = [0]
+
         def step(x, y) -> float:
-            total = 0.0
-            for micro in range(accum):  # micro-batch 0 is (x, y); the others the batches after the step's
+            if timers is not None and calls[0] == args.warmup:  # the engine's threads' times over measured steps
+                timers.clear()
+            calls[0] += 1
+            total = torch.zeros((), device=device)  # summed on the device, as `tightfit train` does: one host
+            for micro in range(accum):  # sync a step. Micro-batch 0 is (x, y); the others the batches after it
                 if micro:
                     x, y = batch_of(10_000 + micro)
                 with autocast():
                     loss = compute(x, y) / accum
                 mem.backward(loss, last=micro == accum - 1)
-                total += loss.item()
+                total += loss.detach()
             mem.clip_and_step(0.0)
-            return total
+            return total.item()
 
         tokens = accum * args.batch * args.seq
         out = util.timed_steps(device, args.steps, args.warmup, batch_of, step, tokens)
@@ -153,7 +165,8 @@ def run_side(args, side: str) -> dict:
         out["tokens_per_step"] = tokens
         out.update(params=n_params, linear_params=n_linear, step_flops=flops, plan=mem.describe(),
                    achieved_flops=flops / out["median_step_s"])
-        if side.startswith("tightfit"):
+        if timers is not None:
+            out["engine_s_per_step"] = {k: v / max(1, args.steps - args.warmup) for k, v in timers.snapshot().items()}
             out["engine_peaks"] = mem.peak_memory()
             out["plan_vs_measured"] = mem.plan_record(out["median_step_s"])
             out["placement"] = util.placement_of(mem)  # what replay_gpu_plans.py predicts again

@@ -17,8 +17,8 @@ process (bench_gpu_util.py), so each has a clean CUDA context, its own cap
   `tightfit.optim.AdamW` stepping each unit during backward (no clipping), the plan printed.
 - tightfit-at-fsdp2-peak (on a GPU, where tightfit reserved more than FSDP2): tightfit again, its `--gpu-mem` set
   to the bytes FSDP2 reserved at its peak.
-- tightfit-cpu-casts (where the plan had the GPU cast the uploaded masters, `Placement.cast_on_device`): tightfit
-  again with that choice taken away (its CPU step casts them into host compute copies, as before decision 8 of
+- tightfit-cpu-casts (with `--compare-casts`, where the plan had the GPU cast the uploaded masters,
+  `Placement.cast_on_device`): tightfit again with that choice taken away (its CPU step casts them into host compute copies, as before decision 8 of
   docs/PLANNER.md): the choice's worth measured, not only predicted.
 Reported per side: median step time over the steps after `--warmup`, tokens/s, the peaks of CUDA memory allocated
 and reserved (the cap bounds reserved bytes), the losses (they agree to bf16 rounding: a check that both train the
@@ -134,7 +134,7 @@ def run_tightfit(args) -> dict:
     if args.cpu_casts:  # the plan's other choice: masters cast by the CPU's step (docs/PLANNER.md, decision 8)
         search._cpu_casts = lambda *a: False
     try:
-        mem = setup_memory(model, cfg, device, dtype)
+        mem = setup_memory(model, cfg, device, dtype, autocast=False)  # its loop runs bf16 as given, as FSDP2 does
     finally:
         search._cpu_casts = offered
     print(mem.describe(), file=sys.stderr, flush=True)
@@ -197,6 +197,8 @@ def parse_args(argv=None):
     ap.add_argument("--isolate", action="store_true", help="each side in its own process on the CPU too "
                     "(always so on a GPU)")
     ap.add_argument("--cpu-casts", action="store_true", help="tightfit's plan without the GPU casting the masters")
+    ap.add_argument("--compare-casts", action="store_true", help="also run the tightfit-cpu-casts side (a fourth "
+                    "side: `make gpu-check` leaves it out, its stage's limit holds three)")
     ap.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # one side, in a child process
     ap.add_argument("--result", help=argparse.SUPPRESS)  # where the child writes its result
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -222,7 +224,7 @@ def main() -> None:
     here = args.device == "cpu" and not args.isolate
     results: dict = {"benchmark": "bench_offload_fsdp", "config": {k: v for k, v in vars(args).items()
                                                                    if k not in ("side", "port", "result", "isolate",
-                                                                                "cpu_casts")}}
+                                                                                "cpu_casts", "compare_casts")}}
     for side in SIDES:
         argv = [str(a) for a in shape] + ["--port", str(_free_port())]
         results[side] = util.run_side(__file__, side, argv, (lambda s=side: run[s](args)) if here else None)
@@ -241,7 +243,8 @@ def main() -> None:
         if "tokens_per_s" in r:
             results["tokens_per_s_ratio_at_fsdp2_peak"] = r["tokens_per_s"] / results["fsdp2"]["tokens_per_s"]
         util.save_partial(args.json_out, results)
-    if (results["tightfit"].get("placement") or {}).get("cast_on_device") and not args.cpu_casts:
+    if args.compare_casts and (results["tightfit"].get("placement") or {}).get("cast_on_device") and \
+            not args.cpu_casts:
         argv = [str(a) for a in shape] + ["--cpu-casts", "--port", str(_free_port())]
         r = results["tightfit-cpu-casts"] = util.run_side(__file__, "tightfit", argv,
                                                           (lambda: run_tightfit(_with(args, cpu_casts=True)))

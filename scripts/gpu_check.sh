@@ -21,8 +21,9 @@
 #   train  (90)   tightfit train, the default run (the README's `make train`) on the GPU: the probe first (32 s on
 #                 a machine it has not measured), then 1500 steps (~30 s)
 #   fsdp   (140)  benchmarks/bench_offload_fsdp.py: tightfit vs FSDP2 + CPUOffloadPolicy under an 8 GiB cap, and
-#                 tightfit's plan with the CPU's step casting the masters where the plan had the GPU cast them
-#                 (decision 8), or tightfit with its budget at FSDP2's peak where it reserved more (~40 s a side)
+#                 tightfit with its budget at FSDP2's peak where it reserved more (~40 s a side, 129 s on 2026-11-27);
+#                 GPU_CHECK_FSDP_CASTS=1 adds a fourth side, the plan with the CPU's step casting the masters where
+#                 the plan had the GPU cast them (decision 8): give the stage's limit 40 s more then
 #   llama  (150)  benchmarks/bench_gpu_llama.py: TinyLlama-1.1B's shape under a 24 GiB cap: plain PyTorch on the
 #                 whole GPU, tightfit's plan, every state on host (32k tokens per step) (~40 s a side);
 #                 GPU_CHECK_LLAMA_NVME=1 adds every state on NVMe (not timed on a GPU yet)
@@ -117,6 +118,8 @@ run_stage() {  # name limit_s command...
 export PYTHONUNBUFFERED=1
 swap=$(mktemp -d "${TMPDIR:-/tmp}/tightfit-gpu-check-XXXXXX")  # the NVMe sides' swap folder, removed at the end
 trap 'rm -rf "$swap"' EXIT
+fsdp_limit=140
+[ "${GPU_CHECK_FSDP_CASTS:-0}" = 1 ] && fsdp_limit=180
 if [ "$smoke" = 1 ]; then
     echo "gpu-check: GPU_CHECK_SMOKE=1: tests collected only, benchmarks in their CPU smoke configurations" >&2
     collect=(--collect-only)
@@ -130,6 +133,7 @@ else
     floors_shape=()
     train_shape=()
     fsdp_shape=(--layers 24 --embd 2048 --batch 2 --seq 1024 --cap-gib 8 --steps 5 --warmup 2)
+    [ "${GPU_CHECK_FSDP_CASTS:-0}" = 1 ] && fsdp_shape+=(--compare-casts)
     llama_sides=plain-uncapped,tightfit,tightfit-host
     [ "${GPU_CHECK_LLAMA_NVME:-0}" = 1 ] && llama_sides+=,tightfit-nvme
     llama_shape=(--cap-gib 24 --steps 4 --warmup 1 --sides "$llama_sides" --host-accum 8)
@@ -154,7 +158,7 @@ for stage in $stages; do
         cp "$swap/train/metrics.jsonl" "$parts/train/" 2>/dev/null ;;
     fsdp)
         rm -f "$parts/bench_offload_fsdp.json"
-        run_stage fsdp 140 "$py" benchmarks/bench_offload_fsdp.py "${fsdp_shape[@]}" \
+        run_stage fsdp "$fsdp_limit" "$py" benchmarks/bench_offload_fsdp.py "${fsdp_shape[@]}" \
             --json-out "$parts/bench_offload_fsdp.json" ;;
     llama)
         rm -f "$parts/bench_gpu_llama.json"
