@@ -1,6 +1,6 @@
 """A GPU run's plans, predicted again on any machine by the code on the path, against what that run measured.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/replay_gpu_plans.py [--run benchmarks/gpu-runs/2026-11-26b]
+    PYTHONPATH=. .venv/bin/python benchmarks/replay_gpu_plans.py [--run benchmarks/gpu-runs/2026-11-27]
         [--as-run] [--save-placements DIR | --placements DIR]
 
 Why: a GPU is lent for minutes; the step model changes between loans. The run folder holds what the tightfit sides
@@ -30,7 +30,7 @@ from types import SimpleNamespace
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
-RUN = BENCH / "gpu-runs" / "2026-11-26b"
+RUN = BENCH / "gpu-runs" / "2026-11-27"
 SIDES = (("fsdp", "tightfit"), ("llama", "tightfit"), ("llama", "tightfit-host"))
 
 
@@ -75,6 +75,32 @@ def _case(bench: str, side: str, config: dict):
     return model, cfg
 
 
+def _default_run(run: Path, hw) -> dict | None:
+    """The default `tightfit train` (the README's `make train`) on the GPU, where the run folder holds its metrics
+    (train-metrics.jsonl, from 2026-11-27 on): planned again for `hw`, beside the run's measured step and CUDA peak."""
+    path = run / "train-metrics.jsonl"
+    if not path.exists():
+        return None
+    import torch
+
+    from tightfit.config import Config
+    from tightfit.models.build import build_model
+    from tightfit.planner import make_plan
+    from tightfit.planner.plan import states_by_tier
+
+    measured = next(json.loads(line) for line in path.read_text().splitlines()
+                    if json.loads(line).get("kind") == "plan_vs_measured")["measured"]
+    cfg = Config()
+    cfg.train.device = "cuda"
+    model = build_model(cfg.model, 256, cfg.train.seq_len, device=torch.device("meta"))  # byte-level tokens
+    plan = make_plan(model, cfg, hw, what_if=True)
+    pred = plan.prediction
+    return {"case": "train-default", "placement": states_by_tier(plan.placement, plan.profile),
+            "predicted_step_s": pred.step_s, "bottleneck": pred.bottleneck, "optim_after_s": pred.optim_after_s,
+            "compute_s": pred.compute_s, "predicted_device": pred.peak.get("device"),
+            "measured_step_s": measured["step_s"], "measured_device": measured["device_peak"]}
+
+
 def replay(run: Path, as_run: bool, save: Path | None, load: Path | None) -> list[dict]:
     from tightfit.offload.placement import Placement
     from tightfit.planner import make_plan
@@ -93,7 +119,8 @@ def replay(run: Path, as_run: bool, save: Path | None, load: Path | None) -> lis
         except ImportError as e:
             print(f"{bench}/{side}: skipped ({e})", file=sys.stderr)
             continue
-        plan = make_plan(model, cfg, hw, what_if=True)
+        # The FSDP2 benchmark's loop runs bf16 as given; the Llama benchmark's under autocast, as `tightfit train`.
+        plan = make_plan(model, cfg, hw, what_if=True, autocast=bench != "fsdp")
         name = f"{bench}-{side}"
         placement, pred = plan.placement, plan.prediction
         if load or measured.get("placement"):  # a run that recorded its placement: that one
@@ -109,7 +136,8 @@ def replay(run: Path, as_run: bool, save: Path | None, load: Path | None) -> lis
                      "predicted_step_s": pred.step_s, "bottleneck": pred.bottleneck,
                      "optim_after_s": pred.optim_after_s, "compute_s": pred.compute_s,
                      "predicted_device": pred.peak.get("device"), "measured_step_s": m_step, "measured_device": m_dev})
-    return rows
+    default = _default_run(run, hw)
+    return rows + ([default] if default else [])
 
 
 def main() -> None:

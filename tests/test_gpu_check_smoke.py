@@ -194,18 +194,23 @@ def test_a_benchmark_stopped_midway_keeps_what_its_finished_sides_measured(tmp_p
 
 
 def test_a_gpu_runs_plans_are_predicted_again_against_what_it_measured():
-    """benchmarks/replay_gpu_plans.py: the second H200 run's tightfit sides planned again on this machine for that
-    machine's figures (its folder's hardware file), each beside the step and device peak the run measured."""
+    """benchmarks/replay_gpu_plans.py: the third H200 run's tightfit sides and default run planned again on this
+    machine for that machine's figures (its folder's hardware file), each beside the step and device peak the run
+    measured."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import replay_gpu_plans as replay
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     rows = {r["case"]: r for r in replay.replay(replay.RUN, as_run=False, save=None, load=None)}
-    assert rows["fsdp-tightfit"]["measured_step_s"] == pytest.approx(0.9163534790000085)
-    assert rows["fsdp-tightfit"]["measured_device"] == 3400169984
+    assert rows["fsdp-tightfit"]["measured_step_s"] == pytest.approx(0.351381229000026)
+    assert rows["fsdp-tightfit"]["measured_device"] == 7328172544
+    default = rows["train-default"]  # from the run's train-metrics.jsonl
+    assert default["measured_step_s"] == pytest.approx(0.013601716500005523)
+    assert default["measured_device"] == 134066688
+    assert default["predicted_device"] == pytest.approx(default["measured_device"], rel=0.10)
     for r in rows.values():
         assert r["predicted_step_s"] > 0 and r["predicted_device"] > 0 and " on " in r["placement"]
     if "llama-tightfit-host" in rows:  # transformers installed
         assert rows["llama-tightfit-host"]["placement"] == "92 on host"
-        assert rows["llama-tightfit-host"]["measured_step_s"] == 3.483
+        assert rows["llama-tightfit-host"]["measured_step_s"] == pytest.approx(3.5365521100000024)

@@ -83,7 +83,7 @@ def _hardware(hardware) -> tuple[HardwareProfile | None, bool]:
 def plan(model: nn.Module, *, gpu_mem: str | int | None = None, cpu_mem: str | int | None = None,
          nvme: str | None = None, micro_batch: int | None = None, seq_len: int | None = None, grad_accum: int = 1,
          precision: str = "auto", device: str | torch.device | None = None, offload: str = "auto",
-         checkpointing: str = "auto", grad_clip: bool = True, hardware=None) -> Plan:
+         checkpointing: str = "auto", grad_clip: bool = True, autocast: bool = True, hardware=None) -> Plan:
     """Plan where every state of `model` lives for micro-batches of `micro_batch` x `seq_len` tokens.
 
     gpu_mem, cpu_mem: budgets ("20GiB", or bytes); None: what the machine has, less headroom. On a machine
@@ -91,6 +91,9 @@ def plan(model: nn.Module, *, gpu_mem: str | int | None = None, cpu_mem: str | i
     nvme: a swap folder for the NVMe tier, optionally with a size: "/mnt/swap" or "/mnt/swap:500GiB".
     grad_accum, precision, offload, checkpointing: as `tightfit train`'s --grad-accum, --precision, --offload,
         --checkpointing. grad_clip: whether the training loop clips (the optimizer then waits for backward).
+    autocast: whether the loop runs a bf16/fp16 forward under `torch.autocast` (the Hugging Face Trainer and
+        `tightfit train` do: the plan counts autocast's casts and the fp32 copies they save); False for a loop that
+        runs the compute dtype as given.
     device: "cpu" or "cuda" (default: CUDA when the planned machine has it).
     hardware: None (this machine, measured once by `tightfit probe` and cached), a `HardwareProfile`, or a named
         profile / profile file to plan for another machine (see docs/PLANNER.md, "What-if hardware").
@@ -101,7 +104,7 @@ def plan(model: nn.Module, *, gpu_mem: str | int | None = None, cpu_mem: str | i
     cfg = _config(gpu_mem, cpu_mem, nvme, micro_batch, seq_len, grad_accum, precision, device, offload,
                   checkpointing, grad_clip)
     hw, what_if = _hardware(hardware)
-    return make_plan(model, cfg, hw, names=PYTHON, what_if=what_if)
+    return make_plan(model, cfg, hw, names=PYTHON, what_if=what_if, autocast=autocast)
 
 
 def _precision_of(dtype: torch.dtype | None) -> str | None:

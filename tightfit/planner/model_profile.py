@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tightfit.offload.placement import ROOT_UNIT
 from tightfit.offload.step.units import find_units
+from tightfit.planner.autocast_trace import MetaAutocast
 from tightfit.planner.work import Work, count_op, matmul_key
 from tightfit.tiling.linear import linear_features
 
@@ -350,8 +351,12 @@ def _vocab(model: nn.Module) -> int:
 
 
 def profile_model(model: nn.Module, micro_batch: int, seq_len: int, compute_dtype: str = "fp32",
-                  cuda: bool = False) -> ModelProfile:
-    """Profile `model` (on any device, including meta) for one micro-batch of [micro_batch, seq_len] tokens."""
+                  cuda: bool = False, autocast: bool | None = None) -> ModelProfile:
+    """Profile `model` (on any device, including meta) for one micro-batch of [micro_batch, seq_len] tokens.
+
+    `autocast`: whether the run's forward runs under `torch.autocast` to the compute dtype, as `tightfit train`'s
+    and the Hugging Face Trainer's bf16 and fp16 steps do (the default where the compute dtype is not fp32): the
+    trace then makes autocast's casts (autocast_trace.py)."""
     unit_mods, numel, trainable = unit_layout(model)
     names = list(unit_mods)
     linears: dict[str, list[tuple[str, int, int]]] = {}
@@ -367,8 +372,10 @@ def profile_model(model: nn.Module, micro_batch: int, seq_len: int, compute_dtyp
     units = {n: UnitProfile(n, numel[n], trainable[n], (linears.get(n) or [None])[0], 0, 0,
                             checkpointable=n != ROOT_UNIT, linears=linears.get(n, [])) for n in order}
     try:
+        if autocast is None:
+            autocast = compute_dtype != "fp32"
         act_peak, root_grads, act_end = _trace(model, unit_mods, units, micro_batch, seq_len, _DTYPES[compute_dtype],
-                                               cuda)
+                                               cuda, _DTYPES[compute_dtype] if autocast else None)
         measured, note = True, ""
     except Exception as e:  # a model the generic step cannot drive: fall back to a formula, and say so
         act_peak, root_grads, act_end = _formula(units, micro_batch, seq_len, DTYPE_BYTES[compute_dtype]), None, None
@@ -377,8 +384,10 @@ def profile_model(model: nn.Module, micro_batch: int, seq_len: int, compute_dtyp
                         root_grads, act_end, max((p.numel() for p in model.parameters()), default=0))
 
 
-def _trace(model, unit_mods, units, micro_batch, seq_len, dtype, cuda) -> tuple[int, int, int]:
-    """Trace one micro-step; returns `_Tracer.peaks()` and fills each unit's saved bytes and work."""
+def _trace(model, unit_mods, units, micro_batch, seq_len, dtype, cuda,
+           autocast: torch.dtype | None = None) -> tuple[int, int, int]:
+    """Trace one micro-step, its forward under autocast to `autocast` where given (autocast_trace.py); returns
+    `_Tracer.peaks()` and fills each unit's saved bytes and work."""
     tracer = _Tracer()
     params = {n: torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype, device="meta")
               .requires_grad_(p.requires_grad) for n, p in model.named_parameters()}
@@ -421,7 +430,8 @@ def _trace(model, unit_mods, units, micro_batch, seq_len, dtype, cuda) -> tuple[
     try:
         with _FusedAttention(cuda), _hf_meta_compat(), tracer, \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = run(lambda a, k=None: functional_call(model, {**params, **buffers}, a, k), ids)
+            with MetaAutocast(autocast, "cuda" if cuda else "cpu") if autocast else contextlib.nullcontext():
+                loss = run(lambda a, k=None: functional_call(model, {**params, **buffers}, a, k), ids)
             tracer.unit, tracer.phase = ROOT_UNIT, "bwd"
             loss.backward()
             del loss

@@ -24,13 +24,16 @@ from tightfit.utils.sizes import format_size
 
 
 def make_plan(model: nn.Module, cfg, hardware: HardwareProfile | None = None, names: Naming = CLI,
-              what_if: bool = False) -> Plan:
+              what_if: bool = False, autocast: bool = True) -> Plan:
     """Plan where every state of `model` (which may live on the meta device) goes, and predict the result.
 
     `hardware`: a profile to plan for (tests, what-ifs); None reads this machine's cached profile (probing it
     once if there is none) with capacities re-read now. `what_if`: `hardware` describes another machine (a
     `--hardware` file or named profile): nothing of this machine is read into it. `names`: how messages name the
-    settings (CLI flags, or the keyword arguments of `tightfit.plan`). Raises UsageError when no placement fits.
+    settings (CLI flags, or the keyword arguments of `tightfit.plan`). `autocast`: the loop runs a bf16/fp16
+    forward under `torch.autocast`, as `tightfit train` and the Hugging Face Trainer do (the trace then makes its
+    casts: planner/autocast_trace.py); False for a loop that runs the compute dtype as given. Raises UsageError
+    when no placement fits.
     """
     from tightfit.config import parse_nvme, precision_name
 
@@ -45,7 +48,8 @@ def make_plan(model: nn.Module, cfg, hardware: HardwareProfile | None = None, na
     cuda = _computes_on_cuda(cfg.train.device, hardware, given, what_if, names)
     dtype = precision_name(cfg, "cuda" if cuda else "cpu")
     budgets = budgets_from(cfg.memory, hardware, names)
-    profile = profile_model(model, cfg.train.micro_batch, cfg.train.seq_len, dtype, cuda)
+    profile = profile_model(model, cfg.train.micro_batch, cfg.train.seq_len, dtype, cuda,
+                            autocast=autocast and dtype != "fp32")
     shape = TrainShape(compute_bytes=DTYPE_BYTES[dtype], grad_accum=cfg.train.grad_accum,
                        tokens_per_micro=cfg.train.micro_batch * cfg.train.seq_len,
                        grad_clip=cfg.optim.grad_clip > 0, checkpoints=cfg.train.keep_checkpoints > 0,

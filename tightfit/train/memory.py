@@ -313,10 +313,11 @@ def cap_device_memory(device: torch.device, gpu_mem: int) -> float | None:
 
 
 def setup_memory(model: nn.Module, cfg: Config, device: torch.device, dtype: torch.dtype,
-                 planned: Callable | None = None) -> MemorySetup:
+                 planned: Callable | None = None, autocast: bool = True) -> MemorySetup:
     """Pick how the run holds its model: plain PyTorch (--offload none), or the offload engine with the plan.
     `planned(plan)` runs once the plan is made, before the engine allocates anything (a check that can refuse the
-    run while that is cheap)."""
+    run while that is cheap). `autocast`: whether the loop's forward runs under `torch.autocast` (`tightfit
+    train`'s does; `make_plan`)."""
     if cfg.memory.gpu_mem is not None:
         from tightfit.utils.sizes import parse_size
 
@@ -330,7 +331,7 @@ def setup_memory(model: nn.Module, cfg: Config, device: torch.device, dtype: tor
     # The plan's floor is this process's, measured now (the probe's is a fresh process without the data set).
     hw = load_or_probe(parse_nvme(cfg.memory.nvme)[0] if cfg.memory.nvme else None)
     hw = replace(hw, runtime_rss=max(hw.runtime_rss, process_floor(model)))
-    plan = make_plan(model, cfg, hw)
+    plan = make_plan(model, cfg, hw, autocast=autocast)
     if planned is not None:
         planned(plan)
     return OffloadMemory(model, cfg, device, dtype, plan)
