@@ -439,3 +439,30 @@ def test_every_packed_gradient_is_kept_for_the_copy_stream(monkeypatch):
         assert torch.equal(buf.view(2, 1000), torch.stack(grads).to(dtype).cpu())
         alloc.release(buf)
     mover.close()
+
+
+FLOOR = textwrap.dedent("""
+    import psutil, torch
+    from tightfit.models.gpt import GPT, GPTConfig
+    from tightfit.train.memory import process_floor
+    model = GPT(GPTConfig(n_layer=2, n_embd=128, n_head=2, block_size=128, vocab_size=256))
+    floor = process_floor(model, torch.device("cuda"), torch.bfloat16)
+    model = model.to("cuda")
+    x = torch.randint(0, 256, (4, 128), device="cuda")
+    for _ in range(3):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x, x)
+        loss.backward()
+    torch.cuda.synchronize()
+    print(floor, psutil.Process().memory_info().rss)
+""")
+
+
+def test_the_floor_holds_what_cuda_keeps_in_host_memory():
+    """A fresh process: the floor `tightfit train` measures before its plan, on a GPU, against the RSS once a bf16
+    step has run. Measured before any CUDA work, the floor missed the CUDA runtime's host memory (the default run's
+    RSS 800.6 MiB predicted, 1,303.5 MiB measured on the H200)."""
+    proc = subprocess.run([sys.executable, "-c", FLOOR], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    floor, after = (int(v) for v in proc.stdout.split()[-2:])
+    assert after - floor < 64 << 20, (floor, after)

@@ -11,8 +11,9 @@ cut to the host room the budgets leave). The engine's own budgets are set to the
 (`engine_budgets`), so its meters hold the plan to them.
 
 [Note: process RSS] On a CPU-only machine the device tier is the same RAM: the process holds its floor (the torch
-runtime, the data set, whatever it held before the engine; `HardwareProfile.runtime_rss`, which `tightfit train`
-replaces by its own measurement) + the device (states, materialised units, gradients in flight, activations) +
+runtime, the data set, whatever it held before the engine, and on a GPU machine what CUDA keeps in host memory once
+a step has run; `HardwareProfile.runtime_rss`, which `tightfit train` replaces by its own measurement,
+`train.memory.process_floor`) + the device (states, materialised units, gradients in flight, activations) +
 the host tier + the pool, all at once in backward. With CUDA the process holds the floor + host tier + pool.
 
 [Note: the heap at the step's peak] On a CPU-only machine a step's activations are allocated from glibc's heap,

@@ -87,11 +87,12 @@ def _rss_high_water() -> int:
     return _rss()
 
 
-def process_floor(model: nn.Module) -> int:
+def process_floor(model: nn.Module, device: torch.device | None = None, dtype: torch.dtype = torch.float32) -> int:
     """Bytes this process holds apart from the engine's: its RSS now, after the runtime has warmed up as in the
     probe's runtime figure (planner and engine imported, one tiny training step), less the model's own tensors in
     RAM (wrapping replaces them by the tiers', which the plan counts). It includes what the probe's fresh process
-    lacks: the data set (held as loaded: a byte a token for text), the tokenizer, the loop's state.
+    lacks: the data set (held as loaded: a byte a token for text), the tokenizer, the loop's state; and on a CUDA
+    `device` what the GPU's runtime holds in host memory once a step has run (`_warm_cuda`).
     [Note: process RSS] in tightfit/planner/costs.py."""
     import tightfit
     import tightfit.planner  # noqa: F401 - what the probe's figure includes
@@ -109,9 +110,29 @@ def process_floor(model: nn.Module) -> int:
     AdamW(tiny.parameters()).step()
     engine_of(tiny).close()
     del tiny
+    if device is not None and device.type == "cuda":
+        _warm_cuda(device, dtype)
     own = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]
               if t.device.type == "cpu")
     return max(0, _rss() - own)
+
+
+def _warm_cuda(device: torch.device, dtype: torch.dtype) -> None:
+    """Run a tiny step on the GPU as the run's will (autocast to `dtype`, fused attention, fused AdamW), so that
+    what CUDA keeps in host memory from then on is in the floor: the context, cuBLAS/cuBLASLt's handles and the
+    kernels' modules the libraries load on first use. Measured before any CUDA work, the default run's floor was
+    500 MiB short on the H200 (predicted RSS 800.6 MiB, measured 1,303.5: benchmarks/RESULTS.md, batch AE)."""
+    from tightfit.models.gpt import GPT, GPTConfig
+
+    with torch.random.fork_rng(devices=[device]):  # the run's generators stay untouched
+        tiny = GPT(GPTConfig(n_layer=1, n_embd=64, n_head=1, block_size=16, vocab_size=64)).to(device)
+        x = torch.zeros(2, 16, dtype=torch.long, device=device)
+        with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+            loss = tiny(x, x)
+        loss.backward()
+        torch.optim.AdamW(tiny.parameters(), fused=True).step()
+        torch.cuda.synchronize(device)
+    del tiny, x, loss
 
 
 class _Stepping:
@@ -330,7 +351,7 @@ def setup_memory(model: nn.Module, cfg: Config, device: torch.device, dtype: tor
 
     # The plan's floor is this process's, measured now (the probe's is a fresh process without the data set).
     hw = load_or_probe(parse_nvme(cfg.memory.nvme)[0] if cfg.memory.nvme else None)
-    hw = replace(hw, runtime_rss=max(hw.runtime_rss, process_floor(model)))
+    hw = replace(hw, runtime_rss=max(hw.runtime_rss, process_floor(model, device, dtype)))
     plan = make_plan(model, cfg, hw, autocast=autocast)
     if planned is not None:
         planned(plan)
