@@ -146,3 +146,14 @@ def test_a_weight_used_twice_is_cast_once_per_forward():
     with counts, MetaAutocast(torch.bfloat16, "cuda"):
         F.linear(F.linear(x, w), w)
     assert counts.counts["aten._to_copy"] == 2  # the input once, the weight once (autocast's weight cache)
+
+
+def test_a_loop_without_autocast_is_planned_without_its_casts():
+    import tightfit
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=2, n_embd=64, n_head=4, block_size=32, vocab_size=128))
+    under = tightfit.plan(model, micro_batch=2, seq_len=32, precision="bf16", hardware="h200")
+    as_given = tightfit.plan(model, micro_batch=2, seq_len=32, precision="bf16", hardware="h200", autocast=False)
+    assert sum(u.fwd.n_ops for u in under.profile.units) > sum(u.fwd.n_ops for u in as_given.profile.units)
+    assert under.profile.act_peak > as_given.profile.act_peak  # the layer norms' fp32 inputs, saved
