@@ -277,19 +277,7 @@ def markdown(f: dict) -> str:
                   f"{c['cap_gib']} GiB for both sides (set_per_process_memory_fraction).", ""] + header
         lines += [_side_row(s, b[s]) for s in ("fsdp2", "tightfit", "tightfit-at-fsdp2-peak", "tightfit-cpu-casts")
                   if s in b]
-        pv = b.get("tightfit", {}).get("plan_vs_measured")
-        if pv and pv["predicted"].get("step_s") and pv["measured"].get("step_s"):
-            terms, timers = pv.get("step_terms", {}), b["tightfit"].get("engine_s_per_step", {})
-            pred, meas = pv["predicted"].get("step_s"), pv["measured"].get("step_s")
-            lines += ["", f"tightfit's plan: step {pred * 1e3:.1f} ms predicted, {meas * 1e3:.1f} ms measured "
-                          f"({(pred - meas) / meas:+.0%}); terms: compute {terms.get('compute_s', 0) * 1e3:.1f}, "
-                          f"copies {terms.get('copy_s', 0) * 1e3:.1f}, CPU optimizer "
-                          f"{terms.get('optim_s', 0) * 1e3:.1f} ({terms.get('optim_after_s', 0) * 1e3:.1f} of it "
-                          f"after the backward) of which host passes besides AdamW in both phases "
-                          f"{terms.get('passes_s', 0) * 1e3:.1f} ms (probe: "
-                          f"{pv.get('hardware', {}).get('host_pass_bw', 0) / 1e9:.1f} GB/s); bottleneck "
-                          f"{terms.get('bottleneck')}. Measured on the engine's threads per step: "
-                          + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in sorted(timers.items())) + "."]
+        lines += _plan_lines(b, ("tightfit",))
         if "tokens_per_s_ratio" in b:
             lines += ["", f"tightfit / FSDP2 tokens/s: {b['tokens_per_s_ratio']:.2f} under the cap"
                       + (f", {b['tokens_per_s_ratio_at_fsdp2_peak']:.2f} with tightfit's budget at FSDP2's peak"
@@ -308,12 +296,38 @@ def markdown(f: dict) -> str:
                   f"{c['cap_gib']} GiB. MFU against {peak}.", ""] + header
         lines += [_side_row(s, b[s]) for s in ("plain", "plain-uncapped", "tightfit", "tightfit-host", "tightfit-nvme")
                   if s in b]
+        lines += _plan_lines(b, ("tightfit", "tightfit-host", "tightfit-nvme"))
         host = b.get("tightfit-host", {})
         if "tokens_per_s_over_plain" in host:
             lines += ["", f"Every state on host, {host.get('tokens_per_step', 0):,} tokens per step: "
                       f"{host['tokens_per_s_over_plain']:.2f}x plain PyTorch's tokens/s on the whole GPU."]
         lines.append("")
     return "\n".join(lines)
+
+
+def _plan_lines(bench: dict, sides: tuple[str, ...]) -> list[str]:
+    """Per tightfit side: its plan's step against the measured one, the step model's terms, and what the engine's
+    threads measured per step (where the benchmark recorded them): which term a wrong prediction got wrong."""
+    lines = []
+    for side in sides:
+        r = bench.get(side, {})
+        pv = r.get("plan_vs_measured")
+        if not (pv and pv["predicted"].get("step_s") and pv["measured"].get("step_s")):
+            continue
+        terms, timers = pv.get("step_terms", {}), r.get("engine_s_per_step", {})
+        pred, meas = pv["predicted"]["step_s"], pv["measured"]["step_s"]
+        lines += ["", f"{side}'s plan: step {pred * 1e3:.1f} ms predicted, {meas * 1e3:.1f} ms measured "
+                      f"({(pred - meas) / meas:+.0%}); terms: compute {terms.get('compute_s', 0) * 1e3:.1f}, "
+                      f"copies {terms.get('copy_s', 0) * 1e3:.1f}, CPU optimizer "
+                      f"{terms.get('optim_s', 0) * 1e3:.1f} ({terms.get('optim_after_s', 0) * 1e3:.1f} of it "
+                      f"after the backward) of which host passes besides AdamW in both phases "
+                      f"{terms.get('passes_s', 0) * 1e3:.1f} ms (probe: "
+                      f"{pv.get('hardware', {}).get('host_pass_bw', 0) / 1e9:.1f} GB/s); bottleneck "
+                      f"{terms.get('bottleneck')}."
+                  + (" Measured on the engine's threads per step: "
+                     + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in sorted(timers.items())) + "."
+                     if timers else "")]
+    return lines
 
 
 def main() -> None:
