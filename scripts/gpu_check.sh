@@ -13,18 +13,19 @@
 #     tightfit there with `pip install --no-index --no-deps --no-build-isolation -e .` (nothing fetched: the build
 #     uses the setuptools already there); where pip cannot, a .pth file naming this checkout does the same job;
 #   - where no virtual environment can be made, runs everything with PYTHONPATH=. (tightfit from this checkout).
-# Stages, each under a time limit (seconds; they sum to 545; what each took on an H200 on 2026-11-26):
-#   tests  (130)  pytest -m cuda tests/test_offload_cuda.py (the H200 deadlock's scenario among them; ~110 s)
+# Stages, each under a time limit (seconds; they sum to 565; what each took on an H200 on 2026-11-26 and 27):
+#   tests  (150)  pytest -m cuda tests/test_offload_cuda.py (the H200 deadlock's scenario among them; 123 s for 31
+#                 tests on 2026-11-27, one more since)
 #   floors (35)   benchmarks/bench_gpu_floors.py: CPU AdamW on every thread, at the engine's step-thread counts and
 #                 at the probe's size, H2D/D2H alone and both at once, the disk under the swap folder (24 s), and
 #                 the host's contention (the widening add and AdamW beside each other and the copies: a few s more)
 #   train  (90)   tightfit train, the default run (the README's `make train`) on the GPU: the probe first (32 s on
 #                 a machine it has not measured), then 1500 steps (~30 s)
-#   fsdp   (140)  benchmarks/bench_offload_fsdp.py: tightfit vs FSDP2 + CPUOffloadPolicy under an 8 GiB cap, and
+#   fsdp   (150)  benchmarks/bench_offload_fsdp.py: tightfit vs FSDP2 + CPUOffloadPolicy under an 8 GiB cap, and
 #                 tightfit with its budget at FSDP2's peak where it reserved more (~40 s a side, 129 s on 2026-11-27);
 #                 GPU_CHECK_FSDP_CASTS=1 adds a fourth side, the plan with the CPU's step casting the masters where
-#                 the plan had the GPU cast them (decision 8): give the stage's limit 40 s more then
-#   llama  (150)  benchmarks/bench_gpu_llama.py: TinyLlama-1.1B's shape under a 24 GiB cap: plain PyTorch on the
+#                 the plan had the GPU cast them (decision 8), and 40 s to the stage's limit
+#   llama  (140)  benchmarks/bench_gpu_llama.py: TinyLlama-1.1B's shape under a 24 GiB cap: plain PyTorch on the
 #                 whole GPU, tightfit's plan, every state on host (32k tokens per step) (~40 s a side);
 #                 GPU_CHECK_LLAMA_NVME=1 adds every state on NVMe (not timed on a GPU yet)
 # GPU_CHECK_STAGES="tests fsdp" runs some of them (a stage run again replaces only its own results, so stages run
@@ -118,8 +119,8 @@ run_stage() {  # name limit_s command...
 export PYTHONUNBUFFERED=1
 swap=$(mktemp -d "${TMPDIR:-/tmp}/tightfit-gpu-check-XXXXXX")  # the NVMe sides' swap folder, removed at the end
 trap 'rm -rf "$swap"' EXIT
-fsdp_limit=140
-[ "${GPU_CHECK_FSDP_CASTS:-0}" = 1 ] && fsdp_limit=180
+fsdp_limit=150
+[ "${GPU_CHECK_FSDP_CASTS:-0}" = 1 ] && fsdp_limit=190
 if [ "$smoke" = 1 ]; then
     echo "gpu-check: GPU_CHECK_SMOKE=1: tests collected only, benchmarks in their CPU smoke configurations" >&2
     collect=(--collect-only)
@@ -145,7 +146,7 @@ for stage in $stages; do
         # A hung test fails alone where pytest-timeout is installed; else the stage's limit stops them all.
         per_test=()
         "$py" -c "import pytest_timeout" >/dev/null 2>&1 && per_test=(--timeout=60)
-        run_stage tests 130 "$py" -m pytest -v --durations=10 -m cuda -p no:cacheprovider tests/test_offload_cuda.py \
+        run_stage tests 150 "$py" -m pytest -v --durations=10 -m cuda -p no:cacheprovider tests/test_offload_cuda.py \
             --junitxml="$parts/cuda-tests.xml" "${per_test[@]}" "${collect[@]}" ;;
     floors)
         rm -f "$parts/bench_gpu_floors.json"
@@ -162,7 +163,7 @@ for stage in $stages; do
             --json-out "$parts/bench_offload_fsdp.json" ;;
     llama)
         rm -f "$parts/bench_gpu_llama.json"
-        run_stage llama 150 "$py" benchmarks/bench_gpu_llama.py "${llama_shape[@]}" --nvme "$swap/llama" \
+        run_stage llama 140 "$py" benchmarks/bench_gpu_llama.py "${llama_shape[@]}" --nvme "$swap/llama" \
             --json-out "$parts/bench_gpu_llama.json" ;;
     *)
         echo "gpu-check: unknown stage '$stage' (GPU_CHECK_STAGES takes tests, floors, train, fsdp, llama)" >&2
