@@ -18,8 +18,8 @@ process (bench_gpu_util.py), so each has a clean CUDA context, its own cap
 - tightfit-at-fsdp2-peak (on a GPU, where tightfit reserved more than FSDP2): tightfit again, its `--gpu-mem` set
   to the bytes FSDP2 reserved at its peak.
 - tightfit-cpu-casts (with `--compare-casts`, where the plan had the GPU cast the uploaded masters,
-  `Placement.cast_on_device`): tightfit again with that choice taken away (its CPU step casts them into host compute copies, as before decision 8 of
-  docs/PLANNER.md): the choice's worth measured, not only predicted.
+  `Placement.cast_on_device`): tightfit again with that choice taken away (its CPU step casts them into host
+  compute copies, as before decision 8 of docs/PLANNER.md): the choice's worth measured, not only predicted.
 Reported per side: median step time over the steps after `--warmup`, tokens/s, the peaks of CUDA memory allocated
 and reserved (the cap bounds reserved bytes), the losses (they agree to bf16 rounding: a check that both train the
 same model); then tightfit's tokens/s over FSDP2's, under the cap and at FSDP2's peak. A side that fails (out of

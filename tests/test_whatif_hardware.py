@@ -311,9 +311,9 @@ def test_the_fastest_plan_then_the_smallest(capsys, tmp_path):
     """A 1.2 B GPT under an 8 GiB cap on an H100 is bound by the CPU optimizer (issue 26, item 5). The greedy fill
     puts parameters on the device, which shortens nothing there; the search gives back what did not shorten the
     step and spends the room on the units' optimizer states, whose step then runs on the GPU ([Note: refill] in
-    search.py): 708 -> 542 ms predicted at 4 x 1024 tokens. Of the two searches (every unit recomputed, or as few as fit) the one whose
-    step is within 3% of the faster and whose device peak is smaller is taken. Without recomputation the room is
-    the activations', and the trim alone gives back what the fill spent there.
+    search.py): 708 -> 542 ms predicted at 4 x 1024 tokens. Of the two searches (every unit recomputed, or as few
+    as fit) the one whose step is within 3% of the faster and whose device peak is smaller is taken. Without
+    recomputation the room is the activations', and what the fill spent beyond them is given back.
 
     The CPU's passes besides AdamW are taken as free here ([Note: host passes] in costs.py; a profile whose
     `host_pass_bw` is unbounded), as the model had them when this case was found: they favour keeping gradients on

@@ -3,10 +3,10 @@
 `tightfit train` (and the Hugging Face Trainer with `bf16=True`) runs a bf16 or fp16 step under `torch.autocast`,
 which casts each op's inputs by the op's list: matmuls and convolutions down to the compute dtype, reductions,
 norms, softmax and losses up to fp32. On meta tensors `torch.autocast` does nothing (no backend's autocast key is
-set on them), so the trace saw none of those casts. The default model (4 blocks of width 128) on an H200 showed what that
-costs: 169 aten ops traced per micro-batch where its bf16 step under CUDA's autocast dispatches 259, each missing
-one a kernel launch and 16 us of the host's time, and the step, bound by the host, 33% slower than predicted
-(benchmarks/RESULTS.md, batch AE).
+set on them), so the trace saw none of those casts. The default model (4 blocks of width 128) on an H200 showed
+what that costs: 169 aten ops traced per micro-batch where its bf16 step under CUDA's autocast dispatches 259, each
+missing one a kernel launch and 16 us of the host's time, and the step, bound by the host, 33% slower than
+predicted (benchmarks/RESULTS.md, batch AE).
 
 `MetaAutocast` makes the same casts one level above autograd, where autocast itself sits: a TorchFunctionMode sees
 each call (`F.linear`, `Tensor.softmax`, `F.layer_norm`, ...), casts its floating tensor arguments by the call's
@@ -125,7 +125,7 @@ def _cuda_cross_entropy(func, args, kwargs):
         return func(*args, **kwargs)
     if given.get("label_smoothing", 0.0) or not isinstance(target, torch.Tensor) or target.is_floating_point() or \
             given.get("size_average") is not None or given.get("reduce") is not None:
-        return func(*_map(args, lambda t: _up(t)), **{k: _map(v, _up) for k, v in kwargs.items()})
+        return func(*_map(args, _up), **{k: _map(v, _up) for k, v in kwargs.items()})
     weight = given.get("weight")
     logp = x.log_softmax(1 if x.dim() >= 2 else 0, dtype=torch.float32)
     return torch.nn.functional.nll_loss(logp, target, None if weight is None else _up(weight),
