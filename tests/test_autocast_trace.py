@@ -157,3 +157,5 @@ def test_a_loop_without_autocast_is_planned_without_its_casts():
     as_given = tightfit.plan(model, micro_batch=2, seq_len=32, precision="bf16", hardware="h200", autocast=False)
     assert sum(u.fwd.n_ops for u in under.profile.units) > sum(u.fwd.n_ops for u in as_given.profile.units)
     assert under.profile.act_peak > as_given.profile.act_peak  # the layer norms' fp32 inputs, saved
+    assert under.profile.autocast and not as_given.profile.autocast
+    assert "compute bf16 under autocast," in under.table() and "compute bf16," in as_given.table()

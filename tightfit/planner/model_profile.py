@@ -108,6 +108,8 @@ class ModelProfile:
     largest_param: int = 0
     """Elements of the model's largest parameter: what a checkpoint's save may read at once beyond its pieces
     ([Note: the save] in memory_model.py). 0 when unknown (a plan file written before it was kept)."""
+    autocast: bool = False
+    """Traced with autocast's casts (autocast_trace.py): the loop runs its forward under `torch.autocast`."""
 
     @property
     def act_transient(self) -> int:
@@ -381,7 +383,8 @@ def profile_model(model: nn.Module, micro_batch: int, seq_len: int, compute_dtyp
         act_peak, root_grads, act_end = _formula(units, micro_batch, seq_len, DTYPE_BYTES[compute_dtype]), None, None
         measured, note = False, f"meta trace failed ({type(e).__name__}: {e}); activations and work estimated"
     return ModelProfile(list(units.values()), compute_dtype, micro_batch, seq_len, act_peak, measured, note,
-                        root_grads, act_end, max((p.numel() for p in model.parameters()), default=0))
+                        root_grads, act_end, max((p.numel() for p in model.parameters()), default=0),
+                        bool(autocast) and compute_dtype != "fp32")
 
 
 def _trace(model, unit_mods, units, micro_batch, seq_len, dtype, cuda,

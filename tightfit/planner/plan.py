@@ -201,7 +201,8 @@ class Plan:
     def table(self) -> str:
         """The full `tightfit plan` output."""
         p, pr = self.placement, self.prediction
-        lines = [f"tightfit plan: {self.hardware.device_name}, compute {self.profile.compute_dtype}, micro-batch "
+        compute = self.profile.compute_dtype + (" under autocast" if self.profile.autocast else "")
+        lines = [f"tightfit plan: {self.hardware.device_name}, compute {compute}, micro-batch "
                  f"{self.profile.micro_batch} x {self.profile.seq_len} tokens, grad-accum {self.shape.grad_accum}, "
                  f"--offload {self.mode}", ""]
         head = f"{'unit':<28}{'params':>10}  " + "".join(f"{s.value:>18}" for s in State)
