@@ -141,13 +141,9 @@ def run_side(args, side: str) -> dict:
         if side.startswith("tightfit"):
             from tightfit.offload.step.engine import engine_of
 
-            timers = engine_of(mem.model).timers
-        calls = [0]
+            timers = engine_of(mem.model).timers  # the engine's threads over the measured steps
 
         def step(x, y) -> float:
-            if timers is not None and calls[0] == args.warmup:  # the engine's threads' times over measured steps
-                timers.clear()
-            calls[0] += 1
             total = torch.zeros((), device=device)  # summed on the device, as `tightfit train` does: one host
             for micro in range(accum):  # sync a step. Micro-batch 0 is (x, y); the others the batches after it
                 if micro:
@@ -160,13 +156,12 @@ def run_side(args, side: str) -> dict:
             return total.item()
 
         tokens = accum * args.batch * args.seq
-        out = util.timed_steps(device, args.steps, args.warmup, batch_of, step, tokens)
+        out = util.timed_steps(device, args.steps, args.warmup, batch_of, step, tokens, timers=timers)
         flops = accum * util.step_flops(n_linear, n_layer, width, args.batch, args.seq)
         out["tokens_per_step"] = tokens
         out.update(params=n_params, linear_params=n_linear, step_flops=flops, plan=mem.describe(),
                    achieved_flops=flops / out["median_step_s"])
         if timers is not None:
-            out["engine_s_per_step"] = {k: v / max(1, args.steps - args.warmup) for k, v in timers.snapshot().items()}
             out["engine_peaks"] = mem.peak_memory()
             out["plan_vs_measured"] = mem.plan_record(out["median_step_s"])
             out["placement"] = util.placement_of(mem)  # what replay_gpu_plans.py predicts again

@@ -130,14 +130,18 @@ def reset_peaks(device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def timed_steps(device, steps: int, warmup: int, batch_of: Callable, step_fn: Callable, tokens: int) -> dict:
-    """Run `steps` steps; median step time over those after `warmup`, tokens/s, losses, CUDA peaks."""
+def timed_steps(device, steps: int, warmup: int, batch_of: Callable, step_fn: Callable, tokens: int,
+                timers=None) -> dict:
+    """Run `steps` steps; median step time over those after `warmup`, tokens/s, losses, CUDA peaks; with an
+    engine's `timers`, what its threads spent per step over the steps after `warmup` ("engine_s_per_step")."""
     import statistics
 
     import torch
 
     times, losses = [], []
     for step in range(steps):
+        if timers is not None and step == warmup:
+            timers.clear()
         x, y = batch_of(step)
         _sync(device)
         t0 = time.perf_counter()
@@ -148,6 +152,8 @@ def timed_steps(device, steps: int, warmup: int, batch_of: Callable, step_fn: Ca
         print(f"  step {step}: loss {loss:.4f}  {times[-1]:.3f} s", file=sys.stderr, flush=True)
     step_s = statistics.median(times[warmup:])
     out = {"step_s": times, "median_step_s": step_s, "tokens_per_s": tokens / step_s, "losses": losses}
+    if timers is not None:
+        out["engine_s_per_step"] = {k: v / max(1, steps - warmup) for k, v in timers.snapshot().items()}
     if device.type == "cuda":
         # The cap (set_per_process_memory_fraction) bounds reserved bytes: the caching allocator's segments,
         # which hold the allocated bytes plus fragmentation. Both peaks are reported.

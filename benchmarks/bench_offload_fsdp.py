@@ -143,21 +143,14 @@ def run_tightfit(args) -> dict:
 
         from tightfit.offload.step.engine import engine_of
 
-        timers = engine_of(mem.model).timers
-        calls = [0]
-
         def step(x, y) -> float:
-            if calls[0] == args.warmup:  # the engine's threads' times over the measured steps only
-                timers.clear()
-            calls[0] += 1
             loss = mem.model(x, y)
             mem.backward(loss, last=True)
             mem.clip_and_step(0.0)
             return loss.item()
 
-        out = util.timed_steps(device, args.steps, args.warmup, _batches(args, device), step, args.batch * args.seq)
-        measured = max(1, args.steps - args.warmup)
-        out["engine_s_per_step"] = {k: v / measured for k, v in timers.snapshot().items()}
+        out = util.timed_steps(device, args.steps, args.warmup, _batches(args, device), step, args.batch * args.seq,
+                               timers=engine_of(mem.model).timers)  # the engine's threads over the measured steps
         # The plan's prediction beside this measurement, with the step's terms (the CPU's passes besides AdamW
         # among them: [Note: host passes] in tightfit/planner/costs.py).
         out["plan_vs_measured"] = mem.plan_record(out["median_step_s"])

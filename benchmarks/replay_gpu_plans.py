@@ -88,8 +88,8 @@ def _default_run(run: Path, hw) -> dict | None:
     from tightfit.planner import make_plan
     from tightfit.planner.plan import states_by_tier
 
-    measured = next(json.loads(line) for line in path.read_text().splitlines()
-                    if json.loads(line).get("kind") == "plan_vs_measured")["measured"]
+    records = (json.loads(line) for line in path.read_text().splitlines())
+    measured = next(r for r in records if r.get("kind") == "plan_vs_measured")["measured"]
     cfg = Config()
     cfg.train.device = "cuda"
     model = build_model(cfg.model, 256, cfg.train.seq_len, device=torch.device("meta"))  # byte-level tokens

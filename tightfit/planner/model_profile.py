@@ -373,9 +373,8 @@ def profile_model(model: nn.Module, micro_batch: int, seq_len: int, compute_dtyp
     order = [ROOT_UNIT, *names]
     units = {n: UnitProfile(n, numel[n], trainable[n], (linears.get(n) or [None])[0], 0, 0,
                             checkpointable=n != ROOT_UNIT, linears=linears.get(n, [])) for n in order}
+    autocast = compute_dtype != "fp32" and autocast is not False  # an fp32 step has no casts to make
     try:
-        if autocast is None:
-            autocast = compute_dtype != "fp32"
         act_peak, root_grads, act_end = _trace(model, unit_mods, units, micro_batch, seq_len, _DTYPES[compute_dtype],
                                                cuda, _DTYPES[compute_dtype] if autocast else None)
         measured, note = True, ""
@@ -383,8 +382,7 @@ def profile_model(model: nn.Module, micro_batch: int, seq_len: int, compute_dtyp
         act_peak, root_grads, act_end = _formula(units, micro_batch, seq_len, DTYPE_BYTES[compute_dtype]), None, None
         measured, note = False, f"meta trace failed ({type(e).__name__}: {e}); activations and work estimated"
     return ModelProfile(list(units.values()), compute_dtype, micro_batch, seq_len, act_peak, measured, note,
-                        root_grads, act_end, max((p.numel() for p in model.parameters()), default=0),
-                        bool(autocast) and compute_dtype != "fp32")
+                        root_grads, act_end, max((p.numel() for p in model.parameters()), default=0), autocast)
 
 
 def _trace(model, unit_mods, units, micro_batch, seq_len, dtype, cuda,

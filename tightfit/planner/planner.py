@@ -48,8 +48,7 @@ def make_plan(model: nn.Module, cfg, hardware: HardwareProfile | None = None, na
     cuda = _computes_on_cuda(cfg.train.device, hardware, given, what_if, names)
     dtype = precision_name(cfg, "cuda" if cuda else "cpu")
     budgets = budgets_from(cfg.memory, hardware, names)
-    profile = profile_model(model, cfg.train.micro_batch, cfg.train.seq_len, dtype, cuda,
-                            autocast=autocast and dtype != "fp32")
+    profile = profile_model(model, cfg.train.micro_batch, cfg.train.seq_len, dtype, cuda, autocast=autocast)
     shape = TrainShape(compute_bytes=DTYPE_BYTES[dtype], grad_accum=cfg.train.grad_accum,
                        tokens_per_micro=cfg.train.micro_batch * cfg.train.seq_len,
                        grad_clip=cfg.optim.grad_clip > 0, checkpoints=cfg.train.keep_checkpoints > 0,
