@@ -227,8 +227,8 @@ def test_probe_disk_volume_reaches_the_sustained_measurement(tmp_path, monkeypat
     monkeypatch.setattr(probe, "measure_adam", lambda device, **_: 1e8)
     monkeypatch.setattr(probe, "measure_mem_bw", lambda device: 1e10)
     monkeypatch.setattr(probe, "measure_matmul", lambda device, dtype: {128: 1e11})
-    monkeypatch.setattr(probe, "measure_op_overhead", lambda device: 1e-5)
-    monkeypatch.setattr(probe, "measure_engine_overhead", lambda device, tier="device": (5e-4, 1e-4))
+    monkeypatch.setattr(probe, "measure_op_overhead", lambda device, dtype=None: 1e-5)
+    monkeypatch.setattr(probe, "measure_engine_overhead", lambda device, tier="device", dtype=None: (5e-4, 1e-4))
     monkeypatch.setattr(probe, "measure_runtime_rss", lambda started=None: 300 << 20)
     assert main(["probe", "--nvme", str(tmp_path / "swap"), "--disk-volume", "96MiB"]) == 0
     assert seen["sustained_bytes"] == 96 << 20

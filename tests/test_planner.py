@@ -629,12 +629,40 @@ def test_the_probe_measures_the_engine_itself():
     assert 0 < unit < 1 and math.isfinite(unit) and 0 <= step < 1
 
 
+def test_the_engine_probe_runs_at_the_runs_precision(monkeypatch):
+    """[Note: the host floor's precision] in probe.py: asked for bf16 (what a GPU's runs compute in), the probe's
+    tiny engine computes in bf16 with its forward under autocast, its per-op figure is timed under autocast too,
+    and the ops it takes off the step are those the plan counts for that precision (`profile_model` at bf16):
+    the default run's H200 step was 38% over a plan whose host figures were timed in fp32 without autocast."""
+    import tightfit
+    from tightfit.planner import model_profile, probe
+
+    seen = {"wrap": set(), "autocast": set(), "op": [], "profile": set()}
+    real_wrap, real_profile, real_op = tightfit.wrap, model_profile.profile_model, probe.measure_op_overhead
+
+    def wrap(model, placement, **kw):
+        seen["wrap"].add(kw.get("compute_dtype"))
+        model.register_forward_pre_hook(lambda m, a: seen["autocast"].add(
+            torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None))
+        return real_wrap(model, placement, **kw)
+
+    monkeypatch.setattr(tightfit, "wrap", wrap)
+    monkeypatch.setattr(model_profile, "profile_model", lambda m, b, t, dtype="fp32", **kw: (
+        seen["profile"].add(dtype), real_profile(m, b, t, dtype, **kw))[1])
+    monkeypatch.setattr(probe, "measure_op_overhead", lambda device, dtype=torch.float32: (
+        seen["op"].append(dtype), real_op(device, dtype))[1])
+    unit, step = probe.measure_engine_overhead("cpu", steps=2, dtype=torch.bfloat16)
+    assert seen == {"wrap": {torch.bfloat16}, "autocast": {torch.bfloat16}, "op": [torch.bfloat16],
+                    "profile": {"bf16"}}
+    assert 0 < unit < 1 and 0 <= step < 1
+
+
 def test_a_probe_whose_engine_run_fails_still_profiles(monkeypatch, capsys):
     """The engine's tiny run failing (a device it cannot run on) leaves the two figures out, says so, and does not
     take the rest of the probe (and the run that probes) down with it."""
     from tightfit.planner import probe
 
-    def broken(device, steps=40, tier="device"):
+    def broken(device, steps=40, tier="device", dtype=None):
         raise RuntimeError("no kernel image is available for execution on the device")
 
     monkeypatch.setattr(probe, "measure_engine_overhead", broken)

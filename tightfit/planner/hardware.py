@@ -238,7 +238,7 @@ def machine_key() -> str:
     return f"{socket.gethostname()}|{devs}|threads={torch.get_num_threads()}"
 
 
-PROBE_VERSION = 10
+PROBE_VERSION = 11
 """Bumped whenever a probed figure changes meaning (or a new one is measured). 2: matmul rates by the smallest side
 ([Note: matmul rate by the smallest side] in work.py; they were by square size). 3: the device's math
 workspace. 4: the engine's host time per unit and per step. 5: and per streamed unit. 6: copies both ways at once.
@@ -246,7 +246,8 @@ workspace. 4: the engine's host time per unit and per step. 5: and per streamed 
 its host time; and the host passes' rate (`host_pass_bw`); on a CPU, copies on one core, as the engine's copy
 threads now make them. 8: fused attention's rate ([Note: attention's own rate] in work.py). 9: and the
 elementwise ops timed alone ([Note: ops slower than their bytes]). 10: CPU AdamW over 64 M parameters on the
-engine's step-thread cores (`probe.ADAM_NUMEL`), and on a GPU attention over enough heads to fill it."""
+engine's step-thread cores (`probe.ADAM_NUMEL`), and on a GPU attention over enough heads to fill it. 11: on a GPU
+the host's per-op and engine figures under autocast to bf16 ([Note: the host floor's precision] in probe.py)."""
 
 
 def cache_path() -> Path:

@@ -194,8 +194,9 @@ def measure_mem_bw(device: str, nbytes: int = 256 << 20) -> float:
     return 2.0 * nbytes / _timeit(lambda: dst.copy_(src))
 
 
-def measure_op_overhead(device: str) -> float:
-    """Seconds per dispatched aten op on tiny tensors, autograd included."""
+def measure_op_overhead(device: str, dtype: torch.dtype = torch.float32) -> float:
+    """Seconds per dispatched aten op on tiny tensors, autograd included; under autocast to `dtype` where that is
+    not fp32, as a mixed-precision step dispatches each of its ops ([Note: the host floor's precision])."""
     from tightfit.planner.model_profile import _Tracer
 
     def chain(x):
@@ -205,7 +206,9 @@ def measure_op_overhead(device: str) -> float:
 
     def step(dev):
         x = torch.ones(8, device=dev, requires_grad=True)
-        chain(x).backward()
+        with _autocast(dev, dtype):
+            y = chain(x)
+        y.backward()
 
     tracer = _Tracer()
     with tracer:
@@ -214,24 +217,38 @@ def measure_op_overhead(device: str) -> float:
     return _timeit(lambda: step(device)) / max(1, n_ops)
 
 
+def _autocast(device: str, dtype: torch.dtype):
+    """`torch.autocast` to `dtype` on `device`'s type, or nothing for fp32 (and on meta, where it has no effect)."""
+    if dtype == torch.float32 or device == "meta":
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=dtype)
+
+
 ENGINE_PROBE_BLOCKS = (2, 6)
 """Blocks of the two tiny models `measure_engine_overhead` times: their difference is four units' cost."""
 
 
-def measure_engine_overhead(device: str, steps: int = 40, tier: str = "device") -> tuple[float, float]:
+def measure_engine_overhead(device: str, steps: int = 40, tier: str = "device",
+                            dtype: torch.dtype = torch.float32) -> tuple[float, float]:
     """(seconds per unit and micro-batch, seconds per step) of host time the offload engine and a training step
     spend beyond the model's own ops ([Note: the host floor] in costs.py).
 
     How: the engine itself, every state on `tier` (the device; or the host, where every unit streams and the CPU
     steps it), steps a tiny GPT (width 16, 8 tokens: its kernels cost nothing, so a step is host time) as
-    `tightfit train` does: forward, backward, clip, step, zero_grad, the loss read back. With 2 and with 6 blocks,
-    the step time less the model's traced ops at `op_overhead_s` gives a line whose slope is the per-unit cost and
-    whose rest, less the 2 blocks' and the root's, is the per-step cost."""
+    `tightfit train` does: forward (under autocast to `dtype`, computing in `dtype`, where that is not fp32),
+    backward, clip, step, zero_grad, the loss read back. With 2 and with 6 blocks, the step time less the model's
+    ops at `op_overhead_s` (counted as the plan counts them: `profile_model` at `dtype` on this device) gives a line
+    whose slope is the per-unit cost and whose rest, less the 2 blocks' and the root's, is the per-step cost.
+
+    [Note: the host floor's precision] A GPU run computes in bf16 under autocast, where each linear is a cast and a
+    bf16 matmul and each op passes autocast's dispatch: the default run's step on the H200 was 38% over a plan whose
+    per-op and per-unit figures were timed in fp32 without autocast (19.1 ms against 11.9; batch AF). The probe
+    times its host figures at the precision the device's runs use (bf16 on CUDA)."""
     import tightfit
     from tightfit.models.gpt import GPT, GPTConfig
     from tightfit.offload.step.engine import engine_of
     from tightfit.optim import AdamW
-    from tightfit.planner.model_profile import _Tracer
+    from tightfit.planner.model_profile import _DTYPES, profile_model
 
     def model(n_layer: int, on: str) -> torch.nn.Module:
         with torch.random.fork_rng(devices=[]):  # the run's generator stays untouched ([Note] in _operand)
@@ -240,20 +257,20 @@ def measure_engine_overhead(device: str, steps: int = 40, tier: str = "device") 
                 return GPT(GPTConfig(n_layer=n_layer, n_embd=16, n_head=2, block_size=8, vocab_size=64))
 
     def traced_ops(n_layer: int) -> int:
-        tracer = _Tracer()
-        m, x = model(n_layer, "meta"), torch.zeros(1, 8, dtype=torch.long, device="meta")
-        with tracer:
-            m(x, x).backward()
-        return sum(w.n_ops for w in tracer.work.values())
+        name = next(k for k, v in _DTYPES.items() if v == dtype)
+        prof = profile_model(model(n_layer, "meta"), 1, 8, name, cuda=torch.device(device).type == "cuda")
+        return sum(u.fwd.n_ops + u.bwd.n_ops for u in prof.units)
 
     def step_s(n_layer: int) -> float:
-        m = tightfit.wrap(model(n_layer, "cpu"), tightfit.Placement.everywhere(tier), device=device)
+        m = tightfit.wrap(model(n_layer, "cpu"), tightfit.Placement.everywhere(tier), device=device,
+                          compute_dtype=dtype)
         opt = AdamW(m.parameters(), lr=1e-3)
         x = torch.zeros(1, 8, dtype=torch.long, device=device)
 
         def step() -> None:
             opt.preload_during_backward()
-            loss = m(x, x)
+            with _autocast(device, dtype):
+                loss = m(x, x)
             loss.backward()
             opt.clip_grad_norm_(1.0)
             opt.step()
@@ -272,7 +289,7 @@ def measure_engine_overhead(device: str, steps: int = 40, tier: str = "device") 
         finally:
             engine_of(m).close()
 
-    op = measure_op_overhead(device)
+    op = measure_op_overhead(device, dtype)
     (n1, n2), t, ops = ENGINE_PROBE_BLOCKS, {}, {}
     for n in (n1, n2):
         t[n], ops[n] = step_s(n), traced_ops(n)
@@ -492,9 +509,9 @@ def run_probe(folder: str | None = None, save: bool = True, sustained: bool = Tr
         mem_bw=measure_mem_bw(device),
         cpu_adam_rate=cpu_adam, device_adam_rate=measure_adam("cuda") if cuda else cpu_adam,
         host_pass_bw=measure_host_passes(),
-        matmul_flops=matmul, cpu_pressure=pressure, op_overhead_s=measure_op_overhead(device),
+        matmul_flops=matmul, cpu_pressure=pressure, op_overhead_s=measure_op_overhead(device, dtype),
         attention_flops=attention, timed_op_bw=timed_ops,
-        **_engine_overhead(device), device_workspace=measure_device_workspace() if cuda else 0,
+        **_engine_overhead(device, dtype), device_workspace=measure_device_workspace() if cuda else 0,
         runtime_rss=runtime_rss or measure_runtime_rss(), threads=torch.get_num_threads(), measured_at=time.time(),
         probe_version=PROBE_VERSION)
     hw = current(hw, folder)
@@ -511,12 +528,12 @@ def _small_kernels(device: str, dtype: torch.dtype) -> tuple[dict[int, float], d
     return measure_attention(device, dtype), measure_timed_ops(device, dtype)
 
 
-def _engine_overhead(device: str) -> dict[str, float]:
+def _engine_overhead(device: str, dtype: torch.dtype = torch.float32) -> dict[str, float]:
     """The engine's host figures, or none (0: the plan leaves them out) with a warning where the engine could not
     run on this device: a probe that fails here must not keep a run from planning."""
     try:
-        unit, step = measure_engine_overhead(device)
-        streamed, _ = measure_engine_overhead(device, tier="host")
+        unit, step = measure_engine_overhead(device, dtype=dtype)
+        streamed, _ = measure_engine_overhead(device, tier="host", dtype=dtype)
     except Exception as e:  # noqa: BLE001 - any failure of the tiny run: said, and the figures left out
         print(f"tightfit probe: warning: the engine's host time per unit was not measured on {device} "
               f"({type(e).__name__}: {str(e)[:200]}); plans leave it out", file=sys.stderr)
@@ -559,9 +576,9 @@ def _refresh_here(hw: HardwareProfile) -> HardwareProfile:
     cpu_adam = measure_cpu_adam(cuda)
     matmul, pressure = measure_matmul_and_pressure(device, dtype)
     return replace(hw, matmul_flops=matmul, cpu_pressure=pressure, attention_flops=attention, timed_op_bw=timed_ops,
-                   mem_bw=measure_mem_bw(device), op_overhead_s=measure_op_overhead(device), cpu_adam_rate=cpu_adam,
-                   host_pass_bw=measure_host_passes(),
-                   **_engine_overhead(device),
+                   mem_bw=measure_mem_bw(device), op_overhead_s=measure_op_overhead(device, dtype),
+                   cpu_adam_rate=cpu_adam, host_pass_bw=measure_host_passes(),
+                   **_engine_overhead(device, dtype),
                    device_adam_rate=measure_adam("cuda") if cuda else cpu_adam, h2d_bw=h2d, d2h_bw=d2h,
                    duplex_bw=measure_duplex(),
                    measured_at=time.time())
