@@ -13,9 +13,10 @@
 #     tightfit there with `pip install --no-index --no-deps --no-build-isolation -e .` (nothing fetched: the build
 #     uses the setuptools already there); where pip cannot, a .pth file naming this checkout does the same job;
 #   - where no virtual environment can be made, runs everything with PYTHONPATH=. (tightfit from this checkout).
-# Stages, each under a time limit (seconds; they sum to 565; what each took on an H200 on 2026-11-26 and 27):
-#   tests  (150)  pytest -m cuda tests/test_offload_cuda.py (the H200 deadlock's scenario among them; 123 s for 31
-#                 tests on 2026-11-27, one more since)
+# Stages, each under a time limit (seconds; they sum to 585; what each took on an H200 on 2026-11-26 and 27):
+#   tests  (170)  pytest -m cuda tests/test_offload_cuda.py (the H200 deadlock's scenario among them; 123 s for 31
+#                 tests on 2026-11-27; the 32nd, a fresh process's CUDA floor, 16 s alone: at 150 s the stage stopped
+#                 in it on a slower host)
 #   floors (35)   benchmarks/bench_gpu_floors.py: CPU AdamW on every thread, at the engine's step-thread counts and
 #                 at the probe's size, H2D/D2H alone and both at once, the disk under the swap folder (24 s), and
 #                 the host's contention (the widening add and AdamW beside each other and the copies: a few s more)
@@ -26,7 +27,8 @@
 #                 GPU_CHECK_FSDP_CASTS=1 adds a fourth side, the plan with the CPU's step casting the masters where
 #                 the plan had the GPU cast them (decision 8), and 40 s to the stage's limit
 #   llama  (140)  benchmarks/bench_gpu_llama.py: TinyLlama-1.1B's shape under a 24 GiB cap: plain PyTorch on the
-#                 whole GPU, tightfit's plan, every state on host (32k tokens per step) (~40 s a side);
+#                 whole GPU, tightfit's plan, every state on host (32k tokens per step) (~40 s a side; the host side
+#                 took 8.3 s a step on a slower host, where the stage's limit stopped it);
 #                 GPU_CHECK_LLAMA_NVME=1 adds every state on NVMe (not timed on a GPU yet)
 # GPU_CHECK_STAGES="tests fsdp" runs some of them (a stage run again replaces only its own results, so stages run
 # one call at a time end in the same report); GPU_CHECK_OUT changes the folder. Exit status 0 when every stage ran
@@ -146,7 +148,7 @@ for stage in $stages; do
         # A hung test fails alone where pytest-timeout is installed; else the stage's limit stops them all.
         per_test=()
         "$py" -c "import pytest_timeout" >/dev/null 2>&1 && per_test=(--timeout=60)
-        run_stage tests 150 "$py" -m pytest -v --durations=10 -m cuda -p no:cacheprovider tests/test_offload_cuda.py \
+        run_stage tests 170 "$py" -m pytest -v --durations=10 -m cuda -p no:cacheprovider tests/test_offload_cuda.py \
             --junitxml="$parts/cuda-tests.xml" "${per_test[@]}" "${collect[@]}" ;;
     floors)
         rm -f "$parts/bench_gpu_floors.json"

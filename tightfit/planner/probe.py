@@ -348,13 +348,15 @@ def measure_cpu_adam(cuda: bool) -> float:
     return measure_adam("cpu", threads=thread_budget(torch.get_num_threads(), cuda)["step"])
 
 
-def measure_host_passes(numel: int = 32 << 20) -> float:
+def measure_host_passes(numel: int | None = None) -> float:
     """Bytes per second (read + written) of the elementwise passes the engine makes over host memory besides AdamW
     on a GPU machine ([Note: host passes] in costs.py), run as it runs them: a bf16 gradient pack added into its
     fp32 sum, the sum's norm, the clip coefficient's multiply, the new master cast to bf16. Host tensors, on every
-    machine (a plan uses the figure only where the device is a GPU). 32 M elements (256 MiB in all): more than a
-    CPU's caches, as the units of a model offloaded from a GPU are."""
+    machine (a plan uses the figure only where the device is a GPU). `numel` (default `host_pass_numel()`): more
+    than the host's caches hold, as the units of a model offloaded from a GPU are."""
     from tightfit.offload.runtime.widening import add_widening
+
+    numel = numel or host_pass_numel()
 
     pack = _operand(numel, device="cpu").to(torch.bfloat16)
     acc, cast = _operand(numel, device="cpu"), torch.empty(numel, dtype=torch.bfloat16)
@@ -368,6 +370,39 @@ def measure_host_passes(numel: int = 32 << 20) -> float:
 
     moved = numel * ((2 + 4 + 4) + 4 + (4 + 4) + (4 + 2))
     return moved / _timeit(passes, min_s=0.2)
+
+
+HOST_PASS_BYTES = 256 << 20
+"""The least the host-pass measurement's tensors take (pack, sum and cast: 8 bytes an element)."""
+
+
+def host_pass_numel(llc_bytes: int | None = None) -> int:
+    """Elements of the host-pass measurement: its tensors take 4x the host's last-level caches (all sockets'),
+    at least `HOST_PASS_BYTES`, at most 2 GiB.
+
+    [Note: passes beyond the cache] Sized at a fixed 256 MiB, the measurement ran partly in the caches of the GPU
+    hosts, whose last-level caches are hundreds of MiB: the H200 hosts measured 37.8 to 84.9 GB/s while the
+    gradient worker added a 1.1 B Llama's 4.4 GB of fp32 sums at about 30 GB/s (benchmarks/RESULTS.md, batch AF:
+    its step 2.9 s against 1.2 predicted). Where the caches cannot be read, the least size."""
+    llc = last_level_cache_bytes() if llc_bytes is None else llc_bytes
+    return min(max(HOST_PASS_BYTES, 4 * llc), 2 << 30) // 8
+
+
+def last_level_cache_bytes(root: str = "/sys/devices/system/cpu") -> int:
+    """Bytes of the host's last-level caches, each shared cache counted once (Linux's sysfs; 0 where unreadable)."""
+    seen: dict[str, int] = {}
+    for index in Path(root).glob("cpu[0-9]*/cache/index[0-9]*"):
+        try:
+            level = int((index / "level").read_text())
+            size = (index / "size").read_text().strip()
+            shared = (index / "shared_cpu_list").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        nbytes = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+        seen[f"{level}:{shared}"] = nbytes if level >= 3 else 0
+    top = max((int(k.split(":")[0]) for k, v in seen.items() if v), default=0)
+    return sum(v for k, v in seen.items() if int(k.split(":")[0]) == top)
 
 
 def measure_copies(nbytes: int = 256 << 20) -> tuple[float, float]:
