@@ -981,3 +981,18 @@ def test_the_host_pass_measurement_outgrows_the_hosts_caches(tmp_path):
     assert host_pass_numel(2 * 384 << 20) == (2 << 30) >> 3
     assert host_pass_numel(32 << 20) == HOST_PASS_BYTES >> 3
     assert last_level_cache_bytes(str(tmp_path / "none")) == 0 and host_pass_numel(0) == HOST_PASS_BYTES >> 3
+
+
+def test_a_model_of_one_unit_that_does_not_fit_is_infeasible_not_a_crash():
+    """A model the unit layout leaves whole (one block: the root is its only unit, and nothing is checkpointable)
+    that fits no budget: the search says what it needs, as for any model. It returned no result instead, and the
+    next step of the search failed on it (AttributeError: 'NoneType' object has no attribute 'placement'; found with
+    a one-block Hugging Face Llama planned on the CPU, where the what-if of "2x the GPU memory" fitted nothing)."""
+    import tightfit
+    from tightfit.planner.search import Infeasible
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=1, n_embd=64, n_head=2, block_size=32, vocab_size=64))
+    assert [u.name for u in profile_model(model, 2, 32).units] == ["root"]
+    with pytest.raises(Infeasible, match="64.0 KiB available"):
+        tightfit.plan(model, micro_batch=2, seq_len=32, device="cpu", gpu_mem="64KiB", cpu_mem="64KiB")

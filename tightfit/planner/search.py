@@ -272,13 +272,13 @@ def _search_units(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape:
     Llama on a 24 GiB GPU: 29.1 s -> 22.8 s predicted; a 1.2 B GPT under 12 GiB on an H200, whose activations fit
     without checkpointing: 536 -> 447 ms, docs/PLANNER.md). The greedy fill cannot see that trade, so both are
     searched, unless every state already sits on the device without recomputation."""
+    everything = [u.name for u in profile.units if u.checkpointable]
     try:
         res = _search_joined(profile, hw, b, shape, checkpointing, copies)
     except _NoFit:
-        if checkpointing != "auto":
+        if checkpointing != "auto" or not everything:  # no second search to try
             raise
         res = None
-    everything = [u.name for u in profile.units if u.checkpointable]
     if checkpointing != "auto" or not everything or (
             res is not None and (set(res.placement.checkpoint_units) >= set(everything) or _all_on_device(res))):
         return res
