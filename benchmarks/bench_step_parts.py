@@ -14,7 +14,11 @@ GPT). This times, on the same device and in one process:
 - the default model's step as `tightfit train` runs it, plain PyTorch and the engine, split into the batch (sample
   and copy to the device), the forward, the backward and clip + step + zero_grad, each phase ended by a device
   sync; and the whole step with the loop's one sync;
-- the kernels one step launches (torch.profiler, on CUDA) against the ops the plan traced.
+- the kernels one step launches (torch.profiler, on CUDA) against the ops the plan traced, and the share of the
+  step the GPU is busy;
+- with `--llama-layers N`, the same parts of the GPU check's Llama (TinyLlama's shape, N of its blocks, 2 x 2048),
+  plain and planned for `--llama-cap-gib`: run 4's plan for 24 GiB took 202 ms a step where plain PyTorch took
+  113 and the plan predicted 125.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def _sync(device: torch.device) -> None:
@@ -100,20 +105,52 @@ def chain_op_cost(device: torch.device, dtype: torch.dtype) -> float:
 
 
 def default_step_parts(device: torch.device, dtype: torch.dtype, offload: str, reps: int) -> dict:
-    """The default run's step, `tightfit train`'s way, timed by phase (each ended by a device sync) and whole."""
+    """The default run's step, `tightfit train`'s way (its model, 16 x 128 byte tokens)."""
+    from tightfit.models.build import build_model
+
+    cfg = _config(device, dtype, offload)
+    model = build_model(cfg.model, 256, cfg.train.seq_len, device=torch.device("cpu"))
+    return step_parts(model, cfg, device, dtype, 256, reps)
+
+
+def llama_step_parts(device: torch.device, dtype: torch.dtype, offload: str, reps: int, layers: int,
+                     cap_gib: float | None) -> dict:
+    """The GPU check's 1.1B Llama (TinyLlama's shape, `layers` of its 22 blocks), 2 x 2048 tokens, planned for
+    `cap_gib` (tightfit's --gpu-mem; offload "none": plain PyTorch)."""
+    import bench_gpu_llama
+
+    args = bench_gpu_llama.parse_args(["--layers", str(layers)])
+    model = bench_gpu_llama.build_model(args)[0]
+    cfg = _config(device, dtype, offload)
+    cfg.train.micro_batch, cfg.train.seq_len = args.batch, args.seq
+    cfg.optim.grad_clip = 0.0
+    if cap_gib and offload != "none":
+        cfg.memory.gpu_mem = f"{cap_gib}GiB"
+    return step_parts(model, cfg, device, dtype, args.vocab, reps)
+
+
+def _config(device: torch.device, dtype: torch.dtype, offload: str):
     from tightfit.config import Config
-    from tightfit.models.build import build_model, model_loss
-    from tightfit.train.memory import setup_memory
 
     cfg = Config()
     cfg.train.device = device.type
     cfg.memory.offload = offload
     cfg.train.precision = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    return cfg
+
+
+def step_parts(model, cfg, device: torch.device, dtype: torch.dtype, vocab: int, reps: int) -> dict:
+    """A training step as `tightfit train` runs it, timed by phase (each ended by a device sync: the batch, the
+    forward, the backward, clip + step + zero_grad) and whole (the loop's one sync); on CUDA with the kernels it
+    launches and the share of its time the GPU is busy (kernels' time over the step's: near 1, the GPU bounds the
+    step; well under it, the host does, or waits on the GPU between its issues)."""
+    from tightfit.models.build import model_loss
+    from tightfit.train.memory import setup_memory
+
     t = cfg.train
-    model = build_model(cfg.model, 256, t.seq_len, device=torch.device("cpu"))
     mem = setup_memory(model, cfg, device, dtype)
     try:
-        tokens = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
+        tokens = torch.randint(0, vocab, (1 << 20,), dtype=torch.int32 if vocab > 256 else torch.uint8)
         gen = torch.Generator().manual_seed(0)
         cast = _autocast(device, dtype)
 
@@ -153,7 +190,7 @@ def default_step_parts(device: torch.device, dtype: torch.dtype, offload: str, r
             mem.clip_and_step(cfg.optim.grad_clip)
             total.item()
 
-        whole_s = _median_s(whole, device, reps, warm=5)
+        whole_s = _median_s(whole, device, reps, warm=3)
         for _ in range(reps):
             parted()
         out = {"whole_step_s": whole_s, **{k: statistics.median(v) for k, v in phases.items()}}
@@ -161,33 +198,44 @@ def default_step_parts(device: torch.device, dtype: torch.dtype, offload: str, r
             out["kernels_per_step"] = _kernels(whole)
         plan = getattr(mem, "plan", None)
         if plan is not None:
-            out["predicted_step_s"] = plan.prediction.step_s
+            pred = plan.prediction
+            out.update(predicted_step_s=pred.step_s, predicted_compute_s=pred.compute_s,
+                       predicted_host_s=getattr(pred, "host_s", None), plan=plan.summary())
         return out
     finally:
         mem.close()
 
 
 def _kernels(step) -> dict:
-    """Kernel launches (and copies, memsets) of one step, and the aten ops the host dispatched for it."""
+    """Kernel launches (and copies, memsets) of one step, the aten ops the host dispatched for it, and the seconds
+    the GPU ran kernels in it (under the profiler, whose own cost lengthens the step)."""
     from torch.profiler import ProfilerActivity, profile
 
     step()
     torch.cuda.synchronize()
+    t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
     events = prof.events()
     device_events = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     launches = [e for e in events if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
                                                 "cuLaunchKernelEx", "cudaMemcpyAsync", "cudaMemsetAsync")]
+    busy = sum(getattr(e, "self_device_time_total", 0.0) for e in prof.key_averages()) / 1e6
     return {"device_events": len(device_events), "launch_calls": len(launches),
-            "aten_ops": sum(1 for e in events if e.name.startswith("aten::"))}
+            "aten_ops": sum(1 for e in events if e.name.startswith("aten::")),
+            "device_busy_s": busy, "profiled_step_s": wall, "busy_share": busy / wall if wall else None}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--reps", type=int, default=40)
+    ap.add_argument("--llama-layers", type=int, default=0, help="also the GPU check's Llama with this many of its "
+                    "22 blocks, plain and planned (0: not)")
+    ap.add_argument("--llama-cap-gib", type=float, default=24.0, help="the Llama plan's --gpu-mem")
+    ap.add_argument("--only-llama", action="store_true", help="the Llama's steps alone")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -201,20 +249,30 @@ def main(argv=None) -> int:
     cfg = Config()
     out = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__}
-    out["chain_s_per_op"] = {"fp32": chain_op_cost(device, torch.float32),
-                             "bf16_autocast": chain_op_cost(device, bf16)}
-    out["tiny_gpt"] = {"fp32": tiny_gpt_op_cost(device, torch.float32, args.reps),
-                       "bf16_autocast": tiny_gpt_op_cost(device, bf16, args.reps)}
-    out["engine_probe"] = {}
-    for name, dtype in (("fp32", torch.float32), ("bf16_autocast", bf16)):
-        unit, step = measure_engine_overhead(device.type, dtype=dtype)
-        out["engine_probe"][name] = {"unit_s": unit, "step_s": step}
-    default = lambda: build_model(cfg.model, 256, cfg.train.seq_len, device=torch.device("meta"))
-    out["default_traced_ops"] = _traced_ops(default, cfg.train.micro_batch, cfg.train.seq_len, bf16,
-                                            device.type == "cuda")
-    for offload in ("none", "auto"):
-        out[f"default_{offload}"] = default_step_parts(device, bf16, offload, args.reps)
-        print(offload, json.dumps(out[f"default_{offload}"]), file=sys.stderr, flush=True)
+    if not args.only_llama:
+        # The default model's steps first, in a process that has run nothing else: in run 5 (batch AF), measured
+        # after the probes below, the engine's step took 16.7 ms where `tightfit train`'s took 10.5.
+        for offload in ("none", "auto"):
+            out[f"default_{offload}"] = default_step_parts(device, bf16, offload, args.reps)
+            print(offload, json.dumps(out[f"default_{offload}"]), file=sys.stderr, flush=True)
+        out["chain_s_per_op"] = {"fp32": chain_op_cost(device, torch.float32),
+                                 "bf16_autocast": chain_op_cost(device, bf16)}
+        out["tiny_gpt"] = {"fp32": tiny_gpt_op_cost(device, torch.float32, args.reps),
+                           "bf16_autocast": tiny_gpt_op_cost(device, bf16, args.reps)}
+        out["engine_probe"] = {}
+        for name, dtype in (("fp32", torch.float32), ("bf16_autocast", bf16)):
+            unit, step = measure_engine_overhead(device.type, dtype=dtype)
+            out["engine_probe"][name] = {"unit_s": unit, "step_s": step}
+        default = lambda: build_model(cfg.model, 256, cfg.train.seq_len, device=torch.device("meta"))
+        out["default_traced_ops"] = _traced_ops(default, cfg.train.micro_batch, cfg.train.seq_len, bf16,
+                                                device.type == "cuda")
+        out["default_auto_again"] = default_step_parts(device, bf16, "auto", args.reps)
+    if args.llama_layers:
+        for offload in ("none", "auto"):
+            key = f"llama{args.llama_layers}_{offload}"
+            out[key] = llama_step_parts(device, bf16, offload, max(2, args.reps // 10), args.llama_layers,
+                                        args.llama_cap_gib)
+            print(key, json.dumps(out[key]), file=sys.stderr, flush=True)
     text = json.dumps(out, indent=1)
     print(text)
     if args.json_out:
