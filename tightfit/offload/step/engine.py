@@ -563,7 +563,8 @@ class OffloadEngine:
 
     def timings(self) -> dict[str, float]:
         """Accumulated seconds since the last `reset_timings`: forward_s, backward_s (wall), params_wait_s (the
-        main thread blocked on parameter fetches), grad_accumulate_s (grad worker), optimizer_s (step compute),
+        main thread blocked on parameter fetches), grad_wait_s (grad worker waiting for copies off the device and
+        a unit's earlier micro-batch), grad_accumulate_s (grad worker adding and writing), optimizer_s (step compute),
         optimizer_io_wait_s (step blocked on loads/writes), optimizer_wall_s; plus the disk store's stats."""
         out: dict = self.timers.snapshot()
         if Tier.NVME in self.stores:

@@ -110,15 +110,25 @@ class GradientShipper:
                                                hold, norms, threads)
         return packed
 
+    def _wait(self, previous: Future | None, packed, t0: float) -> float:
+        """Gradient worker: wait for the unit's earlier micro-batch and for this one's copy off the device, timed
+        apart from the work (`grad_wait_s`; `grad_accumulate_s` is the adds, norms and writes after it: the worker
+        waiting on copies is a step bound by the link, the worker adding one bound by the host's memory).
+        Returns when the work starts."""
+        if previous is not None:
+            previous.result()  # the unit's earlier micro-batch first
+        packed.done.result()
+        now = time.perf_counter()
+        self.timers.add("grad_wait_s", now - t0)
+        return now
+
     def _landed(self, unit: OffloadUnit, packed, previous: Future | None, new: set[int], norms: bool,
                 threads: int | None) -> None:
         """Gradient worker: gradients copied into the host tier's sum itself are there once the copy is done."""
         t0 = time.perf_counter()
         self.worker.use_threads(threads)
         try:
-            if previous is not None:
-                previous.result()
-            packed.done.result()
+            t0 = self._wait(previous, packed, t0)
             _norms(unit, unit.stored_views(State.GRADS, GRADS), new, norms)
             unit.life.on(Event.GRADS_LANDED)
         finally:
@@ -130,9 +140,7 @@ class GradientShipper:
         t0 = time.perf_counter()
         self.worker.use_threads(threads)
         try:
-            if previous is not None:
-                previous.result()  # the unit's earlier micro-batch first
-            packed.done.result()
+            t0 = self._wait(previous, packed, t0)
             pack = grant["pack"]
             store = unit.store[State.GRADS]
             if store.tensor(unit.name, GRADS) is not None:  # host memory: the upcast happens inside the add
