@@ -30,6 +30,9 @@
 #                 whole GPU, tightfit's plan, every state on host (32k tokens per step) (~40 s a side; the host side
 #                 took 8.3 s a step on a slower host, where the stage's limit stopped it);
 #                 GPU_CHECK_LLAMA_NVME=1 adds every state on NVMe (not timed on a GPU yet)
+#   parts  (150)  opt-in, not in the default list: benchmarks/bench_step_parts.py, where a launch-bound step's
+#                 time goes (the probe's host figures in fp32 and under autocast, the default model's and the 1.1B
+#                 Llama's steps by phase, the kernels they launch and the share of the step the GPU is busy)
 # GPU_CHECK_STAGES="tests fsdp" runs some of them (a stage run again replaces only its own results, so stages run
 # one call at a time end in the same report); GPU_CHECK_OUT changes the folder. Exit status 0 when every stage ran
 # and passed. GPU_CHECK_SMOKE=1 checks this script itself on a machine without a GPU: any torch will do, the tests
@@ -167,8 +170,14 @@ for stage in $stages; do
         rm -f "$parts/bench_gpu_llama.json"
         run_stage llama 140 "$py" benchmarks/bench_gpu_llama.py "${llama_shape[@]}" --nvme "$swap/llama" \
             --json-out "$parts/bench_gpu_llama.json" ;;
+    parts)  # opt-in (GPU_CHECK_STAGES=parts): where a step's host and GPU time go, default model and Llama
+        rm -f "$parts/bench_step_parts.json"
+        parts_shape=(--device cuda --reps 30 --llama-layers 22)
+        [ "$smoke" = 1 ] && parts_shape=(--device cpu --reps 3)
+        run_stage parts 150 "$py" benchmarks/bench_step_parts.py "${parts_shape[@]}" \
+            --json-out "$parts/bench_step_parts.json" ;;
     *)
-        echo "gpu-check: unknown stage '$stage' (GPU_CHECK_STAGES takes tests, floors, train, fsdp, llama)" >&2
+        echo "gpu-check: unknown stage '$stage' (GPU_CHECK_STAGES takes tests, floors, train, fsdp, llama, parts)" >&2
         exit 2 ;;
     esac
 done
