@@ -83,11 +83,13 @@ class HardwareProfile:
     machine: gradient sums and norms, the clip multiply, the master's cast ([Note: host passes] in costs.py).
     0: not measured (AdamW's 28 bytes per parameter at `cpu_adam_rate` stand in)."""
     op_overhead_s: float = 10e-6
-    """Seconds of fixed dispatch overhead per aten op (dominates small models on CPU)."""
+    """Seconds of fixed dispatch overhead per aten op (dominates small models on CPU). On a GPU the probe times it
+    under autocast to bf16, as a GPU run dispatches its ops ([Note: the host floor's precision] in probe.py)."""
     unit_overhead_s: float = 0.0
     """Host seconds the offload engine spends per unit and micro-batch beyond the model's own ops: its hooks, the
     parameter views it hands the unit, the gradient hand-off and the unit's share of the optimizer's dispatch.
-    Measured by running the engine itself on a tiny model ([Note: the host floor] in costs.py); 0 where unknown."""
+    Measured by running the engine itself on a tiny model ([Note: the host floor] in costs.py; on a GPU computing
+    in bf16 under autocast); 0 where unknown."""
     stream_overhead_s: float = 0.0
     """Host seconds a unit whose parameters stream (its states off the device tier) costs per micro-batch beyond
     `unit_overhead_s`: its fetch, the gradient hand-off to the host, its CPU optimizer step's dispatch. Measured
