@@ -31,15 +31,13 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from bench_gpu_util import _sync
 
 
 def _median_s(fn, device: torch.device, reps: int, warm: int = 3) -> float:
@@ -60,12 +58,11 @@ def _autocast(device: torch.device, dtype: torch.dtype):
 
 
 def _traced_ops(model_fn, micro_batch: int, seq_len: int, dtype: torch.dtype, cuda: bool) -> dict:
-    from tightfit.planner.model_profile import profile_model
+    from tightfit.planner.model_profile import DTYPE_NAMES, profile_model
 
     with torch.device("meta"):
         model = model_fn()
-    name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-    prof = profile_model(model, micro_batch, seq_len, name, cuda=cuda)
+    prof = profile_model(model, micro_batch, seq_len, DTYPE_NAMES[dtype], cuda=cuda)
     return {"fwd": sum(u.fwd.n_ops for u in prof.units), "bwd": sum(u.bwd.n_ops for u in prof.units),
             "units": len(prof.units)}
 
@@ -131,11 +128,12 @@ def llama_step_parts(device: torch.device, dtype: torch.dtype, offload: str, rep
 
 def _config(device: torch.device, dtype: torch.dtype, offload: str):
     from tightfit.config import Config
+    from tightfit.planner.model_profile import DTYPE_NAMES
 
     cfg = Config()
     cfg.train.device = device.type
     cfg.memory.offload = offload
-    cfg.train.precision = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    cfg.train.precision = DTYPE_NAMES[dtype]
     return cfg
 
 
@@ -145,20 +143,20 @@ def step_parts(model, cfg, device: torch.device, dtype: torch.dtype, vocab: int,
     launches and the share of its time the GPU is busy (kernels' time over the step's: near 1, the GPU bounds the
     step; well under it, the host does, or waits on the GPU between its issues)."""
     from tightfit.models.build import model_loss
+    from tightfit.train.data import TokenDataset, data_generator
     from tightfit.train.memory import setup_memory
 
     t = cfg.train
     mem = setup_memory(model, cfg, device, dtype)
     try:
-        tokens = torch.randint(0, vocab, (1 << 20,), dtype=torch.int32 if vocab > 256 else torch.uint8)
-        gen = torch.Generator().manual_seed(0)
+        tokens = np.random.default_rng(0).integers(0, vocab, 1 << 20, dtype=np.int32 if vocab > 256 else np.uint8)
+        data = TokenDataset.from_tokens(tokens, t.seq_len, 0.1, vocab)
+        gen = data_generator(t.seed)
         cast = _autocast(device, dtype)
 
-        def batch():
-            starts = torch.randint(0, len(tokens) - t.seq_len - 1, (t.micro_batch,), generator=gen)
-            idx = starts[:, None] + torch.arange(t.seq_len + 1)
-            rows = tokens[idx].long()
-            return rows[:, :-1].to(device), rows[:, 1:].to(device)
+        def batch():  # the loop's sampler, and its copies to the device
+            x, y = data.sample(t.micro_batch, gen)
+            return x.to(device), y.to(device)
 
         phases = {"batch": [], "forward": [], "backward": [], "clip_step_zero": []}
 
@@ -200,7 +198,7 @@ def step_parts(model, cfg, device: torch.device, dtype: torch.dtype, vocab: int,
         if plan is not None:
             pred = plan.prediction
             out.update(predicted_step_s=pred.step_s, predicted_compute_s=pred.compute_s,
-                       predicted_host_s=getattr(pred, "host_s", None), plan=plan.summary())
+                       predicted_host_s=pred.host_s, plan=plan.summary())
         return out
     finally:
         mem.close()

@@ -39,6 +39,8 @@ from tightfit.tiling.linear import linear_features
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+"""A compute dtype's name as `profile_model` and `--precision` take it."""
 
 
 @dataclass

@@ -248,7 +248,7 @@ def measure_engine_overhead(device: str, steps: int = 40, tier: str = "device",
     from tightfit.models.gpt import GPT, GPTConfig
     from tightfit.offload.step.engine import engine_of
     from tightfit.optim import AdamW
-    from tightfit.planner.model_profile import _DTYPES, profile_model
+    from tightfit.planner.model_profile import DTYPE_NAMES, profile_model
 
     def model(n_layer: int, on: str) -> torch.nn.Module:
         with torch.random.fork_rng(devices=[]):  # the run's generator stays untouched ([Note] in _operand)
@@ -257,8 +257,7 @@ def measure_engine_overhead(device: str, steps: int = 40, tier: str = "device",
                 return GPT(GPTConfig(n_layer=n_layer, n_embd=16, n_head=2, block_size=8, vocab_size=64))
 
     def traced_ops(n_layer: int) -> int:
-        name = next(k for k, v in _DTYPES.items() if v == dtype)
-        prof = profile_model(model(n_layer, "meta"), 1, 8, name, cuda=torch.device(device).type == "cuda")
+        prof = profile_model(model(n_layer, "meta"), 1, 8, DTYPE_NAMES[dtype], cuda=torch.device(device).type == "cuda")
         return sum(u.fwd.n_ops + u.bwd.n_ops for u in prof.units)
 
     def step_s(n_layer: int) -> float:
