@@ -61,7 +61,7 @@ def norm_passes(monkeypatch) -> list[str]:
     """The units whose sums' norms the gradient worker (or the in-place add) took, in order."""
     taken: list[str] = []
     real = gradients.record_norms
-    monkeypatch.setattr(gradients, "record_norms", lambda unit, views: (taken.append(unit.name), real(unit, views)))
+    monkeypatch.setattr(gradients, "record_norms", lambda unit, views: (taken.append(unit.name), real(unit, views))[1])
     return taken
 
 
@@ -114,6 +114,7 @@ def test_bf16_norms_on_demand_match_the_workers(tmp_path, monkeypatch, norm_pass
         model, opt = _wrapped(tier_placements(tmp_path / str(told))["nvme"], torch.bfloat16)
         _run(model, opt, wrapped=True, schedule=[(True, False)])
         engine = tightfit.offload.step.engine.engine_of(model)
+        engine.wait_steps()  # the last step's (queued for the next forward), and the gradients it waited for
         engine.norms.asked = told
         norm_passes.clear()
         for micro in range(ACCUM):

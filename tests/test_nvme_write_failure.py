@@ -91,7 +91,8 @@ def test_closing_after_a_failed_write_leaves_no_swap_file(tmp_path, monkeypatch)
                                                                               "blocks.1", "exp_avg"))
     message = "out of space: blocks.1.safetensors could not take tensor 'exp_avg'"
     try:
-        opt.step()  # the write-back is not awaited: the step reports its failure only if it failed in time
+        opt.step()  # queued for the next forward; here, run now (while the disk still fails)
+        engine.wait_steps()  # the write-back is not awaited: the step reports its failure only if it failed in time
         reported = False
     except UsageError as e:
         assert message in str(e)

@@ -86,6 +86,8 @@ def test_states_rest_on_their_tiers_between_steps(tmp_path):
                                                               "bytes": 8 * block.spec.train_numel}
     assert report["nvme"]["bytes"] > 0 and report["host"]["tier"] > 0
     opt.step()
+    assert block.stepping is not None  # queued: it runs under the next forward, which waits for it
+    engine.wait_steps()
     timings = engine.timings()
     for key in ("forward_s", "backward_s", "optimizer_s", "optimizer_wall_s"):
         assert timings[key] > 0
@@ -110,6 +112,7 @@ def test_device_budget_is_respected_on_cpu():
                              steps=3)
     assert losses == ref
     engine = engine_of(model)
+    engine.wait_grads()  # the last gradients' copies off the device are done: the meter has seen them
     assert engine.device_peak <= budget and engine.device_bytes == 0
     with pytest.raises(UsageError, match="device budget .* too small"):
         tightfit.wrap(tiny_gpt(), Placement.everywhere(Tier.HOST, device_budget=2 * root + 4 * block - 1))

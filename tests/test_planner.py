@@ -752,6 +752,7 @@ def test_the_simulated_clipped_step_waits_for_every_gradient_sum():
 
     c = cfg(offload="host")
     c.train.micro_batch, c.train.seq_len, c.train.grad_accum, c.train.precision = 2, 64, 3, "bf16"
+    c.memory.accumulation = "micro"  # each micro-batch's gradients leave the GPU (unit-major: once, summed there)
     plan = make_plan(meta_gpt(n_layer=4, n_embd=512, n_head=4), c, replace(GPU, host_pass_bw=2e9))
     tl = simulate(plan)
     sums = [e for e in tl.events if e["name"].startswith("sum grads")]

@@ -370,7 +370,8 @@ def test_host_passes_keep_gradients_on_the_gpu(capsys):
     (from the second micro-batch on the host adds each pack into the sum; the first lands as it), so the search
     keeps gradients there, making room by recomputing every block, and the plan is faster than the one that does
     not recompute."""
-    args = ["plan", "--hardware", "h100-pcie", *GPT_1_2B_UNDER_8GIB, "--grad-accum", "4"]
+    args = ["plan", "--hardware", "h100-pcie", *GPT_1_2B_UNDER_8GIB, "--grad-accum", "4",
+            "--accumulation", "micro"]  # each micro-batch's gradients leave the GPU (unit-major: once a step)
     rc, out, err = _run(capsys, *args)
     assert rc == 0, err
     grads_on_device = int(re.search(r"grads: \d+ unit\(s\) on host, (\d+) unit\(s\) on device", out).group(1))

@@ -99,6 +99,10 @@ class MemoryConfig:
     offload: str = _f("auto", "offload: auto (planner decides), none (plain PyTorch), or a tier for every state",
                       ("auto", "none", "device", "host", "nvme"))
     checkpointing: str = _f("auto", "activation checkpointing of units", ("auto", "on", "off"))
+    accumulation: str = _f("auto", "order of a step's micro-batches under offload: unit (each unit runs every "
+                                   "micro-batch before the next: its params cross once a step and its gradients are "
+                                   "summed on the device), micro (each micro-batch's forward and backward before the "
+                                   "next), auto (the planner's choice)", ("auto", "unit", "micro"))
     trace: str | None = _f(None, "write a Chrome trace and memory timeline of one step to this folder")
 
 

@@ -30,6 +30,11 @@ from tightfit.offload.step.engine import OffloadEngine, engine_of_param
 from tightfit.offload.step.optimizer import Multipliers
 
 
+def _hyper(group: dict) -> dict:
+    """A parameter group's hyperparameters as they are now (its parameters left out)."""
+    return {k: v for k, v in group.items() if k != "params"}
+
+
 class AdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay) over a wrapped model's parameters; same defaults as torch.optim.AdamW."""
 
@@ -81,12 +86,15 @@ class AdamW(torch.optim.Optimizer):
         return layout
 
     def _work(self, only=None):
-        """Per unit (in the engine's order, or just `only`), per parameter group, the trainable slots with a
-        gradient."""
+        """Per unit (in the engine's order, or just `only`), per parameter group as it is now (the hyperparameters
+        copied: the step runs later, after the loop may have set the next step's learning rate), the trainable slots
+        with a gradient."""
         layout = self._layout()
         work = []
         for unit in ([only] if only is not None else self.engine.step_order()):
-            groups = [(group, [i for i in idx if unit.has_grad[i]]) for group, idx in layout.get(unit.name, ())]
+            if only is None and unit.stepping is not None:
+                continue  # stepped during backward (or queued to be): its step has its gradients
+            groups = [(_hyper(group), [i for i in idx if unit.has_grad[i]]) for group, idx in layout.get(unit.name, ())]
             groups = [(group, idx) for group, idx in groups if idx]
             if groups:
                 work.append((unit, groups))
@@ -99,7 +107,6 @@ class AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         stepped_early = self.engine.stepped_during_backward
-        self.engine.wait_early_steps()  # units stepped during backward (step_during_backward)
         work = self._work()
         if not work and not stepped_early:
             self._warn_no_grads()

@@ -137,9 +137,10 @@ def params_bytes(u: UnitSize, c: int) -> int:
     return u.numel * c
 
 
-def autograd_grad_bytes(u: UnitSize, c: int) -> int:
-    """The `param.grad`s autograd makes for the unit in one backward (compute dtype), until shipped."""
-    return u.trainable * c
+def autograd_grad_bytes(u: UnitSize, c: int, sums: bool = False) -> int:
+    """The `param.grad`s autograd makes for the unit in one backward (compute dtype), until shipped; `sums`: with
+    the fp32 sums a unit-major pass folds them into where the compute dtype is narrower (step/unit.py)."""
+    return u.trainable * (c + (4 if sums and c < 4 else 0))
 
 
 PINNED_ENTRIES = ("params", "grads")
@@ -350,9 +351,11 @@ def _split(units: list[UnitSize]) -> tuple[list[UnitSize], list[UnitSize]]:
 
 
 def device_parts(units: list[UnitSize], p: Placement, c: int, phase: str = "backward",
-                 depth: int | None = None) -> dict[str, int]:
+                 depth: int | None = None, sums: bool = False) -> dict[str, int]:
     """What the engine counts on the device in `phase` ([Note: phases]): "states", "window" (materialised units'
-    params) and "grads in flight" (autograd's, not yet shipped). `depth`: prefetch depth (the placement's if None)."""
+    params) and "grads in flight" (autograd's, not yet shipped). `depth`: prefetch depth (the placement's if None).
+    `sums`: a unit-major pass, whose units in backward also hold their gradients' fp32 sums ([Note: gradient sums
+    on the device] in step/unit.py)."""
     depth = p.prefetch_depth if depth is None else depth
     roots, blocks = _split(units)
     streamed = [u for u in blocks if p.of(u.name).params != Tier.DEVICE]
@@ -363,8 +366,8 @@ def device_parts(units: list[UnitSize], p: Placement, c: int, phase: str = "back
              "window": (root + min(slots, len(streamed)) * block) if phase != "step" else 0,
              "grads in flight": 0}
     if phase.startswith("backward"):
-        with_grads = [autograd_grad_bytes(u, c) for u in blocks if u.trainable]
-        parts["grads in flight"] = (sum(autograd_grad_bytes(u, c) for u in roots)
+        with_grads = [autograd_grad_bytes(u, c, sums) for u in blocks if u.trainable]
+        parts["grads in flight"] = (sum(autograd_grad_bytes(u, c, sums) for u in roots)
                                     + min(2, len(with_grads)) * max(with_grads, default=0))
     return parts
 
@@ -424,21 +427,23 @@ def _chunk_bytes(numels: list[int]) -> int:
 
 
 def step_memory(units: list[UnitSize], p: Placement, c: int, cuda: bool, act: Activations | None = None,
-                pool: int | None = None, separate: bool | None = None, workspace: int = 0) -> StepMemory:
+                pool: int | None = None, separate: bool | None = None, workspace: int = 0,
+                sums: bool = False) -> StepMemory:
     """Bytes of every phase of one step of `units` under `p` ([Note: phases]). `pool`: the pool's capacity
     (default: `pool_bytes` with no room limit); it is allocated from the first step on, so it counts in every
-    phase. `act`: activations, counted on the device in forward (saved) and backward (peak)."""
+    phase. `act`: activations, counted on the device in forward (saved) and backward (peak). `sums`: a unit-major
+    pass (`device_parts`)."""
     act = act or Activations()
     states = tier_states(units, p, c, cuda if separate is None else separate)
     pool = pool_bytes(units, p, c, cuda) if pool is None else pool
     out: dict[str, dict[str, dict[str, int]]] = {}
-    root_grads = sum(autograd_grad_bytes(u, c) for u in units if u.is_root)
+    root_grads = sum(autograd_grad_bytes(u, c, sums) for u in units if u.is_root)
     early = root_grads if act.root_grads_early is None else min(root_grads, act.root_grads_early)
     late = act.peak if act.at_root_end is None else min(act.peak, act.at_root_end)
     convert = conversion_bytes(units, p, c) if cuda else 0
     upload = upload_conversion_bytes(units, p, c) if cuda else 0
     for phase in PHASES:
-        dev = device_parts(units, p, c, phase)
+        dev = device_parts(units, p, c, phase, sums=sums)
         if phase == "backward":  # the root's last gradient is not there yet
             dev["grads in flight"] -= root_grads - early
         dev["activations"] = {"forward": act.saved, "backward": act.peak, "backward end": late, "step": 0}[phase]

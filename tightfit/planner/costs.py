@@ -90,6 +90,21 @@ class TrainShape:
     """The run saves checkpoints (`--keep-checkpoints` > 0): a save's host bytes count in its RSS."""
     engine: bool = True
     """The offload engine runs the step (False: `--offload none`, plain PyTorch): its host time counts."""
+    unit_major: bool = False
+    """The micro-batches run unit by unit (offload/step/unit_major.py): each unit's params are fetched and its
+    gradients leave the device once a step, summed there in fp32 with their norms; every micro-batch's activations
+    are kept until its backward."""
+
+    @property
+    def passes(self) -> int:
+        """How often per step a unit's params cross to the device and its gradients leave it: once a micro-batch, or
+        once in unit-major order."""
+        return 1 if self.unit_major else self.grad_accum
+
+    @property
+    def resident_micro_batches(self) -> int:
+        """Micro-batches whose activations the device holds at once: one, or every one in unit-major order."""
+        return self.grad_accum if self.unit_major else 1
 
 
 HEAP_FREE_AT_PEAK = 0.5
@@ -187,16 +202,19 @@ def fetch_bytes(u: UnitProfile, placement: Placement, shape: TrainShape) -> int:
     return u.numel * (4 if casts_on_device(u, placement, shape) else shape.compute_bytes)
 
 
-def act_bytes(profile: ModelProfile, checkpointed: set[str]) -> int:
-    """Peak activation bytes when the units in `checkpointed` recompute their forward in backward."""
-    return activations(profile, checkpointed).peak
+def act_bytes(profile: ModelProfile, checkpointed: set[str], micro_batches: int = 1) -> int:
+    """Peak activation bytes when the units in `checkpointed` recompute their forward in backward and the device
+    holds `micro_batches` micro-batches' (`TrainShape.resident_micro_batches`)."""
+    return activations(profile, checkpointed, micro_batches).peak
 
 
-def activations(profile: ModelProfile, checkpointed: set[str]) -> mm.Activations:
-    """Activations of one micro-batch from the trace: saved until backward (a checkpointed unit keeps its input),
-    and the backward peak (+ the largest checkpointed unit's recomputation + the transient beyond what is saved)."""
+def activations(profile: ModelProfile, checkpointed: set[str], micro_batches: int = 1) -> mm.Activations:
+    """Activations from the trace of one micro-batch: saved until backward (a checkpointed unit keeps its input),
+    and the backward peak (+ the largest checkpointed unit's recomputation + the transient beyond what is saved).
+    `micro_batches` > 1 (unit-major order): every micro-batch's are saved at once; the recomputation and the
+    transient are one micro-batch's, which backward runs one at a time."""
     ck = [u for u in profile.units if u.name in checkpointed and u.checkpointable]
-    saved = sum(u.act_saved for u in profile.units if u not in ck) + sum(u.act_input for u in ck)
+    saved = micro_batches * (sum(u.act_saved for u in profile.units if u not in ck) + sum(u.act_input for u in ck))
     recompute = max((u.act_recompute or u.act_saved for u in ck), default=0)
     return mm.Activations(saved=saved, peak=saved + recompute + profile.act_transient,
                           root_grads_early=profile.root_grads_early, at_root_end=profile.act_at_root_end)
@@ -214,7 +232,7 @@ def unit_pass_bytes(u: UnitProfile, placement: Placement, shape: TrainShape) -> 
     a, c = shape.grad_accum, shape.compute_bytes
     up, n = placement.of(u.name), u.trainable
     backward = step = 0.0
-    if n and up.grads != Tier.DEVICE:
+    if n and up.grads != Tier.DEVICE and not shape.unit_major:  # unit-major: summed, and normed, on the device
         backward = sum(micro_pass_bytes(u, placement, shape, m) for m in range(a))
     if n and not _optimizer_on_device(placement, u.name):
         step = n * 8 if shape.grad_clip else 0  # the clip coefficient's multiply
@@ -226,7 +244,7 @@ def unit_pass_bytes(u: UnitProfile, placement: Placement, shape: TrainShape) -> 
 def micro_pass_bytes(u: UnitProfile, placement: Placement, shape: TrainShape, micro: int) -> int:
     """Bytes the gradient worker moves over unit `u`'s gradients of micro-batch `micro` on a GPU machine: its add
     into the sum, and in a step that clips, the sum's norm after the last micro-batch."""
-    if not u.trainable or placement.of(u.name).grads == Tier.DEVICE:
+    if not u.trainable or placement.of(u.name).grads == Tier.DEVICE or shape.unit_major:
         return 0
     norm = 4 if shape.grad_clip and micro == shape.grad_accum - 1 else 0
     return u.trainable * (_sum_bytes(shape.compute_bytes, micro, placement) + norm)
@@ -237,6 +255,8 @@ def grads_off_bytes(u: UnitProfile, placement: Placement, shape: TrainShape, mic
     step's first where they land as the sum ([Note: gradients land converted]), else the compute dtype's."""
     if not u.trainable or placement.of(u.name).grads == Tier.DEVICE:
         return 0
+    if shape.unit_major:  # the step's fp32 sums, once ([Note: gradient sums on the device] in offload/step/unit.py)
+        return u.trainable * 4 if micro == 0 else 0
     fp32 = micro == 0 and mm.first_lands_as_sum(shape.compute_bytes, placement.land_grads_fp32)
     return u.trainable * (4 if fp32 else shape.compute_bytes)
 
@@ -278,16 +298,19 @@ def step_memory(profile: ModelProfile, placement: Placement, hw: HardwareProfile
     host room the budgets leave: the host budget less the host tier (and, when the RAM is shared, less the device
     at its peak), never below one working set."""
     units, c = unit_sizes(profile), shape.compute_bytes
-    act = activations(profile, set(placement.checkpoint_units))
+    act = activations(profile, set(placement.checkpoint_units), shape.resident_micro_batches)
     separate = separate_memory("cuda" if hw.cuda else "cpu")
     room = None
     if placement.host_budget is not None:
         room = placement.host_budget - mm.tier_states(units, placement, c, separate)[Tier.HOST]
         if shares_ram(placement, hw):
             room -= mm.step_memory(units, placement, c, hw.cuda, act, pool=0, separate=separate).peak("device")
-    pool = mm.pool_bytes(units, placement, c, separate, room, accum=shape.grad_accum)
+    pool = mm.pool_bytes(units, placement, c, separate, room, accum=shape.passes)
+    # The math libraries' workspace is per thread (cuBLAS: a handle per thread, a workspace per handle and stream,
+    # kept): a unit-major pass's micro-batch threads hold one each besides the caller's.
+    threads = 1 + (shape.grad_accum if shape.unit_major else 0)
     return mm.step_memory(units, placement, c, hw.cuda, act, pool, separate=separate,
-                          workspace=hw.device_workspace if hw.cuda else 0)
+                          workspace=threads * hw.device_workspace if hw.cuda else 0, sums=shape.unit_major)
 
 
 def memory(profile: ModelProfile, placement: Placement, hw: HardwareProfile, shape: TrainShape,
@@ -371,7 +394,7 @@ def traffic(profile: ModelProfile, placement: Placement, shape: TrainShape) -> d
     """Bytes moved per optimizer step on each link (see docs/PLANNER.md, "Traffic")."""
     t = {"h2d": 0.0, "d2h": 0.0, "nvme_read": 0.0, "nvme_write": 0.0, "h2d_opt": 0.0, "nvme_read_opt": 0.0,
          "nvme_write_opt": 0.0}
-    a = shape.grad_accum
+    a = shape.passes  # unit-major: each unit's params and gradients cross once a step
     # Fetched last in forward and kept for backward: their staging buffer is their step's fp32 master ([Note: master
     # from the fetch] in offload/step/unit.py). (With a step declared before backward, as `tightfit train` does, every
     # unit's backward fetch is; counted only for these, the reads are an upper bound.)
@@ -429,7 +452,7 @@ def last_gradient_pass(u: UnitProfile, placement: Placement, hw: HardwareProfile
     """Seconds of the gradient worker's pass over one unit's gradients of the last micro-batch, in a step that steps
     under backward (no clip: no norm pass): where micro-batches came before, the pack read and the sum read and written
     ([Note: host passes], [Note: one memory under backward])."""
-    if not u.trainable or placement.of(u.name).grads == Tier.DEVICE:
+    if not u.trainable or placement.of(u.name).grads == Tier.DEVICE or shape.unit_major:
         return 0.0
     return u.trainable * _sum_bytes(shape.compute_bytes, shape.grad_accum - 1, placement) / host_pass_rate(hw)
 
@@ -449,7 +472,7 @@ def backward_arrivals(profile: ModelProfile, placement: Placement, hw: HardwareP
            for u in profile.units}
     total_bwd = sum(bwd.values())
     total = sum(fwd.values()) + total_bwd
-    a = shape.grad_accum
+    a = shape.passes  # the last backward: the last micro-batch's, or a unit-major pass's (all of them)
     compute = compute_time(profile, placement, hw, shape)[0] / a
     share = total_bwd / total if total else 0.0
     kept = kept_for_backward(profile, placement)
@@ -528,17 +551,33 @@ def disk_time(read: float, write: float, hw: HardwareProfile) -> float:
     return t
 
 
+UNIT_MAJOR_SWITCH_S = 60e-6
+"""Host seconds a unit-major pass spends handing the turn from one micro-batch's thread to the next, per unit and
+micro-batch (offload/step/unit_major.py; a condition variable's round trip and the GIL, 40-80 us on the 2-core VM)."""
+
+
 def compute_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile,
                  shape: TrainShape) -> tuple[float, float, float]:
     """(compute, its kernels, the host's issuing) of every micro-batch's forward and backward, recomputation
     included, in seconds. [Note: the host floor]: a GPU runs what the host issued before while the host issues more;
-    a CPU does both on its cores."""
+    a CPU does both on its cores.
+
+    [Note: a unit-major forward on the CPU] A unit-major pass runs each micro-batch's forward on a thread of its own
+    (offload/step/unit_major.py). Each thread that runs a parallel region gets an OpenMP pool of its own, and once
+    the pools hold more threads than the machine has cores libgomp stops spinning at every barrier: on the 2-core VM
+    the micro-batch threads' forward ran at one core's speed with one intra-op thread or two (benchmarks/RESULTS.md,
+    batch AG). So on a CPU the forward's kernels of a unit-major pass are counted at one core (`hw.threads` times
+    the measured rates'); backward and recomputation run on the caller's thread, once those threads have ended. A
+    GPU's forward threads only launch kernels."""
     a = shape.grad_accum
     kernels, host = 0.0, engine_host_time(profile, placement, hw, shape)
+    slow = hw.threads if shape.unit_major and not hw.cuda else 1
     for u in profile.units:
-        forwards = 2 if u.name in placement.checkpoint_units else 1  # recomputation runs the forward again
-        kernels += a * (forwards * kernel_time(u.fwd, hw) + kernel_time(u.bwd, hw))
-        host += a * (forwards * u.fwd.n_ops + u.bwd.n_ops) * hw.op_overhead_s
+        recompute = u.name in placement.checkpoint_units  # recomputation runs the forward again, in backward
+        kernels += a * ((slow + recompute) * kernel_time(u.fwd, hw) + kernel_time(u.bwd, hw))
+        host += a * ((1 + recompute) * u.fwd.n_ops + u.bwd.n_ops) * hw.op_overhead_s
+    if shape.unit_major:
+        host += a * len(profile.units) * UNIT_MAJOR_SWITCH_S
     return (max(kernels, host) if hw.cuda else kernels + host), kernels, host
 
 

@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tightfit.offload.placement import ROOT_UNIT
 from tightfit.offload.step.units import find_units
 from tightfit.planner.autocast_trace import MetaAutocast
+from tightfit.planner.chain import ChainCheck
 from tightfit.planner.work import Work, count_op, matmul_key
 from tightfit.tiling.linear import linear_features
 
@@ -112,6 +113,9 @@ class ModelProfile:
     ([Note: the save] in memory_model.py). 0 when unknown (a plan file written before it was kept)."""
     autocast: bool = False
     """Traced with autocast's casts (autocast_trace.py): the loop runs its forward under `torch.autocast`."""
+    chain: str | None = None
+    """"" when the units form a chain (unit-major accumulation can run them: planner/chain.py), else why not; None
+    when unknown (a formula profile, a plan file written before it was traced)."""
 
     @property
     def act_transient(self) -> int:
@@ -376,21 +380,25 @@ def profile_model(model: nn.Module, micro_batch: int, seq_len: int, compute_dtyp
     units = {n: UnitProfile(n, numel[n], trainable[n], (linears.get(n) or [None])[0], 0, 0,
                             checkpointable=n != ROOT_UNIT, linears=linears.get(n, [])) for n in order}
     autocast = compute_dtype != "fp32" and autocast is not False  # an fp32 step has no casts to make
+    chain = ChainCheck()
     try:
         act_peak, root_grads, act_end = _trace(model, unit_mods, units, micro_batch, seq_len, _DTYPES[compute_dtype],
-                                               cuda, _DTYPES[compute_dtype] if autocast else None)
-        measured, note = True, ""
+                                               cuda, _DTYPES[compute_dtype] if autocast else None, chain)
+        measured, note, chain_says = True, "", chain.problem
     except Exception as e:  # a model the generic step cannot drive: fall back to a formula, and say so
         act_peak, root_grads, act_end = _formula(units, micro_batch, seq_len, DTYPE_BYTES[compute_dtype]), None, None
         measured, note = False, f"meta trace failed ({type(e).__name__}: {e}); activations and work estimated"
+        chain_says = None
     return ModelProfile(list(units.values()), compute_dtype, micro_batch, seq_len, act_peak, measured, note,
-                        root_grads, act_end, max((p.numel() for p in model.parameters()), default=0), autocast)
+                        root_grads, act_end, max((p.numel() for p in model.parameters()), default=0), autocast,
+                        chain_says)
 
 
 def _trace(model, unit_mods, units, micro_batch, seq_len, dtype, cuda,
-           autocast: torch.dtype | None = None) -> tuple[int, int, int]:
+           autocast: torch.dtype | None = None, chain: ChainCheck | None = None) -> tuple[int, int, int]:
     """Trace one micro-step, its forward under autocast to `autocast` where given (autocast_trace.py); returns
-    `_Tracer.peaks()` and fills each unit's saved bytes and work."""
+    `_Tracer.peaks()` and fills each unit's saved bytes and work. `chain`: records what enters each unit and, after
+    forward, whether the units form a chain (its `problem`: "" if they do)."""
     tracer = _Tracer()
     params = {n: torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype, device="meta")
               .requires_grad_(p.requires_grad) for n, p in model.named_parameters()}
@@ -421,12 +429,14 @@ def _trace(model, unit_mods, units, micro_batch, seq_len, dtype, cuda,
 
     handles = []
     for name, mod in unit_mods.items():
-        def pre(m, args, name=name):
+        def pre(m, args, kwargs, name=name):
             tracer.unit = name
             x = next((a for a in args if isinstance(a, torch.Tensor)), None)
             units[name].act_input = x.numel() * x.element_size() if x is not None else 0
+            if chain is not None:
+                chain.enter(name, args, kwargs)
 
-        handles.append(mod.register_forward_pre_hook(pre))
+        handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(mod.register_forward_hook(lambda m, a, o: setattr(tracer, "unit", ROOT_UNIT)))
     ids = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
     run = _loss_fn(model, _vocab(model))
@@ -435,6 +445,8 @@ def _trace(model, unit_mods, units, micro_batch, seq_len, dtype, cuda,
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             with MetaAutocast(autocast, "cuda" if cuda else "cpu") if autocast else contextlib.nullcontext():
                 loss = run(lambda a, k=None: functional_call(model, {**params, **buffers}, a, k), ids)
+            if chain is not None:
+                chain.problem = chain.verdict(loss)
             tracer.unit, tracer.phase = ROOT_UNIT, "bwd"
             loss.backward()
             del loss

@@ -188,8 +188,15 @@ class Plan:
                           "host)")
         if extras:
             lines.append("  " + "; ".join(extras))
-        lines += [f"  {r}" for r in self.reasons if r.startswith(("warning:", "what more memory buys"))]
+        lines += [f"  {r}" for r in self.reasons if r.startswith(("accumulation:", "warning:",
+                                                                  "what more memory buys"))]
         return "\n".join(lines)
+
+    @property
+    def accumulation(self) -> str:
+        """"unit" when the plan runs a step's micro-batches unit by unit (offload/step/unit_major.py), else
+        "micro"."""
+        return "unit" if self.shape.unit_major else "micro"
 
     def _cell(self, u, s: State) -> str:
         """One state's bytes and tier in the unit table; a compute copy the GPU casts from the master it uploads
@@ -203,8 +210,8 @@ class Plan:
         p, pr = self.placement, self.prediction
         compute = self.profile.compute_dtype + (" under autocast" if self.profile.autocast else "")
         lines = [f"tightfit plan: {self.hardware.device_name}, compute {compute}, micro-batch "
-                 f"{self.profile.micro_batch} x {self.profile.seq_len} tokens, grad-accum {self.shape.grad_accum}, "
-                 f"--offload {self.mode}", ""]
+                 f"{self.profile.micro_batch} x {self.profile.seq_len} tokens, grad-accum {self.shape.grad_accum}"
+                 f"{' (unit-major)' if self.shape.unit_major else ''}, --offload {self.mode}", ""]
         head = f"{'unit':<28}{'params':>10}  " + "".join(f"{s.value:>18}" for s in State)
         lines += [head, "-" * len(head)]
         for u in self.profile.units:

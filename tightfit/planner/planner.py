@@ -54,8 +54,14 @@ def make_plan(model: nn.Module, cfg, hardware: HardwareProfile | None = None, na
                        grad_clip=cfg.optim.grad_clip > 0, checkpoints=cfg.train.keep_checkpoints > 0,
                        engine=cfg.memory.offload != "none")
     mode = cfg.memory.offload
+    accumulation = _accumulation(cfg, profile, names)
 
     def place(hw: HardwareProfile) -> Plan:
+        if accumulation is None:
+            return place_shape(hw, shape)
+        return choose_accumulation(lambda s: place_shape(hw, s), shape, accumulation == "unit", names)
+
+    def place_shape(hw: HardwareProfile, shape: TrainShape) -> Plan:
         if mode == "auto":
             res = search(profile, hw, budgets, shape, cfg.memory.checkpointing, names)
         elif mode == "none":
@@ -93,6 +99,69 @@ def make_plan(model: nn.Module, cfg, hardware: HardwareProfile | None = None, na
 
         write_trace(plan, cfg.memory.trace)
     return plan
+
+
+def _accumulation(cfg, profile, names: Naming) -> str | None:
+    """The accumulation orders to plan: "unit" (asked for), "auto" (plan both, keep the faster), or None (micro-batch
+    major only: plain PyTorch, one micro-batch and nothing asked, or units that do not form a chain)."""
+    asked, accum = cfg.memory.accumulation, cfg.train.grad_accum
+    flag = names.set("accumulation", "unit")
+    if asked == "micro" or (asked == "auto" and accum == 1):
+        return None
+    if cfg.memory.offload == "none":
+        if asked == "unit":
+            raise UsageError(f"{flag}: needs the offload engine; drop {names.set('offload', 'none')}")
+        return None
+    if profile.chain:  # "" is a chain; None: not traced
+        if asked == "unit":
+            raise UsageError(f"{flag}: this model's units do not form a chain ({profile.chain}); use "
+                             f"{names.set('accumulation', 'micro')}")
+        return None
+    if profile.chain is None:
+        if asked == "unit":
+            raise UsageError(f"{flag}: the planner could not trace this model, so cannot tell whether its units "
+                             f"form a chain; use {names.set('accumulation', 'micro')}")
+        return None
+    return asked
+
+
+def choose_accumulation(place, shape: TrainShape, forced: bool, names: Naming) -> Plan:
+    """Plan unit-major order (offload/step/unit_major.py) and, unless it was asked for, micro-batch-major order too;
+    keep unit-major unless micro-batch-major is faster or it alone fits, and say why in the plan's reasons."""
+    from dataclasses import replace
+
+    m = shape.grad_accum
+    try:
+        unit = place(replace(shape, unit_major=True))
+        if unit.placement.tiled_linears:  # tiles share their input: not a chain (unit_major.py)
+            if forced:
+                raise UsageError(f"{names.set('accumulation', 'unit')}: the plan tiles layers, whose tiles share "
+                                 f"their input; use {names.set('accumulation', 'micro')}")
+            unit = None
+    except UsageError:
+        if forced:
+            raise
+        unit = None
+    if forced:
+        unit.reasons.insert(0, f"accumulation: unit-major ({names.set('accumulation', 'unit')}): each unit runs the "
+                               f"{m} micro-batches back to back")
+        return unit
+    micro = place(shape)
+    if unit is None:
+        micro.reasons.insert(0, "accumulation: micro-batch-major (unit-major order's activations of "
+                                f"{m} micro-batches at once do not fit, or it would tile layers)")
+        return micro
+    u, b = unit.prediction.step_s, micro.prediction.step_s
+    if b < u * 0.98:
+        why = ("its forwards run on threads of their own, at one core's speed on a CPU" if not micro.hardware.cuda
+               else f"its {m} micro-batches' activations at once cost recomputation or streaming")
+        micro.reasons.insert(0, f"accumulation: micro-batch-major ({b * 1e3:.0f} ms per step, against "
+                                f"{u * 1e3:.0f} ms unit-major: {why})")
+        return micro
+    unit.reasons.insert(0, f"accumulation: unit-major, each unit runs the {m} micro-batches back to back: its "
+                           f"params cross once a step and its gradients leave once, summed on the device "
+                           f"({u * 1e3:.0f} ms per step, against {b * 1e3:.0f} ms micro-batch-major)")
+    return unit
 
 
 def _computes_on_cuda(device: str, hw: HardwareProfile, given: bool, what_if: bool, names: Naming) -> bool:

@@ -97,7 +97,7 @@ def _set(placement: Placement, unit: str, states: tuple[State, ...], tier: Tier)
 
 def _items(profile: ModelProfile, shape: TrainShape, ck: set[str]) -> list[tuple[str, str]]:
     """(unit, group) in priority order: most touched per step first, then execution order."""
-    a = shape.grad_accum
+    a = shape.passes  # unit-major: a unit's params and gradients cross once a step
     scored = []
     for i, u in enumerate(profile.units):
         scored.append(((3 if u.name in ck else 2) * a, 0, i, u.name, "params"))
@@ -379,15 +379,17 @@ def _search(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: Train
 
     dev_room = b.device if b.device is not None else b.host
     stream_min = _min_streaming(profile, shape)
+    m = shape.resident_micro_batches
     if checkpointing == "auto":
         for u in ckable:
-            if act_bytes(profile, ck) + stream_min <= dev_room:
+            if act_bytes(profile, ck, m) + stream_min <= dev_room:
                 break
             ck.add(u.name)
         if ck:
-            reasons.append(f"activation checkpointing of {len(ck)} unit(s): activations of all units "
-                           f"({format_size(act_bytes(profile, set()))}) do not fit beside the streaming window")
-    profile, tiled = _tile(profile, shape, dev_room - act_bytes(profile, ck), reasons)
+            held = f"{m} micro-batches' " if m > 1 else ""
+            reasons.append(f"activation checkpointing of {len(ck)} unit(s): {held}activations of all units "
+                           f"({format_size(act_bytes(profile, set(), m))}) do not fit beside the streaming window")
+    profile, tiled = _tile(profile, shape, dev_room - act_bytes(profile, ck, m), reasons)
 
     p = Placement.everywhere(Tier.HOST, checkpoint_units=sorted(ck), tiled_linears=tiled)
     p = _finish(p, profile, hw, b, shape, copies)
@@ -423,7 +425,8 @@ def _min_streaming(profile: ModelProfile, shape: TrainShape) -> int:
     root_g = sum(u.trainable for u in profile.units if u.name == ROOT_UNIT)
     block = max((u.numel for u in profile.units if u.name != ROOT_UNIT), default=0)
     block_g = max((u.trainable for u in profile.units if u.name != ROOT_UNIT), default=0)
-    return (root + root_g + 3 * block + 2 * block_g) * c
+    g = c + (4 if shape.unit_major and c < 4 else 0)  # with a pass's fp32 sums (memory_model.autograd_grad_bytes)
+    return (root + 3 * block) * c + (root_g + 2 * block_g) * g
 
 
 def _promote(p, items, groups, profile, hw, b, shape) -> Placement:

@@ -31,7 +31,7 @@ from tightfit.train.data import TokenDataset, data_generator, load_tokens
 from tightfit.train.memory import MemorySetup, check_buildable, setup_memory
 from tightfit.train.preflight import check_outputs
 from tightfit.train.signals import GracefulStop
-from tightfit.train.progress import Progress, format_duration
+from tightfit.train.progress import EngineWindow, Progress, format_duration
 from tightfit.train.retention import Retention
 from tightfit.train.tensorboard import open_sink
 from tightfit.utils.sizes import format_size
@@ -348,22 +348,29 @@ def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> 
         # the device) is what its prediction is compared with; evaluation, saves and a first step's warm-up are not
         # steps. The run's own rate, everything included, is the summary's tokens/s.
         step_times: deque[float] = deque(maxlen=STEPS_TIMED)
+        counted = EngineWindow(mem.engine_counters)  # the engine's bytes and seconds per step, for each report
         while step < t.steps:
             t_step = time.perf_counter()
+            counted.begin()
             lr = lr_at(step, cfg)
             for group in opt.param_groups:
                 group["lr"] = lr
-            loss_sum = torch.zeros((), device=device)  # summed on the device: one host sync a step, not per micro-batch
-            for micro in range(t.grad_accum):
-                x, y = dataset.sample(t.micro_batch, gen)
+            batches = [dataset.sample(t.micro_batch, gen) for _ in range(t.grad_accum)]
+
+            def forward(x, y):
                 with autocast():
-                    loss = model_loss(model, x.to(device), y.to(device)) / t.grad_accum
-                mem.backward(loss, last=micro == t.grad_accum - 1)
-                loss_sum += loss.detach()
+                    return model_loss(model, x.to(device), y.to(device)) / t.grad_accum
+
+            # In the plan's order (micro-batch or unit major: MemorySetup.accumulate); summed on the device: one host
+            # sync a step, not one per micro-batch.
+            loss_sum = torch.zeros((), device=device)
+            for loss in mem.accumulate([lambda x=x, y=y: forward(x, y) for x, y in batches]):
+                loss_sum += loss
             grad_norm = mem.clip_and_step(o.grad_clip)
             step += 1
             loss_val = loss_sum.item()
             step_times.append(time.perf_counter() - t_step)
+            counted.end(step_times[-1])
             # An fp16 scaler skips a step whose gradients overflowed (its norm is inf then): not a divergence.
             checked_norm = grad_norm if scaler is None else None
             bad = (f"the loss became {loss_val}" if not math.isfinite(loss_val) else
@@ -384,7 +391,7 @@ def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> 
             if profiler is not None:
                 profiler.step()
             if step % t.log_interval == 0 or step == t.steps:
-                progress.step(step, loss_val, lr, grad_norm)
+                progress.step(step, loss_val, lr, grad_norm, engine=counted.report())
             if step % t.eval_interval == 0 or step == t.steps:
                 val_loss = evaluate(model, val_batches, model_loss, device, autocast)
                 progress.eval(step, val_loss)

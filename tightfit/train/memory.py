@@ -58,12 +58,14 @@ class MemorySetup(Protocol):
     optimizer: torch.optim.Optimizer
 
     def describe(self) -> str: ...
+    def accumulate(self, forwards: list[Callable[[], torch.Tensor]]) -> list[torch.Tensor]: ...
     def backward(self, loss: torch.Tensor, last: bool = False) -> None: ...
     def clip_and_step(self, max_norm: float) -> float | None: ...
     def named_shapes(self) -> list[tuple[str, tuple[int, ...]]]: ...
     def export_state(self) -> Iterator[tuple[str, torch.Tensor]]: ...
     def import_state(self, get: Callable[[str], torch.Tensor]) -> None: ...
     def memory_in_use(self) -> dict[str, int]: ...
+    def engine_counters(self) -> dict[str, float] | None: ...
     def close(self) -> None: ...
     def peak_memory(self) -> dict[str, int]: ...
     def compare_with_plan(self, step_seconds: float) -> str | None: ...
@@ -151,6 +153,17 @@ class _Stepping:
     def close(self) -> None:
         """Let go of what the setup holds beyond the model itself (nothing, for plain PyTorch)."""
 
+    def accumulate(self, forwards: list[Callable[[], torch.Tensor]]) -> list[torch.Tensor]:
+        """One step's micro-batches, forward and backward (`forwards[m]()` returns micro-batch m's loss, already
+        divided by their number); returns the losses. Micro-batch-major here: each one's forward and backward before
+        the next."""
+        losses = []
+        for m, forward in enumerate(forwards):
+            loss = forward()
+            self.backward(loss, last=m == len(forwards) - 1)
+            losses.append(loss.detach())
+        return losses
+
     def backward(self, loss: torch.Tensor, last: bool = False) -> None:
         """Backward of one micro-batch; `last`: the last before the optimizer step."""
         (self.scaler.scale(loss) if self.scaler else loss).backward()
@@ -220,6 +233,9 @@ class PlainMemory(_Stepping):
     def plan_record(self, step_seconds: float, run_seconds_per_step: float | None = None) -> dict | None:
         return None
 
+    def engine_counters(self) -> dict[str, float] | None:
+        return None  # no engine: nothing moves between tiers
+
 
 class OffloadMemory(_Stepping):
     """The offload engine holding the states where the plan put them (tightfit.wrap + tightfit.optim.AdamW)."""
@@ -241,6 +257,13 @@ class OffloadMemory(_Stepping):
                                               betas=(o.beta1, o.beta2))
         self.scaler = LossScaler() if dtype == torch.float16 else None
         self._step_early = o.grad_clip <= 0 and self.scaler is None
+        # Unit-major order where the plan chose it (offload/step/unit_major.py): each unit runs every micro-batch
+        # before the next; its hooks stay until the engine closes.
+        self._unit_major = None
+        if plan.shape.unit_major:
+            from tightfit.offload.step.unit_major import UnitMajor
+
+            self._unit_major = UnitMajor(self.model)
         self._peak_rss = _rss()
         self._closed_report: dict | None = None  # the engine's meters as they stood when it was closed
 
@@ -261,18 +284,34 @@ class OffloadMemory(_Stepping):
     def _report(self) -> dict:
         return self._closed_report if self._closed_report is not None else self.engine.memory_report()
 
+    def accumulate(self, forwards: list[Callable[[], torch.Tensor]]) -> list[torch.Tensor]:
+        if self._unit_major is None:
+            return super().accumulate(forwards)
+        losses = self._unit_major.run(forwards, backward=self.scaler.scale if self.scaler else (lambda loss: loss),
+                                      before_backward=self._declare)
+        return [loss.detach() for loss in losses]
+
     def backward(self, loss: torch.Tensor, last: bool = False) -> None:
-        # Without clipping or loss scaling nothing needs every gradient before a unit steps: each unit's optimizer
-        # step then runs during the last backward, as its gradients land (docs/ENGINE.md, "Clipping and overlap").
-        # With clipping the step waits for backward, but each unit's optimizer state still loads during it.
-        if last and self._step_early:
-            self.optimizer.step_during_backward()
-        elif last:
-            self.optimizer.preload_during_backward()
+        if last:
+            self._declare()
         super().backward(loss, last)
+
+    def _declare(self) -> None:
+        """Before the step's last backward. Without clipping or loss scaling nothing needs every gradient before a
+        unit steps: each unit's optimizer step then runs during it, as its gradients land (docs/ENGINE.md, "Clipping
+        and overlap"). With clipping the step waits for backward, but each unit's optimizer state still loads
+        during it."""
+        if self._step_early:
+            self.optimizer.step_during_backward()
+        else:
+            self.optimizer.preload_during_backward()
 
     def named_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         return list(self._shapes)
+
+    def engine_counters(self) -> dict[str, float] | None:
+        """The engine's counters since it was built (`OffloadEngine.counters`); the loop takes differences."""
+        return self.engine.counters()
 
     def memory_in_use(self) -> dict[str, int]:
         r = self._report()

@@ -84,8 +84,10 @@ class Progress:
         done = step - self.start_step
         return (now - self.t0) / done * (self.total - step) if done else 0.0
 
-    def step(self, step: int, loss: float, lr: float, grad_norm: float | None) -> None:
-        """Report after optimizer step `step` (1-based count of steps done)."""
+    def step(self, step: int, loss: float, lr: float, grad_norm: float | None,
+             engine: dict[str, float] | None = None) -> None:
+        """Report after optimizer step `step` (1-based count of steps done). `engine`: the offload engine's counters
+        per step over the steps since the last report, with "step_s" their mean time (`EngineWindow`)."""
         now = time.perf_counter()
         dt = max(now - self._last_t, 1e-9)
         tok_s = (step - self._last_step) * self.tokens_per_step / dt
@@ -95,9 +97,12 @@ class Progress:
         self._last_t, self._last_step = now, step
         width = len(str(self.total))
         self.say(f"step {step:>{width}}/{self.total} | loss {loss:.4f} | lr {lr:.2e} | {tok_s:,.0f} tok/s | "
-                 f"mem {_mem_text(mem)} | ETA {format_duration(eta)}")
-        self.log({"kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                  "tokens_per_s": tok_s, "memory": mem, "elapsed_s": elapsed})
+                 f"mem {_mem_text(mem)}{_rates_text(engine)} | ETA {format_duration(eta)}")
+        record = {"kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                  "tokens_per_s": tok_s, "memory": mem, "elapsed_s": elapsed}
+        if engine is not None:
+            record["engine"] = engine
+        self.log(record)
 
     def tick(self, step: int, loss: float) -> None:
         """After every optimizer step: redraw the status line on a terminal (throttled); nothing otherwise."""
@@ -139,3 +144,48 @@ class Progress:
 
 def _mem_text(mem: dict[str, int]) -> str:
     return " ".join(f"{tier} {format_size(b)}" for tier, b in mem.items())
+
+
+def _rates_text(engine: dict[str, float] | None) -> str:
+    """" | link 1.2 GB/s disk 0.4 GB/s": the engine's bytes between host and device, and to and from its swap files,
+    per second of the steps they were counted over."""
+    if not engine or not engine.get("step_s"):
+        return ""
+    link = (engine["h2d_bytes"] + engine["d2h_bytes"]) / engine["step_s"] / 1e9
+    disk = (engine["nvme_read_bytes"] + engine["nvme_write_bytes"]) / engine["step_s"] / 1e9
+    return f" | link {link:.2f} GB/s disk {disk:.2f} GB/s"
+
+
+class EngineWindow:
+    """The offload engine's counters over the training steps since the last report: each step's difference
+    (`counters()` before and after it, so evaluation and checkpoints between steps are not in it), reported per step
+    with the steps' mean time (`step_s`), for metrics.jsonl's "engine" object and the progress line's rates
+    ([Note: engine counters] in docs/ENGINE.md)."""
+
+    def __init__(self, read: Callable[[], dict[str, float] | None]) -> None:
+        self._read = read
+        self._sum: dict[str, float] = {}
+        self._steps = 0
+        self._seconds = 0.0
+        self._before: dict[str, float] | None = None
+
+    def begin(self) -> None:
+        self._before = self._read()
+
+    def end(self, seconds: float) -> None:
+        after = self._read()
+        if after is None or self._before is None:
+            return
+        for k, v in after.items():
+            self._sum[k] = self._sum.get(k, 0.0) + v - self._before.get(k, 0.0)
+        self._steps += 1
+        self._seconds += seconds
+
+    def report(self) -> dict[str, float] | None:
+        """Per step since the last report, and start again; None without an engine or steps."""
+        if not self._steps:
+            return None
+        out = {k: v / self._steps for k, v in self._sum.items()}
+        out["step_s"] = self._seconds / self._steps
+        self._sum, self._steps, self._seconds = {}, 0, 0.0
+        return out

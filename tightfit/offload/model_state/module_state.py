@@ -72,7 +72,7 @@ class ModuleState:
     def settle(self) -> None:
         """Let every gradient, early step and write-back land, so the tiers hold the current values."""
         self.engine.wait_grads()
-        self.engine.wait_early_steps()
+        self.engine.wait_steps()
         self.engine.wait_writes()
 
     def is_staged(self, unit: OffloadUnit) -> bool:
@@ -80,6 +80,7 @@ class ModuleState:
 
     def read_params(self, unit: OffloadUnit) -> torch.Tensor:
         """The unit's compute copy as a host tensor, from its tier (cached for the unit's current version)."""
+        self.engine.wait_step(unit)
         if self._params is None or self._params[:2] != (unit.name, unit.version):
             self._params = None
             out = aligned_empty(unit.spec.numel, unit.compute_dtype)
@@ -90,6 +91,7 @@ class ModuleState:
     def master_of(self, unit: OffloadUnit) -> torch.Tensor:
         if unit.name in self._staged:
             return self._staged[unit.name]
+        self.engine.wait_step(unit)  # its version is then the one its values have
         if self._master is None or self._master[:2] != (unit.name, unit.version):
             self._master = None
             self._master = (unit.name, unit.version, self.engine.read_master(unit))

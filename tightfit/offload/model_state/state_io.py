@@ -147,7 +147,7 @@ def quiesce(engine: OffloadEngine) -> None:
     """Wait until every state is at rest in its tier: gradients landed, steps during backward done, write-backs
     written. The stores would order reads after the writes anyway; this surfaces a failed write here."""
     engine.wait_grads()
-    engine.wait_early_steps()
+    engine.wait_steps()
     engine.wait_writes()
 
 

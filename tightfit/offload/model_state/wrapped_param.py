@@ -165,8 +165,9 @@ def _attribute(func, kind, args, kwargs):
     if attr == "data" and kind == "__get__":
         if not _stable(info):
             return _value(p, info)
-        # An alias of the device copy: read after the step's writes into it, as a GPU stream orders them
-        # ([Note: device writes in stream order] in runtime/movers.py).
+        # An alias of the device copy: read after the unit's step, and after its writes into it, as a GPU stream
+        # orders them ([Note: device writes in stream order] in runtime/movers.py).
+        info.state.engine.wait_step(info.unit)
         info.state.engine.mover.order_compute()
     if attr == "is_leaf" and kind == "__get__":
         _refuse_foreign_optimizer()
@@ -332,8 +333,8 @@ def _caller():
 def _drop_grad(info: ParamInfo) -> None:
     """Forget the engine's accumulated gradient of one parameter (`p.grad = None` outside backward)."""
     unit, i = info.unit, info.index
-    if i is None or not unit.has_grad[i]:
-        return
+    if i is None or not unit.has_grad[i] or unit.stepping is not None:
+        return  # none; or a queued step owns it (it was stepped: `model.zero_grad()` after `opt.step()`)
     engine = info.state.engine
     engine.wait_grads()
     unit.has_grad[i] = False

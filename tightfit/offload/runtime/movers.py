@@ -229,6 +229,7 @@ class CpuMover:
     def copy_in(self, src: torch.Tensor, dst: torch.Tensor) -> Transfer:
         """Fill `dst` (device memory) from `src`, a granted host buffer: its grant gives it back after `done`."""
         t = Transfer()
+        self.stats["bytes_to_device"] += src.numel() * src.element_size()
 
         def copy() -> None:
             dst.copy_(src)
@@ -242,6 +243,8 @@ class CpuMover:
         `into_device`, before every copy and compute issued after it ([Note: device writes in stream order])."""
         delay = self._rng.uniform(0, self.max_delay_s) if self.strict else 0.0
         before = self._device_writes()
+        # A store's copy across the two memories is the device tier's: into it (a save) or out of it (a load).
+        self.stats["bytes_to_device" if into_device else "bytes_to_host"] += dst.numel() * dst.element_size()
 
         def copy() -> None:
             wait_futures(before)  # issued earlier, so queued ahead of this one: never a wait on a later copy

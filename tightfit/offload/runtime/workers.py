@@ -79,6 +79,96 @@ class Worker:
         self._pool.shutdown(wait=True)
 
 
+class StepThread:
+    """The step thread: one host thread running units' optimizer steps one at a time, the most urgent first.
+
+    Why not a FIFO worker: a unit's step is queued when its gradients are complete (during backward, in backward
+    order), or when the optimizer steps (after backward, with clipping), but it is needed by the unit's next forward,
+    which comes in forward order: the root and the first blocks first, which backward completes last. `prioritise`
+    puts the steps not started yet in that order ([Note: steps under the next forward] in step/step_queue.py); until
+    then they run in the order they came. Each job is one unit's step, which reserves its buffers itself, holding no
+    other grant ([Note: jobs and grants] in host_memory.py). `max_delay_s` > 0 (strict mode): each job starts after a
+    random pause of up to that long. `threads`: as `Worker`'s. Stopped by `shutdown` (the engine's close)."""
+
+    def __init__(self, name: str, max_delay_s: float = 0.0, seed: int = 0, threads: int | None = None) -> None:
+        threads = threads or torch.get_num_threads()
+        self.threads = threads
+        self._now = threads
+        self.max_delay_s = max_delay_s
+        self._rng = random.Random(seed)
+        self._cv = threading.Condition()
+        self._queue: list[list] = []  # [key, seq, unit, fn, future], the smallest key first
+        self._seq = 0
+        self._running = 0
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, args=(threads,), name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, unit: str, fn) -> Future:
+        """Queue `fn()` (one unit's step), after the steps queued before it unless `prioritise` says otherwise."""
+        fut: Future = Future()
+        with self._cv:
+            self._seq += 1
+            self._queue.append([(1, self._seq), self._seq, unit, fn, fut])
+            self._cv.notify()
+        return fut
+
+    def prioritise(self, order: list[str]) -> None:
+        """Run the queued steps of the units in `order` first, in that order; the others after, as they came."""
+        rank = {name: i for i, name in enumerate(order)}
+        with self._cv:
+            for job in self._queue:
+                job[0] = (0, rank[job[2]]) if job[2] in rank else (1, job[1])
+
+    def idle(self) -> bool:
+        """Has every step submitted so far finished?"""
+        with self._cv:
+            return not self._queue and not self._running
+
+    def upcoming(self, n: int) -> list[str]:
+        """The units of the next `n` queued steps, in the order they will run."""
+        with self._cv:
+            return [job[2] for job in sorted(self._queue, key=lambda j: j[0])[:n]]
+
+    def use_threads(self, threads: int | None) -> None:
+        """From inside a job: run this and later jobs' kernels on `threads` (None: unchanged)."""
+        if threads and threads != self._now:
+            set_own_threads(threads)
+            self._now = threads
+
+    def _loop(self, threads: int) -> None:
+        set_own_threads(threads)
+        while True:
+            with self._cv:
+                while not self._queue and not self._stop:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                job = min(self._queue, key=lambda j: j[0])
+                self._queue.remove(job)
+                self._running += 1
+                delay = self._rng.uniform(0, self.max_delay_s) if self.max_delay_s else 0.0
+            _, _, _, fn, fut = job
+            try:
+                if delay:
+                    time.sleep(delay)
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn())
+                    except BaseException as e:  # noqa: BLE001 - whoever waits for the unit's step raises it
+                        fut.set_exception(e)
+            finally:
+                with self._cv:
+                    self._running -= 1
+
+    def shutdown(self) -> None:
+        """Finish the queued steps, then stop."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join()
+
+
 def thread_budget(total: int, cuda: bool) -> dict[str, int | None]:
     """Intra-op threads per worker. [Note: thread budget] On a GPU the thread running forward and backward mostly
     launches kernels, and the host's cores are the optimizer's and the gradient worker's, which run at once during
@@ -97,15 +187,19 @@ def thread_budget(total: int, cuda: bool) -> dict[str, int | None]:
 
 
 class Timers:
-    """Seconds accumulated per key since the last `clear`, from any thread (`timings()` in the engine)."""
+    """Amounts (seconds, bytes, counts) accumulated per key, from any thread: since the last `clear` (`snapshot`,
+    the engine's `timings()`, which benchmarks reset around what they measure) and since the engine was built
+    (`totals`, never cleared: the engine's `counters()`, which a training loop reads before and after each step)."""
 
     def __init__(self) -> None:
         self._t: dict[str, float] = {}
+        self._total: dict[str, float] = {}
         self._lock = threading.Lock()
 
-    def add(self, key: str, seconds: float) -> None:
+    def add(self, key: str, amount: float) -> None:
         with self._lock:
-            self._t[key] = self._t.get(key, 0.0) + seconds
+            self._t[key] = self._t.get(key, 0.0) + amount
+            self._total[key] = self._total.get(key, 0.0) + amount
 
     def since(self, key: str, t0: float | None) -> None:
         if t0 is not None:
@@ -114,6 +208,10 @@ class Timers:
     def snapshot(self) -> dict[str, float]:
         with self._lock:
             return dict(self._t)
+
+    def totals(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._total)
 
     def clear(self) -> None:
         with self._lock:

@@ -19,6 +19,9 @@ The root unit is materialised from the model's forward start until its gradients
 
 The device budget is metered by `DeviceMeter` (runtime/device_meter.py, [Note: device budget]); host buffers are
 granted per job by the pool ([Note: jobs and grants], runtime/host_memory.py).
+
+A unit's optimizer step runs on the step thread, queued and waited for by `StepQueue` ([Note: steps under the
+next forward], step_queue.py).
 """
 
 from __future__ import annotations
@@ -28,7 +31,6 @@ import time
 import warnings
 import weakref
 from collections import Counter
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
 
@@ -43,7 +45,7 @@ from tightfit.offload.runtime.device_meter import DeviceMeter, autocast_outside_
 from tightfit.offload.runtime.host_cache import HostCache
 from tightfit.offload.runtime.host_memory import HostAllocator, HostPool, RegisteredAllocator
 from tightfit.offload.runtime.movers import CpuMover, CudaMover, strict_from_env, strict_seed
-from tightfit.offload.runtime.workers import Timers, Worker, thread_budget
+from tightfit.offload.runtime.workers import StepThread, Timers, Worker, thread_budget
 from tightfit.offload.step.budget_checks import check_budgets, host_tier_bytes, largest_job
 from tightfit.offload.step.grad_norms import NormPolicy, norms_on_demand
 from tightfit.offload.step.gradients import GradientShipper
@@ -51,8 +53,11 @@ from tightfit.offload.step.hooks import queue_end_of_backward, register_hooks, r
 from tightfit.offload.step.lifecycle import Event, ParamsState, Phase
 from tightfit.offload.step.master_io import initialise, read_master, write_master
 from tightfit.offload.step.optimizer import Multipliers, StepRunner, Work
+from tightfit.offload.step import reports
+from tightfit.offload.step.passes import UnitMajorPass
 from tightfit.offload.step.residency import Residency
 from tightfit.offload.step.scheduler import MoveKind, Scheduler, StepPhase
+from tightfit.offload.step.step_queue import StepQueue
 from tightfit.offload.step.unit import PARAMS, OffloadUnit
 from tightfit.offload.step.units import UnitPolicy, find_units
 from tightfit.offload.step.write_backs import WriteBacks
@@ -191,13 +196,13 @@ class OffloadEngine:
         delay = WORKER_DELAY_S if strict else 0.0
         # Gradient worker: accumulates gradients that left the device into their host/disk tier, one unit after
         # another, overlapping the backward of the units after. One thread keeps micro-batches of a unit in order.
-        # Step thread: runs the optimizer step of a unit during backward (`AdamW.step_during_backward`), as soon
-        # as the unit's last gradients have landed, overlapping the backward of the units before it; its futures
-        # are awaited by the next `opt.step()`. Both shut down by `close`.
+        # Step thread: runs every unit's optimizer step, during backward as its gradients land or after it, in the
+        # next forward's order; each is awaited by the unit's next use ([Note: steps under the next forward] in
+        # step_queue.py). Both shut down by `close`.
         # Their intra-op threads: [Note: thread budget] in workers.py.
         self._threads = budget = thread_budget(torch.get_num_threads(), cuda)
         self.grad_worker = Worker("tightfit-grads", delay, seed=strict_seed() + 1, threads=budget["grads"])
-        self.step_worker = Worker("tightfit-step", delay, seed=strict_seed() + 2, threads=budget["step"])
+        self.step_worker = StepThread("tightfit-step", delay, seed=strict_seed() + 2, threads=budget["step"])
         self.writes = WriteBacks()  # the optimizer's write-backs in flight (write_backs.py)
         self.scheduler = Scheduler(placement.prefetch_depth)
         self.meter = DeviceMeter(self.stores[Tier.DEVICE], placement.device_budget, self.mover)
@@ -205,6 +210,7 @@ class OffloadEngine:
                                        land_fp32=placement.land_grads_fp32)
         self.stepper = StepRunner(self.pool, self.cache, self.mover, self.writes, self.scheduler, self.timers,
                                   device, self.separate)
+        self.steps = StepQueue(self.step_worker, self.writes, self.timers, self._before_step)
         self.residency = Residency(self.units, self.meter, self.mover, self.pool, self.cache, self.timers,
                                    placement.device_budget, self._keeps_master, lambda: self.phase)
         self.phase = StepPhase.IDLE
@@ -213,11 +219,13 @@ class OffloadEngine:
         # master and moments start loading as its backward starts.
         self.declared: DeclaredStep | None = None
         self.norms = NormPolicy()  # when the gradient worker takes norms: [Note: norms when asked]
-        self._early_steps: list[Future] = []
+        self._early_submitted = 0  # units stepped during the running step's backward (`submit_early_step`)
         self._grads_charged: dict[str, int] = {}  # device bytes of this backward's param.grads, per unit
         self._warned_autocast = False
         self._t_step = self._t_bwd = None
         self.backwards = 0  # backward passes finished (the optimizer warns when one left it nothing to step)
+        # A unit-major pass in progress (step/unit_major.py, passes.py): its micro-batches' events count to M.
+        self.pass_: UnitMajorPass | None = None
         self.on_close: list = []  # callables run first by `close` (module_state.attach's removal)
 
         try:
@@ -257,6 +265,7 @@ class OffloadEngine:
 
     def write_master(self, unit: OffloadUnit, master: torch.Tensor) -> None:
         """Store fp32 master values (a host tensor of the unit's flat size) and the compute params cast from them."""
+        self.wait_step(unit)
         write_master(unit, master, self.compute_dtype)
         if unit.on_device and not unit.resident:
             self.release(unit)  # the device copy is stale
@@ -265,6 +274,7 @@ class OffloadEngine:
 
     def read_master(self, unit: OffloadUnit) -> torch.Tensor:
         """The unit's fp32 master values as a new host tensor."""
+        self.wait_step(unit)
         return read_master(unit, self.compute_dtype)
 
     # ---- device memory ---------------------------------------------------------------------------------------
@@ -313,7 +323,10 @@ class OffloadEngine:
         return self.declared is not None and unit.name in self.declared.units
 
     def materialise(self, unit: OffloadUnit) -> None:
-        """The unit computes now (a hook's event): its params on the device."""
+        """The unit computes now (a hook's event): its params on the device, after its last step."""
+        if unit.stepping is not None:
+            self.wait_step(unit)
+            self.mover.order_compute()  # and after the step's writes into device memory, as a GPU's stream orders
         self.residency.materialise(unit)
 
     def release(self, unit: OffloadUnit) -> None:
@@ -358,6 +371,12 @@ class OffloadEngine:
 
     def on_root_forward_start(self) -> None:
         self._check_autocast()
+        if torch.is_grad_enabled():
+            self.timers.add("micro_batches", 1)
+        if self.pass_ is not None:
+            self.pass_.roots_open += 1
+            if self.pass_.roots_open > 1:
+                return  # a pass's forward phase spans its micro-batches: it started with the first
         self.phase = StepPhase.FORWARD
         self._t_step = time.perf_counter()
         self.scheduler.begin(StepPhase.FORWARD)
@@ -368,6 +387,10 @@ class OffloadEngine:
         self._issue(self.scheduler.moves(StepPhase.FORWARD, None, step_follows=False))
 
     def on_root_forward_end(self) -> None:
+        if self.pass_ is not None:
+            self.pass_.roots_open -= 1
+            if self.pass_.roots_open > 0:
+                return  # ... and ends with the last
         self.scheduler.end(StepPhase.FORWARD)
         self.phase = StepPhase.IDLE
         root = self.units[ROOT_UNIT]
@@ -391,6 +414,8 @@ class OffloadEngine:
             self.release(unit)
             return
         unit.life.on(Event.FORWARD_END)
+        if self.pass_ is not None and not self.pass_.forward_ended(unit.name):
+            return  # the next micro-batch computes this unit next: it stays, computing
         if self.phase == StepPhase.FORWARD and self.scheduler.keep_after_forward(unit.name):
             # Among the first units of the coming backward: it stays materialised instead of being read again right
             # away. It is no longer computing, so a fetch that needs the room can still evict it (`materialise`).
@@ -408,7 +433,8 @@ class OffloadEngine:
         self.scheduler.begin(StepPhase.BACKWARD)
         if self.step_follows:  # the root's master and moments load under the whole backward
             self._issue(self.scheduler.preloads_ahead([ROOT_UNIT], 0))
-        queue_end_of_backward(self._end_of_backward)
+        if self.pass_ is None:  # a pass's backward is many graph tasks: the executor ends it (`end_pass`)
+            queue_end_of_backward(self._end_of_backward)
 
     def on_unit_backward_start(self, unit: OffloadUnit) -> None:
         self._enter_backward()
@@ -419,12 +445,19 @@ class OffloadEngine:
         self._issue(moves)
 
     def _charge_grads(self, unit: OffloadUnit) -> None:
-        """Count the `param.grad`s autograd is about to produce for the unit (freed when they are shipped)."""
+        """Count the `param.grad`s autograd is about to produce for the unit (freed when they are shipped), and in a
+        pass the fp32 sums they are folded into ([Note: gradient sums on the device] in unit.py)."""
         if unit.name not in self._grads_charged:
+            nbytes = unit.grad_bytes + (unit.sum_bytes if self._folds(unit) else 0)
             # the budget's guarantee (check_budgets) covers computing units
-            self.residency.make_room(unit, unit.grad_bytes)
-            self._grads_charged[unit.name] = unit.grad_bytes
-            self.meter.charge(unit.grad_bytes)
+            self.residency.make_room(unit, nbytes)
+            self._grads_charged[unit.name] = nbytes
+            self.meter.charge(nbytes)
+
+    def _folds(self, unit: OffloadUnit) -> bool:
+        """Are the unit's gradients folded into fp32 sums on the device as they accumulate? In a pass, where autograd
+        would add micro-batches in the compute dtype: [Note: gradient sums on the device] in unit.py."""
+        return self.pass_ is not None and unit.compute_dtype != torch.float32
 
     def _uncharge_grads(self, unit: OffloadUnit, packing=None) -> None:
         """Stop counting the unit's `param.grad`s: now, or once `packing` (their copy off the device) is done."""
@@ -432,6 +465,8 @@ class OffloadEngine:
 
     def on_grad(self, unit: OffloadUnit, index: int) -> None:
         self._enter_backward()
+        if self._folds(unit):
+            unit.fold_grad(index)
         unit.got.add(index)
         self._maybe_finish(unit)
 
@@ -440,6 +475,8 @@ class OffloadEngine:
         self._maybe_finish(unit)
 
     def _maybe_finish(self, unit: OffloadUnit) -> None:
+        if self.pass_ is not None:
+            return  # the executor says when ([Note: the end of a unit's backward in a pass] in passes.py)
         if (unit.life.phase in (Phase.AWAITING_BACKWARD, Phase.BACKWARD) and unit.open_calls <= 0
                 and len(unit.got) == len(unit.trainable)):
             self._finish_backward(unit)
@@ -447,8 +484,9 @@ class OffloadEngine:
     def _finish_backward(self, unit: OffloadUnit) -> None:
         norms = self.norms.eager(self.declared is not None, self.early_step is not None)
         threads = self._threads["grads" if self.early_step is not None else "alone"]  # [Note: thread budget]
+        # A pass's sums are final when they leave: their norms are taken where they are (no host pass over them).
         self._uncharge_grads(unit, packing=self.shipper.ship(unit, hold=self._stepped(unit), norms=norms,
-                                                             threads=threads))
+                                                             threads=threads, final=self.pass_ is not None))
         if (self.early_step is not None and self.stepper.steps_in_flat(unit) and any(unit.has_grad)
                 and unit.params_state == ParamsState.READY):
             unit.life.on(Event.KEEP_FOR_STEP)  # stays materialised: stepped in place, then used by the next forward
@@ -461,17 +499,25 @@ class OffloadEngine:
             self.early_step(unit)
 
     def submit_early_step(self, unit: OffloadUnit, run) -> None:
-        """Run `run()` (one unit's optimizer step) on the step thread once the unit's gradients have landed. The
-        step reserves its buffers there, one step at a time ([Note: jobs and grants])."""
-        pending = unit.grad_pending
+        """Run `run()` (one unit's optimizer step) on the step thread once the unit's gradients have landed, during
+        the backward of the units before it (`AdamW.step_during_backward`)."""
+        self._early_submitted += 1
+        self.steps.submit(unit, run)
 
-        def after_grads() -> None:
-            if pending is not None:
-                pending.result()
-            self.step_worker.use_threads(self._threads["alone" if self._grads_done() else "step"])
-            self.writes.add(run())  # the unit's write-backs, still in flight
+    def _before_step(self, unit: OffloadUnit) -> None:
+        """Step thread, before a unit's step: its intra-op threads ([Note: thread budget] in workers.py), and after
+        backward the scheduler's PRELOAD moves for the next `depth` queued steps, so their loads overlap this one
+        ([Note: moves]; speculative, stopping at the first the pool refuses)."""
+        self.step_worker.use_threads(self._threads["alone" if self._grads_done() else "step"])
+        if self.phase is StepPhase.BACKWARD:
+            return  # a declared step's preloads follow the backward ([Note: moves])
+        names = self.step_worker.upcoming(self.placement.prefetch_depth)
+        self.scheduler.issue(self.scheduler.preloads_ahead(names, 0),
+                             {MoveKind.PRELOAD: lambda name: self.stepper.preload(self.units[name])})
 
-        self._early_steps.append(self.step_worker.submit(after_grads))
+    def wait_step(self, unit: OffloadUnit) -> None:
+        """The unit's last optimizer step is done ([Note: steps under the next forward] in step_queue.py)."""
+        self.steps.wait(unit)
 
     def _grads_done(self) -> bool:
         """Is backward over and every gradient added? Then the gradient worker's cores are idle ([Note: thread
@@ -480,24 +526,52 @@ class OffloadEngine:
 
     @property
     def stepped_during_backward(self) -> bool:
-        """Were units stepped during the last backward, not yet awaited by `wait_early_steps`?"""
-        return bool(self._early_steps)
+        """Were units stepped during this step's backward (`submit_early_step`), before `opt.step()`?"""
+        return self._early_submitted > 0
 
-    def wait_early_steps(self) -> None:
-        """Wait for the units stepped during backward (not for their write-backs)."""
-        steps, self._early_steps = self._early_steps, []
-        for f in steps:
-            f.result()
+    def wait_steps(self) -> None:
+        """Wait for every unit's optimizer step still running or queued (not for their write-backs): the states are
+        then what the steps made them. Raises the first step's error, after waiting for all."""
+        self.steps.wait_all(self.units.values())
 
     def wait_writes(self) -> None:
-        """Block until every optimizer write-back has reached its tier; raise the first failure."""
+        """Block until every optimizer write-back of the steps taken so far (queued ones run first) has reached its
+        tier; raise the first failure."""
+        self.wait_steps()
         self.writes.wait()
         for unit in self.units.values():
             if unit.refresh is not None:
                 self.mover.sync(unit.refresh)
                 unit.refresh = None
 
+    # ---- a unit-major pass (step/unit_major.py runs it; passes.py) --------------------------------------------
+
+    def begin_pass(self, micro_batches: int) -> None:
+        """The executor's word that the coming forwards and backward run `micro_batches` micro-batches unit by unit.
+        A pass is a whole step's accumulation: it starts with no gradient accumulated."""
+        if self.pass_ is not None or self.phase is not StepPhase.IDLE:
+            raise UsageError("a unit-major pass starts while the model is in a forward or backward")
+        if any(any(u.has_grad) for u in self.units.values() if u.stepping is None):  # a queued step owns its own
+            raise UsageError("a unit-major pass accumulates a whole step: call opt.step() or opt.zero_grad() first")
+        self.pass_ = UnitMajorPass(micro_batches)
+
+    def micro_batch_done(self, name: str) -> None:
+        """The executor's backward of one micro-batch's segment of unit `name` has returned ([Note: the end of a
+        unit's backward in a pass]): at the M-th its gradients are summed and leave."""
+        unit = self.units[name]
+        if self.pass_.backward_done(name) and unit.life.phase in (Phase.AWAITING_BACKWARD, Phase.BACKWARD):
+            self._finish_backward(unit)
+
+    def end_pass(self) -> None:
+        """The pass's last segment's backward has returned (or the pass failed): what is left finishes (the root)."""
+        try:
+            if self.phase is StepPhase.BACKWARD:
+                self._end_of_backward()
+        finally:
+            self.pass_ = None
+
     def _end_of_backward(self) -> None:
+        self.steps.prioritise(self.next_forward_order())  # [Note: steps under the next forward]
         for unit in self.units.values():
             if unit.life.phase in (Phase.AWAITING_BACKWARD, Phase.BACKWARD) or unit.got:
                 self._finish_backward(unit)
@@ -521,26 +595,46 @@ class OffloadEngine:
         self.meter.settle()  # a unit's gradients have landed, so their pack is done
 
     def zero_grad(self) -> None:
-        self.wait_grads()
-        self.wait_early_steps()
+        """Drop the accumulated gradients, except those a unit's queued step owns (it consumes them)."""
         self.norms.end_step(self.backwards)
+        self._early_submitted = 0
         for unit in self.units.values():
+            if unit.stepping is not None:
+                continue  # its step takes what was held for it, and clears its gradients
+            if unit.grad_pending is not None:
+                unit.grad_pending.result()
+                unit.grad_pending = None
             # What was held for a step (gradients, master and moments loaded ahead) goes; params stay for the next
             # forward (a step's updated params, or a fetch's copy of values no step changed).
             self.cache.drop(unit.name, keep=(PARAMS,))
             unit.clear_grads()
             unit.life.on(Event.ZERO_GRAD)
+        self.meter.settle()  # the packs done so far no longer hold device memory
 
     def step_units(self, work: list[Work], grad_scales: Multipliers) -> None:
-        """One optimizer step after backward over `work` (optim.AdamW.step), then the gradients are gone."""
-        t_wall = time.perf_counter()
-        self.wait_grads()
+        """The optimizer step of `work` (optim.AdamW.step) after backward: queued, each unit's on the step thread,
+        in the next forward's order, with the units stepped during backward and not started yet; each unit's next
+        use waits for its own ([Note: steps under the next forward]). Then the gradients are the steps'."""
+        self.writes.check()  # a write-back of the last step failed: its entry is stale, stop here
         work = [w for w in work if w[1]]
         if work:
             self.residency.release_all()  # a materialised copy would go stale
-        self.stepper.step_units(work, grad_scales)
+        order = self.next_forward_order()
+        rank = {name: i for i, name in enumerate(order)}
+        for unit, groups in sorted(work, key=lambda w: rank.get(w[0].name, len(rank))):
+            # `groups` holds the hyperparameters as they are now (optim.AdamW._work): the loop sets the next step's
+            # learning rate before this one has run.
+            self.steps.submit(unit, lambda unit=unit, groups=groups: self.stepper.step_one(unit, groups, grad_scales))
+        self.steps.prioritise(order)
         self.zero_grad()
-        self.timers.since("optimizer_wall_s", t_wall)
+
+    def next_forward_order(self) -> list[str]:
+        """The units in the order the next forward needs them: the root first, then the recorded forward order,
+        then any other."""
+        names = [ROOT_UNIT, *(n for n in self.scheduler.order[StepPhase.FORWARD] if n != ROOT_UNIT)]
+        seen = set()
+        order = [n for n in names if n in self.units and not (n in seen or seen.add(n))]
+        return order + [n for n in self.units if n not in seen]
 
     def locate(self, p: torch.Tensor) -> "tuple[OffloadUnit, int] | None":
         """(unit, index into unit.trainable) of a trainable parameter of this model; None if frozen."""
@@ -550,9 +644,10 @@ class OffloadEngine:
         """Every accumulated gradient's 2-norm, in model order; those the worker did not take are taken now
         ([Note: norms when asked] in grad_norms.py)."""
         self.wait_grads()
+        self.wait_steps()  # a unit's queued step of the last step owns what it clears (none after a forward)
         self.norms.on_ask()
         for unit in self.units.values():
-            norms_on_demand(unit, self.cache, self.pool)
+            self.timers.add("host_grad_bytes", norms_on_demand(unit, self.cache, self.pool))
         return [u.grad_norms[i] for u, i in self._param_order if u.has_grad[i]]
 
     def step_order(self) -> list[OffloadUnit]:
@@ -562,37 +657,21 @@ class OffloadEngine:
     # ---- introspection ---------------------------------------------------------------------------------------
 
     def timings(self) -> dict[str, float]:
-        """Accumulated seconds since the last `reset_timings`: forward_s, backward_s (wall), params_wait_s (the
-        main thread blocked on parameter fetches), grad_wait_s (grad worker waiting for copies off the device and
-        a unit's earlier micro-batch), grad_accumulate_s (grad worker adding and writing), optimizer_s (step compute),
-        optimizer_io_wait_s (step blocked on loads/writes), optimizer_wall_s; plus the disk store's stats."""
-        out: dict = self.timers.snapshot()
-        if Tier.NVME in self.stores:
-            out["nvme"] = self.stores[Tier.NVME].stats()
-        return out
+        """Amounts since the last `reset_timings` (reports.timings)."""
+        return reports.timings(self)
 
     def reset_timings(self) -> None:
         self.timers.clear()
 
-    def memory_report(self) -> dict:
-        """Bytes per tier (in use and peak) and, per unit, bytes and placement of each state."""
-        disk = self.stores.get(Tier.NVME)
-        return {
-            "device": {"in_use": self.device_in_use, "peak": self.device_peak, "budget": self.placement.device_budget},
-            "host": {"tier": self.stores[Tier.HOST].bytes, "staging": self.pool.bytes, "staging_peak": self.pool.peak,
-                     "budget": self.placement.host_budget},
-            "nvme": {"bytes": disk.disk_bytes if disk else 0, "budget": self.placement.nvme_budget},
-            "units": {u.name: self.unit_report(u) for u in self.units.values()},
-        }
+    def counters(self) -> dict[str, float]:
+        """What the engine moved and spent since it was built (reports.counters, [Note: engine counters])."""
+        return reports.counters(self)
 
-    @staticmethod
-    def unit_report(unit: OffloadUnit) -> dict:
-        sizes = {State.PARAMS: unit.compute_bytes,
-                 State.MASTER: 0 if unit.master_entry == PARAMS else 4 * unit.master_numel,
-                 State.GRADS: 4 * unit.spec.train_numel, State.OPTIM: 8 * unit.spec.train_numel}
-        return {"numel": unit.spec.numel, "trainable_numel": unit.spec.train_numel,
-                "states": {s.value: {"tier": unit.placement.tier(s).value, "where": unit.where[s].value,
-                                     "bytes": sizes[s]} for s in State}}
+    def memory_report(self) -> dict:
+        """Bytes per tier and per unit state (reports.memory_report)."""
+        return reports.memory_report(self)
+
+    unit_report = staticmethod(reports.unit_report)
 
     @property
     def model(self) -> nn.Module | None:
@@ -607,7 +686,7 @@ class OffloadEngine:
         self._finalizer.detach()
         try:  # a failed gradient, step or write-back is raised, after everything below is freed all the same
             self.wait_grads()
-            self.wait_early_steps()
+            self.wait_steps()
             self.wait_writes()
         finally:
             try:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from tightfit.offload.placement import State
+from tightfit.offload.placement import State, Tier
 from tightfit.offload.runtime.host_cache import HostCache
 from tightfit.offload.runtime.host_memory import HostPool
 from tightfit.offload.step.unit import GRADS, OffloadUnit
@@ -64,12 +64,14 @@ class NormPolicy:
         self._asked = self._declared = False
 
 
-def record_norms(unit: OffloadUnit, views: list[torch.Tensor]) -> None:
-    """Each parameter's gradient 2-norm from its accumulated values (`views`, per trainable slot)."""
+def record_norms(unit: OffloadUnit, views: list[torch.Tensor]) -> int:
+    """Each parameter's gradient 2-norm from its accumulated values (`views`, per trainable slot). Returns the bytes
+    read."""
     idx = [i for i, h in enumerate(unit.has_grad) if h]
     norms = torch._foreach_norm([views[i] for i in idx], 2.0) if idx else []
     for i, n in zip(idx, norms):
         unit.grad_norms[i] = n
+    return sum(views[i].numel() * views[i].element_size() for i in idx)
 
 
 def forget_norms(unit: OffloadUnit, slots) -> None:
@@ -78,26 +80,27 @@ def forget_norms(unit: OffloadUnit, slots) -> None:
         unit.grad_norms[i] = None
 
 
-def norms_on_demand(unit: OffloadUnit, cache: HostCache, pool: HostPool) -> None:
+def norms_on_demand(unit: OffloadUnit, cache: HostCache, pool: HostPool) -> int:
     """Take the norms the gradient worker did not, from wherever the unit's sums are now. Main thread, after every
-    gradient has landed (`wait_grads`), holding no grant: the disk's case is granted a buffer as a job is."""
+    gradient has landed (`wait_grads`), holding no grant: the disk's case is granted a buffer as a job is. Returns
+    the bytes the host's cores read (none for sums in device memory)."""
     if not any(h and n is None for h, n in zip(unit.has_grad, unit.grad_norms)):
-        return
+        return 0
     store = unit.store[State.GRADS]
     if store.tensor(unit.name, GRADS) is not None:  # host or device memory
-        record_norms(unit, unit.stored_views(State.GRADS, GRADS))
-        return
+        read = record_norms(unit, unit.stored_views(State.GRADS, GRADS))
+        return 0 if unit.placement.grads == Tier.DEVICE else read
     held = cache.take(unit.name, GRADS, unit.version)
     if held is not None:  # the final sums, held for the step
         for f in held.pending():
             f.result()
-        record_norms(unit, slot_views(unit.trainable, held.buf))
+        read = record_norms(unit, slot_views(unit.trainable, held.buf))
         cache.put(unit.name, GRADS, held)
-        return
+        return read
     grant = pool.reserve(f"gradient norms of {unit.name}", {GRADS: unit.jobs["ship"][GRADS]})
     try:
         buf = grant[GRADS]
         store.load(unit.name, GRADS, buf).result()
-        record_norms(unit, slot_views(unit.trainable, buf))
+        return record_norms(unit, slot_views(unit.trainable, buf))
     finally:
         grant.release()

@@ -36,10 +36,9 @@ import time
 from concurrent.futures import Future
 
 import torch
-from torch._C import DisableTorchFunctionSubclass
 
 from tightfit.offload.memory_model import first_lands_as_sum, ship_buffers
-from tightfit.offload.placement import State
+from tightfit.offload.placement import State, Tier
 from tightfit.offload.runtime.host_cache import Held, HostCache
 from tightfit.offload.runtime.host_memory import Grant, HostPool
 from tightfit.offload.runtime.widening import add_widening
@@ -63,36 +62,50 @@ class GradientShipper:
         self.timers = timers
         self.land_fp32 = land_fp32  # Placement.land_grads_fp32: a first micro-batch's converted on the device
 
-    def ship(self, unit: OffloadUnit, hold: bool, norms: bool, threads: int | None = None):
-        """Move the unit's new `param.grad`s into its grads tier, accumulating; drop `param.grad`. Returns the
-        Transfer of their copy off the device while it may still read them (None when they were used up at once).
+    def ship(self, unit: OffloadUnit, hold: bool, norms: bool, threads: int | None = None, final: bool = False):
+        """Move the unit's new `param.grad`s (or a pass's sums of them) into its grads tier, accumulating; drop them.
+        Returns the Transfer of their copy off the device while it may still read them (None when they were used up
+        at once).
         hold: a step follows this backward: the final gradients may wait for it in the host cache.
         norms: take the sums' norms ([Note: norms when asked] in grad_norms.py).
-        threads: the worker's intra-op threads for this job ([Note: thread budget] in workers.py; None: unchanged)."""
+        threads: the worker's intra-op threads for this job ([Note: thread budget] in workers.py; None: unchanged).
+        final: these are a pass's sums, the step's whole gradients ([Note: gradient sums on the device] in unit.py):
+        they leave as fp32 and their norms are taken on the device, before they leave."""
         pairs = []
-        with DisableTorchFunctionSubclass():  # plain attribute access: the wrapped parameter's class is not asked
-            for i in sorted(unit.got):
-                slot = unit.trainable[i]
-                g = slot.param.grad
-                if g is not None:
-                    pairs.append((i, slot, g))
-                    slot.param.grad = None  # the device memory goes back as soon as the copy below has read it
+        for i in sorted(unit.got):
+            g = unit.take_grad(i)  # the device memory goes back as soon as the copy below has read it
+            if g is not None:
+                pairs.append((i, unit.trainable[i], g))
         if not pairs:
             return None
         had = list(unit.has_grad)
         new = {i for i, _, _ in pairs}
         for i in new:
             unit.has_grad[i] = True
+        if final and norms:  # taken here: the worker neither takes nor forgets them (None)
+            for (i, _, _), n in zip(pairs, torch._foreach_norm([g for _, _, g in pairs], 2.0)):
+                unit.grad_norms[i] = n
+            norms = None
         if "ship" not in unit.jobs:  # addressable where computed: accumulate in place now (on the compute stream)
             views = unit.stored_views(State.GRADS, GRADS)
+            moved = 0
             for i, _, g in pairs:
                 add_widening(views[i], g) if had[i] else views[i].copy_(g)
-            _norms(unit, views, new, norms)
+                moved += _add_bytes(g.numel(), g.element_size(), had[i])
+            moved += _norms(unit, views, new, norms)
+            if unit.placement.grads != Tier.DEVICE:  # host memory, the CPU device's own: the host's cores did it
+                self.timers.add("host_grad_bytes", moved)
             unit.life.on(Event.GRADS_STORED)
             return None
         slots = [((slot.offset, slot.shape), g) for _, slot, g in pairs]
-        as_sum = not any(had) and first_lands_as_sum(unit.compute_dtype.itemsize, self.land_fp32)
+        # A pass's fp32 sums always land as fp32 (a pack of the compute dtype would round them); the engine starts a
+        # pass with nothing accumulated, so they are the sum.
+        as_sum = not any(had) and (final or first_lands_as_sum(unit.compute_dtype.itemsize, self.land_fp32))
         target = unit.store[State.GRADS].copy_target(unit.name, GRADS) if as_sum else None
+        if target is None and final and as_sum:
+            # A host tier the system would not page-lock: the copy lands in it all the same (on a GPU the driver
+            # stages it, and the copy does not overlap the host); NVMe has no tensor, its fp32 pack is the sum.
+            target = unit.store[State.GRADS].tensor(unit.name, GRADS)
         if target is not None:  # [Note: gradients land converted]: into the host tier's sum itself
             packed = self.mover.pack_grads(slots, target)
             unit.life.on(Event.GRADS_SHIPPED)
@@ -129,7 +142,7 @@ class GradientShipper:
         self.worker.use_threads(threads)
         try:
             t0 = self._wait(previous, packed, t0)
-            _norms(unit, unit.stored_views(State.GRADS, GRADS), new, norms)
+            self.timers.add("host_grad_bytes", _norms(unit, unit.stored_views(State.GRADS, GRADS), new, norms))
             unit.life.on(Event.GRADS_LANDED)
         finally:
             self.timers.since("grad_accumulate_s", t0)
@@ -145,9 +158,9 @@ class GradientShipper:
             store = unit.store[State.GRADS]
             if store.tensor(unit.name, GRADS) is not None:  # host memory: the upcast happens inside the add
                 views = unit.stored_views(State.GRADS, GRADS)
-                _add_into(unit, views, pack, new, had)
+                moved = _add_into(unit, views, pack, new, had)
                 grant.release()
-                _norms(unit, views, new, norms)
+                self.timers.add("host_grad_bytes", moved + _norms(unit, views, new, norms))
                 unit.life.on(Event.GRADS_LANDED)
                 return
             if GRADS not in grant:  # fp32, first gradients since the step: the pack is the sum
@@ -161,10 +174,11 @@ class GradientShipper:
                     store.load(unit.name, GRADS, grant[GRADS]).result()
             acc = grant[GRADS]
             views = slot_views(unit.trainable, acc)  # a granted buffer: [Note: views built once] in unit.py
+            moved = 0
             if "pack" in grant:
-                _add_into(unit, views, pack, new, had)
+                moved = _add_into(unit, views, pack, new, had)
                 grant.give("pack")
-            _norms(unit, views, new, norms)
+            self.timers.add("host_grad_bytes", moved + _norms(unit, views, new, norms))
             # [Note: speculative holdings]: kept for the step only as far as the pool's bound admits it.
             if hold and grant.speculate():
                 self.cache.put(unit.name, GRADS, Held(grant, unit.version, only_copy=True))
@@ -180,14 +194,28 @@ class GradientShipper:
             self.timers.since("grad_accumulate_s", t0)
 
 
-def _add_into(unit: OffloadUnit, acc: list[torch.Tensor], pack: torch.Tensor, new: set[int], had: list[bool]) -> None:
+def _add_into(unit: OffloadUnit, acc: list[torch.Tensor], pack: torch.Tensor, new: set[int], had: list[bool]) -> int:
     """acc += pack over the slots with new gradients (copied where the slot had none): old + new in fp32. `acc`: the
-    accumulator's views, per trainable slot."""
+    accumulator's views, per trainable slot. Returns the bytes read and written."""
+    moved = 0
     for i in new:
         slot = unit.trainable[i]
         add_widening(acc[i], slot.view(pack)) if had[i] else acc[i].copy_(slot.view(pack))
+        moved += _add_bytes(slot.numel, pack.element_size(), had[i])
+    return moved
 
 
-def _norms(unit: OffloadUnit, views: list[torch.Tensor], new: set[int], take: bool) -> None:
-    """After an add: the sums' norms taken, or those of the changed slots forgotten (taken on demand)."""
-    record_norms(unit, views) if take else forget_norms(unit, new)
+def _add_bytes(numel: int, itemsize: int, had: bool) -> int:
+    """Bytes an add of `numel` new gradients of `itemsize` bytes into an fp32 sum reads and writes: the new ones read
+    and the sum read and written, or (nothing to add to) the new ones read and the sum written."""
+    return numel * (itemsize + (8 if had else 4))
+
+
+def _norms(unit: OffloadUnit, views: list[torch.Tensor], new: set[int], take: bool | None) -> int:
+    """After an add: the sums' norms taken, or those of the changed slots forgotten (taken on demand), or (None) left
+    as the ship took them. Returns the bytes read."""
+    if take:
+        return record_norms(unit, views)
+    if take is not None:
+        forget_norms(unit, new)
+    return 0

@@ -3,9 +3,11 @@
 Why per unit: the optimizer's working set (fp32 master, gradient, two moments: 16 bytes per parameter) of the
 whole model is exactly what does not fit; one unit's does. Why pipelined: for units on NVMe the step is I/O bound;
 while unit k is stepped (torch's fused AdamW kernel on the CPU, which releases the GIL and uses every core), the
-states of unit k+1 are being read and those of unit k-1 written back, by the NVMe engine's threads.
+states of unit k+1 are being read and those of unit k-1 written back, by the NVMe engine's threads. Each unit's
+step runs on the engine's step thread ([Note: steps under the next forward] in step_queue.py), which preloads the next
+queued units before it.
 
-    main thread:   [step k-1]        [step k]          [step k+1]
+    step thread:   [step k-1]        [step k]          [step k+1]
     disk reads:  [load k] [load k+1]        [load k+2]
     disk writes:            [write k-1]        [write k]
 
@@ -47,7 +49,7 @@ from tightfit.offload.runtime.host_memory import Grant, HostPool
 from tightfit.offload.runtime.workers import Timers
 from tightfit.offload.step.adamw import step_unit
 from tightfit.offload.step.lifecycle import Event, ParamsState
-from tightfit.offload.step.scheduler import MoveKind, Scheduler, StepPhase
+from tightfit.offload.step.scheduler import Scheduler, StepPhase
 from tightfit.offload.step.unit import EXP_AVG, EXP_AVG_SQ, GRADS, MASTER, PARAMS, OffloadUnit
 from tightfit.offload.step.units import slot_views
 from tightfit.offload.step.write_backs import WriteBacks
@@ -282,7 +284,8 @@ class StepRunner:
     def step_one(self, unit: OffloadUnit, groups: list[tuple[dict, list[int]]],
                  grad_scales: Multipliers) -> list[Future]:
         """Step one unit (take over or be granted its buffers, load, step, start the write-back); its gradients are
-        consumed. Returns the pending writes. Runs on the step thread during backward, and in `step_units`."""
+        consumed. Returns the pending writes. Runs on the step thread ([Note: steps under the next forward] in
+        step_queue.py)."""
         t0 = time.perf_counter()
         work = self._prepare(unit)
         try:
@@ -293,9 +296,14 @@ class StepRunner:
                 work.grant.release(after=work.loads)
             raise
         t1 = time.perf_counter()
+        scales = grad_scales.on(work.tensors[GRADS].device)
         with ranges.span("tightfit::adamw", unit.name):  # a profiler range (--profile), free otherwise
-            step_unit(unit, work.tensors, work.views, groups, grad_scales.on(work.tensors[GRADS].device),
-                      self._cast_to(work))
+            step_unit(unit, work.tensors, work.views, groups, scales, self._cast_to(work))
+        p = unit.placement
+        if not p.master == p.grads == p.optim == Tier.DEVICE:  # a step on the host (`step_device`)
+            # The host's cores read each stepped gradient once (AdamW), and read and write it per multiplier.
+            stepped = sum(unit.trainable[i].numel for _, idx in groups for i in idx)
+            self.timers.add("host_grad_bytes", stepped * 4 * (1 + 2 * len(scales)))
         unit.version += 1  # new values: cached copies of the old ones are stale
         t2 = time.perf_counter()
         writes = self._write_back(work)
@@ -304,17 +312,5 @@ class StepRunner:
         unit.clear_grads()
         self.timers.add("optimizer_s", t2 - t1)
         self.timers.add("optimizer_io_wait_s", t1 - t0)
+        self.timers.since("optimizer_wall_s", t0)
         return writes
-
-    def step_units(self, work: list[Work], grad_scales: Multipliers) -> None:
-        """One optimizer step over `work`, in order; the scheduler preloads the next units while one is stepped
-        ([Note: moves]): up to `prefetch_depth` units are loading, as far as the speculative bound admits (deeper
-        read-ahead keeps more disk requests in flight, which is what a disk needs for bandwidth)."""
-        order = [unit.name for unit, _ in work]
-        units = {unit.name: unit for unit, _ in work}
-        run = {MoveKind.PRELOAD: lambda name: self.preload(units[name])}
-        for i, (unit, groups) in enumerate(work):
-            self.scheduler.issue(self.scheduler.preloads_ahead(order, i), run)
-            # Tracked at once, not awaited: the tracker forgets a finished write and keeps a failure for `check`.
-            self.writes.add(self.step_one(unit, groups, grad_scales))
-        self.writes.check()  # a write-back failed: its entry is stale, stop here

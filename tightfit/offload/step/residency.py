@@ -86,6 +86,8 @@ class Residency:
         unit = self.units[name]
         if unit.resident or unit.on_device:
             return True
+        if unit.stepping is not None and not unit.stepping.done():
+            return False  # its step is still writing its params: fetched once it is (materialise waits for it)
         if not self.meter.fits(unit.compute_bytes):
             return False
         self.meter.charge(unit.compute_bytes)

@@ -79,12 +79,16 @@ class Scheduler:
         return distinct(self.order[phase][: self.depth]) if self.recorded[phase] else []
 
     def visit(self, phase: StepPhase, unit: str) -> list[str]:
-        """Note that `unit` runs now; return the next `depth` units after it (none while recording)."""
+        """Note that `unit` runs now; return the next `depth` units after it (none while recording). Calls of one unit
+        in a row are one visit: a unit-major pass runs each unit's micro-batches back to back (step/unit_major.py)."""
         seq = self.order[phase]
         if not self.recorded[phase]:
-            seq.append(unit)
+            if not seq or seq[-1] != unit or self._cursor < 0:
+                seq.append(unit)
             self._cursor = len(seq) - 1
             return []
+        if 0 <= self._cursor < len(seq) and seq[self._cursor] == unit:
+            return distinct(seq[self._cursor + 1 : self._cursor + 1 + self.depth], exclude=unit)
         nxt = self._cursor + 1
         if nxt < len(seq) and seq[nxt] == unit:
             self._cursor = nxt

@@ -32,6 +32,17 @@ upload before its step was waited on by its backward, whose gradients the step w
 comes after the step (the same order the host compute copy had). Its compute-dtype values, where something asks
 for them outside a fetch, are the master cast (`read_params`).
 
+[Note: gradient sums on the device] In a unit-major pass (step/unit_major.py) a unit computes all M micro-batches of
+a step back to back, so its gradients are summed where they are computed and leave the device once, as the step's
+sum: no host pass adds micro-batches. With fp32 compute that sum is autograd's own `param.grad`, which it
+accumulates by `grad += new` in fp32: the host's `old + new`, the same bits. A narrower compute dtype would
+accumulate in that dtype; there each micro-batch's `param.grad` is folded, as it accumulates, into an fp32 sum on
+the device (`device_sums`, `fold_grad`: the first copied exactly, the next added in fp32, the host's upcast inside
+its add) and dropped. The sums leave as fp32 ([Note: gradients land converted] in gradients.py: into the host tier's
+sum itself, or an fp32 pack bound for NVMe), their norms taken on the device first. The device holds, per unit in
+backward, its fp32 sums and one micro-batch's gradients (`sum_bytes`, charged by the engine): two units' at once,
+as GreedySnake's two unit-sized buffers.
+
 [Note: views built once] A step, a gradient ship and a norm each work on per-parameter views of a unit's flat
 tensors, and building a view is a host-side call that costs more than a small parameter's kernels (on the CPU,
 0.2 ms per unit and step for a 12-parameter block: benchmarks/RESULTS.md, batch U). The views of a tensor that
@@ -47,6 +58,7 @@ from concurrent.futures import Future
 from enum import Enum
 
 import torch
+from torch._C import DisableTorchFunctionSubclass
 
 from tightfit.offload.memory_model import (
     PINNED_ENTRIES,
@@ -57,6 +69,7 @@ from tightfit.offload.memory_model import (
 )
 from tightfit.offload.placement import State, Tier, UnitPlacement
 from tightfit.offload.runtime.host_memory import Sizes
+from tightfit.offload.runtime.widening import add_widening
 from tightfit.offload.step.lifecycle import Event, GradsState, Lifecycle, ParamsState
 from tightfit.offload.step.units import UnitSpec, slot_views
 from tightfit.offload.tiers.stores import TierStore
@@ -123,6 +136,9 @@ class OffloadUnit:
         self.refresh = None
         self.version = 0  # +1 per optimizer step of the unit and per new values written: what cached copies hold
         self.flat_write: Future | None = None  # a step in place's write-back of `flat` ([Note: master from ...])
+        # The unit's optimizer step, queued or running on the step thread, until someone waited for it: what uses the
+        # unit's states waits first (engine.wait_step, [Note: steps under the next forward] in step_queue.py).
+        self.stepping: Future | None = None
         self.keeping_master = False  # a fetch's staging buffer is on its way to the host cache as the master
         # Backward bookkeeping (the thread running backward): trainable slot indices whose grad arrived in this
         # backward, and forward calls whose input-gradient hook has not fired yet.
@@ -134,6 +150,9 @@ class OffloadUnit:
         # loss-scaler overflow checks) and the pending accumulation of this unit (serialises micro-batches).
         self.grad_norms: list[torch.Tensor | None] = [None] * len(self.trainable)
         self.grad_pending: Future | None = None
+        # Per trainable slot, its gradient summed over a pass's micro-batches in fp32 on the device, until it leaves
+        # ([Note: gradient sums on the device]); None outside a pass's backward.
+        self.device_sums: list[torch.Tensor | None] = [None] * len(self.trainable)
         # Per trainable slot, Adam's step count (a float32 scalar, as torch.optim.AdamW keeps it). Host memory.
         self.steps: list[torch.Tensor | None] = [None] * len(self.trainable)
         # [Note: views built once]: entry (or FLAT_VIEWS) -> the trainable slots' views of it.
@@ -194,6 +213,37 @@ class OffloadUnit:
     def grad_bytes(self) -> int:
         """Bytes of the `param.grad`s autograd produces for this unit in one backward (compute dtype)."""
         return self.spec.train_numel * self.compute_dtype.itemsize
+
+    @property
+    def sum_bytes(self) -> int:
+        """Bytes of the fp32 gradient sums a pass keeps on the device ([Note: gradient sums on the device])."""
+        return self.spec.train_numel * 4
+
+    def fold_grad(self, i: int) -> None:
+        """Fold slot `i`'s `param.grad` into its fp32 sum on the device and drop it ([Note: gradient sums on the
+        device]); the thread running backward, right after autograd accumulated it."""
+        param = self.trainable[i].param
+        with DisableTorchFunctionSubclass():  # plain attribute access: the wrapped parameter's class is not asked
+            g = param.grad
+            if g is None:
+                return
+            param.grad = None
+        s = self.device_sums[i]
+        if s is None:
+            self.device_sums[i] = g.to(torch.float32, copy=True)
+        else:
+            add_widening(s, g)
+
+    def take_grad(self, i: int) -> torch.Tensor | None:
+        """Slot `i`'s gradient of this backward (its sum on the device, or autograd's `param.grad`), handed over:
+        neither is kept."""
+        param = self.trainable[i].param
+        with DisableTorchFunctionSubclass():
+            g = param.grad
+            param.grad = None
+        if self.device_sums[i] is not None:
+            g, self.device_sums[i] = self.device_sums[i], None
+        return g
 
     def stored_views(self, state: State, entry: str) -> list[torch.Tensor]:
         """The trainable slots' views of the unit's `entry` as its `state`'s tier stores it (an addressable tier's

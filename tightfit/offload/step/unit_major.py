@@ -1,0 +1,246 @@
+"""Unit-major accumulation: a step's M micro-batches run through the model one unit at a time, forward and backward.
+
+Why: in micro-batch-major order (each micro-batch's forward and backward before the next) every micro-batch fetches
+every streamed unit's params again and sends every unit's gradients off the device, where the host adds them into
+the step's sum: M crossings of the link and M - 1 passes over host memory for one step (the H200's 1.1B Llama at 32k
+tokens a step ran at 0.31x plain PyTorch, benchmarks/gpu-runs/2026-11-27c). Unit-major order runs each unit's M
+micro-batches back to back: its params are fetched once for all of them, its gradients are summed on the device and
+leave once ([Note: gradient sums on the device] in unit.py). GreedySnake calls this order vertical.
+
+How, with the model's own forward code (any model whose units form a chain, [Note: a chain of units]):
+- Forward. Each micro-batch's forward runs on a thread of its own, and one runs at a time (`_Baton`). A forward
+  pre-hook on each unit's first module stops the thread there and hands the turn back; the executor gives turns
+  round-robin in micro-batch order, so every micro-batch reaches unit k, then each runs through unit k in turn: the
+  unit computes its M micro-batches back to back, and the order of the device's kernels is the same in every run.
+- The cut. The same hook replaces each input of the unit that needs a gradient (a non-leaf tensor) by a detached
+  leaf that needs one: each micro-batch's graph becomes a chain of segments, segment s from the input of the unit
+  met s-th (segment 0 from the model's inputs) to the next unit's input (the last: to the loss).
+- Backward. Segment by segment from the loss back, within a segment micro-batch by micro-batch in order:
+  `torch.autograd.backward` of the segment's outputs (the tensors cut at the next unit) with the gradients the next
+  segment left on the leaves cut from them. Each parameter receives its micro-batches' gradients in micro-batch
+  order, as micro-batch-major order adds them: the same sums, bitwise in fp32. (A parameter two segments use, an
+  embedding tied to the head, receives its two uses' gradients in another order: equal within rounding.) After a
+  unit's segment, the engine is told (`micro_batch_done`); at the M-th its sums leave the device.
+
+[Note: a chain of units] The cut is exact when every non-leaf tensor that needs a gradient and enters a unit was made
+since the previous unit's input: then each segment's graph is its own, and backward through one segment touches no
+other. A tensor made earlier and passed to a later unit (one input to several units, as the tiles of a tiled layer
+share theirs; a skip connection from the embedding to every block) would join two segments' graphs. The hook refuses
+a tensor cut twice (`UsageError`); the planner checks the whole condition on the meta device before a run
+(`is_chain`) and plans micro-batch-major order for a model that fails it, saying why. Randomness in forward (dropout)
+draws from the generators in the order kernels run, which is not micro-batch-major order: the same distribution,
+other masks.
+
+Threads: the micro-batch threads live as long as the executor (`close`, also run by the engine's close); each runs
+its forward with the grad mode and intra-op thread count of the thread that called `run`. Only one of them runs at
+a time, and the caller waits meanwhile, so the engine's hooks see one micro-batch at a time, as they always did.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_map
+
+from tightfit.errors import UsageError
+from tightfit.offload.runtime.workers import set_own_threads
+
+_local = threading.local()  # .micro: the _MicroBatch whose forward this thread runs (None elsewhere)
+
+
+class _Aborted(BaseException):
+    """Unwinds a micro-batch's forward when another one failed."""
+
+
+class _Baton:
+    """Whose turn it is: the executor's caller (None) or one micro-batch. Exactly one of them runs."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._turn = None
+
+    def hand(self, to, me=None, wait: bool = True) -> None:
+        """Give the turn to `to`; then (`wait`) block until it comes back to `me`."""
+        with self._cv:
+            self._turn = to
+            self._cv.notify_all()
+            while wait and self._turn is not me:
+                self._cv.wait()
+
+    def wait(self, me) -> None:
+        with self._cv:
+            while self._turn is not me:
+                self._cv.wait()
+
+
+@dataclass
+class _Cut:
+    """What a unit's pre-hook cut from one micro-batch's graph: the tensors that entered it, the leaves it got."""
+
+    originals: list[torch.Tensor]
+    leaves: list[torch.Tensor]
+
+
+@dataclass
+class _MicroBatch:
+    """One micro-batch's forward, on a thread of its own that ends with it ([Note: one OpenMP pool per thread])."""
+
+    index: int
+    baton: _Baton
+    units: list[str] = field(default_factory=list)  # the units whose pre-hook it met, in order
+    cuts: list[_Cut | None] = field(default_factory=list)  # one per entry of `units`, freed after its backward
+    cut_ids: set[int] = field(default_factory=set)  # ids of the tensors cut so far (refused a second time)
+    loss: torch.Tensor | None = None
+    error: BaseException | None = None
+    finished: bool = False
+    abort: bool = False
+
+    def start(self, fn: Callable[[], torch.Tensor], grad: bool, threads: int, device: torch.device) -> None:
+        self.thread = threading.Thread(target=self._run, args=(fn, grad, threads, device), daemon=True,
+                                       name=f"tightfit-micro-batch-{self.index}")
+        self.thread.start()
+
+    def _run(self, fn, grad: bool, threads: int, device: torch.device) -> None:
+        self.baton.wait(self)
+        try:
+            if not self.abort:
+                _local.micro = self
+                set_own_threads(threads)
+                if device.type == "cuda":
+                    torch.cuda.set_device(device)
+                with torch.set_grad_enabled(grad):
+                    self.loss = fn()
+        except _Aborted:
+            pass
+        except BaseException as e:  # noqa: BLE001 - the executor's caller raises it
+            self.error = e
+        finally:
+            _local.micro = None
+            self.finished = True
+            self.baton.hand(None, wait=False)
+
+    def arrive(self, unit: str) -> None:
+        """This thread's forward reached `unit`: the turn goes back to the executor until it is this one's again."""
+        self.baton.hand(None, me=self)
+        if self.abort:
+            raise _Aborted()
+        self.units.append(unit)
+
+
+
+class UnitMajor:
+    """Runs a wrapped model's micro-batches unit by unit. `run(forwards)` is one step's accumulation: forward and
+    backward of every micro-batch; the optimizer step comes after, as always. Built once per model (its hooks stay
+    until `close`); harmless to forwards it does not run (evaluation, a micro-batch-major loop)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        from tightfit.offload.step.engine import engine_of
+
+        self.engine = engine_of(model)
+        self._baton = _Baton()
+        self._handles = []
+        for unit in self.engine.units.values():
+            if not unit.spec.is_root:
+                self._handles.append(unit.spec.modules[0].register_forward_pre_hook(
+                    self._hook(unit.name), with_kwargs=True, prepend=True))
+        self.engine.on_close.append(self.close)
+
+    def _hook(self, unit: str):
+        def cut(module, args, kwargs):
+            micro = getattr(_local, "micro", None)
+            if micro is None or micro.baton is not self._baton:
+                return None  # a forward this executor does not run
+            micro.arrive(unit)
+            originals, leaves = [], []
+
+            def leaf_of(t):
+                if not (isinstance(t, torch.Tensor) and t.requires_grad and not t.is_leaf):
+                    return t  # a parameter or a constant: no graph to cut
+                if id(t) in micro.cut_ids:
+                    raise UsageError(f"unit-major accumulation: a tensor enters {unit!r} that already entered another "
+                                     "unit of this micro-batch, so the units do not form a chain; use "
+                                     "--accumulation micro (micro-batch-major order)")
+                micro.cut_ids.add(id(t))
+                leaf = t.detach().requires_grad_(True)
+                originals.append(t)
+                leaves.append(leaf)
+                return leaf
+
+            args, kwargs = tree_map(leaf_of, (args, kwargs))
+            micro.cuts.append(_Cut(originals, leaves))
+            return args, kwargs
+
+        return cut
+
+    def run(self, forwards: list[Callable[[], torch.Tensor]], backward: Callable = lambda loss: loss,
+            before_backward: Callable[[], None] | None = None) -> list[torch.Tensor]:
+        """Forward and backward of each micro-batch (`forwards[m]()` returns its loss), unit by unit. `backward(loss)`:
+        the tensor to differentiate (a scaled loss); `before_backward()` runs between the two (a loop declares its
+        step there). Returns the losses, in micro-batch order."""
+        micro = [_MicroBatch(m, self._baton) for m in range(len(forwards))]
+        self.engine.begin_pass(len(micro))
+        try:
+            grad, threads = torch.is_grad_enabled(), torch.get_num_threads()
+            for mb, fn in zip(micro, forwards):
+                mb.start(fn, grad, threads, self.engine.device)
+            self._forward(micro)
+            for mb in micro:
+                mb.thread.join()  # its OpenMP pool goes with it ([Note: one OpenMP pool per thread])
+            if before_backward is not None:
+                before_backward()
+            self._backward(micro, backward)
+            return [mb.loss for mb in micro]
+        finally:
+            for mb in micro:
+                mb.cuts, mb.cut_ids = [], set()
+            self.engine.end_pass()
+
+    def _forward(self, micro: list[_MicroBatch]) -> None:
+        """Round-robin turns until every forward has finished; a failure stops the others and is raised."""
+        live = list(micro)
+        while live:
+            for mb in live:
+                self._baton.hand(mb)
+                if mb.error is not None:
+                    self._abort(micro)
+                    raise mb.error
+            live = [mb for mb in live if not mb.finished]
+        first = micro[0].units
+        for mb in micro[1:]:
+            if mb.units != first:
+                raise UsageError(f"unit-major accumulation: micro-batch {mb.index} met the units in another order "
+                                 f"than micro-batch 0 ({mb.units[:4]}... vs {first[:4]}...); use --accumulation "
+                                 "micro (micro-batch-major order)")
+
+    def _abort(self, micro: list[_MicroBatch]) -> None:
+        for mb in micro:
+            mb.abort = True
+        for mb in micro:
+            while not mb.finished:
+                self._baton.hand(mb)
+
+    def _backward(self, micro: list[_MicroBatch], backward: Callable) -> None:
+        """Segment by segment from the loss back; in each, micro-batch by micro-batch."""
+        segments = len(micro[0].units)
+        for s in range(segments, -1, -1):
+            for mb in micro:
+                if s == segments:
+                    if mb.loss.requires_grad:
+                        torch.autograd.backward(backward(mb.loss))
+                else:
+                    cut, mb.cuts[s] = mb.cuts[s], None  # its leaves' gradients go with it
+                    pairs = [(o, leaf.grad) for o, leaf in zip(cut.originals, cut.leaves) if leaf.grad is not None]
+                    if pairs:
+                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                if s > 0:
+                    self.engine.micro_batch_done(mb.units[s - 1])
+
+    def close(self) -> None:
+        """Remove the hooks. Idempotent."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []

@@ -1,0 +1,91 @@
+"""Do a model's units form a chain? The condition unit-major accumulation needs, checked on the planner's meta trace.
+
+Unit-major accumulation (offload/step/unit_major.py) cuts each micro-batch's graph at every unit's input and runs
+backward one segment at a time ([Note: a chain of units] there). That is exact when the segments' graphs are apart:
+every non-leaf tensor that needs a gradient and enters a unit was made since the previous unit's input. The planner's
+trace runs one forward of the model on the meta device (model_profile.py); this records what enters each unit and
+walks the graph backwards from the loss, segment by segment, each walk stopping at the tensors that entered the unit
+opening its segment. A node reached from two segments, a tensor entering two units, or a walk that reaches the
+tensors of an earlier unit than its own is a join: the answer is then why not, in one line, which the plan prints.
+
+The walk follows autograd's edges `(node, output index)`: a tensor that entered a unit stops a walk only through
+the output it is, so an op whose one output entered a unit and another went on beside it is seen as the join it is.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+
+class ChainCheck:
+    """Records the tensors that enter each unit during one forward (`enter`, from the units' pre-hooks), then says
+    whether the units form a chain (`verdict`)."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[str, list[tuple[object, int]]]] = []  # (unit, its inputs' (grad_fn, output index))
+        self._seen: dict[tuple[object, int], str] = {}  # an input's edge -> the unit it entered
+        self.problem = ""
+
+    def enter(self, unit: str, args, kwargs) -> None:
+        """Record what enters `unit`: by autograd edge, not by tensor (holding the tensors would keep activations
+        alive that the trace measures the life of)."""
+        edges = []
+        for t in tree_leaves((args, kwargs)):
+            if not (isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None):
+                continue
+            edge = (t.grad_fn, t.output_nr)
+            if edge in self._seen and not self.problem:
+                self.problem = f"one tensor enters both {self._seen[edge]} and {unit}"
+            self._seen[edge] = unit
+            edges.append(edge)
+        self.entries.append((unit, edges))
+
+    def verdict(self, loss: torch.Tensor) -> str:
+        """"" when the units form a chain, else why not. Call after forward, before backward (it walks the graph);
+        it lets go of what it recorded, so the tensors it held die when backward frees them (the trace measures when
+        activations are freed)."""
+        try:
+            return self._verdict(loss)
+        finally:
+            self.entries, self._seen = [], {}
+
+    def _verdict(self, loss: torch.Tensor) -> str:
+        if self.problem:
+            return self.problem
+        if not self.entries:
+            return "the model has no units besides its root"
+        owner: dict[int, int] = {}  # id(node) -> the segment that reached it
+        stops = [set(edges) for _, edges in self.entries]
+        starts = [[loss.grad_fn] if loss.grad_fn is not None else []]
+        for s in range(len(self.entries) - 1, -1, -1):
+            starts.append([node for node, _ in self.entries[s][1]])
+        for k, roots in enumerate(starts):
+            s = len(self.entries) - k  # segment s runs from entry s-1 (its stops) to entry s (or the loss)
+            mine = stops[s - 1] if s > 0 else set()
+            earlier = set().union(*stops[: max(0, s - 1)]) if s > 1 else set()
+            todo = [n for n in roots if n is not None]
+            while todo:
+                node = todo.pop()
+                if id(node) in owner:
+                    if owner[id(node)] != s:
+                        return self._join(s, owner[id(node)])
+                    continue
+                owner[id(node)] = s
+                for nxt, nr in node.next_functions:
+                    if nxt is None or (nxt, nr) in mine:
+                        continue
+                    if (nxt, nr) in earlier:
+                        return self._join(s, next(i for i in range(s - 1) if (nxt, nr) in stops[i]) + 1)
+                    if type(nxt).__name__ != "AccumulateGrad":
+                        todo.append(nxt)
+        return ""
+
+    def _join(self, a: int, b: int) -> str:
+        """Why segments `a` and `b` are not apart: their walks met (the later one uses a tensor made before the
+        earlier one's start)."""
+        early, late = sorted((a, b))
+        used = f"{self.entries[late - 1][0]} and the code after it"
+        if early == 0:
+            return f"a tensor made before the first unit is used by {used}"
+        return f"a tensor made before {self.entries[early - 1][0]}'s input is used by {used}"
