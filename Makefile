@@ -30,7 +30,8 @@ test-faults: $(STAMP)
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m cuda
 
-# On a machine with a CUDA GPU: the CUDA tests and the GPU benchmarks (about 7.5 min on an H200), figures to runs/gpu-check/.
+# On a machine with a CUDA GPU: the CUDA tests and the GPU benchmarks (stage limits 360 s by default; GPU_CHECK_STAGES
+# picks others: big, the 7B under 24 GiB; fsdp; parts), figures to runs/gpu-check/.
 # No .venv needed: it uses the machine's own CUDA torch and installs nothing from a registry (scripts/gpu_check.sh).
 gpu-check:
 	bash scripts/gpu_check.sh

@@ -10,7 +10,8 @@ parameters). Where transformers is not installed, the project's own GPT (tightfi
 size stands in (20 layers, width 2048, vocab 32000: 1.14 B), and the figures say so (`model`, `model_note`).
 
 Sides, each in its own process on a GPU (bench_gpu_util.py), on the same weights (seeded CPU init), batches of
-random tokens, bf16 compute with fp32 master weights, AdamW without clipping:
+random tokens, bf16 compute with fp32 master weights, AdamW (without clipping unless `--clip`), each step's micro-batches
+run as `tightfit train` runs them (MemorySetup.accumulate: in unit-major order where the side's plan chose it):
 - plain: `tightfit train --offload none`'s setup: fp32 parameters, gradients and moments on the GPU, bf16 autocast,
   `torch.optim.AdamW(fused=True)`, under the same cap. Where that does not fit (out of memory), `plain-uncapped`
   runs the same on the whole GPU: plain PyTorch's speed where it fits at all.
@@ -118,7 +119,7 @@ def run_side(args, side: str) -> dict:
     cfg.train.precision = "bf16"
     # The plan predicts the step the side runs: the host side's micro-batches are the plan's grad-accum.
     cfg.train.grad_accum = args.host_accum if side == "tightfit-host" else 1
-    cfg.optim.grad_clip, cfg.optim.lr, cfg.optim.weight_decay = 0.0, 1e-4, 0.1
+    cfg.optim.grad_clip, cfg.optim.lr, cfg.optim.weight_decay = args.clip, 1e-4, 0.1
     cfg.memory.offload = {"plain": "none", "plain-uncapped": "none", "tightfit": "auto", "tightfit-host": "host",
                           "tightfit-nvme": "nvme"}[side]
     if side == "tightfit-nvme":
@@ -143,16 +144,19 @@ def run_side(args, side: str) -> dict:
 
             timers = engine_of(mem.model).timers  # the engine's threads over the measured steps
 
+        def forward(x, y):
+            with autocast():
+                return compute(x, y) / accum
+
         def step(x, y) -> float:
-            total = torch.zeros((), device=device)  # summed on the device, as `tightfit train` does: one host
-            for micro in range(accum):  # sync a step. Micro-batch 0 is (x, y); the others the batches after it
-                if micro:
-                    x, y = batch_of(10_000 + micro)
-                with autocast():
-                    loss = compute(x, y) / accum
-                mem.backward(loss, last=micro == accum - 1)
-                total += loss.detach()
-            mem.clip_and_step(0.0)
+            # As `tightfit train` runs a step: its micro-batches in the plan's order (unit- or micro-batch-major,
+            # MemorySetup.accumulate), the loss summed on the device (one host sync a step), the clip, the step.
+            # Micro-batch 0 is (x, y); the others the batches after it.
+            batches = [(x, y)] + [batch_of(10_000 + m) for m in range(1, accum)]
+            total = torch.zeros((), device=device)
+            for loss in mem.accumulate([lambda x=x, y=y: forward(x, y) for x, y in batches]):
+                total += loss
+            mem.clip_and_step(args.clip)
             return total.item()
 
         tokens = accum * args.batch * args.seq
@@ -166,6 +170,7 @@ def run_side(args, side: str) -> dict:
             out["plan_vs_measured"] = mem.plan_record(out["median_step_s"])
             out["placement"] = util.placement_of(mem)  # what replay_gpu_plans.py predicts again
             out["moved_per_step"] = util.moved_per_step(mem.model, args.steps)
+            out["accumulation"] = mem.plan.accumulation  # unit- or micro-batch-major (MemorySetup.accumulate)
         return out
     finally:
         mem.close()
@@ -194,6 +199,7 @@ def parse_args(argv=None):
     ap.add_argument("--nvme", default=None, help="swap folder of the tightfit-nvme side (default: a temporary one)")
     ap.add_argument("--host-accum", type=int, default=1, help="micro-batches per step of the tightfit-host side "
                     "(8: 32k tokens per step at 2 x 2048, where the CPU optimizer's time is spread over them)")
+    ap.add_argument("--clip", type=float, default=0.0, help="gradient clipping of every side (0: none)")
     ap.add_argument("--json-out", default=None, help="also write the figures to this file")
     ap.add_argument("--isolate", action="store_true", help="each side in its own process on the CPU too "
                     "(always so on a GPU)")
@@ -214,7 +220,7 @@ def parse_args(argv=None):
 
 def _child_argv(args) -> list[str]:
     keys = ("model", "layers", "gpt_layers", "hidden", "intermediate", "heads", "kv_heads", "vocab", "batch", "seq",
-            "steps", "warmup", "cap_gib", "gpu_mem_gib", "device", "nvme", "host_accum")
+            "steps", "warmup", "cap_gib", "gpu_mem_gib", "device", "nvme", "host_accum", "clip")
     argv = []
     for k in keys:
         if getattr(args, k) is not None:

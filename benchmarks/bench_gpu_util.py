@@ -112,6 +112,8 @@ def moved_per_step(model, steps: int) -> dict:
         out.update(nvme_read=st["bytes_read"] / steps, nvme_written=st["bytes_written"] / steps)
     out["cpu_optimizer_params"] = sum(u.spec.train_numel for u in engine.units.values()
                                       if u.placement.optim != Tier.DEVICE)
+    counted = engine.counters()  # [Note: engine counters]: the same figures tightfit train logs per step
+    out["engine_counters"] = {k: v / steps for k, v in counted.items()}
     return out
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# `make gpu-check`: on a machine with a CUDA GPU, in one call (about 7.5 minutes on one H200; its stages' limits sum
-# to 9, so a device call of 10 minutes ends with its report), run the CUDA tests, measure the machine's floors, run
-# the default `tightfit train` and the GPU benchmarks, and leave four
+# `make gpu-check`: on a machine with a CUDA GPU, in one call (its default stages' limits sum to 360 s, so a session
+# of 15 device minutes has room to run it twice, or it and `GPU_CHECK_STAGES="big fsdp"`), run the CUDA tests,
+# measure the machine's floors, run the default `tightfit train` and the 1.1B Llama's host side, and leave four
 # files in runs/gpu-check/: figures.json and figures.md (every figure), gpu-check.log (every stage's output) and
 # parts.tar.gz (what the stages wrote: JUnit XML, each benchmark's JSON, the train run's metrics, env.json).
 #
@@ -13,26 +13,32 @@
 #     tightfit there with `pip install --no-index --no-deps --no-build-isolation -e .` (nothing fetched: the build
 #     uses the setuptools already there); where pip cannot, a .pth file naming this checkout does the same job;
 #   - where no virtual environment can be made, runs everything with PYTHONPATH=. (tightfit from this checkout).
-# Stages, each under a time limit (seconds; they sum to 585; what each took on an H200 on 2026-11-26 and 27):
-#   tests  (170)  pytest -m cuda tests/test_offload_cuda.py (the H200 deadlock's scenario among them; 123 s for 31
+# Stages, each under a time limit (seconds; the default ones, tests floors train llama, sum to 360; what each took
+# on an H200 on 2026-11-26 and 27):
+#   tests  (155)  pytest -m cuda tests/test_offload_cuda.py (the H200 deadlock's scenario among them; 123 s for 31
 #                 tests on 2026-11-27; the 32nd, a fresh process's CUDA floor, 16 s alone: at 150 s the stage stopped
 #                 in it on a slower host)
-#   floors (35)   benchmarks/bench_gpu_floors.py: CPU AdamW on every thread, at the engine's step-thread counts and
+#   floors (30)   benchmarks/bench_gpu_floors.py: CPU AdamW on every thread, at the engine's step-thread counts and
 #                 at the probe's size, H2D/D2H alone and both at once, the disk under the swap folder (24 s), and
 #                 the host's contention (the widening add and AdamW beside each other and the copies: a few s more)
-#   train  (90)   tightfit train, the default run (the README's `make train`) on the GPU: the probe first (32 s on
+#   train  (80)   tightfit train, the default run (the README's `make train`) on the GPU: the probe first (32 s on
 #                 a machine it has not measured), then 1500 steps (~30 s)
-#   fsdp   (150)  benchmarks/bench_offload_fsdp.py: tightfit vs FSDP2 + CPUOffloadPolicy under an 8 GiB cap, and
+#   fsdp   (150)  opt-in since the default list was cut to 360 s: benchmarks/bench_offload_fsdp.py: tightfit vs FSDP2 + CPUOffloadPolicy under an 8 GiB cap, and
 #                 tightfit with its budget at FSDP2's peak where it reserved more (~40 s a side, 129 s on 2026-11-27);
 #                 GPU_CHECK_FSDP_CASTS=1 adds a fourth side, the plan with the CPU's step casting the masters where
 #                 the plan had the GPU cast them (decision 8), and 40 s to the stage's limit
-#   llama  (140)  benchmarks/bench_gpu_llama.py: TinyLlama-1.1B's shape under a 24 GiB cap: plain PyTorch on the
-#                 whole GPU, tightfit's plan, every state on host (32k tokens per step) (~40 s a side; the host side
-#                 took 8.3 s a step on a slower host, where the stage's limit stopped it);
-#                 GPU_CHECK_LLAMA_NVME=1 adds every state on NVMe (not timed on a GPU yet)
+#   llama  (95)   benchmarks/bench_gpu_llama.py: TinyLlama-1.1B's shape under a 24 GiB cap: plain PyTorch on the
+#                 whole GPU, and every state on host (32k tokens a step, clipped; ~40 s a side; the host side took
+#                 8.3 s a step on a slower host, in micro-batch-major order); GPU_CHECK_LLAMA_PLAN=1 adds tightfit's
+#                 plan under the cap (40 s more), GPU_CHECK_LLAMA_NVME=1 every state on NVMe (not timed on a GPU yet)
 #   parts  (150)  opt-in, not in the default list: benchmarks/bench_step_parts.py, where a launch-bound step's
 #                 time goes (the probe's host figures in fp32 and under autocast, the default model's and the 1.1B
 #                 Llama's steps by phase, the kernels they launch and the share of the step the GPU is busy)
+#   big    (300)  opt-in, not in the default list: benchmarks/bench_gpu_big.py, a Llama-2-7B under a 24 GiB cap
+#                 trained by `tightfit train` (meta-device build, states placed by the plan for this machine's GPU,
+#                 RAM and the swap folder's disk; bf16, clipping, 32k tokens a step; up to 200 s), then the 1.1B
+#                 Llama with every state on the host at 32k and 128k tokens a step against plain PyTorch (45 s each;
+#                 not run on a GPU yet: the limits are estimates)
 # GPU_CHECK_STAGES="tests fsdp" runs some of them (a stage run again replaces only its own results, so stages run
 # one call at a time end in the same report); GPU_CHECK_OUT changes the folder. Exit status 0 when every stage ran
 # and passed. GPU_CHECK_SMOKE=1 checks this script itself on a machine without a GPU: any torch will do, the tests
@@ -41,7 +47,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${GPU_CHECK_OUT:-runs/gpu-check}
 venv=${GPU_CHECK_VENV:-runs/gpu-venv}
-stages=${GPU_CHECK_STAGES:-tests floors train fsdp llama}
+stages=${GPU_CHECK_STAGES:-tests floors train llama}
 parts="$out/parts"  # the stages' files, packed into parts.tar.gz at the end
 mkdir -p "$out" "$parts"
 [ -f "$out/parts.tar.gz" ] && tar -xzf "$out/parts.tar.gz" -C "$parts" 2>/dev/null  # stages run before stay
@@ -140,9 +146,11 @@ else
     train_shape=()
     fsdp_shape=(--layers 24 --embd 2048 --batch 2 --seq 1024 --cap-gib 8 --steps 5 --warmup 2)
     [ "${GPU_CHECK_FSDP_CASTS:-0}" = 1 ] && fsdp_shape+=(--compare-casts)
-    llama_sides=plain-uncapped,tightfit,tightfit-host
-    [ "${GPU_CHECK_LLAMA_NVME:-0}" = 1 ] && llama_sides+=,tightfit-nvme
-    llama_shape=(--cap-gib 24 --steps 4 --warmup 1 --sides "$llama_sides" --host-accum 8)
+    llama_sides=plain-uncapped,tightfit-host
+    llama_limit=95
+    [ "${GPU_CHECK_LLAMA_PLAN:-0}" = 1 ] && llama_sides+=,tightfit && llama_limit=$((llama_limit + 40))
+    [ "${GPU_CHECK_LLAMA_NVME:-0}" = 1 ] && llama_sides+=,tightfit-nvme && llama_limit=$((llama_limit + 60))
+    llama_shape=(--cap-gib 24 --steps 4 --warmup 1 --sides "$llama_sides" --host-accum 8 --clip 1.0)
 fi
 for stage in $stages; do
     case $stage in
@@ -151,15 +159,15 @@ for stage in $stages; do
         # A hung test fails alone where pytest-timeout is installed; else the stage's limit stops them all.
         per_test=()
         "$py" -c "import pytest_timeout" >/dev/null 2>&1 && per_test=(--timeout=60)
-        run_stage tests 170 "$py" -m pytest -v --durations=10 -m cuda -p no:cacheprovider tests/test_offload_cuda.py \
+        run_stage tests 155 "$py" -m pytest -v --durations=10 -m cuda -p no:cacheprovider tests/test_offload_cuda.py \
             --junitxml="$parts/cuda-tests.xml" "${per_test[@]}" "${collect[@]}" ;;
     floors)
         rm -f "$parts/bench_gpu_floors.json"
-        run_stage floors 35 "$py" benchmarks/bench_gpu_floors.py --nvme "$swap/floors" "${floors_shape[@]}" \
+        run_stage floors 30 "$py" benchmarks/bench_gpu_floors.py --nvme "$swap/floors" "${floors_shape[@]}" \
             --json-out "$parts/bench_gpu_floors.json" ;;
     train)
         rm -rf "$parts/train"
-        run_stage train 90 "$py" -m tightfit.cli train --out-dir "$swap/train" "${train_shape[@]}"
+        run_stage train 80 "$py" -m tightfit.cli train --out-dir "$swap/train" "${train_shape[@]}"
         mkdir -p "$parts/train"
         cp "$swap/train/metrics.jsonl" "$parts/train/" 2>/dev/null ;;
     fsdp)
@@ -168,8 +176,14 @@ for stage in $stages; do
             --json-out "$parts/bench_offload_fsdp.json" ;;
     llama)
         rm -f "$parts/bench_gpu_llama.json"
-        run_stage llama 140 "$py" benchmarks/bench_gpu_llama.py "${llama_shape[@]}" --nvme "$swap/llama" \
+        run_stage llama "${llama_limit:-95}" "$py" benchmarks/bench_gpu_llama.py "${llama_shape[@]}" --nvme "$swap/llama" \
             --json-out "$parts/bench_gpu_llama.json" ;;
+    big)  # opt-in (GPU_CHECK_STAGES=big): the 7B under 24 GiB, and the 1.1B host sides at 32k and 128k tokens
+        rm -f "$parts/bench_gpu_big.json"
+        big_shape=()
+        [ "$smoke" = 1 ] && big_shape=(--smoke --timeout-7b 120 --timeout-host 60)
+        run_stage big 300 "$py" benchmarks/bench_gpu_big.py --nvme "$swap/big" "${big_shape[@]}" \
+            --json-out "$parts/bench_gpu_big.json" ;;
     parts)  # opt-in (GPU_CHECK_STAGES=parts): where a step's host and GPU time go, default model and Llama
         rm -f "$parts/bench_step_parts.json"
         parts_shape=(--device cuda --reps 30 --llama-layers 22)
@@ -177,7 +191,8 @@ for stage in $stages; do
         run_stage parts 150 "$py" benchmarks/bench_step_parts.py "${parts_shape[@]}" \
             --json-out "$parts/bench_step_parts.json" ;;
     *)
-        echo "gpu-check: unknown stage '$stage' (GPU_CHECK_STAGES takes tests, floors, train, fsdp, llama, parts)" >&2
+        echo "gpu-check: unknown stage '$stage' (GPU_CHECK_STAGES takes tests, floors, train, fsdp, llama, parts," \
+            "big)" >&2
         exit 2 ;;
     esac
 done

@@ -22,7 +22,8 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-BENCHES = {"floors": "bench_gpu_floors.json", "fsdp": "bench_offload_fsdp.json", "llama": "bench_gpu_llama.json"}
+BENCHES = {"floors": "bench_gpu_floors.json", "fsdp": "bench_offload_fsdp.json", "llama": "bench_gpu_llama.json",
+           "big": "bench_gpu_big.json"}
 MODULES = ("pytest", "psutil", "numpy", "safetensors", "transformers", "setuptools")
 
 
@@ -302,7 +303,41 @@ def markdown(f: dict) -> str:
             lines += ["", f"Every state on host, {host.get('tokens_per_step', 0):,} tokens per step: "
                       f"{host['tokens_per_s_over_plain']:.2f}x plain PyTorch's tokens/s on the whole GPU."]
         lines.append("")
+    lines += _big_lines(f.get("big"))
     return "\n".join(lines)
+
+
+def _big_lines(b: dict | None) -> list[str]:
+    """The 7B under a 24 GiB cap, and the 1.1B with every state on the host at 32k and 128k tokens a step."""
+    if not b:
+        return []
+    lines = ["## A model several times the GPU: Llama-2-7B under 24 GiB (`benchmarks/bench_gpu_big.py`)", ""]
+    r = b.get("7b", {})
+    if "median_step_s" in r:
+        pe = r.get("plan_errors", {})
+        peak = (r.get("peak_memory") or {}).get("cuda_allocated")
+        eng = r.get("engine_per_step", {})
+        lines += [f"{r['params'] / 1e9:.2f} B parameters, {r['tokens_per_step']:,} tokens a step: step "
+                  f"{r['median_step_s']:.2f} s (median after the first), {r['tokens_per_s']:,.0f} tokens/s, "
+                  f"{r['tflops']:.0f} TFLOPS (6 x N x tokens/s), MFU {100 * r['mfu']:.1f}% of 989 TFLOP/s; CUDA "
+                  f"peak allocated {_gib(peak)}; the plan's step {pe.get('step_s', 0):+.0%}, device peak "
+                  f"{pe.get('device_peak', 0):+.0%}, RSS {pe.get('rss_peak', 0):+.0%} off the measured.",
+                  "", "Engine per step: " + ", ".join(
+                      f"{k} {v / 1e9:.2f} GB" if k.endswith("bytes") else f"{k} {v:.3g}" for k, v in eng.items()),
+                  ""]
+    elif r:
+        lines += [f"7B: {r.get('error', 'no step logged')}", ""]
+    for name, label in (("host_32k", "32k"), ("host_128k", "128k")):
+        h = b.get(name, {})
+        side = h.get("tightfit-host", {})
+        if "tokens_per_s" in side:
+            ratio = h.get("tokens_per_s_over_plain")
+            lines.append(f"1.1B, every state on host, {label} tokens a step ({side.get('accumulation', '?')}-major): "
+                         f"{side['tokens_per_s']:,.0f} tokens/s"
+                         + (f", {ratio:.2f}x plain PyTorch on the whole GPU" if ratio else ""))
+        elif h:
+            lines.append(f"1.1B host side at {label}: {h.get('error', 'no figures')}")
+    return lines + [""]
 
 
 def _plan_lines(bench: dict, sides: tuple[str, ...]) -> list[str]:

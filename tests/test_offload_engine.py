@@ -300,43 +300,69 @@ def test_nvme_io_settings_given_to_wrap_reach_the_store(tmp_path):
 
 
 def test_step_after_backward_reads_nothing_once_preloaded(tmp_path):
-    """With clipping the step must wait for backward; `preload_during_backward` loads each unit's master and
-    moments while backward runs and keeps the final gradients in memory, so the step after it reads nothing from
-    disk. Losses: bitwise torch's."""
+    """With clipping the steps must wait for backward; `preload_during_backward` loads the master and moments of
+    the units the next forward needs first while backward runs ([Note: steps under the next forward]), and keeps the
+    final gradients in memory; the step thread loads each other unit's ahead of its step, one unit ahead (the
+    placement's prefetch depth). So no unit's step reads its states itself: every load is a preload. Losses:
+    bitwise torch's."""
+    import threading
     from collections import Counter
+
+    from tightfit.offload.step.optimizer import StepRunner
 
     placement = Placement.everywhere(Tier.NVME, nvme_dir=str(tmp_path / "swap"), prefetch_depth=1)
     torch.manual_seed(0)
     model = tightfit.wrap(tiny_gpt(), placement)
+    engine = engine_of(model)
     opt = AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    store = engine_of(model).stores[Tier.NVME]
+    store = engine.stores[Tier.NVME]
     phase = ["backward"]
+    local = threading.local()
     reads: Counter = Counter()
     load = store.load
+    preload = StepRunner.preload
 
     def counting_load(unit, entry, dst, urgent=False):
-        reads[(phase[0], entry)] += 1
+        where = getattr(local, "where", None) or (
+            "step" if threading.current_thread().name == "tightfit-step" else phase[0])
+        reads[(where, entry)] += 1
         return load(unit, entry, dst, urgent)
 
+    def labelled_preload(self, unit, in_flat=False):
+        local.where = "preload during backward" if engine.phase.value == "backward" else "preload ahead of a step"
+        try:
+            return preload(self, unit, in_flat)
+        finally:
+            local.where = None
+
     store.load = counting_load
+    StepRunner.preload = labelled_preload
     losses = []
-    for step in range(3):
-        phase[0] = "forward"
-        loss = loss_of(model, *batch(step))
-        opt.preload_during_backward()
-        phase[0] = "backward"
-        loss.backward()
-        phase[0] = "step"
-        opt.clip_grad_norm_(0.05)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    units = len(engine_of(model).units)
-    assert not [key for key in reads if key[0] == "step"], reads
+    try:
+        for step in range(3):
+            phase[0] = "forward"
+            loss = loss_of(model, *batch(step))
+            opt.preload_during_backward()
+            phase[0] = "backward"
+            loss.backward()
+            phase[0] = "after backward"
+            opt.clip_grad_norm_(0.05)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        engine.wait_steps()
+    finally:
+        StepRunner.preload = preload
+    units = len(engine.units)
+    assert not [key for key in reads if key[0] in ("step", "after backward")], reads  # no step loads its own
     assert reads[("backward", "grads")] == 0
-    assert reads[("backward", "exp_avg")] == reads[("backward", "exp_avg_sq")] == 2 * units  # none in step 0
+    first = 1 + len(engine.scheduler.first("forward"))  # the root, and the next forward's first blocks
+    # Moments exist from step 1 on: steps 1 and 2 load them, the first units' during backward, the others ahead.
+    assert reads[("preload during backward", "exp_avg")] == reads[("preload during backward", "exp_avg_sq")] == (
+        2 * first)
+    assert reads[("preload ahead of a step", "exp_avg")] == 2 * (units - first)
     assert losses == train(tiny_gpt, steps=3, clip=0.05)[0]
-    engine_of(model).close()
+    engine.close()
 
 
 def test_a_wrongly_declared_last_micro_batch_changes_nothing(tmp_path):

@@ -222,11 +222,11 @@ def test_llama2_7b_on_a_24gib_gpu_matches_the_documented_arithmetic(tmp_path, ca
     # uploaded masters and the host keeps no compute copy of them (decision 8), for 21 ms more a step than with the
     # CPU's step casting them, in 1.9 GiB less of the GPU.
     assert "params: 12 unit(s) on host, 21 unit(s) on device" in out
-    assert re.search(r"device: 3.4 GiB less than the fullest plan, for a predicted step within 3% of its 22781 ms "
+    assert re.search(r"device: 3.4 GiB less than the fullest plan, for a predicted step within 3% of its 22298 ms "
                      r"\(bound by nvme", out), out
     assert re.search(r"masters: uploaded as fp32 and cast to the compute dtype by the GPU, with no compute copy on "
                      r"the host: 1.9 GiB less of the GPU's memory for a step within 3% of the CPU's step casting "
-                     r"them \(22823 ms against 22802 ms\)", out), out
+                     r"them \(22340 ms against 22319 ms\)", out), out
     g_dev = int(re.search(r"grads: (\d+) unit\(s\) on device", out).group(1))
     opt_nvme = int(re.search(r"master \+ optimizer: \d+ unit\(s\) on host, (\d+) unit\(s\) on nvme", out).group(1))
     assert (g_dev, opt_nvme) == (4, 22)
@@ -268,7 +268,11 @@ def test_llama2_7b_on_a_24gib_gpu_matches_the_documented_arithmetic(tmp_path, ca
     step = _step_s(out)
     exposed = float(re.search(r"exposed latency ([0-9.]+) ms", out).group(1)) / 1e3  # the root's first fetch
     assert exposed == pytest.approx(4 * root / hw.h2d_bw, abs=1e-3)  # its fp32 master
-    assert step == pytest.approx(max(compute, d2h / hw.d2h_bw) + disk + exposed, abs=1e-3)
+    # The optimizer's disk work runs on the step thread under the next forward ([Note: the step under the next
+    # forward] in costs.py): the step is phase A, what of that work the forward does not hide, and the latency.
+    hidden = disk - float(re.search(r"what the next forward does not hide ([0-9.]+) ms", out).group(1)) / 1e3
+    assert 0 < hidden < compute / 3  # at most the forward's share of the compute
+    assert step == pytest.approx(max(compute, d2h / hw.d2h_bw) + disk - hidden + exposed, abs=1e-3)
     assert "bottleneck: nvme" in out
     # Budgets: the GPU's 24 GiB less 8% headroom; the host's 60 GiB available less the 3 GiB floor and 10% of RAM.
     assert rows["device"][2] == format_size(24 * GiB - int(0.08 * 24 * GiB))
@@ -410,11 +414,11 @@ def test_the_plan_says_what_more_memory_buys(tmp_path, capsys):
                         "1", "--seq-len", "4096", "--nvme", "/mnt/swap")
     assert rc == 0, err
     m = re.search(r"what more memory buys \(the step is bound by nvme\): 2x the GPU memory \(--gpu-mem ([0-9.]+) "
-                  r"GiB\): 22823 -> ([0-9]+) ms; 2x the host memory \(--cpu-mem ([0-9.]+) GiB\): 22823 -> ([0-9]+) ms",
+                  r"GiB\): 22340 -> ([0-9]+) ms; 2x the host memory \(--cpu-mem ([0-9.]+) GiB\): 22340 -> ([0-9]+) ms",
                   out)
     assert m, out
     gpu, host = int(m.group(2)), int(m.group(4))
-    assert host < 22823 / 2 and host < gpu < 22823 * 0.97
+    assert host < 22340 / 2 and host < gpu < 22340 * 0.97
 
 
 @pytest.mark.parametrize("name,workspace", [("h200", 64), ("h100-pcie", 32), ("a100-80gb", 8), ("rtx4090", 8)])

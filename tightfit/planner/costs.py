@@ -141,8 +141,13 @@ class Prediction:
     optim_after_s: float = 0.0
     """Of the CPU optimizer's time on a GPU machine, what runs after phase A: all of it with clipping, less when
     each unit steps under the last backward ([Note: the step under backward])."""
+    optim_exposed_s: float = 0.0
+    """Of `optim_after_s` (with its disk and upload), what the next forward cannot hide and adds to the step ([Note:
+    the step under the next forward])."""
     exposed_s: float = 0.0
     """Latency nothing hides: fetching the first units before compute can start."""
+    phase_a_s: float = 0.0
+    """Phase A: the forward and backward of every micro-batch, with the streams that overlap them."""
     step_s: float = 0.0
     """Predicted step time under the overlap model."""
     bottleneck: str = ""
@@ -533,6 +538,40 @@ def last_passes_end(profile: ModelProfile, placement: Placement, hw: HardwarePro
     return end
 
 
+# [Note: the step under the next forward] The steps left after backward (every unit's with a clip, the last ones'
+# without) run on the step thread under the next forward, in its order (offload/step/step_queue.py): the forward
+# reaches unit k after the units before it, and waits there only if the step thread has not stepped unit k by then.
+# The wait is what adds to the step. The root's step comes first and its forward (the embedding) is not worth
+# counting, so it waits whole; a block's forward is one micro-batch's in micro-batch-major order (the first
+# micro-batch of the next step needs the unit stepped), all of them in unit-major order. The work left is the steps
+# of the units backward reached last, which are the first the next forward needs: it is laid on the units in the
+# forward's order, each up to its whole step (the optimizer's time split among the units by their trainable
+# parameters: it is per parameter), stretched where the work is bound by the disk or the uploads rather than the CPU.
+
+
+def optimizer_under_forward(profile: ModelProfile, placement: Placement, hw: HardwareProfile, shape: TrainShape,
+                            after_s: float, whole_s: float) -> float:
+    """Seconds of the optimizer's `after_s` (its work left after backward: CPU, disk and uploads) that the next
+    forward cannot hide, out of a whole step's CPU optimizer time `whole_s` ([Note: the step under the next
+    forward])."""
+    cpu = [(u, u.trainable) for u in profile.units if u.trainable and not _optimizer_on_device(placement, u.name)]
+    total = sum(n for _, n in cpu)
+    if not total or after_s <= 0:
+        return max(0.0, after_s)
+    reps = shape.grad_accum if shape.unit_major else 1
+    fwd = {u.name: reps * work_time(u.fwd, hw) for u in profile.units if u.name != ROOT_UNIT}
+    order = [(u, n) for u, n in cpu if u.name == ROOT_UNIT] + [(u, n) for u, n in cpu if u.name != ROOT_UNIT]
+    stretch = max(1.0, after_s / whole_s) if whole_s > 0 else 1.0
+    left, stepped, reached, exposed = after_s, 0.0, 0.0, 0.0
+    for u, n in order:
+        mine = min(left, stretch * whole_s * n / total) if whole_s > 0 else after_s * n / total
+        left -= mine
+        stepped += mine
+        exposed += max(0.0, stepped - (reached + exposed))
+        reached += fwd.get(u.name, 0.0)
+    return exposed
+
+
 def link_time(tr: dict[str, float], hw: HardwareProfile) -> float:
     """Seconds phase A's host<->device copies (`traffic`) take on a GPU: each direction at its own rate, and both
     at once share the link, no less than all the bytes at the rate both together reach (`duplex_bw`)."""
@@ -625,7 +664,11 @@ def step_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, 
             cpu_step = cpu_step_after_backward(profile, placement, hw, shape, phase_a)
         elif last_passes:
             phase_a = max(phase_a, backward_passes, last_passes_end(profile, placement, hw, shape, phase_a))
-        phase_b = max(cpu_step, disk_b, h2d_b) + dev_opt / hw.device_adam_rate
+        after = max(cpu_step, disk_b, h2d_b)
+        whole = cpu_opt / hw.cpu_adam_rate + step_passes + (sum(last_gradient_pass(u, placement, hw, shape)
+                                                                 for u in profile.units) if early else 0.0)
+        pred.optim_exposed_s = optimizer_under_forward(profile, placement, hw, shape, after, whole)
+        phase_b = pred.optim_exposed_s + dev_opt / hw.device_adam_rate
         pred.optim_after_s = cpu_step
         opt += step_passes
         pred.passes_s = backward_passes + step_passes
@@ -639,6 +682,7 @@ def step_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, 
     pred.compute_s, pred.copy_s, pred.nvme_s, pred.optim_s = compute, h2d + d2h + h2d_b, disk_a + disk_b, opt
     pred.host_s = host
     pred.exposed_s = exposed
+    pred.phase_a_s = phase_a
     pred.step_s = phase_a + phase_b + exposed
     # The bottleneck is the largest contributor to the critical path of the longer phase.
     if phase_b > phase_a:

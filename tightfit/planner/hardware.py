@@ -240,7 +240,7 @@ def machine_key() -> str:
     return f"{socket.gethostname()}|{devs}|threads={torch.get_num_threads()}"
 
 
-PROBE_VERSION = 11
+PROBE_VERSION = 12
 """Bumped whenever a probed figure changes meaning (or a new one is measured). 2: matmul rates by the smallest side
 ([Note: matmul rate by the smallest side] in work.py; they were by square size). 3: the device's math
 workspace. 4: the engine's host time per unit and per step. 5: and per streamed unit. 6: copies both ways at once.
@@ -249,7 +249,9 @@ its host time; and the host passes' rate (`host_pass_bw`); on a CPU, copies on o
 threads now make them. 8: fused attention's rate ([Note: attention's own rate] in work.py). 9: and the
 elementwise ops timed alone ([Note: ops slower than their bytes]). 10: CPU AdamW over 64 M parameters on the
 engine's step-thread cores (`probe.ADAM_NUMEL`), and on a GPU attention over enough heads to fill it. 11: on a GPU
-the host's per-op and engine figures under autocast to bf16 ([Note: the host floor's precision] in probe.py)."""
+the host's per-op and engine figures under autocast to bf16 ([Note: the host floor's precision] in probe.py). 12: on
+a CPU, AdamW on the one thread the engine's step thread now runs it on ([Note: one OpenMP pool] in
+offload/runtime/workers.py), and the engine's figures with every step on that thread."""
 
 
 def cache_path() -> Path:

@@ -248,6 +248,8 @@ class Plan:
                      f"{pr.host_s * 1e3:.1f} ms), host<->device {pr.copy_s * 1e3:.1f} ms, "
                      f"nvme {pr.nvme_s * 1e3:.1f} ms, optimizer {pr.optim_s * 1e3:.1f} ms, "
                      f"exposed latency {pr.exposed_s * 1e3:.1f} ms"
+                     + (f"; after backward, what the next forward does not hide {pr.optim_exposed_s * 1e3:.1f} ms"
+                        if self.hardware.cuda and self.shape.engine else "")
                      + (f"; the CPU's passes besides AdamW {pr.passes_s * 1e3:.1f} ms (gradient sums in backward, "
                         f"the rest in the optimizer's)" if pr.passes_s else ""))
         lines.append(f"predicted step: {pr.step_s * 1e3:.1f} ms ({pr.tokens_per_s:,.0f} tokens/s); "

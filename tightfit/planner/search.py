@@ -269,7 +269,7 @@ def _search_units(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape:
     Why both: auto checkpoints only as many units as it takes for the activations to fit beside the smallest
     streaming window, which can leave the device full of activations and every state streamed; checkpointing every
     unit frees that room for states that then need no transfer, or whose optimizer runs on the device (the 7B
-    Llama on a 24 GiB GPU: 29.1 s -> 22.8 s predicted; a 1.2 B GPT under 12 GiB on an H200, whose activations fit
+    Llama on a 24 GiB GPU: 27.7 s -> 22.3 s predicted; a 1.2 B GPT under 12 GiB on an H200, whose activations fit
     without checkpointing: 536 -> 447 ms, docs/PLANNER.md). The greedy fill cannot see that trade, so both are
     searched, unless every state already sits on the device without recomputation."""
     everything = [u.name for u in profile.units if u.checkpointable]

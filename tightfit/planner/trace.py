@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tightfit.offload.placement import State, Tier
+from tightfit.offload.placement import ROOT_UNIT, State, Tier
 from tightfit.planner.costs import (
     fetch_bytes,
     grads_off_bytes,
@@ -97,7 +97,10 @@ def simulate(plan: Plan) -> Timeline:
     def hooks(u) -> float:  # the engine's host time for the unit, half in each pass
         return unit_host_time(hw, shape, u.name in streamed) / 2
 
-    for micro in range(shape.grad_accum):
+    # Unit-major order (offload/step/unit_major.py): one pass, each unit computing every micro-batch with its params
+    # fetched once and its gradients leaving once; micro-batch-major order: one pass per micro-batch.
+    passes, scale = (1, shape.grad_accum) if shape.unit_major else (shape.grad_accum, 1)
+    for micro in range(passes):
         # Forward: fetch unit i when unit i - depth - 1 has released its window slot.
         released: list[float] = []
         for i, u in enumerate(units):
@@ -109,8 +112,8 @@ def simulate(plan: Plan) -> Timeline:
                     slot = sim.run("nvme read", f"read {u.name} params", pbytes / hw.nvme_read_bw, slot)
                 ready = sim.run("host->device", f"fetch {u.name}", moved / hw.h2d_bw, slot)
                 sim.change(ready, "device", pbytes)
-            end = sim.run("compute", f"fwd {u.name}", work_time(u.fwd, hw) + hooks(u), ready)
-            saved = u.act_input if u.name in ck else u.act_saved
+            end = sim.run("compute", f"fwd {u.name}", scale * (work_time(u.fwd, hw) + hooks(u)), ready)
+            saved = scale * (u.act_input if u.name in ck else u.act_saved)
             sim.change(end, "device", saved)
             if u.name in streamed and u.name not in kept:
                 sim.change(end, "device", -pbytes)
@@ -128,10 +131,10 @@ def simulate(plan: Plan) -> Timeline:
                 ready = sim.run("host->device", f"fetch {u.name}", moved / hw.h2d_bw, slot)
                 sim.change(ready, "device", pbytes)
             if u.name in ck:
-                ready = sim.run("compute", f"recompute {u.name}", work_time(u.fwd, hw), ready)
+                ready = sim.run("compute", f"recompute {u.name}", scale * work_time(u.fwd, hw), ready)
                 sim.change(ready, "device", u.act_saved - u.act_input)
-            end = sim.run("compute", f"bwd {u.name}", work_time(u.bwd, hw) + hooks(u), ready)
-            sim.change(end, "device", -u.act_saved)
+            end = sim.run("compute", f"bwd {u.name}", scale * (work_time(u.bwd, hw) + hooks(u)), ready)
+            sim.change(end, "device", -u.act_saved - (scale - 1) * (u.act_input if u.name in ck else u.act_saved))
             if u.name in streamed:
                 sim.change(end, "device", -pbytes)
             released.append(end)
@@ -153,10 +156,11 @@ def simulate(plan: Plan) -> Timeline:
     # Its step then follows the worker's pass over its last gradients on the host's one memory ([Note: one memory
     # under backward] in costs.py): it starts when they land, that pass counted first.
     early = hw.cuda and steps_under_backward(prof, shape)
+    t_backward = t_done  # the step's compute ends here: the optimizer's steps run under the next forward
     if not early:  # a clip's norm (or a loss scaler's check) needs every gradient summed first
         t_done = max([t_done, *grads_ready.values()])
-    t_opt = t_done
-    for u in sorted(units, key=lambda u: grads_ready[u.name]) if early else units:
+    stepped: dict[str, float] = {}  # unit -> its step's end
+    for u in _step_order(units, early, grads_ready, landed, t_backward, sim, p, hw, shape):
         if not u.trainable:
             continue
         up = p.of(u.name)
@@ -175,9 +179,43 @@ def simulate(plan: Plan) -> Timeline:
             end = max(end, sim.run("nvme write", f"write {u.name} optimizer states", nv / hw.nvme_write_bw, end))
         if not on_dev and up.params == Tier.DEVICE:
             end = sim.run("host->device", f"params {u.name}", u.numel * shape.compute_bytes / hw.h2d_bw, end)
-        t_opt = max(t_opt, end)
-    sim.tl.step_s = max([t_opt, *sim.free_at.values()])
+        stepped[u.name] = end
+    # [Note: the step under the next forward] in costs.py: the next forward reaches each unit after the units before
+    # it (one micro-batch's forward, all of them in unit-major order) and waits there for the unit's step; the step
+    # lasts until the backward's end plus what the forward waits.
+    if not hw.cuda:  # one set of cores: the steps take their time whenever they run
+        sim.tl.step_s = max([t_done, *stepped.values(), *sim.free_at.values()])
+        return sim.tl
+    reached, waited = t_backward, 0.0
+    for u in units:
+        ready = stepped.get(u.name, 0.0)
+        if ready > reached:
+            waited, reached = waited + ready - reached, ready
+        if u.name != ROOT_UNIT:
+            reached += scale * work_time(u.fwd, hw)
+    sim.tl.step_s = t_backward + waited
     return sim.tl
+
+
+def _step_order(units, early: bool, grads_ready: dict, landed: dict, t_backward: float, sim: _Sim, p, hw,
+                shape) -> list:
+    """The order the step thread steps the units in ([Note: steps under the next forward] in
+    offload/step/step_queue.py): during backward as their gradients land (no clip), and what has not started when
+    backward ends, in the next forward's order; with a clip, all of it in that order."""
+    if not early:
+        return list(units)
+    t = sim.free_at.get(sim.resource["optimizer"], 0.0)
+    started, rest = [], []
+    for u in sorted(units, key=lambda u: grads_ready[u.name]):
+        up = p.of(u.name)
+        on_dev = up.master == up.grads == up.optim == Tier.DEVICE
+        start = max(t, landed[u.name]) if not on_dev else landed[u.name]
+        if u.trainable and not on_dev and start < t_backward:
+            started.append(u)
+            t = start + u.trainable / hw.cpu_adam_rate + last_gradient_pass(u, p, hw, shape)
+        else:
+            rest.append(u)
+    return started + [u for u in units if u in rest]
 
 
 def _state_nbytes(plan: Plan, u, s: State) -> int:

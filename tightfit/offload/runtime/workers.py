@@ -178,10 +178,17 @@ def thread_budget(total: int, cuda: bool) -> dict[str, int | None]:
     launch thread, the completion thread and the disk's threads, which mostly wait. A worker that runs alone takes
     every core but one ("alone"): the gradient worker in a backward no step runs beside (a step that clips waits for
     backward), and the step thread once backward is over and every gradient added (on a GPU the optimizer runs long
-    after the backward's kernels, and most of its work is then). On a CPU device the compute itself needs the cores,
-    and the workers keep the count of the thread that made them (what every CPU figure was measured with)."""
+    after the backward's kernels, and most of its work is then).
+
+    [Note: one OpenMP pool] On a CPU device the compute itself needs the cores, and each worker runs one intra-op
+    thread. Every thread that runs a parallel region gets an OpenMP pool of its own, and once the pools hold more
+    threads than the machine has cores, libgomp stops spinning at every barrier, for every pool: the thread running
+    forward and backward then pays a sleep and a wake-up at each of its kernels' regions, for as long as the other
+    pools exist. The step thread on two threads beside it made the default run 12-20% slower on the 2-core VM (its
+    steps now run under the next forward; benchmarks/RESULTS.md, batch AG); on one thread it has no pool, and its
+    memory-bound work (AdamW, a sum, a norm) keeps most of a core's bandwidth."""
     if not cuda:
-        return {"grads": None, "step": None, "alone": None}
+        return {"grads": 1, "step": 1, "alone": 1}
     grads = max(1, total // 4)
     return {"grads": grads, "step": max(1, total - grads - 1), "alone": max(1, total - 1)}
 

@@ -439,10 +439,20 @@ class OffloadEngine:
     def on_unit_backward_start(self, unit: OffloadUnit) -> None:
         self._enter_backward()
         unit.life.on(Event.BACKWARD_START)
-        moves = self.scheduler.moves(StepPhase.BACKWARD, unit.name, self.step_follows)
+        moves = self.scheduler.moves(StepPhase.BACKWARD, unit.name, self._preloads_now(unit))
         self._charge_grads(unit)
         self.materialise(unit)
         self._issue(moves)
+
+    def _preloads_now(self, unit: OffloadUnit) -> bool:
+        """Does the unit's optimizer state start loading as its backward starts? When a step follows this backward:
+        stepped during it, each unit's step comes right after its backward; stepped after it (a clip), under the next
+        forward in its order ([Note: steps under the next forward] in step_queue.py), so only the first units of
+        that forward load now (what backward loads waits in the speculative share until its step, and the units
+        backward reaches last are the ones the forward needs first); the step thread loads the others ahead of
+        their steps."""
+        return self.step_follows and (self.early_step is not None or unit.name in self.scheduler.first(
+            StepPhase.FORWARD))
 
     def _charge_grads(self, unit: OffloadUnit) -> None:
         """Count the `param.grad`s autograd is about to produce for the unit (freed when they are shipped), and in a
