@@ -39,29 +39,28 @@ import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from tightfit.errors import UsageError
-from tightfit.offload.device_kind import separate_memory
 from tightfit.offload.placement import ROOT_UNIT, Placement, State, Tier
 from tightfit.offload.runtime.device_meter import DeviceMeter, autocast_outside_budget
 from tightfit.offload.runtime.host_cache import HostCache
-from tightfit.offload.runtime.host_memory import HostAllocator, HostPool, RegisteredAllocator
-from tightfit.offload.runtime.movers import CpuMover, CudaMover, strict_from_env, strict_seed
+from tightfit.offload.runtime.movers import strict_from_env, strict_seed
 from tightfit.offload.runtime.workers import StepThread, Timers, Worker, thread_budget
 from tightfit.offload.step.budget_checks import check_budgets, host_tier_bytes, largest_job
 from tightfit.offload.step.grad_norms import NormPolicy, norms_on_demand
 from tightfit.offload.step.gradients import GradientShipper
 from tightfit.offload.step.hooks import queue_end_of_backward, register_hooks, remove_hooks
 from tightfit.offload.step.lifecycle import Event, ParamsState, Phase
-from tightfit.offload.step.master_io import initialise, read_master, write_master
+from tightfit.offload.step.master_io import initialise, read_master, replace_meta_params, write_master
 from tightfit.offload.step.optimizer import Multipliers, StepRunner, Work
 from tightfit.offload.step import reports
 from tightfit.offload.step.passes import UnitMajorPass
 from tightfit.offload.step.residency import Residency
+from tightfit.offload.step.runtime_setup import build_runtime
 from tightfit.offload.step.scheduler import MoveKind, Scheduler, StepPhase
 from tightfit.offload.step.step_queue import StepQueue
 from tightfit.offload.step.unit import PARAMS, OffloadUnit
 from tightfit.offload.step.units import UnitPolicy, find_units
 from tightfit.offload.step.write_backs import WriteBacks
-from tightfit.offload.tiers.stores import DiskStore, MemoryStore, TierStore
+from tightfit.offload.tiers.stores import TierStore
 
 from tightfit.utils.sizes import format_size
 
@@ -105,24 +104,6 @@ def _close_quietly(engine: "OffloadEngine") -> None:
         engine.close()
 
 
-def _replace_meta_params(model: nn.Module) -> bool:
-    """Swap parameters on the meta device for storage-less CPU parameters of the same shape (ties kept).
-
-    Why: a model too large for host memory is built under `torch.device("meta")`, wrapped, and then given its
-    values unit by unit with `state_io.import_state`; `param.data` cannot be re-pointed from meta to real memory,
-    so those parameters are replaced (before units are found, so the engine only ever sees the new ones).
-    """
-    new: dict[int, nn.Parameter] = {}
-    for module in model.modules():
-        for key, p in module._parameters.items():
-            if p is not None and p.is_meta:
-                if id(p) not in new:
-                    empty = torch.empty(0, dtype=p.dtype).set_(torch.UntypedStorage(0), 0, p.shape)
-                    new[id(p)] = nn.Parameter(empty, requires_grad=p.requires_grad)
-                module._parameters[key] = new[id(p)]
-    return bool(new)
-
-
 class OffloadEngine:
     """Streams one model's unit states across device, host and NVMe. Built by `tightfit.wrap`."""
 
@@ -136,7 +117,7 @@ class OffloadEngine:
         self._closed = False
         self.compute_dtype = compute_dtype
         self.device = device
-        self.meta_init = _replace_meta_params(model)
+        self.meta_init = replace_meta_params(model)
         specs = find_units(model, units, min_bytes=placement.min_unit_bytes,
                            group_key=lambda path, p=placement: (p.of(path), p.checkpoints(path)))
         names = {s.name for s in specs} | {path for s in specs for path, _ in s.members}
@@ -152,31 +133,13 @@ class OffloadEngine:
         if placement.uses(Tier.NVME) and not placement.nvme_dir:
             raise UsageError("placement puts states on nvme but gives no nvme_dir; pass --nvme PATH")
 
-        # Device memory apart from host memory (a GPU; the CPU suite's GPU-shaped CPU device): every byte between
-        # them crosses by a copy through page-locked memory (device_kind.py). The mover ([Note: the mover contract])
-        # and the pool it stages through: page-locked by `RegisteredAllocator` on CUDA (exactly metered, freed when
-        # dropped); the same mappings, not locked, on a GPU-shaped CPU device. The strict CPU mover (copies complete
-        # late, the contract checked) is what the test suite runs.
+        # The pool, the mover and the tier stores (runtime_setup.py); the pool's capacity is set below, once the
+        # host tier is known.
         cuda = device.type == "cuda"
-        self.separate = separate_memory(device.type)
         strict = strict_from_env()
-        self._pinned = RegisteredAllocator() if cuda else RegisteredAllocator(register=False) if self.separate else None
-        staging = RegisteredAllocator() if cuda else (RegisteredAllocator(register=False) if self.separate
-                                                      else HostAllocator())
-        self.pool = HostPool(None, allocator=staging)  # capacity set below, once the host tier is known
-        self.mover = CudaMover(self.pool, device) if cuda else CpuMover(self.pool, strict=strict, seed=strict_seed())
-        # The stores, one per tier. Device: the compute device. Host: CPU memory. Disk: created only when some state
-        # is placed there. All live until `close`. Copies across the two memories run on the mover, off the caller.
-        copier = self.mover.copy_async
-        self.stores: dict[Tier, TierStore] = {
-            Tier.DEVICE: MemoryStore(Tier.DEVICE, device, copier=copier, remote=self.separate),
-            Tier.HOST: MemoryStore(Tier.HOST, torch.device("cpu"), pinned=self._pinned, copier=copier),
-        }
-        if placement.uses(Tier.NVME):
-            # `disk` (DiskTuning, from wrap): overrides of the disk tuning the store derives by itself.
-            self.stores[Tier.NVME] = DiskStore(placement.nvme_dir, placement.nvme_budget,
-                                               threads=disk.threads if disk else None,
-                                               chunk_bytes=disk.chunk_bytes if disk else None)
+        rt = build_runtime(placement, device, disk, strict)
+        self.separate, self._pinned, self.pool, self.mover = rt.separate, rt.pinned, rt.pool, rt.mover
+        self.stores: dict[Tier, TierStore] = rt.stores
         self.units: dict[str, OffloadUnit] = {
             s.name: OffloadUnit(s, placement.of(s.name), self.stores, compute_dtype, device, self.separate,
                                 placement.cast_on_device)

@@ -8,11 +8,31 @@ engine makes every cached or materialised copy stale afterwards (`OffloadEngine.
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 
 from tightfit.offload.placement import State, Tier
 from tightfit.offload.runtime.aligned import aligned_empty
 from tightfit.offload.step.unit import MASTER, PARAMS, OffloadUnit
 from tightfit.offload.tiers.stores import TierStore
+
+
+def replace_meta_params(model: nn.Module) -> bool:
+    """Swap parameters on the meta device for storage-less CPU parameters of the same shape (ties kept); whether
+    there were any.
+
+    Why: a model too large for host memory is built under `torch.device("meta")`, wrapped, and then given its
+    values unit by unit with `state_io.import_state`; `param.data` cannot be re-pointed from meta to real memory,
+    so those parameters are replaced (before units are found, so the engine only ever sees the new ones).
+    """
+    new: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for key, p in module._parameters.items():
+            if p is not None and p.is_meta:
+                if id(p) not in new:
+                    empty = torch.empty(0, dtype=p.dtype).set_(torch.UntypedStorage(0), 0, p.shape)
+                    new[id(p)] = nn.Parameter(empty, requires_grad=p.requires_grad)
+                module._parameters[key] = new[id(p)]
+    return bool(new)
 
 
 def initialise(unit: OffloadUnit, stores: dict[Tier, TierStore], meta_init: bool, compute_dtype: torch.dtype) -> None:
