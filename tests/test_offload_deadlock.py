@@ -30,6 +30,7 @@ COMMON = textwrap.dedent("""
     from tightfit import Placement, Tier, UnitPlacement
     from tightfit.errors import UsageError
     from tightfit.offload import engine_of
+    from tightfit.offload.step.unit_major import UnitMajor
 
     faulthandler.dump_traceback_later(float(os.environ.get("HANG_S", "100")), exit=True)
     SWAP = tempfile.mkdtemp()
@@ -57,19 +58,22 @@ COMMON = textwrap.dedent("""
             hi = mid
         return hi
 
-    def run(build, placement, dtype, steps, mode, accum, batch_of):
+    def run(build, placement, dtype, steps, mode, accum, batch_of, order="micro"):
         torch.manual_seed(0)
         model = build()
         tightfit.wrap(model, placement, compute_dtype=dtype, device=DEVICE)
         opt = tightfit.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        declare = {"early": opt.step_during_backward, "preload": opt.preload_during_backward}.get(mode)
+        runner = UnitMajor(model) if order == "unit" else None  # the micro-batches unit by unit
         losses = []
         for step in range(steps):
-            for micro in range(accum):
-                loss = batch_of(model, step * accum + micro) / accum
-                if micro == accum - 1 and mode == "early":
-                    opt.step_during_backward()
-                if micro == accum - 1 and mode == "preload":
-                    opt.preload_during_backward()
+            forwards = [lambda i=step * accum + micro: batch_of(model, i) / accum for micro in range(accum)]
+            if runner is not None:
+                losses += [loss.item() for loss in runner.run(forwards, before_backward=declare)]
+            for micro, forward in enumerate(forwards if runner is None else []):
+                loss = forward()
+                if micro == accum - 1 and declare is not None:
+                    declare()
                 loss.backward()
                 losses.append(loss.item())
             if mode in ("preload", "plain"):
@@ -153,11 +157,15 @@ STRESS = COMMON + textwrap.dedent("""
         # Drawn last, so the earlier draws of a seed stay what they were: units whose params and master are on the
         # host may have the device cast their uploaded master ([Note: the device casts the master]).
         base = dataclasses.replace(base, cast_on_device=rnd.choice([False, True]))
+        # The micro-batches in micro-batch-major order, or unit by unit (offload/step/unit_major.py), against the
+        # unbudgeted run in micro-batch-major order: the same bits either way.
+        order = rnd.choice(["micro", "unit"])
         ref = run(build, base, dtype, 3, mode, accum, batch_of)
         smallest = smallest_host_budget(build, base, dtype)
-        got = run(build, dataclasses.replace(base, host_budget=int(smallest * factor)), dtype, 3, mode, accum, batch_of)
-        assert same(got, ref), (seed, got, ref)
-        print("ok", seed, layers, width, dtype, mode, accum, factor, base.cast_on_device, flush=True)
+        got = run(build, dataclasses.replace(base, host_budget=int(smallest * factor)), dtype, 3, mode, accum, batch_of,
+                  order)
+        assert same(got, ref), (seed, order, got, ref)
+        print("ok", seed, layers, width, dtype, mode, accum, factor, base.cast_on_device, order, flush=True)
     print("finished")
 """)
 
