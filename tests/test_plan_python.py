@@ -119,6 +119,7 @@ def test_wrap_applies_a_plan_that_tiles():
     (dict(gpu_mem="lots"), "gpu_mem: cannot read size"),
     (dict(nvme=":1GiB"), "nvme: give a folder"),
     (dict(offload="disk"), "offload: 'disk' is not one of"),
+    (dict(accumulation="steps"), "accumulation: 'steps' is not one of"),
     (dict(device="cuda"), 'device="cuda": this machine has no CUDA GPU'),
     (dict(gpu_mem="1MiB"), 'gpu_mem="'),
     (dict(hardware="no-such-profile"), "hardware: 'no-such-profile' is neither a file nor a named profile"),
@@ -134,6 +135,18 @@ def test_errors_name_the_keyword_arguments(kw, words):
     msg = str(e.value)
     assert words in msg and "\n" not in msg
     assert "--" not in msg, f"a CLI flag in a message to a Python caller: {msg}"
+
+
+def test_python_plans_the_micro_batch_order_of_an_ordinary_loop_unless_asked():
+    """A user's loop (and the Trainer) runs a step's micro-batches one after another, so a plan from Python counts
+    each micro-batch's link traffic and one micro-batch's activations; `tightfit train`'s unit-major order, which the
+    planner would choose here, is planned only when asked for (the loop then runs UnitMajor)."""
+    kw = dict(gpu_mem="4GiB", cpu_mem="16GiB", micro_batch=2, seq_len=32, grad_accum=8, offload="host", hardware=GPU)
+    ordinary = tightfit.plan(gpt(n_layer=4, n_embd=256, meta=True), **kw)
+    auto = tightfit.plan(gpt(n_layer=4, n_embd=256, meta=True), accumulation="auto", **kw)
+    unit = tightfit.plan(gpt(n_layer=4, n_embd=256, meta=True), accumulation="unit", **kw)
+    assert not ordinary.shape.unit_major and auto.shape.unit_major and unit.shape.unit_major
+    assert ordinary.shape.passes == 8 and unit.shape.passes == 1
 
 
 def test_wrap_refusals():

@@ -25,7 +25,7 @@ from tightfit.planner.plan import Plan
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _CHOICES = {"precision": ("auto", "fp32", "bf16", "fp16"), "offload": ("auto", "none", "device", "host", "nvme"),
-            "checkpointing": ("auto", "on", "off")}
+            "checkpointing": ("auto", "on", "off"), "accumulation": ("micro", "unit", "auto")}
 
 
 def _positive_int(name: str, value) -> int:
@@ -35,7 +35,7 @@ def _positive_int(name: str, value) -> int:
 
 
 def _config(gpu_mem, cpu_mem, nvme, micro_batch, seq_len, grad_accum, precision, device, offload, checkpointing,
-            grad_clip):
+            grad_clip, accumulation="micro"):
     """The keyword arguments as the CLI's `Config`, each checked with an error naming the keyword."""
     from tightfit.config import Config, parse_nvme
     from tightfit.utils.sizes import parse_size
@@ -47,10 +47,12 @@ def _config(gpu_mem, cpu_mem, nvme, micro_batch, seq_len, grad_accum, precision,
     cfg.train.micro_batch = _positive_int("micro_batch", micro_batch)
     cfg.train.seq_len = _positive_int("seq_len", seq_len)
     cfg.train.grad_accum = _positive_int("grad_accum", grad_accum)
-    for name, value in (("precision", precision), ("offload", offload), ("checkpointing", checkpointing)):
+    for name, value in (("precision", precision), ("offload", offload), ("checkpointing", checkpointing),
+                        ("accumulation", accumulation)):
         if value not in _CHOICES[name]:
             raise UsageError(f"{name}: {value!r} is not one of {', '.join(_CHOICES[name])}")
     cfg.train.precision, cfg.memory.offload, cfg.memory.checkpointing = precision, offload, checkpointing
+    cfg.memory.accumulation = accumulation
     dev = "auto" if device is None else torch.device(device).type
     if dev not in ("auto", "cpu", "cuda"):
         raise UsageError(f"device: only cpu and cuda are supported, got {device!r}")
@@ -83,7 +85,8 @@ def _hardware(hardware) -> tuple[HardwareProfile | None, bool]:
 def plan(model: nn.Module, *, gpu_mem: str | int | None = None, cpu_mem: str | int | None = None,
          nvme: str | None = None, micro_batch: int | None = None, seq_len: int | None = None, grad_accum: int = 1,
          precision: str = "auto", device: str | torch.device | None = None, offload: str = "auto",
-         checkpointing: str = "auto", grad_clip: bool = True, autocast: bool = True, hardware=None) -> Plan:
+         checkpointing: str = "auto", grad_clip: bool = True, autocast: bool = True, accumulation: str = "micro",
+         hardware=None) -> Plan:
     """Plan where every state of `model` lives for micro-batches of `micro_batch` x `seq_len` tokens.
 
     gpu_mem, cpu_mem: budgets ("20GiB", or bytes); None: what the machine has, less headroom. On a machine
@@ -91,6 +94,10 @@ def plan(model: nn.Module, *, gpu_mem: str | int | None = None, cpu_mem: str | i
     nvme: a swap folder for the NVMe tier, optionally with a size: "/mnt/swap" or "/mnt/swap:500GiB".
     grad_accum, precision, offload, checkpointing: as `tightfit train`'s --grad-accum, --precision, --offload,
         --checkpointing. grad_clip: whether the training loop clips (the optimizer then waits for backward).
+    accumulation: the order the loop runs a step's micro-batches in. "micro" (default): one micro-batch's forward
+        and backward after another, as an ordinary loop and the Hugging Face Trainer do. "unit": the loop runs them
+        through `tightfit.offload.step.unit_major.UnitMajor` (each unit's params cross the link once a step);
+        "auto": plan both and keep the faster, as `tightfit train` does (plan.shape.unit_major says which).
     autocast: whether the loop runs a bf16/fp16 forward under `torch.autocast` (the Hugging Face Trainer and
         `tightfit train` do: the plan counts autocast's casts and the fp32 copies they save); False for a loop that
         runs the compute dtype as given.
@@ -102,7 +109,7 @@ def plan(model: nn.Module, *, gpu_mem: str | int | None = None, cpu_mem: str | i
     from tightfit.planner.planner import make_plan
 
     cfg = _config(gpu_mem, cpu_mem, nvme, micro_batch, seq_len, grad_accum, precision, device, offload,
-                  checkpointing, grad_clip)
+                  checkpointing, grad_clip, accumulation)
     hw, what_if = _hardware(hardware)
     return make_plan(model, cfg, hw, names=PYTHON, what_if=what_if, autocast=autocast)
 
