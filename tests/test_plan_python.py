@@ -149,6 +149,18 @@ def test_python_plans_the_micro_batch_order_of_an_ordinary_loop_unless_asked():
     assert ordinary.shape.passes == 8 and unit.shape.passes == 1
 
 
+def test_a_plan_for_a_user_loop_keeps_gradient_sums_on_the_device_where_there_is_room():
+    """Micro-batch-major order with params, master and moments offloaded: the gradients are what the device keeps
+    first (summed there, they leave once a step instead of once a micro-batch), and the plan says so."""
+    kw = dict(cpu_mem="16GiB", micro_batch=2, seq_len=32, grad_accum=8, hardware=GPU)
+    plan = tightfit.plan(gpt(n_layer=8, n_embd=1024, meta=True), gpu_mem="800MiB", **kw)
+    tiers = [plan.placement.of(u.name) for u in plan.profile.units]
+    assert sum(t.grads.value == "device" for t in tiers) > sum(t.optim.value == "device" for t in tiers)
+    assert any("micro-batches are summed there in fp32 and leave once a step" in r for r in plan.reasons)
+    one = tightfit.plan(gpt(n_layer=8, n_embd=1024, meta=True), gpu_mem="800MiB", **{**kw, "grad_accum": 1})
+    assert not any("summed there" in r for r in one.reasons)
+
+
 def test_wrap_refusals():
     m = gpt()
     with pytest.raises(UsageError, match="budgets plan a placement"):

@@ -16,7 +16,7 @@ import torch.nn as nn
 import tightfit
 from offload_helpers import one_torch_thread  # noqa: F401  (autouse fixture: one intra-op thread)
 from offload_helpers import batch, hf_gpt2, hf_llama, loss_of, max_rel_diff, tiny_gpt
-from tightfit import Placement, Tier
+from tightfit import Placement, Tier, UnitPlacement
 from tightfit.errors import UsageError
 from tightfit.offload import engine_of
 from tightfit.offload.step.unit_major import UnitMajor
@@ -58,6 +58,7 @@ def _train(build, placement, *, accum, unit_major, steps=3, clip=1.0, dtype=torc
             opt.clip_grad_norm_(clip)
         opt.step()
         opt.zero_grad()
+        engine.wait_writes()  # the step's own copies and writes, which run under the next forward, count in its row
         after = engine.counters()
         counted = {k: after[k] - before[k] for k in after}
         losses.append(sum(loss.item() for loss in step_losses))
@@ -104,6 +105,27 @@ def test_sixteen_micro_batches_move_what_one_does(name, where, tmp_path):
     sums = 4 * sum(p.numel() for p in MODELS[name]().parameters())
     disk = many["nvme_read_bytes"] + many["nvme_write_bytes"]
     assert disk <= 1.25 * (one["nvme_read_bytes"] + one["nvme_write_bytes"]) + 2 * sums
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("where", ["host", "nvme"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_user_loop_sums_micro_batches_where_the_plan_keeps_gradients_on_the_device(name, where, dtype, tmp_path):
+    """Micro-batch-major order, as a user's loop runs it, with params, master and moments offloaded and gradients
+    on the device tier (what the planner chooses where the device has room: planner/search.py): the 16
+    micro-batches are summed on the device and leave once, for the host's step, and the results are those of
+    gradients accumulated on the host."""
+    tiers = Placement(default=UnitPlacement(params=Tier(where), master=Tier(where), grads=Tier.DEVICE,
+                                            optim=Tier(where)),
+                      nvme_dir=str(tmp_path / "swap") if where == "nvme" else None)
+    one = _train(MODELS[name], tiers, accum=1, unit_major=False, steps=2, dtype=dtype)[2]
+    many = _train(MODELS[name], tiers, accum=16, unit_major=False, steps=2, dtype=dtype)
+    on_host = _train(MODELS[name], _placement(where, tmp_path), accum=16, unit_major=False, steps=2, dtype=dtype)
+    for key in ("d2h_bytes", "host_grad_bytes", "nvme_write_bytes"):
+        assert many[2][key] <= 1.25 * one[key], (key, many[2][key], one[key])
+    assert many[2]["d2h_bytes"] > 0  # they did leave the device (conftest.py: a device apart from host memory)
+    assert many[0] == on_host[0]
+    assert all(torch.equal(many[1][k], on_host[1][k]) for k in on_host[1])
 
 
 def test_a_tied_embedding_is_within_rounding():

@@ -406,7 +406,7 @@ def _search(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: Train
     bad = violations(pred, b)
     if bad:
         raise _NoFit(bad[0], profile, p, pred)
-    reasons += _explain(profile, p, groups)
+    reasons += _explain(profile, p, groups, shape)
     # A tiled placement keeps each tile's own entry: `tile_as_planned` makes every tile a unit, and
     # `Placement.for_units` gives a tile its own entry before its block's (without one it would take the block's
     # tiers: a block whose few untiled parameters the search left on the device took all its tiles there, and the
@@ -624,7 +624,8 @@ def _tile(profile: ModelProfile, shape: TrainShape, room: int, reasons: list[str
     return replace(profile, units=units), tiled
 
 
-def _explain(profile: ModelProfile, p: Placement, groups: dict[str, tuple[State, ...]]) -> list[str]:
+def _explain(profile: ModelProfile, p: Placement, groups: dict[str, tuple[State, ...]],
+             shape: TrainShape) -> list[str]:
     out = []
     for group, states in groups.items():
         tiers: dict[str, int] = {}
@@ -635,6 +636,12 @@ def _explain(profile: ModelProfile, p: Placement, groups: dict[str, tuple[State,
             tiers[t] = tiers.get(t, 0) + 1
         label = " + ".join("optimizer" if s is State.OPTIM else s.value for s in states)
         out.append(f"{label}: " + ", ".join(f"{n} unit(s) on {t}" for t, n in tiers.items()))
+    summed = sum(u.trainable for u in profile.units if u.trainable and p.of(u.name).grads == Tier.DEVICE)
+    if shape.grad_accum > 1 and not shape.unit_major and summed and not all(
+            p.of(u.name).optim == Tier.DEVICE for u in profile.units if u.trainable):
+        share = summed / max(1, sum(u.trainable for u in profile.units))
+        out.append(f"gradients on the device ({share:.0%} of them): the {shape.grad_accum} micro-batches are summed "
+                   "there in fp32 and leave once a step, for the optimizer on the host")
     if any(p.of(u.name).params != Tier.DEVICE for u in profile.units):
         out.append(f"prefetch depth {p.prefetch_depth}: hides one unit's fetch behind the compute before it")
     return out
