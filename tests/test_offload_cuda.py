@@ -466,3 +466,20 @@ def test_the_floor_holds_what_cuda_keeps_in_host_memory():
     assert proc.returncode == 0, proc.stderr[-2000:]
     floor, after = (int(v) for v in proc.stdout.split()[-2:])
     assert after - floor < 64 << 20, (floor, after)
+
+
+@pytest.mark.parametrize("on_host", [False, True], ids=["inputs on the GPU", "inputs in host memory"])
+def test_unit_major_order_on_cuda_is_micro_batch_major_bit_for_bit(on_host, tmp_path):
+    """Unit-major accumulation on the GPU (offload/step/unit_major.py): forwards on threads of their own, gradient
+    sums on the device, and ([Note: boundaries on the host]) the recomputed blocks' inputs copied to page-locked
+    host memory on the copy stream and back before their backward; the same bits as micro-batch-major order."""
+    from test_unit_major import _train
+
+    blocks = [n for n in tightfit.units(hf_llama()) if n != "root"]
+    placement = Placement.everywhere(Tier.HOST, checkpoint_units=blocks)
+    micro = _train(hf_llama, placement, accum=4, unit_major=False, dtype=torch.bfloat16, steps=2, device="cuda")
+    unit = _train(hf_llama, placement, accum=4, unit_major=True, dtype=torch.bfloat16, steps=2, on_host=on_host,
+                  device="cuda")
+    assert unit[0] == micro[0]
+    assert all(torch.equal(unit[1][k], micro[1][k]) for k in micro[1])
+    assert unit[2]["h2d_bytes"] < micro[2]["h2d_bytes"]

@@ -64,7 +64,8 @@ COMMON = textwrap.dedent("""
         tightfit.wrap(model, placement, compute_dtype=dtype, device=DEVICE)
         opt = tightfit.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
         declare = {"early": opt.step_during_backward, "preload": opt.preload_during_backward}.get(mode)
-        runner = UnitMajor(model) if order == "unit" else None  # the micro-batches unit by unit
+        # The micro-batches unit by unit, their block inputs in host memory or not.
+        runner = UnitMajor(model, boundaries_on_host=order == "unit, inputs on host") if order != "micro" else None
         losses = []
         for step in range(steps):
             forwards = [lambda i=step * accum + micro: batch_of(model, i) / accum for micro in range(accum)]
@@ -160,6 +161,8 @@ STRESS = COMMON + textwrap.dedent("""
         # The micro-batches in micro-batch-major order, or unit by unit (offload/step/unit_major.py), against the
         # unbudgeted run in micro-batch-major order: the same bits either way.
         order = rnd.choice(["micro", "unit"])
+        if order == "unit" and rnd.random() < 0.5:  # [Note: boundaries on the host]
+            order = "unit, inputs on host"
         ref = run(build, base, dtype, 3, mode, accum, batch_of)
         smallest = smallest_host_budget(build, base, dtype)
         got = run(build, dataclasses.replace(base, host_budget=int(smallest * factor)), dtype, 3, mode, accum, batch_of,

@@ -149,6 +149,27 @@ def test_python_plans_the_micro_batch_order_of_an_ordinary_loop_unless_asked():
     assert ordinary.shape.passes == 8 and unit.shape.passes == 1
 
 
+def test_unit_major_block_inputs_wait_in_host_memory_where_the_device_cannot_hold_them():
+    """16 micro-batches of 4 x 512 tokens through 8 blocks of width 512: their block inputs (16 x 8 x 2 MiB in bf16)
+    do not fit 400 MiB of GPU beside the rest; in host memory they do, crossing the link once each way
+    ([Note: boundaries on the host] in offload/step/boundaries.py)."""
+    kw = dict(gpu_mem="400MiB", cpu_mem="16GiB", micro_batch=4, seq_len=512, grad_accum=16, accumulation="unit",
+              hardware=GPU)
+    with pytest.raises(UsageError):
+        tightfit.plan(gpt(n_layer=8, n_embd=512, seq=512, meta=True), boundaries="device", **kw)
+    plan = tightfit.plan(gpt(n_layer=8, n_embd=512, seq=512, meta=True), **kw)
+    inputs = 16 * 8 * 4 * 512 * 512 * 2
+    assert plan.shape.unit_major and plan.shape.boundaries_on_host
+    assert plan.prediction.breakdown["host"]["boundaries"] == inputs
+    assert plan.prediction.traffic["h2d"] >= inputs and plan.prediction.traffic["d2h"] >= inputs
+    assert any(r.startswith("boundaries: the block inputs of 16 micro-batches wait in host memory") for r in plan.reasons)
+    assert "block inputs in host memory" in plan.table()
+    roomy = tightfit.plan(gpt(n_layer=8, n_embd=512, seq=512, meta=True), **{**kw, "gpu_mem": "700MiB"})
+    assert roomy.shape.unit_major and not roomy.shape.boundaries_on_host
+    with pytest.raises(UsageError, match=r"boundaries=\"host\": only unit-major order"):
+        tightfit.plan(gpt(meta=True), micro_batch=2, seq_len=32, grad_accum=2, boundaries="host", hardware=GPU)
+
+
 def test_a_plan_for_a_user_loop_keeps_gradient_sums_on_the_device_where_there_is_room():
     """Micro-batch-major order with params, master and moments offloaded: the gradients are what the device keeps
     first (summed there, they leave once a step instead of once a micro-batch), and the plan says so."""

@@ -147,12 +147,15 @@ def test_unit_major_training_logs_the_engines_counters_and_matches_micro_batch_m
     and gradient bytes the host touched are under a third of micro-batch-major order's, and the progress line shows
     the link's and the disk's rates."""
     runs = {}
-    for order in ("micro", "unit"):
+    flags = {"micro": ["--accumulation", "micro"], "unit": ["--accumulation", "unit"],
+             "unit, inputs on the host": ["--accumulation", "unit", "--boundaries", "host", "--checkpointing", "on"]}
+    for order, extra in flags.items():
         args = _with_out_dir(tiny_args, tmp_path / order)
         assert main(["train", *args, "--steps", "6", "--log-interval", "3", "--grad-accum", "4", "--offload", "nvme",
-                     "--nvme", str(tmp_path / "swap"), "--accumulation", order]) == 0
+                     "--nvme", str(tmp_path / "swap"), *extra]) == 0
         out = capsys.readouterr().out
         assert re.search(r"\| link [0-9.]+ GB/s disk [0-9.]+ GB/s \|", out), out
+        assert ("block inputs of 4 micro-batches wait in host memory" in out) == ("--boundaries" in extra), out
         records = [json.loads(line) for line in (tmp_path / order / "metrics.jsonl").read_text().splitlines()]
         runs[order] = [r for r in records if r["kind"] == "train"]
     for order, records in runs.items():
@@ -162,8 +165,10 @@ def test_unit_major_training_logs_the_engines_counters_and_matches_micro_batch_m
                                         "nvme_write_bytes", "optimizer_s", "optimizer_exposed_s", "micro_batches",
                                         "step_s"}, r["engine"]
             assert r["engine"]["micro_batches"] == 4 and r["engine"]["nvme_read_bytes"] > 0
-    assert [r["loss"] for r in runs["unit"]] == [r["loss"] for r in runs["micro"]]
+    ref = _weights(tmp_path / "micro")
+    for order in ("unit", "unit, inputs on the host"):  # the block inputs come back as they left
+        assert [r["loss"] for r in runs[order]] == [r["loss"] for r in runs["micro"]], order
+        got = _weights(tmp_path / order)
+        assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref), order
     unit, micro = runs["unit"][-1]["engine"], runs["micro"][-1]["engine"]
     assert unit["h2d_bytes"] < micro["h2d_bytes"] / 3 and unit["host_grad_bytes"] < micro["host_grad_bytes"] / 3
-    got, ref = _weights(tmp_path / "unit"), _weights(tmp_path / "micro")
-    assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)

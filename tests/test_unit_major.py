@@ -7,6 +7,7 @@ counters below are the copies a GPU would make."""
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import pytest
@@ -30,20 +31,23 @@ def _placement(where: str, tmp_path) -> Placement:
     return Placement.everywhere(Tier(where), nvme_dir=str(tmp_path / "swap") if where == "nvme" else None)
 
 
-def _train(build, placement, *, accum, unit_major, steps=3, clip=1.0, dtype=torch.float32, early=False):
+def _train(build, placement, *, accum, unit_major, steps=3, clip=1.0, dtype=torch.float32, early=False,
+           on_host=False, device="cpu"):
     """Losses, final masters and the engine's counters of the last step, for `steps` steps of `accum` micro-batches
-    in either order (`early`: no clip, each unit stepped during the last backward)."""
+    in either order (`early`: no clip, each unit stepped during the last backward; `on_host`: unit-major order's
+    block inputs wait in host memory)."""
     torch.manual_seed(0)
     model = build()
-    tightfit.wrap(model, placement, compute_dtype=dtype, device="cpu")
+    tightfit.wrap(model, placement, compute_dtype=dtype, device=device)
     engine = engine_of(model)
     opt = AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    runner = UnitMajor(model) if unit_major else None
+    runner = UnitMajor(model, boundaries_on_host=on_host) if unit_major else None
     declare = opt.step_during_backward if early else opt.preload_during_backward
     losses, counted = [], {}
     for step in range(steps):
         before = engine.counters()
-        forwards = [lambda i=step * accum + m: loss_of(model, *batch(i)) / accum for m in range(accum)]
+        forwards = [lambda i=step * accum + m: loss_of(model, *(t.to(device) for t in batch(i))) / accum
+                    for m in range(accum)]
         if runner is not None:
             step_losses = runner.run(forwards, before_backward=declare)
         else:
@@ -126,6 +130,83 @@ def test_a_user_loop_sums_micro_batches_where_the_plan_keeps_gradients_on_the_de
     assert many[2]["d2h_bytes"] > 0  # they did leave the device (conftest.py: a device apart from host memory)
     assert many[0] == on_host[0]
     assert all(torch.equal(many[1][k], on_host[1][k]) for k in on_host[1])
+
+
+def _recomputed(name: str, tmp_path=None) -> Placement:
+    """Every state on the host, every block recomputed in backward (its input is all it saves)."""
+    blocks = [n for n in tightfit.units(MODELS[name]()) if n != "root"]
+    return Placement.everywhere(Tier.HOST, checkpoint_units=blocks)
+
+
+@pytest.mark.parametrize("recompute", [True, False], ids=["recomputed", "stored"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_block_inputs_in_host_memory_change_no_bit(name, dtype, recompute):
+    """[Note: boundaries on the host]: the inputs come back as they left, so the results are micro-batch-major
+    order's, bit for bit, whether the blocks are recomputed (the checkpoint saves the input) or not (the block's
+    first norm saves it)."""
+    placement = _recomputed(name) if recompute else Placement.everywhere(Tier.HOST)
+    micro = _train(MODELS[name], placement, accum=4, unit_major=False, dtype=dtype, steps=2)
+    unit = _train(MODELS[name], placement, accum=4, unit_major=True, dtype=dtype, steps=2, on_host=True)
+    assert unit[0] == micro[0]
+    assert all(torch.equal(unit[1][k], micro[1][k]) for k in micro[1])
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_block_inputs_leave_the_device_in_forward_and_come_back_two_at_a_time(name, monkeypatch):
+    """Between the forwards and the backward no block input is alive on the device (each was copied to host memory
+    as the checkpoint saved it, and nothing else holds it: the cut keeps autograd edges and holders, not tensors);
+    without the host they all are. In backward at most two are back at once. The host holds one buffer per block
+    and micro-batch, kept for the next step; the link carries each once each way."""
+    from tightfit.offload.step import unit_major
+
+    m, alive = 4, {}
+    storages = []
+    apply = unit_major._Boundary.apply
+
+    def recording(anchor, x, holder):
+        out = apply(anchor, x, holder)
+        storages.append(out.untyped_storage()._weak_ref())
+        return out
+
+    monkeypatch.setattr(unit_major._Boundary, "apply", recording)
+    for on_host in (False, True):
+        storages.clear()
+        torch.manual_seed(0)
+        model = MODELS[name]()
+        tightfit.wrap(model, _recomputed(name), device="cpu")
+        runner = UnitMajor(model, boundaries_on_host=on_host)
+        opt = AdamW(model.parameters(), lr=1e-2)
+        held = []
+        if on_host:
+            unpack = runner.store.unpack
+            monkeypatch.setattr(runner.store, "unpack", lambda saved: (unpack(saved), held.append(
+                runner.store.device_held()))[0])
+
+        def before_backward():
+            if on_host:
+                for saved in list(runner.store._saved.values()):
+                    saved.down.done.result()  # the copies off the device (late, under the strict mover)
+            gc.collect()
+            alive[on_host] = sum(not torch.UntypedStorage._expired(w) for w in storages)
+            opt.preload_during_backward()
+
+        for step in range(2):
+            runner.run([lambda i=i: loss_of(model, *batch(i)) / m for i in range(m)], before_backward=before_backward)
+            opt.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+        blocks = len(tightfit.units(model)) - 1
+        x, _ = batch(0)
+        width = model.config.hidden_size if hasattr(model, "config") and hasattr(model.config, "hidden_size") else \
+            model.config.n_embd
+        one = x.numel() * width * 4  # fp32 block input of one micro-batch
+        if on_host:
+            assert engine_of(model).memory_report()["host"]["boundaries"] >= blocks * m * one
+            assert runner.store.moved == {"down": 2 * blocks * m * one, "up": 2 * blocks * m * one}
+            assert held and max(held) <= 2, held
+        engine_of(model).close()
+    assert alive == {False: blocks * m, True: 0}
 
 
 def test_a_tied_embedding_is_within_rounding():

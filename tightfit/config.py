@@ -103,6 +103,9 @@ class MemoryConfig:
                                    "micro-batch before the next: its params cross once a step and its gradients are "
                                    "summed on the device), micro (each micro-batch's forward and backward before the "
                                    "next), auto (the planner's choice)", ("auto", "unit", "micro"))
+    boundaries: str = _f("auto", "where unit-major order keeps each micro-batch's block inputs until their backward: "
+                                 "device, host (page-locked host memory, crossing the link twice a step), or auto "
+                                 "(host where the device cannot hold them; on a GPU)", ("auto", "device", "host"))
     trace: str | None = _f(None, "write a Chrome trace and memory timeline of one step to this folder")
 
 

@@ -107,6 +107,9 @@ class Activations:
     [Note: phases]); None: all of them."""
     at_root_end: int | None = None
     """Activation bytes live once all the root's `param.grad`s are ("backward end"); None: `peak`."""
+    host_saved: int = 0
+    """Bytes saved for backward in page-locked host memory instead ([Note: boundaries on the host] in
+    step/boundaries.py): the buffers are kept from step to step, so they count in every phase."""
 
 
 # ---- per unit ([Note: bytes per state]) --------------------------------------------------------------------------
@@ -453,8 +456,10 @@ def step_memory(units: list[UnitSize], p: Placement, c: int, cuda: bool, act: Ac
             dev["grad conversion"] = convert
         if upload and phase != "step":
             dev["param conversion"] = upload
-        out[phase] = {"device": dev, "host": {"states": states[Tier.HOST], "buffers": pool},
-                      "nvme": {"states": states[Tier.NVME]}}
+        host = {"states": states[Tier.HOST], "buffers": pool}
+        if act.host_saved:
+            host["boundaries"] = act.host_saved
+        out[phase] = {"device": dev, "host": host, "nvme": {"states": states[Tier.NVME]}}
     return StepMemory(out)
 
 

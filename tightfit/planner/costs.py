@@ -94,6 +94,9 @@ class TrainShape:
     """The micro-batches run unit by unit (offload/step/unit_major.py): each unit's params are fetched and its
     gradients leave the device once a step, summed there in fp32 with their norms; every micro-batch's activations
     are kept until its backward."""
+    boundaries_on_host: bool = False
+    """In unit-major order, the units' inputs saved for backward wait in host memory, not on the device
+    ([Note: boundaries on the host] in offload/step/boundaries.py): down and up the link once a step each."""
 
     @property
     def passes(self) -> int:
@@ -207,22 +210,39 @@ def fetch_bytes(u: UnitProfile, placement: Placement, shape: TrainShape) -> int:
     return u.numel * (4 if casts_on_device(u, placement, shape) else shape.compute_bytes)
 
 
-def act_bytes(profile: ModelProfile, checkpointed: set[str], micro_batches: int = 1) -> int:
-    """Peak activation bytes when the units in `checkpointed` recompute their forward in backward and the device
-    holds `micro_batches` micro-batches' (`TrainShape.resident_micro_batches`)."""
-    return activations(profile, checkpointed, micro_batches).peak
+def act_bytes(profile: ModelProfile, checkpointed: set[str], micro_batches: int = 1,
+              boundaries_on_host: bool = False) -> int:
+    """Peak activation bytes on the device when the units in `checkpointed` recompute their forward in backward and
+    the step holds `micro_batches` micro-batches' (`TrainShape.resident_micro_batches`)."""
+    return activations(profile, checkpointed, micro_batches, boundaries_on_host).peak
 
 
-def activations(profile: ModelProfile, checkpointed: set[str], micro_batches: int = 1) -> mm.Activations:
+BOUNDARY_WINDOW = 2
+"""Boundaries back on the device ahead of the backward that needs them ([Note: boundaries on the host]: the
+executor brings back the next segment's while one computes)."""
+
+
+def activations(profile: ModelProfile, checkpointed: set[str], micro_batches: int = 1,
+                boundaries_on_host: bool = False) -> mm.Activations:
     """Activations from the trace of one micro-batch: saved until backward (a checkpointed unit keeps its input),
     and the backward peak (+ the largest checkpointed unit's recomputation + the transient beyond what is saved).
     `micro_batches` > 1 (unit-major order): every micro-batch's are saved at once; the recomputation and the
-    transient are one micro-batch's, which backward runs one at a time."""
+    transient are one micro-batch's, which backward runs one at a time. `boundaries_on_host`: the checkpointed
+    units' inputs wait in host memory ([Note: boundaries on the host] in offload/step/boundaries.py); the device
+    holds a unit's M outputs and the inputs it has yet to compute (M + 1), or the backward's window."""
     ck = [u for u in profile.units if u.name in checkpointed and u.checkpointable]
-    saved = micro_batches * (sum(u.act_saved for u in profile.units if u not in ck) + sum(u.act_input for u in ck))
+    kept = micro_batches * sum(u.act_saved for u in profile.units if u not in ck)
+    inputs = sum(u.act_input for u in ck)
+    host = 0
+    if boundaries_on_host and ck:
+        host = micro_batches * inputs
+        saved = kept + max(micro_batches + 1, BOUNDARY_WINDOW) * max(u.act_input for u in ck)
+    else:
+        saved = kept + micro_batches * inputs
     recompute = max((u.act_recompute or u.act_saved for u in ck), default=0)
     return mm.Activations(saved=saved, peak=saved + recompute + profile.act_transient,
-                          root_grads_early=profile.root_grads_early, at_root_end=profile.act_at_root_end)
+                          root_grads_early=profile.root_grads_early, at_root_end=profile.act_at_root_end,
+                          host_saved=host)
 
 
 def host_pass_bytes(profile: ModelProfile, placement: Placement, shape: TrainShape) -> tuple[float, float]:
@@ -303,7 +323,8 @@ def step_memory(profile: ModelProfile, placement: Placement, hw: HardwareProfile
     host room the budgets leave: the host budget less the host tier (and, when the RAM is shared, less the device
     at its peak), never below one working set."""
     units, c = unit_sizes(profile), shape.compute_bytes
-    act = activations(profile, set(placement.checkpoint_units), shape.resident_micro_batches)
+    act = activations(profile, set(placement.checkpoint_units), shape.resident_micro_batches,
+                      shape.boundaries_on_host)
     separate = separate_memory("cuda" if hw.cuda else "cpu")
     room = None
     if placement.host_budget is not None:
@@ -439,6 +460,10 @@ def traffic(profile: ModelProfile, placement: Placement, shape: TrainShape) -> d
             else:  # fp32 params are their own master: the step reads and rewrites their trainable prefix
                 t["nvme_read_opt"] += 0 if u.name in last_fetched else g
                 t["nvme_write_opt"] += g
+    if shape.boundaries_on_host:  # each saved unit input down in forward, up in backward ([Note: boundaries ...])
+        moved = activations(profile, set(placement.checkpoint_units), shape.resident_micro_batches, True).host_saved
+        t["h2d"] += moved
+        t["d2h"] += moved
     return t
 
 

@@ -25,7 +25,8 @@ from tightfit.planner.plan import Plan
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _CHOICES = {"precision": ("auto", "fp32", "bf16", "fp16"), "offload": ("auto", "none", "device", "host", "nvme"),
-            "checkpointing": ("auto", "on", "off"), "accumulation": ("micro", "unit", "auto")}
+            "checkpointing": ("auto", "on", "off"), "accumulation": ("micro", "unit", "auto"),
+            "boundaries": ("auto", "device", "host")}
 
 
 def _positive_int(name: str, value) -> int:
@@ -35,7 +36,7 @@ def _positive_int(name: str, value) -> int:
 
 
 def _config(gpu_mem, cpu_mem, nvme, micro_batch, seq_len, grad_accum, precision, device, offload, checkpointing,
-            grad_clip, accumulation="micro"):
+            grad_clip, accumulation="micro", boundaries="auto"):
     """The keyword arguments as the CLI's `Config`, each checked with an error naming the keyword."""
     from tightfit.config import Config, parse_nvme
     from tightfit.utils.sizes import parse_size
@@ -48,11 +49,11 @@ def _config(gpu_mem, cpu_mem, nvme, micro_batch, seq_len, grad_accum, precision,
     cfg.train.seq_len = _positive_int("seq_len", seq_len)
     cfg.train.grad_accum = _positive_int("grad_accum", grad_accum)
     for name, value in (("precision", precision), ("offload", offload), ("checkpointing", checkpointing),
-                        ("accumulation", accumulation)):
+                        ("accumulation", accumulation), ("boundaries", boundaries)):
         if value not in _CHOICES[name]:
             raise UsageError(f"{name}: {value!r} is not one of {', '.join(_CHOICES[name])}")
     cfg.train.precision, cfg.memory.offload, cfg.memory.checkpointing = precision, offload, checkpointing
-    cfg.memory.accumulation = accumulation
+    cfg.memory.accumulation, cfg.memory.boundaries = accumulation, boundaries
     dev = "auto" if device is None else torch.device(device).type
     if dev not in ("auto", "cpu", "cuda"):
         raise UsageError(f"device: only cpu and cuda are supported, got {device!r}")
@@ -86,7 +87,7 @@ def plan(model: nn.Module, *, gpu_mem: str | int | None = None, cpu_mem: str | i
          nvme: str | None = None, micro_batch: int | None = None, seq_len: int | None = None, grad_accum: int = 1,
          precision: str = "auto", device: str | torch.device | None = None, offload: str = "auto",
          checkpointing: str = "auto", grad_clip: bool = True, autocast: bool = True, accumulation: str = "micro",
-         hardware=None) -> Plan:
+         boundaries: str = "auto", hardware=None) -> Plan:
     """Plan where every state of `model` lives for micro-batches of `micro_batch` x `seq_len` tokens.
 
     gpu_mem, cpu_mem: budgets ("20GiB", or bytes); None: what the machine has, less headroom. On a machine
@@ -98,6 +99,8 @@ def plan(model: nn.Module, *, gpu_mem: str | int | None = None, cpu_mem: str | i
         and backward after another, as an ordinary loop and the Hugging Face Trainer do. "unit": the loop runs them
         through `tightfit.offload.step.unit_major.UnitMajor` (each unit's params cross the link once a step);
         "auto": plan both and keep the faster, as `tightfit train` does (plan.shape.unit_major says which).
+    boundaries: where unit-major order keeps the blocks' inputs until backward, as `--boundaries`: the loop passes
+        `UnitMajor(model, boundaries_on_host=plan.shape.boundaries_on_host)`.
     autocast: whether the loop runs a bf16/fp16 forward under `torch.autocast` (the Hugging Face Trainer and
         `tightfit train` do: the plan counts autocast's casts and the fp32 copies they save); False for a loop that
         runs the compute dtype as given.
@@ -109,7 +112,7 @@ def plan(model: nn.Module, *, gpu_mem: str | int | None = None, cpu_mem: str | i
     from tightfit.planner.planner import make_plan
 
     cfg = _config(gpu_mem, cpu_mem, nvme, micro_batch, seq_len, grad_accum, precision, device, offload,
-                  checkpointing, grad_clip, accumulation)
+                  checkpointing, grad_clip, accumulation, boundaries)
     hw, what_if = _hardware(hardware)
     return make_plan(model, cfg, hw, names=PYTHON, what_if=what_if, autocast=autocast)
 

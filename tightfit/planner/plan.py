@@ -188,7 +188,7 @@ class Plan:
                           "host)")
         if extras:
             lines.append("  " + "; ".join(extras))
-        lines += [f"  {r}" for r in self.reasons if r.startswith(("accumulation:", "warning:",
+        lines += [f"  {r}" for r in self.reasons if r.startswith(("accumulation:", "boundaries:", "warning:",
                                                                   "what more memory buys"))]
         return "\n".join(lines)
 
@@ -205,13 +205,18 @@ class Plan:
             return "cast on GPU"
         return f"{format_size(state_bytes(u, s, self.placement, self.shape))} {self.placement.of(u.name).tier(s).value}"
 
+    def _order(self) -> str:
+        if not self.shape.unit_major:
+            return ""
+        return " (unit-major, block inputs in host memory)" if self.shape.boundaries_on_host else " (unit-major)"
+
     def table(self) -> str:
         """The full `tightfit plan` output."""
         p, pr = self.placement, self.prediction
         compute = self.profile.compute_dtype + (" under autocast" if self.profile.autocast else "")
         lines = [f"tightfit plan: {self.hardware.device_name}, compute {compute}, micro-batch "
                  f"{self.profile.micro_batch} x {self.profile.seq_len} tokens, grad-accum {self.shape.grad_accum}"
-                 f"{' (unit-major)' if self.shape.unit_major else ''}, --offload {self.mode}", ""]
+                 f"{self._order()}, --offload {self.mode}", ""]
         head = f"{'unit':<28}{'params':>10}  " + "".join(f"{s.value:>18}" for s in State)
         lines += [head, "-" * len(head)]
         for u in self.profile.units:

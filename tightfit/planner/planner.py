@@ -56,10 +56,13 @@ def make_plan(model: nn.Module, cfg, hardware: HardwareProfile | None = None, na
     mode = cfg.memory.offload
     accumulation = _accumulation(cfg, profile, names)
 
+    boundaries = _boundaries(cfg, accumulation, names)
+
     def place(hw: HardwareProfile) -> Plan:
         if accumulation is None:
             return place_shape(hw, shape)
-        return choose_accumulation(lambda s: place_shape(hw, s), shape, accumulation == "unit", names)
+        return choose_accumulation(lambda s: place_shape(hw, s), shape, accumulation == "unit", names,
+                                   boundaries if boundaries != "auto" or hw.cuda else "device")
 
     def place_shape(hw: HardwareProfile, shape: TrainShape) -> Plan:
         if mode == "auto":
@@ -125,23 +128,50 @@ def _accumulation(cfg, profile, names: Naming) -> str | None:
     return asked
 
 
-def choose_accumulation(place, shape: TrainShape, forced: bool, names: Naming) -> Plan:
+def _boundaries(cfg, accumulation: str | None, names: Naming) -> str:
+    """Where a unit-major plan may keep the units' saved inputs: "device", "host" (asked for), or "auto" (host where
+    the device cannot hold them, on a GPU). Host needs unit-major order and torch >= 2.7."""
+    from tightfit.offload.step.unit_major import EDGES
+
+    asked = cfg.memory.boundaries
+    flag = names.set("boundaries", "host")
+    if asked == "host":
+        if accumulation is None:
+            raise UsageError(f"{flag}: only unit-major order keeps every micro-batch's block inputs until backward; "
+                             f"add {names.set('accumulation', 'unit')} (with {names.set('grad_accum', 'M')}, M > 1)")
+        if not EDGES:
+            raise UsageError(f"{flag}: needs torch >= 2.7 (this is {torch.__version__}); use "
+                             f"{names.set('boundaries', 'device')}")
+    return asked if EDGES else "device"
+
+
+def choose_accumulation(place, shape: TrainShape, forced: bool, names: Naming, boundaries: str = "device") -> Plan:
     """Plan unit-major order (offload/step/unit_major.py) and, unless it was asked for, micro-batch-major order too;
-    keep unit-major unless micro-batch-major is faster or it alone fits, and say why in the plan's reasons."""
+    keep unit-major unless micro-batch-major is faster or it alone fits, and say why in the plan's reasons.
+    `boundaries`: where unit-major order keeps the units' saved inputs ("auto": on the device if they fit there, else
+    in host memory, [Note: boundaries on the host] in offload/step/boundaries.py)."""
     from dataclasses import replace
 
     m = shape.grad_accum
-    try:
-        unit = place(replace(shape, unit_major=True))
-        if unit.placement.tiled_linears:  # tiles share their input: not a chain (unit_major.py)
-            if forced:
-                raise UsageError(f"{names.set('accumulation', 'unit')}: the plan tiles layers, whose tiles share "
-                                 f"their input; use {names.set('accumulation', 'micro')}")
+    unit = None
+    for on_host in {"device": (False,), "host": (True,), "auto": (False, True)}[boundaries]:
+        try:
+            unit = place(replace(shape, unit_major=True, boundaries_on_host=on_host))
+            if unit.placement.tiled_linears:  # tiles share their input: not a chain (unit_major.py)
+                if forced:
+                    raise UsageError(f"{names.set('accumulation', 'unit')}: the plan tiles layers, whose tiles "
+                                     f"share their input; use {names.set('accumulation', 'micro')}")
+                unit = None
+        except UsageError:
+            if forced and on_host == (boundaries != "device"):
+                raise
             unit = None
-    except UsageError:
-        if forced:
-            raise
-        unit = None
+        if unit is not None:
+            break
+    if unit is not None and unit.shape.boundaries_on_host:
+        unit.reasons.insert(0, f"boundaries: the block inputs of {m} micro-batches wait in host memory "
+                               f"({format_size(unit.prediction.breakdown['host'].get('boundaries', 0))}), each "
+                               "down and up the link once a step")
     if forced:
         unit.reasons.insert(0, f"accumulation: unit-major ({names.set('accumulation', 'unit')}): each unit runs the "
                                f"{m} micro-batches back to back")

@@ -382,14 +382,16 @@ def _search(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: Train
     m = shape.resident_micro_batches
     if checkpointing == "auto":
         for u in ckable:
-            if act_bytes(profile, ck, m) + stream_min <= dev_room:
+            if act_bytes(profile, ck, m, shape.boundaries_on_host) + stream_min <= dev_room:
                 break
             ck.add(u.name)
         if ck:
             held = f"{m} micro-batches' " if m > 1 else ""
             reasons.append(f"activation checkpointing of {len(ck)} unit(s): {held}activations of all units "
-                           f"({format_size(act_bytes(profile, set(), m))}) do not fit beside the streaming window")
-    profile, tiled = _tile(profile, shape, dev_room - act_bytes(profile, ck, m), reasons)
+                           f"({format_size(act_bytes(profile, set(), m, shape.boundaries_on_host))}) do not fit "
+                           "beside the streaming window")
+    profile, tiled = _tile(profile, shape, dev_room - act_bytes(profile, ck, m, shape.boundaries_on_host),
+                           reasons)
 
     p = Placement.everywhere(Tier.HOST, checkpoint_units=sorted(ck), tiled_linears=tiled)
     p = _finish(p, profile, hw, b, shape, copies)

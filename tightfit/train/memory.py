@@ -263,7 +263,7 @@ class OffloadMemory(_Stepping):
         if plan.shape.unit_major:
             from tightfit.offload.step.unit_major import UnitMajor
 
-            self._unit_major = UnitMajor(self.model)
+            self._unit_major = UnitMajor(self.model, boundaries_on_host=plan.shape.boundaries_on_host)
         self._peak_rss = _rss()
         self._closed_report: dict | None = None  # the engine's meters as they stood when it was closed
 
@@ -317,13 +317,13 @@ class OffloadMemory(_Stepping):
         r = self._report()
         rss = _rss()
         self._peak_rss = max(self._peak_rss, rss, _rss_high_water())
-        return {"device": r["device"]["in_use"], "host": r["host"]["tier"] + r["host"]["staging"],
+        return {"device": r["device"]["in_use"], "host": r["host"]["tier"] + r["host"]["staging"] + r["host"]["boundaries"],
                 "nvme": r["nvme"]["bytes"], "rss": rss}
 
     def peak_memory(self) -> dict[str, int]:
         r = self._report()
         self.memory_in_use()
-        peaks = {"device": r["device"]["peak"], "host": r["host"]["tier"] + r["host"]["staging_peak"],
+        peaks = {"device": r["device"]["peak"], "host": r["host"]["tier"] + r["host"]["staging_peak"] + r["host"]["boundaries"],
                  "nvme": r["nvme"]["bytes"], "rss": self._peak_rss}
         if self.device.type == "cuda":
             peaks["cuda_allocated"] = torch.cuda.max_memory_allocated(self.device)

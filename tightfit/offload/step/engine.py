@@ -189,6 +189,7 @@ class OffloadEngine:
         self.backwards = 0  # backward passes finished (the optimizer warns when one left it nothing to step)
         # A unit-major pass in progress (step/unit_major.py, passes.py): its micro-batches' events count to M.
         self.pass_: UnitMajorPass | None = None
+        self.boundaries = None  # a unit-major executor's BoundaryStore (step/boundaries.py), while it has one
         self.on_close: list = []  # callables run first by `close` (module_state.attach's removal)
 
         try:

@@ -53,7 +53,8 @@ def memory_report(engine) -> dict:
     return {
         "device": {"in_use": engine.device_in_use, "peak": engine.device_peak, "budget": p.device_budget},
         "host": {"tier": engine.stores[Tier.HOST].bytes, "staging": engine.pool.bytes,
-                 "staging_peak": engine.pool.peak, "budget": p.host_budget},
+                 "staging_peak": engine.pool.peak, "budget": p.host_budget,
+                 "boundaries": engine.boundaries.bytes if engine.boundaries is not None else 0},
         "nvme": {"bytes": disk.disk_bytes if disk else 0, "budget": p.nvme_budget},
         "units": {u.name: unit_report(u) for u in engine.units.values()},
     }

@@ -12,12 +12,15 @@ How, with the model's own forward code (any model whose units form a chain, [Not
   pre-hook on each unit's first module stops the thread there and hands the turn back; the executor gives turns
   round-robin in micro-batch order, so every micro-batch reaches unit k, then each runs through unit k in turn: the
   unit computes its M micro-batches back to back, and the order of the device's kernels is the same in every run.
-- The cut. The same hook replaces each input of the unit that needs a gradient (a non-leaf tensor) by a detached
-  leaf that needs one: each micro-batch's graph becomes a chain of segments, segment s from the input of the unit
-  met s-th (segment 0 from the model's inputs) to the next unit's input (the last: to the loss).
+- The cut. The same hook replaces each input of the unit that needs a gradient (a non-leaf tensor) by a tensor of its
+  own, detached from the graph that made it, whose gradient backward leaves in a holder (`_Boundary`): each
+  micro-batch's graph becomes a chain of segments, segment s from the input of the unit met s-th (segment 0 from
+  the model's inputs) to the next unit's input (the last: to the loss). The cut keeps the holder and the autograd
+  edge of the tensor it replaced, not the tensors themselves: a boundary's memory is the device's only while
+  something computes with it or saves it ([Note: boundaries on the host] in boundaries.py moves the saved ones).
 - Backward. Segment by segment from the loss back, within a segment micro-batch by micro-batch in order:
-  `torch.autograd.backward` of the segment's outputs (the tensors cut at the next unit) with the gradients the next
-  segment left on the leaves cut from them. Each parameter receives its micro-batches' gradients in micro-batch
+  `torch.autograd.backward` of the segment's outputs (the edges cut at the next unit) with the gradients the next
+  segment left in the holders. Each parameter receives its micro-batches' gradients in micro-batch
   order, as micro-batch-major order adds them: the same sums, bitwise in fp32. (A parameter two segments use, an
   embedding tied to the head, receives its two uses' gradients in another order: equal within rounding.) After a
   unit's segment, the engine is told (`micro_batch_done`); at the M-th its sums leave the device.
@@ -38,7 +41,9 @@ a time, and the caller waits meanwhile, so the engine's hooks see one micro-batc
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -48,8 +53,39 @@ from torch.utils._pytree import tree_map
 
 from tightfit.errors import UsageError
 from tightfit.offload.runtime.workers import set_own_threads
+from tightfit.offload.step.boundaries import BoundaryStore
 
 _local = threading.local()  # .micro: the _MicroBatch whose forward this thread runs (None elsewhere)
+
+EDGES = torch.torch_version.TorchVersion(torch.__version__) >= (2, 7)
+"""Does `torch.autograd.backward` take autograd edges (torch >= 2.7)? Then a cut holds the edge of the tensor it
+replaced, not the tensor; before, the tensor (and its memory) until the segment's backward."""
+
+
+class _Holder:
+    """Where backward leaves a cut input's gradient."""
+
+    __slots__ = ("grad",)
+
+    def __init__(self) -> None:
+        self.grad: torch.Tensor | None = None
+
+
+class _Boundary(torch.autograd.Function):
+    """A unit's input cut from the graph that made it: the same values (the same storage), a node of its own whose
+    gradient is kept in `holder` and goes no further. `anchor` (an empty leaf that needs a gradient) makes the output
+    need one; no node keeps the tensor, as a leaf's gradient accumulator would."""
+
+    @staticmethod
+    def forward(ctx, anchor, x, holder):
+        ctx.holder = holder
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        h = ctx.holder
+        h.grad = grad if h.grad is None else h.grad + grad
+        return None, None, None
 
 
 class _Aborted(BaseException):
@@ -79,10 +115,12 @@ class _Baton:
 
 @dataclass
 class _Cut:
-    """What a unit's pre-hook cut from one micro-batch's graph: the tensors that entered it, the leaves it got."""
+    """What a unit's pre-hook cut from one micro-batch's graph: the autograd edges of the tensors that entered it
+    (the tensors themselves where `torch.autograd.backward` takes no edges), and where the gradients of the inputs
+    the unit got instead are left."""
 
-    originals: list[torch.Tensor]
-    leaves: list[torch.Tensor]
+    edges: list
+    holders: list[_Holder]
 
 
 @dataclass
@@ -94,17 +132,19 @@ class _MicroBatch:
     units: list[str] = field(default_factory=list)  # the units whose pre-hook it met, in order
     cuts: list[_Cut | None] = field(default_factory=list)  # one per entry of `units`, freed after its backward
     cut_ids: set[int] = field(default_factory=set)  # ids of the tensors cut so far (refused a second time)
+    boundaries: dict = field(default_factory=dict)  # id -> (weakref, cut index) of the inputs of the unit it computes
     loss: torch.Tensor | None = None
     error: BaseException | None = None
     finished: bool = False
     abort: bool = False
 
-    def start(self, fn: Callable[[], torch.Tensor], grad: bool, threads: int, device: torch.device) -> None:
-        self.thread = threading.Thread(target=self._run, args=(fn, grad, threads, device), daemon=True,
+    def start(self, fn: Callable[[], torch.Tensor], grad: bool, threads: int, device: torch.device,
+              store: BoundaryStore | None) -> None:
+        self.thread = threading.Thread(target=self._run, args=(fn, grad, threads, device, store), daemon=True,
                                        name=f"tightfit-micro-batch-{self.index}")
         self.thread.start()
 
-    def _run(self, fn, grad: bool, threads: int, device: torch.device) -> None:
+    def _run(self, fn, grad: bool, threads: int, device: torch.device, store: BoundaryStore | None) -> None:
         self.baton.wait(self)
         try:
             if not self.abort:
@@ -112,7 +152,9 @@ class _MicroBatch:
                 set_own_threads(threads)
                 if device.type == "cuda":
                     torch.cuda.set_device(device)
-                with torch.set_grad_enabled(grad):
+                hooks = (torch.autograd.graph.saved_tensors_hooks(self._packer(store), _unpacker(store))
+                         if store is not None else contextlib.nullcontext())
+                with torch.set_grad_enabled(grad), hooks:
                     self.loss = fn()
         except _Aborted:
             pass
@@ -125,10 +167,29 @@ class _MicroBatch:
 
     def arrive(self, unit: str) -> None:
         """This thread's forward reached `unit`: the turn goes back to the executor until it is this one's again."""
+        self.boundaries.clear()  # the last unit's inputs are computed: what is saved from now on is not them
         self.baton.hand(None, me=self)
         if self.abort:
             raise _Aborted()
         self.units.append(unit)
+
+    def _packer(self, store: BoundaryStore):
+        """The saved-tensor pack hook of this micro-batch's forward: a boundary of the unit it computes goes to the
+        host ([Note: boundaries on the host] in boundaries.py); anything else stays as it is."""
+        def pack(t: torch.Tensor):
+            entry = self.boundaries.get(id(t))
+            if entry is None or entry[0]() is not t:
+                return t
+            return store.pack(t, (entry[1], self.index))
+
+        return pack
+
+
+def _unpacker(store: BoundaryStore):
+    def unpack(saved):
+        return saved if isinstance(saved, torch.Tensor) else store.unpack(saved)
+
+    return unpack
 
 
 
@@ -137,11 +198,19 @@ class UnitMajor:
     backward of every micro-batch; the optimizer step comes after, as always. Built once per model (its hooks stay
     until `close`); harmless to forwards it does not run (evaluation, a micro-batch-major loop)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, boundaries_on_host: bool = False) -> None:
         from tightfit.offload.step.engine import engine_of
 
         self.engine = engine_of(model)
         self._baton = _Baton()
+        self._anchor = torch.empty(0, requires_grad=True)
+        self.store = None  # [Note: boundaries on the host] in boundaries.py
+        if boundaries_on_host:
+            if not EDGES:
+                raise UsageError("boundary activations on the host need torch >= 2.7 (torch.autograd.backward of "
+                                 f"autograd edges); this is torch {torch.__version__}")
+            e = self.engine
+            self.store = e.boundaries = BoundaryStore(e.mover, e.pool.allocator, e.device)
         self._handles = []
         for unit in self.engine.units.values():
             if not unit.spec.is_root:
@@ -155,9 +224,10 @@ class UnitMajor:
             if micro is None or micro.baton is not self._baton:
                 return None  # a forward this executor does not run
             micro.arrive(unit)
-            originals, leaves = [], []
+            edges, holders = [], []
+            index = len(micro.cuts)
 
-            def leaf_of(t):
+            def cut_of(t):
                 if not (isinstance(t, torch.Tensor) and t.requires_grad and not t.is_leaf):
                     return t  # a parameter or a constant: no graph to cut
                 if id(t) in micro.cut_ids:
@@ -165,13 +235,15 @@ class UnitMajor:
                                      "unit of this micro-batch, so the units do not form a chain; use "
                                      "--accumulation micro (micro-batch-major order)")
                 micro.cut_ids.add(id(t))
-                leaf = t.detach().requires_grad_(True)
-                originals.append(t)
-                leaves.append(leaf)
-                return leaf
+                holder = _Holder()
+                x = _Boundary.apply(self._anchor, t.detach(), holder)
+                edges.append(torch.autograd.graph.get_gradient_edge(t) if EDGES else t)
+                holders.append(holder)
+                micro.boundaries[id(x)] = (weakref.ref(x), index)
+                return x
 
-            args, kwargs = tree_map(leaf_of, (args, kwargs))
-            micro.cuts.append(_Cut(originals, leaves))
+            args, kwargs = tree_map(cut_of, (args, kwargs))
+            micro.cuts.append(_Cut(edges, holders))
             return args, kwargs
 
         return cut
@@ -186,7 +258,7 @@ class UnitMajor:
         try:
             grad, threads = torch.is_grad_enabled(), torch.get_num_threads()
             for mb, fn in zip(micro, forwards):
-                mb.start(fn, grad, threads, self.engine.device)
+                mb.start(fn, grad, threads, self.engine.device, self.store)
             self._forward(micro)
             for mb in micro:
                 mb.thread.join()  # its OpenMP pool goes with it ([Note: one OpenMP pool per thread])
@@ -196,7 +268,9 @@ class UnitMajor:
             return [mb.loss for mb in micro]
         finally:
             for mb in micro:
-                mb.cuts, mb.cut_ids = [], set()
+                mb.cuts, mb.cut_ids, mb.boundaries = [], set(), {}
+            if self.store is not None:
+                self.store.clear()
             self.engine.end_pass()
 
     def _forward(self, micro: list[_MicroBatch]) -> None:
@@ -224,23 +298,36 @@ class UnitMajor:
                 self._baton.hand(mb)
 
     def _backward(self, micro: list[_MicroBatch], backward: Callable) -> None:
-        """Segment by segment from the loss back; in each, micro-batch by micro-batch."""
+        """Segment by segment from the loss back; in each, micro-batch by micro-batch. The backward of segment s
+        recomputes (or reads what was saved of) unit s - 1, whose input is boundary (s - 1, micro-batch): with
+        boundaries on the host, the next one in this order comes back while this one computes."""
         segments = len(micro[0].units)
-        for s in range(segments, -1, -1):
-            for mb in micro:
-                if s == segments:
-                    if mb.loss.requires_grad:
-                        torch.autograd.backward(backward(mb.loss))
-                else:
-                    cut, mb.cuts[s] = mb.cuts[s], None  # its leaves' gradients go with it
-                    pairs = [(o, leaf.grad) for o, leaf in zip(cut.originals, cut.leaves) if leaf.grad is not None]
-                    if pairs:
-                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-                if s > 0:
-                    self.engine.micro_batch_done(mb.units[s - 1])
+        order = [(s, mb) for s in range(segments, -1, -1) for mb in micro]
+        for k, (s, mb) in enumerate(order):
+            if self.store is not None:
+                for s2, mb2 in order[k:k + 2]:
+                    if s2 > 0:
+                        self.store.prefetch((s2 - 1, mb2.index))
+            if s == segments:
+                if mb.loss.requires_grad:
+                    torch.autograd.backward(backward(mb.loss))
+            else:
+                cut, mb.cuts[s] = mb.cuts[s], None  # its holders' gradients go with it
+                pairs = [(e, h.grad) for e, h in zip(cut.edges, cut.holders) if h.grad is not None]
+                if pairs:
+                    torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs])
+            if s > 0:
+                if self.store is not None:
+                    self.store.done((s - 1, mb.index))
+                self.engine.micro_batch_done(mb.units[s - 1])
 
     def close(self) -> None:
-        """Remove the hooks. Idempotent."""
+        """Remove the hooks, give the boundaries' host buffers back. Idempotent."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self.store is not None:
+            self.store.close()
+            if self.engine.boundaries is self.store:
+                self.engine.boundaries = None
+            self.store = None
