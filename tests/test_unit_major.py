@@ -295,6 +295,21 @@ def test_a_tensor_entering_two_units_is_refused_at_run_time():
     engine_of(model).close()
 
 
+def test_a_new_tensor_at_a_freed_cut_tensors_address_is_not_taken_for_it():
+    """The cut keeps no tensor, so one it cut may be freed and a new one made at its address (the same `id`): that
+    one did not enter two units. (Found by the stress test at seed 302: a chain refused as no chain.)"""
+    from tightfit.offload.step.unit_major import _Seen
+
+    seen, a = _Seen(), torch.randn(3)
+    seen.add(a)
+    assert a in seen
+    address = id(a)
+    del a
+    b = torch.randn(3)
+    assert id(b) == address  # CPython gives the freed object's memory to the next one of its size
+    assert b not in seen
+
+
 def test_a_failing_micro_batch_stops_the_others_and_the_next_step_runs():
     model = tiny_gpt()
     tightfit.wrap(model, Placement.everywhere(Tier.HOST), device="cpu")

@@ -62,6 +62,21 @@ EDGES = torch.torch_version.TorchVersion(torch.__version__) >= (2, 7)
 replaced, not the tensor; before, the tensor (and its memory) until the segment's backward."""
 
 
+class _Seen:
+    """Tensors met so far, by identity, holding none of them: a tensor freed since is not met again when a new one
+    takes its address (its `id`)."""
+
+    def __init__(self) -> None:
+        self._refs: dict[int, weakref.ref] = {}
+
+    def add(self, t: torch.Tensor) -> None:
+        self._refs[id(t)] = weakref.ref(t)
+
+    def __contains__(self, t: torch.Tensor) -> bool:
+        ref = self._refs.get(id(t))
+        return ref is not None and ref() is t
+
+
 class _Holder:
     """Where backward leaves a cut input's gradient."""
 
@@ -131,7 +146,7 @@ class _MicroBatch:
     baton: _Baton
     units: list[str] = field(default_factory=list)  # the units whose pre-hook it met, in order
     cuts: list[_Cut | None] = field(default_factory=list)  # one per entry of `units`, freed after its backward
-    cut_ids: set[int] = field(default_factory=set)  # ids of the tensors cut so far (refused a second time)
+    cut: "_Seen" = field(default_factory=lambda: _Seen())  # the tensors cut so far (refused a second time)
     boundaries: dict = field(default_factory=dict)  # id -> (weakref, cut index) of the inputs of the unit it computes
     loss: torch.Tensor | None = None
     error: BaseException | None = None
@@ -230,11 +245,11 @@ class UnitMajor:
             def cut_of(t):
                 if not (isinstance(t, torch.Tensor) and t.requires_grad and not t.is_leaf):
                     return t  # a parameter or a constant: no graph to cut
-                if id(t) in micro.cut_ids:
+                if t in micro.cut:
                     raise UsageError(f"unit-major accumulation: a tensor enters {unit!r} that already entered another "
                                      "unit of this micro-batch, so the units do not form a chain; use "
                                      "--accumulation micro (micro-batch-major order)")
-                micro.cut_ids.add(id(t))
+                micro.cut.add(t)
                 holder = _Holder()
                 x = _Boundary.apply(self._anchor, t.detach(), holder)
                 edges.append(torch.autograd.graph.get_gradient_edge(t) if EDGES else t)
@@ -268,7 +283,7 @@ class UnitMajor:
             return [mb.loss for mb in micro]
         finally:
             for mb in micro:
-                mb.cuts, mb.cut_ids, mb.boundaries = [], set(), {}
+                mb.cuts, mb.cut, mb.boundaries = [], _Seen(), {}
             if self.store is not None:
                 self.store.clear()
             self.engine.end_pass()
