@@ -86,6 +86,31 @@ def test_strict_mover_fails_a_pool_buffer_given_back_while_a_copy_reads_it():
     mover.close()
 
 
+@pytest.mark.parametrize("cancelled", [False, True], ids=["copied", "cancelled"])
+def test_a_finished_copy_holds_no_tensor_when_it_says_done(cancelled):
+    """Found by the unit-major boundary test on the 2-core CI machine: a block input the caller had let go of was still
+    alive after its copy to the host was done, because the copy thread's job still held it until the thread looked
+    up. The engine frees device memory by letting go (as CUDA's `record_stream` frees a block once its stream's work
+    is done), so `done` must mean the copy holds nothing. Deterministic here: the copy thread sets `done` while the
+    test's callback runs on it, before the thread is back in its pool."""
+    pool = HostPool(None)
+    mover = CpuMover(pool, threads=1)
+    gate = threading.Event()
+    mover.copier.submit(gate.wait)  # the copy queues behind this, so the callback is added before it runs
+    source = torch.ones(256)
+    ref = source.untyped_storage()._weak_ref()
+    t = mover.pack_grads([((0, source.shape), source)], torch.empty(256))
+    del source
+    if cancelled:
+        mover.cancel(t)
+    seen = []
+    t.done.add_done_callback(lambda _: seen.append(torch.UntypedStorage._expired(ref)))
+    gate.set()
+    t.done.result()
+    mover.close()
+    assert seen == [True]
+
+
 def test_strict_pool_poisons_what_it_lends_and_takes_back():
     pool = HostPool(None, poison=True)
     grant = pool.reserve("job", {"buf": (8, torch.float32)})

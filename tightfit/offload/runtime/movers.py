@@ -293,24 +293,34 @@ class CpuMover:
         delay = self._rng.uniform(0, self.max_delay_s) if self.strict else 0.0
         if not t.issued.done():
             t.issued.set_result(None)
+        # The copy's tensors, emptied before `done` is set: a finished (or cancelled) copy holds nothing, so a source
+        # the caller has let go of is freed when its copy is done, not when the copy thread next looks up (what
+        # CUDA's `record_stream` gives: the block is free once the stream's work on it completes).
+        job = [fn, touches]
+        del fn, touches
 
         def run() -> None:
             if delay:
                 time.sleep(delay)
             with t.lock:
                 if t.cancelled:
+                    job.clear()
                     self._forget(t)
                     t.done.set_result(None)
                     return
                 t.running = True
+            copy, touched = job
+            job.clear()
             try:
-                self._check_alive(touches, spans)
+                self._check_alive(touched, spans)
                 with ranges.span(label):  # a profiler range (--profile), free otherwise
-                    fn()
+                    copy()
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the transfer
+                del copy, touched  # the traceback keeps this frame
                 self._forget(t)
                 t.fail(e)
                 return
+            del copy, touched
             self._forget(t)
             t.done.set_result(None)
 
