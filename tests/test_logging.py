@@ -155,15 +155,15 @@ def test_the_plan_is_compared_with_the_median_step_not_the_runs_rate(tiny_args, 
     run's seconds per step, evaluations included, beside it."""
     import time
 
-    from tightfit.train import loop
+    from tightfit.train import trainee
 
-    real = loop.evaluate
+    real = trainee.evaluate
 
     def slow_evaluate(*args, **kwargs):
         time.sleep(0.3)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(loop, "evaluate", slow_evaluate)
+    monkeypatch.setattr(trainee, "evaluate", slow_evaluate)
     assert main(["train", *tiny_args, "--steps", "4", "--eval-interval", "1"]) == 0
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     record = next(r for r in records if r["kind"] == "plan_vs_measured")

@@ -57,13 +57,13 @@ def test_a_finished_rank_leaves_after_destroying_its_group_without_teardown(tiny
 
 
 def test_a_refused_rank_leaves_with_one_line_and_status_2(tiny_args, tmp_path):
-    """Bad input found after the group exists (every rank refuses the --out-dir): one line, status 2, no traceback,
-    the group destroyed, and the same way out."""
+    """Bad input found after the group exists (every rank refuses --resume: the --out-dir holds no checkpoint): one
+    line, status 2, no traceback, the group destroyed, and the same way out."""
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
-    codes, outs = _ranks(tiny_args, tmp_path, "--strategy", "ddp")
+    codes, outs = _ranks(tiny_args, tmp_path, "--strategy", "ddp", "--resume")
     assert codes == [2, 2], outs[0][-2000:] + outs[1][-2000:]
     for out in outs:
         errors = [line for line in out.splitlines() if line.startswith("tightfit: error:")]
-        assert len(errors) == 1 and "--out-dir" in errors[0] and "already holds a checkpoint" in errors[0], out
+        assert len(errors) == 1 and "--resume" in errors[0] and "no checkpoint in" in errors[0], out
         assert "Traceback" not in out
         assert "LEAVING status=2 initialized=False threads=['MainThread']" in out, out[-2000:]

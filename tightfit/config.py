@@ -300,8 +300,6 @@ def validate(cfg: Config) -> None:
             if value:
                 raise UsageError(f"{flag_name(name)}: needs checkpoints, and --keep-checkpoints 0 writes none; drop "
                                  "one of the two")
-        if cfg.parallel.nproc_per_node * cfg.parallel.nnodes > 1:
-            raise UsageError("--keep-checkpoints: 0 (no checkpoint) is for runs of one process; keep at least 1")
     if not cfg.parallel.dist_timeout > 0:
         raise UsageError(f"--dist-timeout: must be a positive number of seconds, got {cfg.parallel.dist_timeout}")
     if not (0.0 < o.lr < 10.0):

@@ -1,8 +1,12 @@
-"""The training loop behind `tightfit train`, readable top to bottom.
+"""The training loop behind `tightfit train`, for every world size, readable top to bottom.
 
 One step: for each of `grad_accum` micro-batches, forward under autocast and backward (loss divided by the
 accumulation count); clip the global gradient norm; optimizer step; zero gradients. The same loop serves plain
-PyTorch and offloaded models: what differs is which model/optimizer pair `setup_memory` hands back, not the loop.
+PyTorch, offloaded models and a process group's parallelised model: what differs is the trainee the world hands
+back (`World.trainee`: tightfit/train/trainee.py in one process, tightfit/parallel/trainee.py over a group; the
+parallel wrapping is a transform applied before the loop), and the decisions every rank takes together, which one
+process takes alone (world.py). `run` sets up; `Run` is the loop, in named parts: `step`, `evaluate`,
+`stop_reason`, `finish`, with the checkpoints in `Saver` (saving.py).
 """
 
 from __future__ import annotations
@@ -10,10 +14,10 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import signal
 import statistics
 import time
 from collections import deque
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,17 +27,19 @@ from tightfit.config import Config, compute_device_type, precision_name
 from tightfit.errors import UsageError
 from tightfit.offload.step.loss_scale import load_scaler_state, scaler_state
 from tightfit.train import checkpoint as ckpt
-from tightfit.train.checkpoint_swap import state_groups
 from tightfit.train.checkpoint_writer import check_room, checkpoint_bytes, clean_leftovers, committed
+from tightfit.train.data import TokenDataset, data_generator, load_tokens
 from tightfit.train.divergence import describe_key, diverged
 from tightfit.train.health import SUSPECT, RunHealth, verdict_of
-from tightfit.train.data import TokenDataset, data_generator, load_tokens
-from tightfit.train.memory import MemorySetup, check_buildable, setup_memory
+from tightfit.train.memory import check_buildable
 from tightfit.train.preflight import check_outputs
-from tightfit.train.signals import GracefulStop
 from tightfit.train.progress import EngineWindow, Progress, format_duration
 from tightfit.train.retention import Retention
+from tightfit.train.saving import Saver
+from tightfit.train.signals import GracefulStop
 from tightfit.train.tensorboard import open_sink
+from tightfit.train.trainee import NonFiniteWeight
+from tightfit.train.world import World
 from tightfit.utils.sizes import format_size
 
 
@@ -110,43 +116,6 @@ def _vocab_size(cfg: Config) -> int:
     return get_tokenizer(cfg.model.tokenizer).vocab_size if cfg.model.tokenizer else 256
 
 
-@torch.no_grad()
-def evaluate(model, batches, loss_fn, device, autocast) -> float:
-    was_training = model.training
-    model.eval()
-    total = 0.0
-    for x, y in batches:
-        with autocast():
-            total += loss_fn(model, x.to(device), y.to(device)).item()
-    model.train(was_training)
-    return total / len(batches)
-
-
-class NonFiniteWeight(Exception):
-    """A weight an export found NaN or infinite (`key`, `what`: as the checkpoint writer says it)."""
-
-    def __init__(self, key: str, what: str) -> None:
-        super().__init__(key, what)
-        self.key, self.what = key, what
-
-
-def export_hf(model: torch.nn.Module, mem: MemorySetup, folder: str, check_finite: bool = False) -> None:
-    """Write the trained model as a Hugging Face folder, streamed from wherever its weights live. `check_finite`:
-    raise NonFiniteWeight for a NaN or infinite weight (the export is then not written): a run exports before its
-    last save, which would have refused such a state."""
-    from tightfit.models.hf_save import save_hf_model
-    from tightfit.train.checkpoint_writer import non_finite_in
-
-    def checked():
-        for key, t in mem.export_state():
-            bad = non_finite_in(t) if check_finite and key.startswith("model.") else None
-            if bad:
-                raise NonFiniteWeight(key, bad)
-            yield key, t
-
-    save_hf_model(model, folder, tensors=checked(), strip_prefix="model.")
-
-
 def shares_disk(cfg: Config, out_dir: Path) -> bool:
     """Is the swap folder on the --out-dir's filesystem? Then its files (already allocated when the room for a
     checkpoint is checked) and the checkpoints share one disk."""
@@ -164,323 +133,384 @@ def last_save_frees(cfg: Config, out_dir: Path, plan) -> int:
     return 0 if plan is None or not shares_disk(cfg, out_dir) else plan.last_save_takes_over()
 
 
+
 def train(cfg: Config, *, quiet: bool = False) -> Summary:
-    """Run `tightfit train` with a validated config. Raises UsageError on bad input."""
+    """Run `tightfit train` in this process with a validated config. Raises UsageError on bad input."""
     from tightfit.utils.run_lock import RunLock
 
     check_outputs(cfg)  # every path the run writes, before anything runs (preflight.py)
     # One run per --out-dir (utils/run_lock.py): a second one is refused with one line naming this run's PID.
     # A stop signal ends the run at the end of a step, with a checkpoint (signals.py).
     with RunLock.acquire(cfg.train.out_dir, "--out-dir"), GracefulStop(save=cfg.train.save_on_signal) as stopper:
-        return _train(cfg, quiet=quiet, stopper=stopper)
+        return run(cfg, World(), quiet=quiet, stopper=stopper)
 
 
-def _train(cfg: Config, *, quiet: bool, stopper: GracefulStop | None = None) -> Summary:
-    from tightfit.models.build import build_model, hf_path, model_loss
+def _use_threads(threads: int, say) -> None:
+    if not threads:
+        return
+    cores = os.cpu_count() or 1
+    if threads > cores:  # 100,000 segfaulted in OpenMP; thousands made a step take minutes
+        say(f"notice: --threads {threads} is more than this machine's {cores} cores; using {cores}")
+    torch.set_num_threads(min(threads, cores))
+
+
+def run(cfg: Config, world: World, *, quiet: bool = False, stopper: GracefulStop | None = None) -> Summary:
+    """The training loop, for a world of any size (world.py): set up, then `Run.train`. Every rank runs it; the
+    main rank prints, writes the metrics and commits the checkpoints."""
+    from tightfit.models.build import build_model, hf_path
     from tightfit.models.tokenizer import get_tokenizer
 
-    t, o = cfg.train, cfg.optim
-    if t.threads:
-        cores = os.cpu_count() or 1
-        if t.threads > cores:  # 100,000 segfaulted in OpenMP; thousands made a step take minutes
-            if not quiet:
-                print(f"notice: --threads {t.threads} is more than this machine's {cores} cores; using {cores}",
-                      flush=True)
-        torch.set_num_threads(min(t.threads, cores))
-    device = resolve_device(cfg)
+    t = cfg.train
+    say = (lambda s: None) if quiet or not world.is_main else (lambda s: print(s, flush=True))
+    _use_threads(t.threads, say)
+    device = world.device(cfg)
     dtype = resolve_precision(cfg, device)
     out_dir = Path(t.out_dir)
-    ckpt_root = out_dir / ckpt.CHECKPOINT_NAME
     if not t.resume and ckpt.latest(out_dir) is not None:
         raise UsageError(f"--out-dir: {out_dir} already holds a checkpoint; pass --resume to continue it, "
                          "or choose another --out-dir")
-
-    torch.manual_seed(t.seed)
-    # Byte-level text takes the fast path (raw bytes are the token ids); a named tokenizer encodes the text.
-    tokenizer = get_tokenizer(cfg.model.tokenizer) if cfg.model.tokenizer else None
-    dataset = load_dataset(cfg, tokenizer, say=None if quiet else (lambda s: print(s, flush=True)))
-    # A Hugging Face model that will be offloaded is built on the meta device and its weights stream straight into
-    # the planned tiers after wrapping (one unit in host memory at a time): it may be larger than RAM.
-    hf_folder = hf_path(cfg.model.model)
-    stream_weights = hf_folder is not None and cfg.memory.offload != "none"
-    if not stream_weights:  # measured on the meta device first: one too large to build is refused, not allocated
-        check_buildable(build_meta_model(cfg), cfg, device.type)
-    model = build_model(cfg.model, vocab_size=dataset.vocab_size, block_size=t.seq_len,
-                        device="meta" if stream_weights else "cpu")
-
-    if t.export_hf and hf_folder is None:
+    if t.export_hf and hf_path(cfg.model.model) is None:
         raise UsageError("--export-hf: only Hugging Face models (--model hf:PATH) can be exported in that layout; "
                          "the reference GPT's weights are in the checkpoint")
+
+    torch.manual_seed(t.seed)  # the same seed on every rank: identical initial weights, no broadcast
+    # Byte-level text takes the fast path (raw bytes are the token ids); a named tokenizer encodes the text.
+    tokenizer = get_tokenizer(cfg.model.tokenizer) if cfg.model.tokenizer else None
+    dataset = load_dataset(cfg, tokenizer, say=say)
+    stream = world.streams_weights(cfg)
+    if not stream:  # measured on the meta device first: one too large to build is refused, not allocated
+        check_buildable(build_meta_model(cfg), cfg, device.type)
+    model = build_model(cfg.model, vocab_size=dataset.vocab_size, block_size=t.seq_len,
+                        device="meta" if stream else "cpu")
     # load_checkpoint refuses a missing, truncated or foreign file with a one-line --resume error.
     # Every tensor's name, shape and dtype is checked against this model, and the metadata, before any is loaded.
-    resume_from = ckpt.load_checkpoint(out_dir, step=t.resume_step) if t.resume else None
-    if resume_from is not None:
-        ckpt.check_compatible(resume_from, [(n, tuple(p.shape)) for n, p in model.named_parameters()])
-        resume_from.check_rng()  # before any tier is written
+    resume = ckpt.load_checkpoint(out_dir, step=t.resume_step) if t.resume else None
+    if resume is not None:
+        ckpt.check_compatible(resume, [(n, tuple(p.shape)) for n, p in model.named_parameters()])
+        resume.check_rng()  # before any tier is written
+    start_step = resume.step if resume is not None else 0
+    room = Room(cfg, out_dir, model, start_step)
+    # The checkpoints must fit beside the swap files: checked on the plan, before the engine fills them.
+    early = (lambda plan: room.check(plan, plan.prediction.peak.get("nvme", 0))) \
+        if t.keep_checkpoints and t.steps > start_step and world.is_main else None
+    trainee = world.trainee(model, cfg, device, dtype, resume, planned=early, say=say)
+    loop = None
+    try:
+        say(trainee.describe())
+        loop = Run(cfg, world, trainee, dataset, resume, say, quiet, stopper, room)
+        summary = loop.train()
+    except BaseException:
+        if loop is not None:
+            loop.fail()
+        with contextlib.suppress(Exception):  # the error in flight is the one to report
+            trainee.close()
+        raise
+    trainee.close()  # stops the engine's threads and removes its swap files (the checkpoint has the state)
+    return summary
 
-    start_step = resume_from.step if resume_from is not None else 0
-    shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
 
-    def room(plan, swap_to_come: int = 0) -> tuple[int, int, int, str]:
-        """(per checkpoint, need, free, note): the checkpoints this run keeps fit `--out-dir` (check_room)."""
-        per = checkpoint_bytes(shapes, trainable)
-        shared = shares_disk(cfg, out_dir)
-        frees = last_save_frees(cfg, out_dir, plan)
+class Room:
+    """Whether the checkpoints this run keeps fit `--out-dir` beside the swap files (check_room)."""
+
+    def __init__(self, cfg: Config, out_dir: Path, model: torch.nn.Module, start_step: int) -> None:
+        self.cfg, self.out_dir, self.start_step = cfg, out_dir, start_step
+        self.shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+        self.trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        self.parameters = sum(p.numel() for p in model.parameters())
+
+    def check(self, plan, swap_to_come: int = 0) -> tuple[int, int, int, str]:
+        """(per checkpoint, need, free, note), or UsageError naming --out-dir."""
+        t, out_dir = self.cfg.train, self.out_dir
+        per = checkpoint_bytes(self.shapes, self.trainable)
+        shared = shares_disk(self.cfg, out_dir)
+        frees = last_save_frees(self.cfg, out_dir, plan)
         note = ("" if not shared else "the --nvme swap files, already allocated, share this disk" if not swap_to_come
                 else f"the {format_size(swap_to_come)} of --nvme swap files this plan keeps share this disk")
         if frees:
             note += f", and the last save takes {format_size(frees)} of them over"
-        saves = 1 + ((t.steps - 1 - start_step) // t.save_interval if t.save_interval else 0)  # + the last
-        need, free = check_room(out_dir, per, keep=t.keep_checkpoints, kept=len(committed(ckpt_root)), saves=saves,
+        saves = 1 + ((t.steps - 1 - self.start_step) // t.save_interval if t.save_interval else 0)  # + the last
+        root = out_dir / ckpt.CHECKPOINT_NAME
+        need, free = check_room(out_dir, per, keep=t.keep_checkpoints, kept=len(committed(root)), saves=saves,
                                 note=f" ({note})" if note else "", reserved=swap_to_come if shared else 0,
                                 last_frees=frees)
         return per, need, free, note
 
-    # The checkpoints must fit beside the swap files: checked on the plan, before the engine fills them.
-    early = (lambda plan: room(plan, plan.prediction.peak.get("nvme", 0))) \
-        if t.keep_checkpoints and t.steps > start_step else None
-    mem: MemorySetup = setup_memory(model, cfg, device, dtype, planned=early)
-    pending = None  # the checkpoint being written (a CheckpointWriter), if any
-    profiler = None  # --profile DIR: records a few steps (profiling.py)
-    progress = None  # the status line and the metrics' sinks (progress.py)
-    try:
-        model, opt = mem.model, mem.optimizer
-        say = (lambda s: None) if quiet else (lambda s: print(s, flush=True))
-        say(mem.describe())
 
-        gen = data_generator(t.seed)
-        scaler = getattr(mem, "scaler", None)  # fp16 only: its state is part of a checkpoint
-        if resume_from is not None:
-            mem.import_state(resume_from.get)
-            ckpt.restore_rng(resume_from.rng_states(), gen)
-            load_scaler_state(scaler, resume_from.loss_scaler)
-            resume_from.close()  # its shards' file handles
-            say(f"resumed from {resume_from.path} at step {start_step}")
-            changed = ckpt.changed_settings(resume_from.config, cfg.to_dict())
-            if changed:
-                say(f"notice: resuming with settings changed since the checkpoint: {', '.join(changed)}")
-        elif stream_weights:
-            from tightfit.models.hf_load import HFCheckpoint
-            from tightfit.models.hf_wrap import checkpoint_values
+class Run:
+    """One run's loop, in named parts: `train` (the loop), `step`, `evaluate`, `stop_reason`, `finish`."""
 
-            with checkpoint_values(HFCheckpoint.open(hf_folder)) as get:
-                mem.import_state(get)
-        if start_step == t.steps and t.export_hf:  # export what a finished run saved, without training more
-            export_hf(model, mem, t.export_hf)
-            say(f"exported the model of {resume_from.path} (step {start_step}) in the Hugging Face layout to "
-                f"{t.export_hf}")
-            summary = Summary(steps_done=0, final_step=start_step, train_loss=float("nan"), val_loss=float("nan"),
-                              seconds=0.0, tokens_per_s=0.0, checkpoint=resume_from.path,
-                              peak_memory=mem.peak_memory())
-            mem.close()
-            return summary
-        if start_step >= t.steps:
-            raise UsageError(f"--steps: the checkpoint is already at step {start_step}; ask for more than that (or, "
-                             f"to export it, --steps {start_step} with --export-hf)")
+    def __init__(self, cfg: Config, world: World, trainee, dataset: TokenDataset, resume, say, quiet: bool,
+                 stopper: GracefulStop | None, room: Room) -> None:
+        t = cfg.train
+        self.cfg, self.world, self.trainee, self.dataset, self.say, self.stopper = cfg, world, trainee, dataset, say, \
+            stopper
+        self.out_dir = Path(t.out_dir)
+        self.ckpt_root = self.out_dir / ckpt.CHECKPOINT_NAME
+        self.start_step = resume.step if resume is not None else 0
+        self.resume_path = resume.path if resume is not None else None
+        self.health_record = resume.health if resume is not None else None  # the loss around its checkpoints
+        self.profiler = None  # --profile DIR: records a few steps (profiling.py)
+        self.progress = None  # the status line and the metrics' sinks (progress.py)
+        self.saver = None
+        # Each data-parallel rank draws its own disjoint, reproducible share of the sample stream (as
+        # DistributedSampler would); the ranks of a pipeline or a tensor-parallel group share one.
+        self.gen = data_generator(t.seed, rank=trainee.data_rank)
+        if resume is not None:
+            self._resume(resume)
+        self.room = room
+        self.quiet = quiet
 
-        out_dir.mkdir(parents=True, exist_ok=True)
-        removed = clean_leftovers(ckpt_root)
-        if removed:
-            say(f"removed what an interrupted save left in {ckpt_root}: {', '.join(removed)}")
-        if t.keep_checkpoints:
-            per, need, free, note = room(getattr(mem, "plan", None))  # again, now the swap files are allocated
-            say(f"checkpoint: {format_size(per)} per save in {ckpt_root} ({format_size(free)} free now, keeping "
-                f"{t.keep_checkpoints}: {format_size(need)} more at the peak{'; ' + note if note else ''})")
+    def _resume(self, resume) -> None:
+        """The data position, the RNGs and the loss scaler of the checkpoint; the state is in the trainee already.
+        The checkpoint holds the first data rank's position (what one process saves too); the others replay their
+        own stream to the resumed step: exact when the layout and the batch flags are unchanged."""
+        if self.trainee.data_rank == 0:
+            ckpt.restore_rng(resume.rng_states(), self.gen)
         else:
-            say("checkpoint: none (--keep-checkpoints 0)")
-        val_batches = dataset.val_batches(t.eval_batches, t.micro_batch, seed=t.seed + 1)
-        tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum
-        tensorboard = open_sink(t.tensorboard, out_dir) if not quiet else None
-        progress = Progress(t.steps, start_step, tokens_per_step, out_dir / "metrics.jsonl", mem.memory_in_use,
-                            enabled=not quiet, sinks=[tensorboard] if tensorboard else [])
-        autocast = ((lambda: torch.autocast(device.type, dtype=dtype)) if dtype != torch.float32 else nullcontext)
-        say(f"training {sum(p.numel() for p in model.parameters()):,} parameters on {device} ({str(dtype)[6:]}), "
-            f"{len(dataset.train):,} train / {len(dataset.val):,} val tokens, {tokens_per_step:,} tokens per step")
+            for _ in range(self.start_step):
+                self._draw()
+        load_scaler_state(self.trainee.scaler, resume.loss_scaler)
+        resume.close()  # its shards' file handles
+        self.say(f"resumed from {resume.path} at step {self.start_step}")
+        changed = ckpt.changed_settings(resume.config, self.cfg.to_dict())
+        if changed:
+            self.say(f"notice: resuming with settings changed since the checkpoint: {', '.join(changed)}")
 
-        # The save in progress: its writer thread finishes it while training goes on (checkpoint_writer.py).
-        last_good = None  # (step, folder) of the newest committed checkpoint
-        if resume_from is not None:
-            last_good = (resume_from.step, resume_from.path)
-        # The loss around each checkpoint, and the verdicts retention and the divergence message go by (health.py).
-        health = RunHealth.resumed(resume_from.health if resume_from is not None else None)
-        retention = Retention(ckpt_root, t.keep_checkpoints, health, start_step, say)
+    def _draw(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's batches for one step: --grad-accum micro-batches, or one batch a pipeline splits."""
+        t = self.cfg.train
+        if self.trainee.whole_batch:
+            return [self.dataset.sample(t.micro_batch * t.grad_accum, self.gen)]
+        return [self.dataset.sample(t.micro_batch, self.gen) for _ in range(t.grad_accum)]
 
-        def divergence(at: int, what: str) -> UsageError:
-            return diverged(at, what, root=ckpt_root, lr=lr, spike=health.first_spike, optim=o)
+    def fail(self) -> None:
+        """The run is failing: stop the profiler and the status line, drop the save in flight."""
+        if self.profiler is not None:
+            with contextlib.suppress(Exception):
+                self.profiler.close()
+        if self.progress is not None:
+            with contextlib.suppress(Exception):
+                self.progress.close()  # clears a terminal's status line before the error is printed
+        if self.saver is not None:
+            with contextlib.suppress(Exception):
+                self.saver.abort()
 
-        def settle() -> None:
-            """Wait for the save in progress; a non-finite tensor in it is the run's divergence."""
-            nonlocal pending, last_good
-            if pending is None:
-                return
-            writer, pending = pending, None
-            path = writer.wait()
-            if path is None:
-                nf = writer.non_finite
-                retention.judge()
-                raise divergence(writer.step, f"{describe_key(nf.key)} became {nf.what}")
-            last_good = (writer.step, path)
-            retention.committed(writer.step, path)
+    def divergence(self, at: int, what: str) -> UsageError:
+        return diverged(at, what, root=self.ckpt_root, lr=self.lr, spike=self.health.first_spike, optim=self.cfg.optim)
 
-        def save(step: int, last: bool = False) -> None:
-            """`last`: the run's last save, which takes the swap files over; the engine is closed once it has
-            ([Note: the last save takes the swap's place] in memory_model.py)."""
-            nonlocal pending
-            if not t.keep_checkpoints:
-                return
-            settle()  # one save at a time: its memory and disk are what the plan counted
-            pending = ckpt.start_save(ckpt_root, state_groups(model, opt, hand_over=last), step=step,
-                                      config=cfg.to_dict(), signature=ckpt.model_signature(mem.named_shapes()),
-                                      rng=ckpt.capture_rng(gen), loss_scaler=scaler_state(scaler),
-                                      health=health.record(step))
-            if last:
-                mem.close()
-
-        if t.profile:
+    def _prepare(self) -> None:
+        """What the loop needs once the state is in place: the checkpoint folder checked, the metrics opened."""
+        t, world, say = self.cfg.train, self.world, self.say
+        failed = None
+        if world.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            removed = clean_leftovers(self.ckpt_root)
+            if removed:
+                say(f"removed what an interrupted save left in {self.ckpt_root}: {', '.join(removed)}")
+            if t.keep_checkpoints:
+                try:
+                    per, need, free, note = self.room.check(self.trainee.plan)  # again: the swap files are there
+                    say(f"checkpoint: {format_size(per)} per save in {self.ckpt_root} ({format_size(free)} free now, "
+                        f"keeping {t.keep_checkpoints}: {format_size(need)} more at the peak"
+                        f"{'; ' + note if note else ''})")
+                except UsageError as e:
+                    failed = e
+            else:
+                say("checkpoint: none (--keep-checkpoints 0)")
+        if world.any_rank(failed is not None, "the --out-dir room check"):
+            raise failed or world.raised_everywhere(UsageError(f"rank {world.rank}: stopping: rank 0 found no room "
+                                                               "for the checkpoints"))
+        self.tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum * self.trainee.data_ranks
+        shown = world.is_main and not self.quiet
+        tensorboard = open_sink(t.tensorboard, self.out_dir) if shown else None
+        self.progress = Progress(t.steps, self.start_step, self.tokens_per_step, self.out_dir / "metrics.jsonl",
+                                 self.trainee.memory_in_use, enabled=shown, sinks=[tensorboard] if tensorboard else [])
+        # The held-out batches, dealt round-robin to the data ranks by the trainee.
+        self.val_batches = self.dataset.val_batches(
+            t.eval_batches, t.micro_batch * (t.grad_accum if self.trainee.whole_batch else 1), seed=t.seed + 1)
+        self.health = RunHealth.resumed(self.health_record)
+        self.retention = Retention(self.ckpt_root, t.keep_checkpoints, self.health, self.start_step, say)
+        self.saver = Saver(self.ckpt_root, t.keep_checkpoints, self.trainee, world, self.retention, self.health,
+                           fields=lambda: {"config": self.cfg.to_dict(), "rng": ckpt.capture_rng(self.gen),
+                                           "loss_scaler": scaler_state(self.trainee.scaler)},
+                           divergence=self.divergence)
+        if self.resume_path is not None:
+            self.saver.last_good = (self.start_step, self.resume_path)
+        if t.profile and world.is_main:
             from tightfit.train.profiling import StepProfiler
 
-            profiler = StepProfiler(t.profile, plan=getattr(mem, "plan", None), cuda=device.type == "cuda")
+            self.profiler = StepProfiler(t.profile, plan=self.trainee.plan, cuda=self.trainee.device.type == "cuda")
+
+    def train(self) -> Summary:
+        t, say, world, trainee = self.cfg.train, self.say, self.world, self.trainee
+        if self.start_step == t.steps and t.export_hf:  # export what a finished run saved, without training more
+            self._export(check_finite=False)
+            say(f"exported the model of {self.resume_path} (step {self.start_step}) in the Hugging Face layout to "
+                f"{t.export_hf}")
+            return Summary(steps_done=0, final_step=self.start_step, train_loss=float("nan"), val_loss=float("nan"),
+                           seconds=0.0, tokens_per_s=0.0, checkpoint=self.resume_path,
+                           peak_memory=trainee.peak_memory())
+        if self.start_step >= t.steps:
+            raise UsageError(f"--steps: the checkpoint is already at step {self.start_step}; ask for more than that "
+                             f"(or, to export it, --steps {self.start_step} with --export-hf)")
+        self._prepare()
+        say(f"training {self.room.parameters:,} parameters on {trainee.device} ({str(trainee.dtype)[6:]}), "
+            f"{len(self.dataset.train):,} train / {len(self.dataset.val):,} val tokens, {self.tokens_per_step:,} "
+            "tokens per step")
         t_start = time.perf_counter()
-        step, loss_val, val_loss, grad_norm, lr = start_step, float("nan"), float("nan"), None, o.lr
+        step, self.loss, self.val_loss, self.lr = self.start_step, float("nan"), float("nan"), self.cfg.optim.lr
         # [Note: the step the plan predicts] The plan predicts one optimizer step in the steady state: the median
         # of the last STEPS_TIMED steps (their micro-batches, clip, step and the loss read back, which waits for
         # the device) is what its prediction is compared with; evaluation, saves and a first step's warm-up are not
         # steps. The run's own rate, everything included, is the summary's tokens/s.
-        step_times: deque[float] = deque(maxlen=STEPS_TIMED)
-        counted = EngineWindow(mem.engine_counters)  # the engine's bytes and seconds per step, for each report
+        self.step_times: deque[float] = deque(maxlen=STEPS_TIMED)
+        counted = EngineWindow(trainee.engine_counters)  # the engine's bytes and seconds per step, for each report
+        self.signalled = 0  # the signal that stopped the run, agreed by every rank
         while step < t.steps:
             t_step = time.perf_counter()
             counted.begin()
-            lr = lr_at(step, cfg)
-            for group in opt.param_groups:
-                group["lr"] = lr
-            batches = [dataset.sample(t.micro_batch, gen) for _ in range(t.grad_accum)]
-
-            def forward(x, y):
-                with autocast():
-                    return model_loss(model, x.to(device), y.to(device)) / t.grad_accum
-
-            # In the plan's order (micro-batch or unit major: MemorySetup.accumulate); summed on the device: one host
-            # sync a step, not one per micro-batch.
-            loss_sum = torch.zeros((), device=device)
-            for loss in mem.accumulate([lambda x=x, y=y: forward(x, y) for x, y in batches]):
-                loss_sum += loss
-            grad_norm = mem.clip_and_step(o.grad_clip)
+            norm = self.step(step)
             step += 1
-            loss_val = loss_sum.item()
-            step_times.append(time.perf_counter() - t_step)
-            counted.end(step_times[-1])
-            # An fp16 scaler skips a step whose gradients overflowed (its norm is inf then): not a divergence.
-            checked_norm = grad_norm if scaler is None else None
-            bad = (f"the loss became {loss_val}" if not math.isfinite(loss_val) else
-                   f"the gradient norm became {grad_norm}" if checked_norm is not None
-                   and not math.isfinite(checked_norm) else None)
-            notice = health.observe(step, loss_val, checked_norm, lr)
-            if notice:
-                say(notice)
-            if bad:
-                settle()  # a save in flight commits or names what diverged first
-                retention.judge()
-                raise divergence(step, bad)
-            if pending is not None and pending.done():
-                settle()
-            else:
-                retention.judge()
-            progress.tick(step, loss_val)  # the status line on a terminal; nothing otherwise
-            if profiler is not None:
-                profiler.step()
+            self.step_times.append(time.perf_counter() - t_step)
+            counted.end(self.step_times[-1])
+            self._check_health(step, norm)
+            self.progress.tick(step, self.loss)  # the status line on a terminal; nothing otherwise
+            if self.profiler is not None:
+                self.profiler.step()
             if step % t.log_interval == 0 or step == t.steps:
-                progress.step(step, loss_val, lr, grad_norm, engine=counted.report())
+                self.progress.step(step, self.loss, self.lr, norm, engine=counted.report())
             if step % t.eval_interval == 0 or step == t.steps:
-                val_loss = evaluate(model, val_batches, model_loss, device, autocast)
-                progress.eval(step, val_loss)
+                self.evaluate(step)
             if t.save_interval and step % t.save_interval == 0 and step < t.steps:
-                save(step)
-            stop = ""
-            if t.stop_at and step >= t.stop_at and step < t.steps:
-                stop = f"--stop-at {t.stop_at} reached"
-            elif t.max_time and time.perf_counter() - t_start > t.max_time:
-                stop = f"--max-time {t.max_time:g}s reached at step {step}"
-            elif stopper is not None and stopper.received and step < t.steps:
-                stop = f"{stopper.received} received; stopped at step {step}"
+                self.saver.save(step)
+            stop = self.stop_reason(step, time.perf_counter() - t_start)
             if stop:
-                if not t.keep_checkpoints:
-                    say(f"{stop} (no checkpoint: --keep-checkpoints 0)")
-                elif stopper is not None and stopper.received and not t.save_on_signal:
-                    say(f"{stop} without a checkpoint of it (--no-save-on-signal); --resume continues from the "
-                        "last one saved")
-                else:
-                    say(f"{stop}; continue with --resume")
+                self._announce_stop(stop)
                 if step % t.eval_interval:
-                    val_loss = evaluate(model, val_batches, model_loss, device, autocast)
-                    progress.eval(step, val_loss)
+                    self.evaluate(step)
                 break
+        return self.finish(step, time.perf_counter() - t_start)
 
-        seconds = time.perf_counter() - t_start
-        # A signal that stopped the run before its last step (one during the final save lets the run end as it is).
-        signalled = stopper.received if stopper is not None and stopper.received and step < t.steps else None
-        progress.close()
-        if profiler is not None:
-            say(f"profile: {', '.join(str(f) for f in profiler.close())}")
-        settle()  # a save in flight commits or names what diverged first
+    def step(self, step: int) -> float | None:
+        """One optimizer step: the micro-batches' forward and backward, clip, step, zero; the norm before clipping.
+        Sets `self.loss`, the step's loss every rank agrees on (read back once a step)."""
+        self.lr = lr_at(step, self.cfg)
+        for group in self.trainee.optimizer.param_groups:
+            group["lr"] = self.lr
+        batches = self._draw()
+        with self.world.collective(f"training step {step + 1} (forward, backward, gradient reduction, loss "
+                                   "all-reduce)"):
+            local = self.trainee.accumulate(batches)
+            norm = self.trainee.clip_and_step(self.cfg.optim.grad_clip)
+            self.loss = self.trainee.global_loss(local)
+        return norm
+
+    def _check_health(self, step: int, norm: float | None) -> None:
+        """The loss and the norm are every rank's: a divergence stops every rank alike, the main rank says it."""
+        # An fp16 scaler skips a step whose gradients overflowed (its norm is inf then): not a divergence.
+        checked = norm if self.trainee.scaler is None else None
+        bad = (f"the loss became {self.loss}" if not math.isfinite(self.loss) else
+               f"the gradient norm became {norm}" if checked is not None and not math.isfinite(checked) else None)
+        notice = self.health.observe(step, self.loss, checked, self.lr)
+        if notice:
+            self.say(notice)
+        if bad:
+            self.saver.settle()  # a save in flight commits or names what diverged first
+            self.retention.judge()
+            raise self.world.raised_everywhere(self.divergence(step, bad))
+        self.saver.poll()
+        self.retention.judge()  # the verdict of the checkpoint before this step
+
+    def evaluate(self, step: int) -> None:
+        with self.world.collective(f"evaluation at step {step}"):
+            self.val_loss = self.trainee.evaluate(self.val_batches)  # collective: every rank evaluates
+        self.progress.eval(step, self.val_loss)
+
+    def stop_reason(self, step: int, seconds: float) -> str:
+        """Why the run stops after `step` ("" to go on). The ranks vote: clocks differ, a signal may reach one."""
+        t = self.cfg.train
+        if t.stop_at and t.stop_at <= step < t.steps:
+            return f"--stop-at {t.stop_at} reached"
+        if not (t.max_time or step < t.steps):
+            return ""
+        signum = self.stopper.signum if self.stopper is not None and step < t.steps else 0
+        late, signum = self.world.max_over_ranks([int(bool(t.max_time) and seconds > t.max_time), signum or 0],
+                                                 f"the stop vote (--max-time, signals) after step {step}")
+        if late:
+            return f"--max-time {t.max_time:g}s reached at step {step}"
+        if signum:
+            self.signalled = signum
+            return f"{signal.Signals(signum).name} received; stopped at step {step}"
+        return ""
+
+    def _announce_stop(self, stop: str) -> None:
+        t = self.cfg.train
+        if not t.keep_checkpoints:
+            self.say(f"{stop} (no checkpoint: --keep-checkpoints 0)")
+        elif self.signalled and not t.save_on_signal:
+            self.say(f"{stop} without a checkpoint of it (--no-save-on-signal); --resume continues from the last one "
+                     "saved")
+        else:
+            self.say(f"{stop}; continue with --resume")
+
+    def _export(self, check_finite: bool) -> None:
+        with self.world.collective("the Hugging Face export"):
+            self.trainee.export_hf(self.cfg.train.export_hf, lambda: build_meta_model(self.cfg), check_finite)
+
+    def finish(self, step: int, seconds: float) -> Summary:
+        """The end of the loop: the last checkpoint (and the export before it), the summary, the plan's report."""
+        t, say, trainee = self.cfg.train, self.say, self.trainee
+        self.progress.close()
+        if self.profiler is not None:
+            say(f"profile: {', '.join(str(f) for f in self.profiler.close())}")
+            self.profiler = None
+        self.saver.settle()  # a save in flight commits or names what diverged first
         export_failed: Exception | None = None
         if t.export_hf:  # before the last save, which takes the states' swap files over
             try:
-                export_hf(model, mem, t.export_hf, check_finite=True)
+                self._export(check_finite=True)
                 say(f"exported the model in the Hugging Face layout to {t.export_hf}")
             except NonFiniteWeight as e:  # the last save would refuse this state too
-                retention.judge()
-                raise divergence(step, f"{describe_key(e.key)} became {e.what}") from None
+                self.retention.judge()
+                raise self.divergence(step, f"{describe_key(e.key)} became {e.what}") from None
             except Exception as e:  # the last checkpoint is still taken, then the run ends with this
                 export_failed = e
-        if signalled is None or t.save_on_signal:
-            save(step, last=True)
-        settle()
+        if not self.signalled or t.save_on_signal:
+            self.saver.save(step, last=True)
+        self.saver.settle()
         if export_failed is not None:
             raise export_failed
-        retention.judge(final=True)
-        path = last_good[1] if last_good else None
-        if path is not None and verdict_of(path) == SUSPECT:
+        self.retention.judge(final=True)
+        path = self.saver.last_good[1] if self.saver.last_good else None
+        if self.world.is_main and path is not None and verdict_of(path) == SUSPECT:
             from tightfit.train.divergence import resume_candidate
 
-            good = resume_candidate(ckpt_root)
+            good = resume_candidate(self.ckpt_root)
+            spike = self.health.first_spike
             say(f"warning: the final checkpoint (step {step}) was taken inside a loss spike (from step "
-                f"{health.first_spike.step if health.first_spike else '?'}); "
+                f"{spike.step if spike else '?'}); "
                 + (f"the newest healthy one is step {good[0]} in {good[1]}" if good else "no healthy one was kept"))
-        summary = Summary(steps_done=step - start_step, final_step=step, train_loss=loss_val, val_loss=val_loss,
-                          seconds=seconds, tokens_per_s=(step - start_step) * tokens_per_step / max(seconds, 1e-9),
-                          checkpoint=path, peak_memory=mem.peak_memory(),
-                          stopped_by=signalled, exit_code=stopper.exit_code if signalled else 0)
-        progress.log({"kind": "summary", "steps": summary.steps_done, "final_step": step, "train_loss": loss_val,
-                      "val_loss": val_loss, "seconds": seconds, "tokens_per_s": summary.tokens_per_s,
-                      "peak_memory": summary.peak_memory})
+        done = step - self.start_step
+        summary = Summary(steps_done=done, final_step=step, train_loss=self.loss, val_loss=self.val_loss,
+                          seconds=seconds, tokens_per_s=done * self.tokens_per_step / max(seconds, 1e-9),
+                          checkpoint=path, peak_memory=trainee.peak_memory(),
+                          stopped_by=signal.Signals(self.signalled).name if self.signalled else None,
+                          exit_code=128 + self.signalled if self.signalled else 0)
+        self.progress.log({"kind": "summary", "steps": done, "final_step": step, "train_loss": self.loss,
+                           "val_loss": self.val_loss, "seconds": seconds, "tokens_per_s": summary.tokens_per_s,
+                           "peak_memory": summary.peak_memory, **trainee.summary_fields()})
         peaks = ", ".join(f"{k} {format_size(v)}" for k, v in summary.peak_memory.items())
-        say(f"done: {summary.steps_done} steps in {format_duration(seconds)} ({summary.tokens_per_s:,.0f} tok/s), "
-            f"train loss {loss_val:.4f}, val loss {val_loss:.4f} nats/token; peak memory {peaks}; "
-            f"checkpoint {path or 'none'}")
-        run_step_s = seconds / max(1, summary.steps_done)
-        step_s = statistics.median(step_times) if step_times else run_step_s
-        comparison = mem.compare_with_plan(step_s)
+        say(f"done: {done} steps in {format_duration(seconds)} ({summary.tokens_per_s:,.0f} tok/s), train loss "
+            f"{self.loss:.4f}, val loss {self.val_loss:.4f} nats/token; peak memory {peaks}; checkpoint "
+            f"{path or 'none'}")
+        run_step_s = seconds / max(1, done)
+        step_s = statistics.median(self.step_times) if self.step_times else run_step_s
+        comparison = trainee.compare_with_plan(step_s)
         if comparison:
             say(comparison)
-            progress.log({"kind": "plan_vs_measured", **mem.plan_record(step_s, run_step_s)})
-        if t.plot:
+            self.progress.log({"kind": "plan_vs_measured", **trainee.plan_record(step_s, run_step_s)})
+        if t.plot and self.world.is_main:
             from tightfit.train.pictures import plot_run
 
-            say(f"picture of the run: {plot_run(out_dir)}")  # loss and memory per tier over the run
-    except BaseException:
-        if profiler is not None:
-            with contextlib.suppress(Exception):
-                profiler.close()
-        if progress is not None:
-            with contextlib.suppress(Exception):
-                progress.close()  # clears a terminal's status line before the error is printed, flushes TensorBoard
-        with contextlib.suppress(Exception):  # the error in flight is the one to report
-            if pending is not None:
-                pending.abort()
-        with contextlib.suppress(Exception):
-            mem.close()
-        raise
-    mem.close()  # stops the engine's threads and removes its swap files (the checkpoint has the state)
-    return summary
+            say(f"picture of the run: {plot_run(self.out_dir)}")  # loss and memory per tier over the run
+        return summary
