@@ -101,11 +101,14 @@ def test_plan_from_config_offload():
     cfg.parallel.strategy = "zero3"
     assert plan_from_config(cfg.parallel, 4, "host").cpu_offload
     assert not plan_from_config(cfg.parallel, 4, "auto").cpu_offload
-    cfg.parallel.strategy = "ddp"
-    with pytest.raises(UsageError, match="--offload host"):
-        plan_from_config(cfg.parallel, 4, "host")
-    with pytest.raises(UsageError, match="--offload nvme"):
+    with pytest.raises(UsageError, match="--offload nvme.*--strategy ddp"):
         plan_from_config(cfg.parallel, 4, "nvme")
+    cfg.parallel.strategy = "ddp"
+    assert plan_from_config(cfg.parallel, 4, "host").engine and plan_from_config(cfg.parallel, 4, "nvme").engine
+    assert not plan_from_config(cfg.parallel, 4, "auto").engine
+    cfg.parallel.strategy = "zero2"
+    with pytest.raises(UsageError, match="--offload host.*--strategy ddp"):
+        plan_from_config(cfg.parallel, 4, "host")
     cfg.parallel.strategy = "auto"
     with pytest.raises(UsageError, match="auto"):
         plan_from_config(cfg.parallel, 4)

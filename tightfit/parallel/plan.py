@@ -35,6 +35,9 @@ class ParallelPlan:
     """Pipeline schedule: gpipe (all forwards, then all backwards) or 1f1b (bounded in-flight activations)."""
     pp_microbatches: int = 4
     """Micro-batches per step; the bubble is (pp-1)/(m+pp-1)."""
+    engine: bool = False
+    """DDP only: every rank holds the whole model through its own offload engine, each state on that rank's tiers as
+    the planner places it, gradients averaged over dp as they leave the device (replicas.py)."""
 
     def __post_init__(self) -> None:
         if self.dp_mode not in DP_MODES:
@@ -45,6 +48,8 @@ class ParallelPlan:
             raise UsageError("--pp-microbatches: must be a positive integer")
         if self.cpu_offload and self.dp_mode != "zero3":
             raise UsageError("CPU offload of sharded states needs --strategy zero3")
+        if self.engine and (self.dp_mode != "ddp" or self.dims.pp > 1 or self.dims.tp > 1):
+            raise UsageError("the offload engine on every rank is for pure data parallelism: --strategy ddp")
         if self.pp_schedule == "1f1b" and 1 < self.dims.pp > self.pp_microbatches:
             raise UsageError(f"--pp-microbatches {self.pp_microbatches}: 1F1B needs at least one micro-batch per "
                              f"stage ({self.dims.pp}); raise it or use --pp-schedule gpipe")
@@ -119,20 +124,23 @@ def parse_strategy(strategy: str, world_size: int, tp: int = 0, pp: int = 0, pp_
 def plan_from_config(pcfg, world_size: int, offload: str = "auto") -> ParallelPlan:
     """The plan for a `tightfit.config.ParallelConfig` section (strategy 'auto' must be resolved before).
 
-    `offload` is `--offload`: `host` asks ZeRO-3 to keep its shards in host memory (FSDP2 CPUOffloadPolicy); the
-    other tiers have no distributed counterpart yet.
+    `offload` is `--offload`: `host` or `nvme` with `ddp` puts the offload engine on every rank (each state on that
+    rank's host memory or NVMe as its plan says: replicas.py); `host` with `zero3` keeps the shards in host memory
+    (FSDP2 CPUOffloadPolicy). `auto` keeps torch's DDP and FSDP2 as they are.
     """
+    from dataclasses import replace
+
     if pcfg.strategy == "auto":
         raise UsageError("--strategy auto: resolve it with tightfit.parallel.auto.choose_strategy first")
     plan = parse_strategy(pcfg.strategy, world_size, pcfg.tp, pcfg.pp, pcfg.pp_schedule, pcfg.pp_microbatches)
+    if offload in ("host", "nvme") and plan.dp_mode == "ddp" and plan.dims.pp == plan.dims.tp == 1:
+        return replace(plan, engine=True)
     if offload == "host":
         if plan.dp_mode != "zero3":
-            raise UsageError(f"--offload host with several processes: only --strategy zero3 can keep sharded "
-                             f"states in host memory (got --strategy {pcfg.strategy})")
-        from dataclasses import replace
-
+            raise UsageError(f"--offload host with several processes: --strategy ddp (the offload engine on every "
+                             f"rank) or zero3 (FSDP2 keeps the shards in host memory), got --strategy {pcfg.strategy}")
         plan = replace(plan, cpu_offload=True)
     elif offload == "nvme":
-        raise UsageError("--offload nvme: not available with several processes; use --offload host with "
-                         "--strategy zero3, or one process")
+        raise UsageError(f"--offload nvme with several processes: --strategy ddp (the offload engine on every rank, "
+                         f"each with its own swap folder), got --strategy {pcfg.strategy}")
     return plan

@@ -5,9 +5,9 @@ the same command line under torchrun's agent (launcher.py). Inside, WORLD_SIZE >
 `run_worker`; a run started by torchrun or a scheduler that sets RANK/WORLD_SIZE/... takes the same path.
 
 Each rank runs the one training loop (tightfit/train/loop.py) in a `GroupWorld` (world.py): the model built from
-the same seed everywhere (identical weights, no broadcast), parallelised before the loop (trainee.py); its own
-batches (the data generator seeded with its *dp* rank, disjoint reproducible shards of the sample stream as
-DistributedSampler would give; tp and pp peers of a dp rank share its stream because they must see the same batch);
+the same seed everywhere (identical weights, no broadcast), parallelised before the loop (trainee.py); its share of
+each step's global batch (one data position for the run, TokenDataset.step_batches: disjoint shares as
+DistributedSampler would give; tp and pp peers of a dp rank share its batches because they must see the same);
 only global rank 0 prints, writes the metrics and the checkpoint, in the single-process format (weights and AdamW
 moments gathered whole by state.py), so any strategy, or the one-process trainer, resumes any other.
 

@@ -137,11 +137,10 @@ class Sharded:
         """Nothing beyond the model: the process group is the caller's (run.py)."""
 
 
-def shard(model: torch.nn.Module, cfg, world, dtype: torch.dtype, resume, say: Callable[[str], None]) -> Sharded:
+def shard(model: torch.nn.Module, cfg, world, plan, dtype: torch.dtype, resume, say: Callable[[str], None]) -> Sharded:
     """The parallel transform of `model` (built alike on every rank) for this rank, with `resume`'s state in it."""
     from tightfit.parallel.mesh import build_mesh
     from tightfit.parallel.parallelize import make_optimizer, parallelize
-    from tightfit.parallel.run import resolve_plan
     from tightfit.parallel.state import load_moments
 
     o = cfg.optim
@@ -151,7 +150,6 @@ def shard(model: torch.nn.Module, cfg, world, dtype: torch.dtype, resume, say: C
             for n, p in model.named_parameters():
                 p.copy_(resume.get(f"model.{n}"))
     device = world.env.device
-    plan = resolve_plan(cfg, world.size, model, say)
     pm = parallelize(model, plan, build_mesh(plan.dims, device), device)
     optimizer = make_optimizer(pm, lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2))
     if resume is not None and not load_moments(pm, optimizer, resume.get):

@@ -1,7 +1,7 @@
 """A process group as the training loop's world (tightfit/train/world.py): its votes, its labels, its trainee.
 
-What a group adds to the one loop: the parallel transform (`trainee`: plan, mesh, `parallelize`, the optimizer,
-the resumed state; tightfit/parallel/trainee.py), and the decisions every rank takes together, each one tiny
+What a group adds to the one loop: the parallel transform (`trainee`: the strategy, then either the offload engine
+on every rank, replicas.py, or the mesh, `parallelize`, the optimizer and the resumed state, trainee.py), and the decisions every rank takes together, each one tiny
 all-reduce. Every collective call runs inside `collective(what)`, which labels it: when a peer is lost,
 `run_distributed` names the phase this rank stopped waiting in (`where()`).
 """
@@ -75,6 +75,11 @@ class GroupWorld(World):
 
     def trainee(self, model: torch.nn.Module, cfg, device: torch.device, dtype: torch.dtype, resume,
                 planned: Callable | None, say: Callable[[str], None]):
+        from tightfit.parallel.replicas import replicate
+        from tightfit.parallel.run import resolve_plan
         from tightfit.parallel.trainee import shard
 
-        return shard(model, cfg, self, dtype, resume, say)
+        plan = resolve_plan(cfg, self.size, model, say)
+        if plan.engine:
+            return replicate(model, cfg, self, device, dtype, resume, planned, say)
+        return shard(model, cfg, self, plan, dtype, resume, say)

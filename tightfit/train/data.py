@@ -200,6 +200,21 @@ class TokenDataset:
         starts = torch.randint(0, len(self.train) - self.seq_len - 1, (batch_size,), generator=generator)
         return self._batch(self.train, starts)
 
+    def step_batches(self, size: int, count: int, generator: torch.Generator, share: int = 0,
+                     shares: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One optimizer step's batches for data share `share` of `shares` (a data-parallel rank of a group): the
+        step's global batch is `shares x count` batches of `size` sequences, drawn in order from the one generator
+        (the run's data position, the same whatever the world size), and this share is `count` consecutive ones.
+        So a step sees the same sequences on one process with `--grad-accum shares x count` as on `shares` ranks with
+        `count` each, and a checkpoint resumes at the same sequences on any number of ranks. Only this share's
+        tokens are gathered."""
+        out = []
+        for i in range(shares * count):
+            starts = torch.randint(0, len(self.train) - self.seq_len - 1, (size,), generator=generator)
+            if i // count == share:
+                out.append(self._batch(self.train, starts))
+        return out
+
     def val_batches(self, n_batches: int, batch_size: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A fixed held-out set: the same `n_batches` batches on every call."""
         g = torch.Generator().manual_seed(seed)
@@ -210,6 +225,6 @@ class TokenDataset:
         return out
 
 
-def data_generator(seed: int, rank: int = 0) -> torch.Generator:
-    """The training-batch generator of one data-parallel rank."""
-    return torch.Generator().manual_seed(seed * 1000003 + rank)
+def data_generator(seed: int) -> torch.Generator:
+    """The training batches' generator: the run's data position, one for every rank (`TokenDataset.step_batches`)."""
+    return torch.Generator().manual_seed(seed * 1000003)

@@ -252,9 +252,9 @@ class Run:
         self.profiler = None  # --profile DIR: records a few steps (profiling.py)
         self.progress = None  # the status line and the metrics' sinks (progress.py)
         self.saver = None
-        # Each data-parallel rank draws its own disjoint, reproducible share of the sample stream (as
-        # DistributedSampler would); the ranks of a pipeline or a tensor-parallel group share one.
-        self.gen = data_generator(t.seed, rank=trainee.data_rank)
+        # One data position for every rank: each data-parallel rank takes its share of each step's global batch
+        # (TokenDataset.step_batches); the ranks of a pipeline or a tensor-parallel group share one.
+        self.gen = data_generator(t.seed)
         if resume is not None:
             self._resume(resume)
         self.room = room
@@ -262,13 +262,8 @@ class Run:
 
     def _resume(self, resume) -> None:
         """The data position, the RNGs and the loss scaler of the checkpoint; the state is in the trainee already.
-        The checkpoint holds the first data rank's position (what one process saves too); the others replay their
-        own stream to the resumed step: exact when the layout and the batch flags are unchanged."""
-        if self.trainee.data_rank == 0:
-            ckpt.restore_rng(resume.rng_states(), self.gen)
-        else:
-            for _ in range(self.start_step):
-                self._draw()
+        The data position is the run's, not a rank's: any number of ranks continues at the same sequences."""
+        ckpt.restore_rng(resume.rng_states(), self.gen)
         load_scaler_state(self.trainee.scaler, resume.loss_scaler)
         resume.close()  # its shards' file handles
         self.say(f"resumed from {resume.path} at step {self.start_step}")
@@ -278,10 +273,9 @@ class Run:
 
     def _draw(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's batches for one step: --grad-accum micro-batches, or one batch a pipeline splits."""
-        t = self.cfg.train
-        if self.trainee.whole_batch:
-            return [self.dataset.sample(t.micro_batch * t.grad_accum, self.gen)]
-        return [self.dataset.sample(t.micro_batch, self.gen) for _ in range(t.grad_accum)]
+        t, trainee = self.cfg.train, self.trainee
+        size, count = (t.micro_batch * t.grad_accum, 1) if trainee.whole_batch else (t.micro_batch, t.grad_accum)
+        return self.dataset.step_batches(size, count, self.gen, trainee.data_rank, trainee.data_ranks)
 
     def fail(self) -> None:
         """The run is failing: stop the profiler and the status line, drop the save in flight."""

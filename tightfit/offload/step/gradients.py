@@ -61,6 +61,9 @@ class GradientShipper:
         self.worker = worker
         self.timers = timers
         self.land_fp32 = land_fp32  # Placement.land_grads_fp32: a first micro-batch's converted on the device
+        # Data parallelism over the engine: averages the gradients over the ranks in place on the device before they
+        # leave it (tightfit/parallel/replicas.py, [Note: gradients averaged as they leave]); None in one process.
+        self.reduce = None
 
     def ship(self, unit: OffloadUnit, hold: bool, norms: bool, threads: int | None = None, final: bool = False):
         """Move the unit's new `param.grad`s (or a pass's sums of them) into its grads tier, accumulating; drop them.
@@ -78,6 +81,8 @@ class GradientShipper:
                 pairs.append((i, unit.trainable[i], g))
         if not pairs:
             return None
+        if self.reduce is not None:  # before anything reads them: the norms, the sums, the steps are the group's
+            self.reduce([g for _, _, g in pairs])
         had = list(unit.has_grad)
         new = {i for i, _, _ in pairs}
         for i in new:

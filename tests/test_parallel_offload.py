@@ -1,0 +1,91 @@
+"""Scale-out that keeps the offload: `--strategy ddp --offload host|nvme` runs the offload engine on every rank
+(tightfit/parallel/replicas.py), each rank's states on its own tiers, the gradients averaged as they leave the device.
+
+The reference is one process of plain PyTorch + AdamW (`--offload none`) seeing the same sequences: the run's one
+data position deals each step's global batch to the ranks (TokenDataset.step_batches), so 2 ranks with
+`--grad-accum A` see what one process with `--grad-accum 2A` sees. Losses agree within 1e-6 relative over 10 clipped
+steps (the sums are added in another order, and averaged over ranks after each rank's division by A).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from parallel_launch import ROOT, free_port, rank_env
+
+STEPS = 10
+
+
+def _train(tiny_args, out, *extra: str, ranks: int = 1) -> tuple[subprocess.CompletedProcess, dict[int, float]]:
+    args = [a if a != tiny_args[tiny_args.index("--out-dir") + 1] else str(out) for a in tiny_args]
+    launch = ["--nproc-per-node", str(ranks), "--master-port", str(free_port())] if ranks > 1 else []
+    proc = subprocess.run([sys.executable, "-m", "tightfit.cli", "train", *args, "--steps", str(STEPS),
+                           "--log-interval", "1", "--eval-interval", str(STEPS), *launch, *extra],
+                          env=rank_env(), cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    losses = {r["step"]: r["loss"] for r in _metrics(out) if r["kind"] == "train"}  # full precision
+    assert len(losses) == STEPS, proc.stdout[-2000:]
+    return proc, losses
+
+
+def _close(a: dict[int, float], b: dict[int, float], rel: float = 1e-6) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert abs(a[k] - b[k]) <= rel * abs(b[k]), (k, a[k], b[k])
+
+
+def _metrics(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_ranks_take_shares_of_one_global_batch(tiny_args, tmp_path):
+    """Plain DDP on 2 ranks, `--grad-accum 1`, against one process with `--grad-accum 2`: the same sequences (before,
+    each rank drew from a generator of its own, and no one-process run saw what a group saw)."""
+    _, one = _train(tiny_args, tmp_path / "one", "--grad-accum", "2", "--offload", "none")
+    _, two = _train(tiny_args, tmp_path / "two", "--grad-accum", "1", "--strategy", "ddp", ranks=2)
+    _close(two, one)
+
+
+@pytest.mark.parametrize("tier", ["host", "nvme"])
+def test_the_engine_on_every_rank_trains_as_one_process(tiny_args, tmp_path, tier):
+    """2 ranks, each with the whole model through its engine (every state on host, or on NVMe in a swap folder of its
+    own), clipped at 1.0: the losses of one process of plain PyTorch on the same sequences; the checkpoint is rank 0's
+    in the one-process format (one process resumes it); the ranks' swap folders are gone at the end."""
+    _, one = _train(tiny_args, tmp_path / "one", "--grad-accum", "4", "--offload", "none")
+    swap = tmp_path / "swap"
+    extra = ["--nvme", str(swap)] if tier == "nvme" else []
+    proc, two = _train(tiny_args, tmp_path / "two", "--grad-accum", "2", "--strategy", "ddp", "--offload", tier,
+                       *extra, ranks=2)
+    _close(two, one)
+    assert "the offload engine on each" in proc.stdout
+    steps = [r for r in _metrics(tmp_path / "two") if r["kind"] == "train"]
+    engine = steps[-1]["engine"]
+    assert engine["allreduce_bytes"] > 0  # rank 0's averages, per step
+    if tier == "nvme":
+        assert engine["nvme_write_bytes"] > 0
+        assert str(swap / "rank-00000") in proc.stdout  # rank 0's plan names its own folder
+        assert swap.is_dir() and not any(swap.iterdir()), list(swap.iterdir())  # each rank removed its own
+    plan = next(r for r in _metrics(tmp_path / "two") if r["kind"] == "plan_vs_measured")
+    assert len(plan["ranks"]) == 2
+    for rank in plan["ranks"]:  # each rank's process within 10% of its own plan's
+        rss = rank["rss_peak"]
+        assert abs(rss["measured"] - rss["predicted"]) <= 0.10 * rss["predicted"], plan["ranks"]
+    resumed = subprocess.run([sys.executable, "-m", "tightfit.cli", "train", *tiny_args[:tiny_args.index("--out-dir")],
+                              "--out-dir", str(tmp_path / "two"), *tiny_args[tiny_args.index("--out-dir") + 2:],
+                              "--steps", str(STEPS + 2), "--grad-accum", "4", "--resume"],
+                             env=rank_env(), cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from" in resumed.stdout and f"step {STEPS + 2}/{STEPS + 2}" in resumed.stdout
+
+
+@pytest.mark.slow
+def test_four_ranks_with_the_engine_train_as_one_process(tiny_args, tmp_path):
+    """4 ranks, each with every state on its own NVMe folder, against one process with 4x the micro-batches."""
+    _, one = _train(tiny_args, tmp_path / "one", "--grad-accum", "4", "--offload", "none")
+    _, four = _train(tiny_args, tmp_path / "four", "--grad-accum", "1", "--strategy", "ddp", "--offload", "nvme",
+                     "--nvme", str(tmp_path / "swap"), ranks=4)
+    _close(four, one)

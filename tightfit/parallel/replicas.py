@@ -1,0 +1,169 @@
+"""Data parallelism over the offload engine: `--strategy ddp --offload host|nvme` on several ranks.
+
+Each rank holds the whole model through its own offload engine, planned for that rank's share of the machine
+(host memory divided among the node's ranks unless `--cpu-mem` gives a rank's; its own swap folder, `<nvme>/rank-R`,
+which tightfit creates and removes), and trains on its share of each step's global batch (the one loop's
+`TokenDataset.step_batches`). What makes the replicas one model:
+
+[Note: gradients averaged as they leave] The engine's gradient shipper calls `GradientAverager` on a unit's
+gradients on the device, before anything reads them (the norms a clip needs, the sums on the host or NVMe, the
+unit's step): one `all_reduce` per gradient over the data-parallel group (torch.distributed's, on a process group of
+its own so that no collective the loop issues can interleave with them), then a division by the group's size. Every
+rank's gradients are then the group's mean, bit for bit alike (an all-reduce hands every rank the same sum), so
+every rank's norm, clip and AdamW step are alike and the replicas stay equal without a broadcast. Each rank reduces
+the same units in the same order: the same model, the same schedule. Cost: once a step per unit in unit-major order
+(its sums leave once); once per micro-batch in micro-batch-major order (each micro-batch's gradients leave), as DDP
+without `no_sync`.
+
+The main rank writes the checkpoints (any rank's state is the run's) in the one-process format, so a one-process
+run, another world size, or another strategy resumes them.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Callable
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from tightfit.errors import UsageError
+from tightfit.train.trainee import OneProcess, one_process
+
+RANK_FOLDER = "rank-{:05d}"
+"""A rank's swap folder inside `--nvme`: its own, so no two engines share a file or a lock."""
+
+
+class GradientAverager:
+    """Averages gradients in place over `group` (the data-parallel ranks). Counts the bytes it reduced."""
+
+    def __init__(self, group, size: int) -> None:
+        self.group, self.size = group, size
+        self.bytes = 0
+
+    def __call__(self, grads: list[torch.Tensor]) -> None:
+        works = [dist.all_reduce(g, group=self.group, async_op=True) for g in grads]
+        for w in works:
+            w.wait()
+        torch._foreach_div_(grads, float(self.size))
+        self.bytes += sum(g.numel() * g.element_size() for g in grads)
+
+
+class Replicated(OneProcess):
+    """This rank's whole model through its engine (a OneProcess), one of `world.size` replicas kept equal by the
+    gradients' average. `swap`: the rank's swap folder (None without NVMe), removed at `close` if tightfit `made` it
+    and it is empty."""
+
+    def __init__(self, inner: OneProcess, world, averager: GradientAverager, swap: Path | None, made: bool) -> None:
+        super().__init__(inner.mem, inner.device, inner.dtype)
+        self.world, self.averager, self.swap, self.made = world, averager, swap, made
+        self.data_rank, self.data_ranks = world.rank, world.size
+
+    def describe(self) -> str:
+        swap = f"; swap files in {self.swap} on rank 0, {RANK_FOLDER.format(1)}... beside it on the others" \
+            if self.swap is not None else ""
+        return (f"tightfit: {self.world.size} ranks, strategy ddp, the offload engine on each (rank 0's plan below; "
+                f"gradients averaged as they leave the device{swap})\n{super().describe()}")
+
+    def global_loss(self, local: torch.Tensor) -> float:
+        t = local.detach().to(torch.float64).reshape(1).cpu()
+        dist.all_reduce(t)
+        return float(t[0]) / self.world.size
+
+    def evaluate(self, batches) -> float:
+        """Each rank its round-robin share (a replica needs no peer to run a forward), then one weighted mean."""
+        mine = batches[self.world.rank::self.world.size]
+        local = super().evaluate(mine) * len(mine) if mine else 0.0
+        t = torch.tensor([local, float(len(mine))], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t[0] / t[1])
+
+    def checkpoint_groups(self, hand_over: bool = False):
+        return super().checkpoint_groups(hand_over) if self.world.is_main else None
+
+    def export_hf(self, folder: str, meta_model: Callable[[], torch.nn.Module], check_finite: bool = False) -> None:
+        failed = None
+        if self.world.is_main:
+            try:
+                super().export_hf(folder, meta_model, check_finite)
+            except Exception as e:  # noqa: BLE001 - raised below, after every rank has heard of it
+                failed = e
+        if self.world.any_rank(failed is not None, "the vote after rank 0 exported the Hugging Face folder"):
+            raise failed if failed is not None else self.world.raised_everywhere(
+                UsageError(f"rank {self.world.rank}: stopping: rank 0 could not export the Hugging Face folder"))
+
+    def engine_counters(self):
+        counters = super().engine_counters()
+        if counters is not None:
+            counters["allreduce_bytes"] = float(self.averager.bytes)
+        return counters
+
+    def plan_record(self, step_seconds: float, run_seconds_per_step: float) -> dict | None:
+        """Rank 0's plan against its measurement, with every rank's peaks beside it (each planned for its own share;
+        one gather, every rank calls it at the run's end)."""
+        record = super().plan_record(step_seconds, run_seconds_per_step)
+        mine = None if record is None else {k: {"predicted": record["predicted"].get(k), "measured":
+                                                record["measured"].get(k)} for k in ("rss_peak", "host_peak",
+                                                                                     "nvme_peak")}
+        ranks: list = [None] * self.world.size
+        with self.world.collective("the gather of every rank's peaks"):
+            dist.all_gather_object(ranks, mine)
+        if record is not None:
+            record["ranks"] = ranks
+        return record
+
+    def summary_fields(self) -> dict:
+        return {"strategy": "ddp", "mesh": [1, self.world.size, 1], "ranks": self.world.size, "engine": True}
+
+    def close(self) -> None:
+        super().close()
+        if self.swap is not None and self.made:
+            try:
+                self.swap.rmdir()  # only if empty: the engine removed its files
+            except OSError:
+                pass
+
+
+def local_ranks() -> int:
+    """The ranks on this node (torchrun's LOCAL_WORLD_SIZE)."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def rank_config(cfg, rank: int):
+    """`cfg` as this rank's engine plans with: its own swap folder, its share of the host's memory."""
+    from tightfit.config import parse_nvme
+
+    mine = copy.deepcopy(cfg)
+    swap = None
+    if cfg.memory.nvme:
+        path, size = parse_nvme(cfg.memory.nvme)
+        swap = Path(path) / RANK_FOLDER.format(rank)
+        mine.memory.nvme = str(swap) + (f":{size}" if size else "")
+    if cfg.memory.cpu_mem is None:  # the node's ranks share its memory: each plans with its part
+        mine.memory.cpu_mem = f"{psutil.virtual_memory().available // local_ranks()}B"
+    return mine, swap
+
+
+def replicate(model: torch.nn.Module, cfg, world, device: torch.device, dtype: torch.dtype, resume,
+              planned: Callable | None, say: Callable[[str], None]) -> Replicated:
+    """This rank's replica: `model` held by its own engine as its plan says, its gradients averaged over `world`."""
+    from tightfit.offload.step.engine import find_engine
+    from tightfit.planner.probe import load_or_probe
+
+    mine, swap = rank_config(cfg, world.rank)
+    made = swap is not None and not swap.exists()
+    if swap is not None:
+        swap.mkdir(parents=True, exist_ok=True)
+    # The machine's profile is measured once, by the main rank; the others read its cache.
+    if world.is_main:
+        load_or_probe(str(swap) if swap is not None else None)
+    world.barrier("the hardware probe")
+    group = dist.new_group(backend=dist.get_backend())  # the gradients' own: no interleaving with the loop's
+    inner = one_process(model, mine, device, dtype, resume, planned if world.is_main else None, say)
+    engine = find_engine(inner.model)
+    averager = GradientAverager(group, world.size)
+    engine.shipper.reduce = averager
+    return Replicated(inner, world, averager, swap, made)
