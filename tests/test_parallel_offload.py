@@ -10,6 +10,7 @@ steps (the sums are added in another order, and averaged over ranks after each r
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -50,21 +51,24 @@ def test_ranks_take_shares_of_one_global_batch(tiny_args, tmp_path):
     _close(two, one)
 
 
-@pytest.mark.parametrize("tier", ["host", "nvme"])
-def test_the_engine_on_every_rank_trains_as_one_process(tiny_args, tmp_path, tier):
+@pytest.mark.parametrize("tier,order", [("host", "micro"), ("nvme", "unit")])
+def test_the_engine_on_every_rank_trains_as_one_process(tiny_args, tmp_path, tier, order):
     """2 ranks, each with the whole model through its engine (every state on host, or on NVMe in a swap folder of its
-    own), clipped at 1.0: the losses of one process of plain PyTorch on the same sequences; the checkpoint is rank 0's
-    in the one-process format (one process resumes it); the ranks' swap folders are gone at the end."""
+    own), clipped at 1.0: the losses of one process of plain PyTorch on the same sequences; the gradients cross the
+    group once per micro-batch in micro-batch-major order, once a step in unit-major order; the checkpoint is rank
+    0's in the one-process format (one process resumes it); the ranks' swap folders are gone at the end."""
     _, one = _train(tiny_args, tmp_path / "one", "--grad-accum", "4", "--offload", "none")
     swap = tmp_path / "swap"
     extra = ["--nvme", str(swap)] if tier == "nvme" else []
     proc, two = _train(tiny_args, tmp_path / "two", "--grad-accum", "2", "--strategy", "ddp", "--offload", tier,
-                       *extra, ranks=2)
+                       "--accumulation", order, *extra, ranks=2)
     _close(two, one)
     assert "the offload engine on each" in proc.stdout
+    parameters = int(re.search(r"training ([\d,]+) parameters", proc.stdout)[1].replace(",", ""))
     steps = [r for r in _metrics(tmp_path / "two") if r["kind"] == "train"]
+    # rank 0's averages per step: every fp32 gradient once per micro-batch (2), or once
+    assert steps[-1]["engine"]["allreduce_bytes"] == 4 * parameters * (2 if order == "micro" else 1)
     engine = steps[-1]["engine"]
-    assert engine["allreduce_bytes"] > 0  # rank 0's averages, per step
     if tier == "nvme":
         assert engine["nvme_write_bytes"] > 0
         assert str(swap / "rank-00000") in proc.stdout  # rank 0's plan names its own folder
