@@ -29,6 +29,13 @@ not events, and each is silent:
   `from_pretrained` reads) or, for a peft model, by peft's own `save_pretrained` given the adapters' fp32 values.
   `train(resume_from_checkpoint=...)` is Trainer's own resume: it finds the folder, restores the step, the data
   position and the RNG, and calls the two loaders overridden here.
+- several processes (`torchrun` / `accelerate launch`). accelerate would wrap the model in DDP, whose reducer
+  hooks `param.grad` and broadcasts parameters a wrapped model keeps in its tiers. Here every rank holds the whole
+  model through its own engine and the engine averages each unit's gradients over the ranks as they leave the
+  device ([Note: gradients averaged as they leave] in tightfit/parallel/replicas.py); `_wrap_model` hands
+  accelerate a `Replica` so it does not wrap it again. accelerate still deals each rank its share of every batch,
+  so the step is DDP's. Each rank writes its RNG state (`rng_state_<rank>.safetensors`, as Trainer does); rank 0
+  writes the rest.
 """
 
 from __future__ import annotations
@@ -94,9 +101,9 @@ class TightfitTrainer(transformers.Trainer):
                              "once, before training)")
         if args is None:
             args = transformers.TrainingArguments(output_dir="trainer_output")
-        if args.world_size > 1:
-            raise UsageError("TightfitTrainer: one process only (the engine offloads one model replica); launch "
-                             "without torchrun/accelerate launch, or use tightfit's own parallel training")
+        if args.world_size > 1 and (args.fsdp or args.deepspeed):
+            raise UsageError("TightfitTrainer: the engine holds the model on every rank and averages its gradients "
+                             "(DDP); drop fsdp=/deepspeed= from TrainingArguments")
         if args.fp16:
             raise UsageError("TightfitTrainer: TrainingArguments(fp16=True) unscales param.grad, which a wrapped "
                              "model does not have; use bf16=True, or compute_dtype=torch.float16 without fp16")
@@ -118,6 +125,17 @@ class TightfitTrainer(transformers.Trainer):
         super().__init__(model, args, *more, **kwargs)
         if self.optimizer is not None:
             tightfit_optimizer(self.optimizer)  # refuse a torch optimizer now, not after a silent epoch
+        if args.world_size > 1 and engine.shipper.reduce is None:
+            from tightfit.parallel.replicas import average_over_ranks
+
+            average_over_ranks(engine)
+
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        """Over several processes: the model in a `Replica`, which accelerate leaves unwrapped (no DDP: the engine
+        averages the gradients)."""
+        if self.args.world_size > 1 and find_engine(self.model) is not None:
+            return model if isinstance(model, Replica) else Replica(model)
+        return super()._wrap_model(model, training, dataloader)
 
     # ---- the model stays where the engine put it -------------------------------------------------------------
 
@@ -209,12 +227,18 @@ class TightfitTrainer(transformers.Trainer):
         if sched.is_file():
             self.lr_scheduler.load_state_dict(json.loads(sched.read_text()))
 
+    def _rng_file(self, folder: str) -> Path:
+        """Each rank's own where there are several (its shuffles and dropout are its own), as Trainer does."""
+        name = RNG_FILE if self.args.world_size <= 1 else RNG_FILE.replace(".", f"_{self.args.process_index}.", 1)
+        return Path(folder) / name
+
     def _save_rng_state(self, output_dir: str) -> None:
-        save_rng(Path(output_dir) / RNG_FILE)
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        save_rng(self._rng_file(output_dir))
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
-        if checkpoint is not None and (Path(checkpoint) / RNG_FILE).is_file():
-            load_rng(Path(checkpoint) / RNG_FILE)  # else: none saved, as Trainer goes on without one
+        if checkpoint is not None and self._rng_file(checkpoint).is_file():
+            load_rng(self._rng_file(checkpoint))  # else: none saved, as Trainer goes on without one
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """Model weights on resume: the optimizer file holds every trainable parameter's fp32 master (loaded with
@@ -229,6 +253,19 @@ class TightfitTrainer(transformers.Trainer):
             fill_wrapped(self.model, HFCheckpoint.open(resume_from_checkpoint))
             return
         super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+
+class Replica(torch.nn.Module):
+    """A wrapped model as accelerate sees it under several processes: a module that is not the model, so accelerate
+    prepares the optimizer and the data but does not wrap the model in DDP. `module` is the model (what
+    `unwrap_model` returns)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
 
 
 def _scheduler_state(scheduler) -> dict:

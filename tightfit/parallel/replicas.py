@@ -127,6 +127,15 @@ class Replicated(OneProcess):
                 pass
 
 
+def average_over_ranks(engine) -> GradientAverager:
+    """Make `engine` one replica of the default process group's: its gradients averaged over every rank as they leave
+    the device. Collective: every rank calls it (it makes the averages' own process group)."""
+    group = dist.new_group(backend=dist.get_backend())  # the gradients' own: no interleaving with other collectives
+    averager = GradientAverager(group, dist.get_world_size())
+    engine.shipper.reduce = averager
+    return averager
+
+
 def local_ranks() -> int:
     """The ranks on this node (torchrun's LOCAL_WORLD_SIZE)."""
     return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
@@ -161,9 +170,6 @@ def replicate(model: torch.nn.Module, cfg, world, device: torch.device, dtype: t
     if world.is_main:
         load_or_probe(str(swap) if swap is not None else None)
     world.barrier("the hardware probe")
-    group = dist.new_group(backend=dist.get_backend())  # the gradients' own: no interleaving with the loop's
     inner = one_process(model, mine, device, dtype, resume, planned if world.is_main else None, say)
-    engine = find_engine(inner.model)
-    averager = GradientAverager(group, world.size)
-    engine.shipper.reduce = averager
+    averager = average_over_ranks(find_engine(inner.model))
     return Replicated(inner, world, averager, swap, made)
