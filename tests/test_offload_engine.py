@@ -136,8 +136,8 @@ def _delayed_packs(monkeypatch, gate: "threading.Event | None" = None, delay: fl
     """Make every gradient pack finish late: after `gate` is set, or `delay` seconds after the copy."""
     real = CpuMover.pack_grads
 
-    def pack_grads(self, grads, buf):
-        copied, out = real(self, grads, buf), Transfer()
+    def pack_grads(self, grads, buf, before=None):
+        copied, out = real(self, grads, buf, before), Transfer()
         out.issued.set_result(None)
 
         def finish() -> None:

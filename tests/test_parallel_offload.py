@@ -93,3 +93,18 @@ def test_four_ranks_with_the_engine_train_as_one_process(tiny_args, tmp_path):
     _, four = _train(tiny_args, tmp_path / "four", "--grad-accum", "1", "--strategy", "ddp", "--offload", "nvme",
                      "--nvme", str(tmp_path / "swap"), ranks=4)
     _close(four, one)
+
+
+def test_small_gradients_are_averaged_in_buckets_large_ones_alone():
+    """One all-reduce per bucket (DDP's 25 MiB), not per gradient: each call is a round of messages."""
+    import torch
+
+    from tightfit.parallel.replicas import BUCKET_BYTES, buckets
+
+    big = torch.zeros(BUCKET_BYTES // 4)
+    grads = [torch.zeros(10), torch.zeros(6), big, torch.zeros(5), torch.zeros(5, dtype=torch.bfloat16),
+             torch.zeros(BUCKET_BYTES // 4 - 4), torch.zeros(8)]
+    got = buckets(grads)
+    assert [[id(g) for g in b] for b in got] == [[id(grads[0]), id(grads[1])], [id(big)], [id(grads[3])],
+                                                  [id(grads[4])], [id(grads[5])], [id(grads[6])]]
+    assert sum(len(b) for b in got) == len(grads)  # every gradient once, in order

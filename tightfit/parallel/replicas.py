@@ -6,9 +6,11 @@ which tightfit creates and removes), and trains on its share of each step's glob
 `TokenDataset.step_batches`). What makes the replicas one model:
 
 [Note: gradients averaged as they leave] The engine's gradient shipper calls `GradientAverager` on a unit's
-gradients on the device, before anything reads them (the norms a clip needs, the sums on the host or NVMe, the
-unit's step): one `all_reduce` per gradient over the data-parallel group (torch.distributed's, on a process group of
-its own so that no collective the loop issues can interleave with them), then a division by the group's size. Every
+gradients on the device as its backward ends: one asynchronous `all_reduce` per gradient over the data-parallel
+group (torch.distributed's, on a process group of its own so that no collective the loop issues can interleave with
+them), and, before anything reads them (the norms a clip needs, the sums on the host or NVMe, the unit's step), a
+wait and a division by the group's size: in the copy off the device (its copy thread; on CUDA, ordered on the copy
+stream), so the backward of the next units runs while the group adds, or at once where they are read at once. Every
 rank's gradients are then the group's mean, bit for bit alike (an all-reduce hands every rank the same sum), so
 every rank's norm, clip and AdamW step are alike and the replicas stay equal without a broadcast. Each rank reduces
 the same units in the same order: the same model, the same schedule. Cost: once a step per unit in unit-major order
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -38,18 +41,60 @@ RANK_FOLDER = "rank-{:05d}"
 
 
 class GradientAverager:
-    """Averages gradients in place over `group` (the data-parallel ranks). Counts the bytes it reduced."""
+    """Averages gradients in place over `group` (the data-parallel ranks): a call starts the all-reduces and returns
+    what finishes them (waits, then divides), which the shipper runs before the gradients are read. Counts the bytes
+    it reduced and the seconds spent waiting for them (on whichever thread waited)."""
 
     def __init__(self, group, size: int) -> None:
         self.group, self.size = group, size
         self.bytes = 0
+        self.seconds = 0.0
 
-    def __call__(self, grads: list[torch.Tensor]) -> None:
-        works = [dist.all_reduce(g, group=self.group, async_op=True) for g in grads]
-        for w in works:
-            w.wait()
-        torch._foreach_div_(grads, float(self.size))
-        self.bytes += sum(g.numel() * g.element_size() for g in grads)
+    def __call__(self, grads: list[torch.Tensor]) -> Callable[[], None]:
+        pending = []  # (work, the reduced tensor, the gradients it holds or None where it is the gradient)
+        for bucket in buckets(grads):
+            flat = bucket[0].reshape(-1) if len(bucket) == 1 else torch.cat([g.reshape(-1) for g in bucket])
+            pending.append((dist.all_reduce(flat, group=self.group, async_op=True), flat,
+                            bucket if len(bucket) > 1 else None))
+            self.bytes += flat.numel() * flat.element_size()
+
+        def averaged() -> None:
+            t0 = time.perf_counter()
+            for work, flat, bucket in pending:
+                work.wait()
+                flat.div_(float(self.size))
+                if bucket is not None:
+                    torch._foreach_copy_([g.reshape(-1) for g in bucket], list(flat.split([g.numel() for g in bucket])))
+            pending.clear()  # the buckets' memory goes
+            self.seconds += time.perf_counter() - t0
+
+        return averaged
+
+
+BUCKET_BYTES = 25 << 20
+"""The most a bucket of small gradients holds (DDP's default bucket): one all-reduce per bucket, not per gradient
+(each call is a round of messages: 50 small ones cost a 2-rank step on the 2-core VM 75 ms, one per unit 14 ms,
+benchmarks/RESULTS.md batch AI); a gradient this large or larger is reduced in place, alone. Memory: the device
+holds a copy of a unit's gradients smaller than this beside them until their copy off the device has run (a
+Llama-2-7B block: its norms' 32 KiB; a small model's whole unit), which the plan does not count yet."""
+
+
+def buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`grads` in order, consecutive small ones together up to BUCKET_BYTES, each large one alone."""
+    out: list[list[torch.Tensor]] = []
+    size = 0
+    for g in grads:
+        n = g.numel() * g.element_size()
+        if n >= BUCKET_BYTES:
+            out.append([g])
+            size = BUCKET_BYTES  # the next small one starts a new bucket
+        elif out and size + n <= BUCKET_BYTES and len(out[-1]) and out[-1][0].dtype == g.dtype:
+            out[-1].append(g)
+            size += n
+        else:
+            out.append([g])
+            size = n
+    return out
 
 
 class Replicated(OneProcess):
@@ -99,6 +144,7 @@ class Replicated(OneProcess):
         counters = super().engine_counters()
         if counters is not None:
             counters["allreduce_bytes"] = float(self.averager.bytes)
+            counters["allreduce_wait_s"] = self.averager.seconds
         return counters
 
     def plan_record(self, step_seconds: float, run_seconds_per_step: float) -> dict | None:

@@ -16,11 +16,12 @@ complete copies late on purpose and check the rules (`strict`), which is how the
    the host never waits for the GPU. CPU: the compute "stream" is the host thread, so it waits for the copy.
 3. `cancel(transfer)`: `dst` is about to be freed. A copy not yet issued is dropped; one already issued is ordered
    before whatever the compute stream does next (CUDA: an event wait, no host sync; CPU: the host waits for it).
-4. `pack_grads(grads, buf)` starts copying gradients into `buf` (a granted host buffer, or the host tier's
-   page-locked sum: [Note: gradients land converted] in step/gradients.py), converted to its dtype on the way (on
-   CUDA on the device, `CONVERT_CHUNK` elements at a time); the transfer's `done` completes once the host may read
-   it (CUDA: after the copy's event, seen by the one completion thread). The gradients stay alive until the copy
-   has read them.
+4. `pack_grads(grads, buf, before=None)` starts copying gradients into `buf` (a granted host buffer, or the host
+   tier's page-locked sum: [Note: gradients land converted] in step/gradients.py), converted to its dtype on the way
+   (on CUDA on the device, `CONVERT_CHUNK` elements at a time); the transfer's `done` completes once the host may
+   read it (CUDA: after the copy's event, seen by the one completion thread). The gradients stay alive until the
+   copy has read them. `before()`, where given, runs first in the copy's order (the copy thread; CUDA: with the copy
+   stream current): what finishes writing the gradients, their average over the ranks.
 5. The mover owns no host buffer. Whoever granted one gives it back after the `done` of every transfer that touches
    it (`Grant.give(name, after=t.done)`); `done` completes also when the read failed or the fetch was cancelled,
    and only then is nothing touching the buffer any more.
@@ -210,15 +211,19 @@ class CpuMover:
         self.stats["host_waits_on_device"] += 1
         return t.done.result()
 
-    def pack_grads(self, grads: list[tuple[tuple[int, torch.Size], torch.Tensor]], buf: torch.Tensor) -> Transfer:
+    def pack_grads(self, grads: list[tuple[tuple[int, torch.Size], torch.Tensor]], buf: torch.Tensor,
+                   before=None) -> Transfer:
         """Copy gradients into `buf` (a granted host buffer, or the host tier's page-locked sum), converted to its
         dtype. `grads` pairs a slot's (offset, shape) in the unit's flat layout with its gradient; regions of slots
-        without one are left unwritten."""
+        without one are left unwritten. `before()`: what the copy waits for first, in its order (the gradients'
+        average over the ranks: it finishes writing them)."""
         self._raise_violations()
         t = Transfer()
         self.stats["bytes_to_host"] += sum(g.numel() for _, g in grads) * buf.element_size()  # what lands on the host
 
         def pack() -> None:
+            if before is not None:
+                before()
             for view, g in grads:
                 _copy_converting(_region(buf, view), g, lambda d, c: d.copy_(c))
 
@@ -475,7 +480,10 @@ class CudaMover:
         self.stats["host_waits_on_device"] += 1
         return t.done.result()
 
-    def pack_grads(self, grads: list[tuple[tuple[int, torch.Size], torch.Tensor]], buf: torch.Tensor) -> Transfer:
+    def pack_grads(self, grads: list[tuple[tuple[int, torch.Size], torch.Tensor]], buf: torch.Tensor,
+                   before=None) -> Transfer:
+        # `before()`: runs with the d2h stream current, so the copies wait for what it orders there (an average's
+        # all-reduce: its work's wait() orders the current stream after it).
         # Into `buf`'s dtype: a gradient converted (fp32 sums) goes a chunk at a time through a temporary on the d2h
         # stream, so the device holds at most CONVERT_CHUNK elements more than autograd's gradients (a copy_ across
         # devices and dtypes would convert the whole gradient at once). The allocator reuses a freed temporary only
@@ -485,6 +493,8 @@ class CudaMover:
         produced.record(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.d2h), ranges.span("tightfit::pack_grads"):
             self.d2h.wait_event(produced)
+            if before is not None:
+                before()
             for view, g in grads:
                 _copy_converting(_region(buf, view), g,
                                  lambda d, c: d.copy_(c.to(d.dtype), non_blocking=True),

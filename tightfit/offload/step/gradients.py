@@ -61,8 +61,9 @@ class GradientShipper:
         self.worker = worker
         self.timers = timers
         self.land_fp32 = land_fp32  # Placement.land_grads_fp32: a first micro-batch's converted on the device
-        # Data parallelism over the engine: averages the gradients over the ranks in place on the device before they
-        # leave it (tightfit/parallel/replicas.py, [Note: gradients averaged as they leave]); None in one process.
+        # Data parallelism over the engine: starts averaging the gradients over the ranks in place on the device and
+        # returns what waits for it, before they are read (tightfit/parallel/replicas.py, [Note: gradients averaged
+        # as they leave]); None in one process.
         self.reduce = None
 
     def ship(self, unit: OffloadUnit, hold: bool, norms: bool, threads: int | None = None, final: bool = False):
@@ -81,12 +82,16 @@ class GradientShipper:
                 pairs.append((i, unit.trainable[i], g))
         if not pairs:
             return None
-        if self.reduce is not None:  # before anything reads them: the norms, the sums, the steps are the group's
-            self.reduce([g for _, _, g in pairs])
+        # Averaged over the ranks before anything reads them (the norms, the sums, the steps are the group's): the
+        # reduction starts now and `averaged()` waits for it, here where they are read at once, else in the copy.
+        averaged = self.reduce([g for _, _, g in pairs]) if self.reduce is not None else None
         had = list(unit.has_grad)
         new = {i for i, _, _ in pairs}
         for i in new:
             unit.has_grad[i] = True
+        if averaged is not None and (final and norms or "ship" not in unit.jobs):
+            averaged()
+            averaged = None
         if final and norms:  # taken here: the worker neither takes nor forgets them (None)
             for (i, _, _), n in zip(pairs, torch._foreach_norm([g for _, _, g in pairs], 2.0)):
                 unit.grad_norms[i] = n
@@ -112,7 +117,7 @@ class GradientShipper:
             # stages it, and the copy does not overlap the host); NVMe has no tensor, its fp32 pack is the sum.
             target = unit.store[State.GRADS].tensor(unit.name, GRADS)
         if target is not None:  # [Note: gradients land converted]: into the host tier's sum itself
-            packed = self.mover.pack_grads(slots, target)
+            packed = self.mover.pack_grads(slots, target, before=averaged)
             unit.life.on(Event.GRADS_SHIPPED)
             unit.grad_pending = self.worker.submit(self._landed, unit, packed, unit.grad_pending, new, norms, threads)
             return packed
@@ -122,7 +127,7 @@ class GradientShipper:
         # come through a pack.
         sizes = ship_buffers(unit.jobs["ship"], as_sum, locked=False)
         grant = self.pool.reserve(f"ship grads of {unit.name}", sizes)
-        packed = self.mover.pack_grads(slots, grant["pack"])
+        packed = self.mover.pack_grads(slots, grant["pack"], before=averaged)
         unit.life.on(Event.GRADS_SHIPPED)
         unit.grad_pending = self.worker.submit(self._accumulate, unit, grant, packed, unit.grad_pending, new, had,
                                                hold, norms, threads)
