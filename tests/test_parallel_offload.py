@@ -108,3 +108,43 @@ def test_small_gradients_are_averaged_in_buckets_large_ones_alone():
     assert [[id(g) for g in b] for b in got] == [[id(grads[0]), id(grads[1])], [id(big)], [id(grads[3])],
                                                   [id(grads[4])], [id(grads[5])], [id(grads[6])]]
     assert sum(len(b) for b in got) == len(grads)  # every gradient once, in order
+
+
+def _resumed_across(tiny_args, tmp_path, first: tuple[int, list[str]], then: tuple[int, list[str]],
+                    straight: list[str]) -> None:
+    """Stop a run of `first` (ranks, flags) at step 4, resume it with `then`: steps 5-10 are a run of `straight`'s
+    within 1e-6 (the data position is the run's, the state the one-process format)."""
+    out = tmp_path / "moved"
+    _train_to(tiny_args, out, first[0], [*first[1], "--stop-at", "4"], steps=4)
+    _, moved = _train(tiny_args, out, *then[1], "--resume", ranks=then[0])
+    _, ref = _train(tiny_args, tmp_path / "straight", *straight)
+    _close({k: v for k, v in moved.items() if k > 4}, {k: v for k, v in ref.items() if k > 4})
+
+
+def _train_to(tiny_args, out, ranks: int, extra: list[str], steps: int) -> None:
+    args = [a if a != tiny_args[tiny_args.index("--out-dir") + 1] else str(out) for a in tiny_args]
+    launch = ["--nproc-per-node", str(ranks), "--master-port", str(free_port())] if ranks > 1 else []
+    proc = subprocess.run([sys.executable, "-m", "tightfit.cli", "train", *args, "--steps", str(STEPS),
+                           "--log-interval", "1", *launch, *extra], env=rank_env(), cwd=ROOT, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"--stop-at {steps} reached" in proc.stdout
+
+
+def test_one_process_checkpoint_resumes_on_two_ranks_with_the_engine(tiny_args, tmp_path):
+    """1 -> 2: one process (every state on host, 4 micro-batches) stopped at step 4, resumed by 2 ranks each with its
+    engine on NVMe (2 micro-batches each): the losses of one uninterrupted plain run."""
+    _resumed_across(tiny_args, tmp_path, (1, ["--grad-accum", "4", "--offload", "host"]),
+                    (2, ["--grad-accum", "2", "--strategy", "ddp", "--offload", "nvme", "--nvme",
+                         str(tmp_path / "swap")]),
+                    ["--grad-accum", "4", "--offload", "none"])
+
+
+@pytest.mark.slow
+def test_two_rank_checkpoint_resumes_on_four_and_on_one(tiny_args, tmp_path):
+    """2 -> 4 (plain DDP) and 2 -> 1 (the engine in one process)."""
+    two = (2, ["--grad-accum", "2", "--strategy", "ddp"])
+    _resumed_across(tiny_args, tmp_path / "a", two, (4, ["--grad-accum", "1", "--strategy", "ddp"]),
+                    ["--grad-accum", "4", "--offload", "none"])
+    _resumed_across(tiny_args, tmp_path / "b", two, (1, ["--grad-accum", "4", "--offload", "host"]),
+                    ["--grad-accum", "4", "--offload", "none"])
