@@ -15,6 +15,11 @@ import pytest
 os.environ.setdefault("TIGHTFIT_STRICT_MOVER", "1")
 
 
+TINY = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq-len", "32", "--micro-batch", "4", "--eval-interval",
+        "5", "--eval-batches", "2", "--log-interval", "5", "--warmup-steps", "2", "--threads", "1"]
+"""The flags of `tiny_args` after --data and --out-dir."""
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Path:
     """~60 KB of deterministic pseudo-English text in a folder of two files."""
@@ -30,6 +35,4 @@ def corpus(tmp_path_factory) -> Path:
 @pytest.fixture
 def tiny_args(corpus, tmp_path) -> list[str]:
     """Flags for a run of a few seconds on CPU."""
-    return ["--data", str(corpus), "--out-dir", str(tmp_path / "run"), "--n-layer", "2", "--n-embd", "32",
-            "--n-head", "2", "--seq-len", "32", "--micro-batch", "4", "--eval-interval", "5", "--eval-batches", "2",
-            "--log-interval", "5", "--warmup-steps", "2", "--threads", "1"]
+    return ["--data", str(corpus), "--out-dir", str(tmp_path / "run"), *TINY]

@@ -202,8 +202,7 @@ def test_keep_checkpoints_0_writes_none_and_needs_no_room_for_one(tiny_args, tmp
     assert (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-@pytest.mark.parametrize("flag", [["--save-interval", "1"], ["--stop-at", "2"], ["--resume"],
-                                  ["--nproc-per-node", "2"]])
+@pytest.mark.parametrize("flag", [["--save-interval", "1"], ["--stop-at", "2"], ["--resume"]])
 def test_keep_checkpoints_0_refuses_what_needs_a_checkpoint(tiny_args, capsys, flag):
     assert main(["train", *tiny_args, "--keep-checkpoints", "0", *flag]) == 2
     err = _error_line(capsys)
