@@ -149,3 +149,32 @@ def test_two_rank_checkpoint_resumes_on_four_and_on_one(tiny_args, tmp_path, pla
     two = (2, ["--grad-accum", "2", "--strategy", "ddp"])
     _resumed_across(tiny_args, tmp_path / "a", two, (4, ["--grad-accum", "1", "--strategy", "ddp"]), plain)
     _resumed_across(tiny_args, tmp_path / "b", two, (1, ["--grad-accum", "4", "--offload", "host"]), plain)
+
+
+def test_the_plan_of_every_rank(tmp_path, capsys):
+    """`tightfit plan --nproc-per-node 2 --strategy ddp --offload nvme`: one rank's plan, made for its half of the
+    host's memory and of the swap disk, and the bytes the gradients' average sends, which the step does not count."""
+    from tightfit.cli import main
+    from tightfit.utils.sizes import parse_size
+
+    common = ["--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--seq-len", "32", "--micro-batch", "2",
+              "--grad-accum", "3", "--nvme", f"{tmp_path}:8GiB", "--cpu-mem", "2GiB"]
+    assert main(["plan", *common, "--nproc-per-node", "2", "--strategy", "ddp", "--offload", "nvme", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    ranks = got["ranks"]
+    assert ranks["ranks"] == 2 and ranks["engine"]
+    assert parse_size(ranks["cpu_mem_per_rank"]) == 2 << 30  # --cpu-mem is a rank's own
+    assert ranks["nvme_per_rank"] == f"{tmp_path}:{4 << 30}B"  # the disk is shared: half each
+    import torch
+
+    from tightfit.models.gpt import GPT, GPTConfig
+
+    with torch.device("meta"):
+        parameters = sum(p.numel() for p in GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2,
+                                                          n_embd=64)).parameters())
+    times = 1 if ranks["order"] == "unit" else 3
+    assert ranks["allreduce_bytes_per_step"] == parameters * 4 * times  # fp32 on a CPU
+    assert ranks["sent_bytes_per_step_per_rank"] == ranks["allreduce_bytes_per_step"]  # 2(n-1)/n = 1 for n = 2
+    assert main(["plan", *common, "--nproc-per-node", "2", "--strategy", "ddp", "--offload", "nvme"]) == 0
+    text = capsys.readouterr().out
+    assert "2 ranks, strategy ddp, the offload engine on each" in text and "not in the step time" in text

@@ -91,10 +91,25 @@ def _disk_volume(text: str | None, nvme: str | None) -> int | None:
 
 
 def _cmd_plan(cfg: Config, as_json: bool, hardware: str | None = None) -> int:
+    hw = None
+    if hardware:
+        from tightfit.planner.hardware_file import load_hardware
+
+        hw = load_hardware(hardware)
+    if _world_size(cfg) > 1 and cfg.parallel.strategy != "auto":
+        from tightfit.parallel.plan import plan_from_config
+
+        if plan_from_config(cfg.parallel, _world_size(cfg), cfg.memory.offload).engine:  # the engine on each rank
+            from tightfit.parallel.replicas import rank_plan, rank_plan_text
+
+            plan, ranks = rank_plan(cfg, hw)
+            print(json.dumps({**json.loads(plan.to_json()), "ranks": ranks}, indent=2) if as_json
+                  else rank_plan_text(plan, ranks))
+            return 0
     if _world_size(cfg) > 1:
         if hardware:
-            raise UsageError("--hardware: plans one process; for --nproc-per-node/--nnodes use --gpu-mem and "
-                             "--interconnect")
+            raise UsageError("--hardware: plans one process, or each rank of --strategy ddp with --offload host|nvme; "
+                             "for other strategies use --gpu-mem and --interconnect")
         from tightfit.parallel.whatif import what_if
 
         report = what_if(cfg)
@@ -103,11 +118,6 @@ def _cmd_plan(cfg: Config, as_json: bool, hardware: str | None = None) -> int:
     from tightfit.planner import make_plan
     from tightfit.train.loop import build_meta_model
 
-    hw = None
-    if hardware:
-        from tightfit.planner.hardware_file import load_hardware
-
-        hw = load_hardware(hardware)
     plan = make_plan(build_meta_model(cfg), cfg, hw, what_if=hw is not None)
     print(plan.to_json() if as_json else plan.table())
     return 0

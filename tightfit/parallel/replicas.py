@@ -187,19 +187,70 @@ def local_ranks() -> int:
     return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
-def rank_config(cfg, rank: int):
-    """`cfg` as this rank's engine plans with: its own swap folder, its share of the host's memory."""
+def rank_config(cfg, rank: int, local: int | None = None, available: int | None = None, folder: bool = True):
+    """`cfg` as rank `rank`'s engine plans with: its share of the node's host memory (`available`: the node's, else
+    this machine's now) unless `--cpu-mem` gives a rank's own, and of the swap disk (`--nvme`'s size, else its free
+    space), in a swap folder of its own (`folder`; False: the folder as given, for a plan of hardware that is not
+    here). `local`: the ranks on the node (else LOCAL_WORLD_SIZE). Returns (cfg, the rank's swap folder or None)."""
     from tightfit.config import parse_nvme
+    from tightfit.planner.hardware import free_bytes
 
+    local = local or local_ranks()
     mine = copy.deepcopy(cfg)
     swap = None
     if cfg.memory.nvme:
         path, size = parse_nvme(cfg.memory.nvme)
+        share = (size if size is not None else free_bytes(path)) // local
         swap = Path(path) / RANK_FOLDER.format(rank)
-        mine.memory.nvme = str(swap) + (f":{size}" if size else "")
+        mine.memory.nvme = f"{swap if folder else path}:{share}B"
     if cfg.memory.cpu_mem is None:  # the node's ranks share its memory: each plans with its part
-        mine.memory.cpu_mem = f"{psutil.virtual_memory().available // local_ranks()}B"
+        node = available if available is not None else psutil.virtual_memory().available
+        mine.memory.cpu_mem = f"{node // local}B"
     return mine, swap
+
+
+def rank_plan(cfg, hw=None) -> tuple[object, dict]:
+    """`tightfit plan --nproc-per-node N --strategy ddp --offload host|nvme`: the plan of one rank (every rank's is
+    alike), made for its share of the node (`rank_config`) on `hw` (None: this machine), and what the gradients'
+    average sends per step (a ring all-reduce sends 2(n-1)/n of its bytes), which the step time does not count."""
+    from tightfit.config import precision_name
+    from tightfit.planner import make_plan
+    from tightfit.train.loop import build_meta_model
+
+    p = cfg.parallel
+    ranks = p.nproc_per_node * p.nnodes
+    mine, _ = rank_config(cfg, 0, local=p.nproc_per_node, available=hw.host_available if hw is not None else None,
+                          folder=False)
+    model = build_meta_model(mine)
+    plan = make_plan(model, mine, hw, what_if=hw is not None)
+    trainable = sum(q.numel() for q in model.parameters() if q.requires_grad)
+    unit_major = plan.shape.unit_major
+    dtype = precision_name(cfg, "cuda" if hw is not None and hw.device_name != "cpu" else "cpu")
+    itemsize = 4 if unit_major or dtype == "fp32" else 2  # unit-major sums are fp32; else each micro-batch's grads
+    times = 1 if unit_major else cfg.train.grad_accum
+    averaged = trainable * itemsize * times
+    sent = int(2 * (ranks - 1) / ranks * averaged)
+    return plan, {"ranks": ranks, "strategy": "ddp", "engine": True, "cpu_mem_per_rank": mine.memory.cpu_mem,
+                  "nvme_per_rank": mine.memory.nvme, "allreduce_bytes_per_step": averaged,
+                  "sent_bytes_per_step_per_rank": sent, "allreduce_times_per_step": times,
+                  "order": "unit" if unit_major else "micro"}
+
+
+def rank_plan_text(plan, ranks: dict) -> str:
+    from tightfit.utils.sizes import format_size, parse_size
+
+    host = format_size(parse_size(ranks["cpu_mem_per_rank"]))
+    disk = ""
+    if ranks["nvme_per_rank"]:
+        path, _, size = ranks["nvme_per_rank"].rpartition(":")
+        disk = f", {format_size(parse_size(size))} of the swap disk in {path}/{RANK_FOLDER.format(0)}..."
+    once = "once a step (unit-major order)" if ranks["order"] == "unit" else \
+        f"once per micro-batch ({ranks['allreduce_times_per_step']} a step, micro-batch-major order)"
+    return (f"{ranks['ranks']} ranks, strategy ddp, the offload engine on each: every rank's plan is this one, for "
+            f"{host} of host memory{disk}\n{plan.table()}\n"
+            f"gradients averaged over the ranks {once}: {format_size(ranks['allreduce_bytes_per_step'])} a step, "
+            f"{format_size(ranks['sent_bytes_per_step_per_rank'])} sent by each rank (ring all-reduce); not in the "
+            "step time above")
 
 
 def replicate(model: torch.nn.Module, cfg, world, device: torch.device, dtype: torch.dtype, resume,
