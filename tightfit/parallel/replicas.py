@@ -32,6 +32,7 @@ from typing import Callable
 import psutil
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _coalescing_manager
 
 from tightfit.errors import UsageError
 from tightfit.train.trainee import OneProcess, one_process
@@ -51,32 +52,30 @@ class GradientAverager:
         self.seconds = 0.0
 
     def __call__(self, grads: list[torch.Tensor]) -> Callable[[], None]:
-        pending = []  # (work, the reduced tensor, the gradients it holds or None where it is the gradient)
+        pending = []  # (work, its gradients): each bucket's all-reduces as one coalesced call, in place
         for bucket in buckets(grads):
-            flat = bucket[0].reshape(-1) if len(bucket) == 1 else torch.cat([g.reshape(-1) for g in bucket])
-            pending.append((dist.all_reduce(flat, group=self.group, async_op=True), flat,
-                            bucket if len(bucket) > 1 else None))
-            self.bytes += flat.numel() * flat.element_size()
+            with _coalescing_manager(group=self.group, async_ops=True) as calls:
+                for g in bucket:
+                    dist.all_reduce(g, group=self.group, async_op=True)
+            pending.append((calls, bucket))
+            self.bytes += sum(g.numel() * g.element_size() for g in bucket)
 
         def averaged() -> None:
             t0 = time.perf_counter()
-            for work, flat, bucket in pending:
-                work.wait()
-                flat.div_(float(self.size))
-                if bucket is not None:
-                    torch._foreach_copy_([g.reshape(-1) for g in bucket], list(flat.split([g.numel() for g in bucket])))
-            pending.clear()  # the buckets' memory goes
+            for calls, bucket in pending:
+                calls.wait()
+                torch._foreach_div_(bucket, float(self.size))
+            pending.clear()
             self.seconds += time.perf_counter() - t0
 
         return averaged
 
 
 BUCKET_BYTES = 25 << 20
-"""The most a bucket of small gradients holds (DDP's default bucket): one all-reduce per bucket, not per gradient
-(each call is a round of messages: 50 small ones cost a 2-rank step on the 2-core VM 75 ms, one per unit 14 ms,
-benchmarks/RESULTS.md batch AI); a gradient this large or larger is reduced in place, alone. Memory: the device
-holds a copy of a unit's gradients smaller than this beside them until their copy off the device has run (a
-Llama-2-7B block: its norms' 32 KiB; a small model's whole unit), which the plan does not count yet."""
+"""The most one coalesced all-reduce carries (DDP's bucket): one call per bucket, not per gradient (each call is a
+round of messages: 50 small ones cost a 2-rank step on the 2-core VM 75 ms, one per unit 14 ms, benchmarks/RESULTS.md
+batch AI). A coalesced call reduces its tensors in place on NCCL (grouped calls); gloo flattens them into a host
+buffer of its own, which this bound bounds. A gradient this large or larger goes alone."""
 
 
 def buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
