@@ -39,6 +39,9 @@ from tightfit.train.trainee import OneProcess, one_process
 
 RANK_FOLDER = "rank-{:05d}"
 """A rank's swap folder inside `--nvme`: its own, so no two engines share a file or a lock."""
+RANK_MARKER = ".tightfit-rank-swap"
+"""In a rank's swap folder tightfit made: the folder is tightfit's to remove once empty, also after a run that was
+killed left it (the next run on it takes its files back, as one process does with its swap files)."""
 
 
 class GradientAverager:
@@ -167,7 +170,9 @@ class Replicated(OneProcess):
         super().close()
         if self.swap is not None and self.made:
             try:
-                self.swap.rmdir()  # only if empty: the engine removed its files
+                if sorted(p.name for p in self.swap.iterdir()) == [RANK_MARKER]:  # the engine removed its files
+                    (self.swap / RANK_MARKER).unlink()
+                    self.swap.rmdir()
             except OSError:
                 pass
 
@@ -259,9 +264,11 @@ def replicate(model: torch.nn.Module, cfg, world, device: torch.device, dtype: t
     from tightfit.planner.probe import load_or_probe
 
     mine, swap = rank_config(cfg, world.rank)
-    made = swap is not None and not swap.exists()
+    made = swap is not None and (not swap.exists() or (swap / RANK_MARKER).is_file())
     if swap is not None:
         swap.mkdir(parents=True, exist_ok=True)
+        if made:
+            (swap / RANK_MARKER).touch()
     # The machine's profile is measured once, by the main rank; the others read its cache.
     if world.is_main:
         load_or_probe(str(swap) if swap is not None else None)
