@@ -38,10 +38,21 @@ def test_real_process_exit_status_and_single_line():
     (["--steps", "-3"], "--steps"),
     (["--gpu-mem", "8XB"], "--gpu-mem"),
     (["--micro-batch", "0"], "--micro-batch"),
+    (["--seed", "99999999999999999999"], "--seed"),  # was a ValueError traceback from torch.manual_seed (issue 45)
+    (["--seed", "-1"], "--seed"),
 ])
 def test_bad_flags(tiny_args, capsys, extra, needle):
     assert main(["train", *tiny_args, *extra]) == 2
     assert needle in _error_line(capsys)
+
+
+def test_help_says_each_default_once(capsys):
+    """A help that states its default is not followed by "(default: None)" (issue 45)."""
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = "".join(capsys.readouterr().out.split())  # argparse wraps lines anywhere, hyphens included
+    assert "(default:None)" not in text
+    assert "(default:byte-leveltokens,vocab256)" in text and "(default:1337)" in text
 
 
 def test_empty_data_folder(tiny_args, tmp_path, capsys):

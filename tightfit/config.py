@@ -229,7 +229,9 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group(sec_name)
         for f in dataclasses.fields(obj):
             tp = _base_type(typing.get_type_hints(type(obj))[f.name])
-            help_text = f.metadata.get("help", "") + f" (default: {f.default})"
+            help_text = f.metadata.get("help", "")
+            if "(default:" not in help_text:  # a help that says its default says it better than None
+                help_text += f" (default: {'not set' if f.default is None else f.default})"
             if tp is bool:
                 group.add_argument(flag_name(f.name), dest=f"{sec_name}.{f.name}", action="store_const",
                                    const=True, default=None, help=help_text)
@@ -285,6 +287,9 @@ def validate(cfg: Config) -> None:
     for name, value in non_negative.items():
         if value < 0:
             raise UsageError(f"{flag_name(name)}: must not be negative, got {value}")
+    seeds = 2**63 // 1000003  # the data generator's seed is seed x 1000003 (train/data.py), a signed 64-bit integer
+    if not 0 <= t.seed < seeds:
+        raise UsageError(f"--seed: must be an integer from 0 to {seeds - 1:,}, got {t.seed}")
     for name in ("beta1", "beta2"):
         if not 0.0 <= getattr(o, name) < 1.0:
             raise UsageError(f"{flag_name(name)}: must be in [0, 1), got {getattr(o, name)}")
