@@ -120,3 +120,25 @@ def test_the_build_check_counts_what_the_placement_keeps(tiny_args, tmp_path, mo
     assert ("for its weights, gradients and Adam moments in fp32" if offload == "none" else
             "to build its fp32 weights") in err, err
     assert ("use --offload auto" in err) == (offload == "none")
+
+
+def test_a_deep_model_is_refused_without_building_it(tiny_args, monkeypatch, capsys):
+    """--n-layer 100000 --n-embd 512: refused in one line from the count (`gpt.parameter_count`), not after minutes
+    spent building 100,000 blocks on the meta device (issue 45: 14 min 20 s and 4.1 GB)."""
+    from tightfit.cli import main
+    from tightfit.train import loop
+
+    monkeypatch.setattr(loop, "build_meta_model", lambda *a, **k: pytest.fail("built the model to count it"))
+    assert main(["train", *tiny_args, "--n-layer", "100000", "--n-embd", "512", "--n-head", "8"]) == 2
+    assert "this model has 315,2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_reference_gpts_count_is_its_parameters(bias):
+    import torch
+
+    from tightfit.models.gpt import GPT, GPTConfig, parameter_count
+
+    cfg = GPTConfig(vocab_size=300, block_size=48, n_layer=3, n_head=4, n_embd=96, bias=bias)
+    with torch.device("meta"):
+        assert parameter_count(cfg) == sum(p.numel() for p in GPT(cfg).parameters())

@@ -40,6 +40,14 @@ class GPTConfig:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
 
 
+def parameter_count(cfg: GPTConfig) -> int:
+    """The parameters `GPT(cfg)` has, counted without building it (a model too large for the machine is refused
+    before its modules exist: 100,000 blocks took minutes to build even on the meta device)."""
+    d, b = cfg.n_embd, int(cfg.bias)
+    block = 12 * d * d + 11 * b * d + 2 * d  # q, k, v, o; up (4d) and down; two LayerNorms
+    return 2 * cfg.vocab_size * d + cfg.block_size * d + cfg.n_layer * block + d + b * d  # embeddings, head, ln_f
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()

@@ -110,6 +110,19 @@ def build_meta_model(cfg: Config) -> torch.nn.Module:
     return build_model(cfg.model, vocab_size=_vocab_size(cfg), block_size=cfg.train.seq_len, device="meta")
 
 
+def parameter_count(cfg: Config) -> int:
+    """The parameters of the model `cfg` names: the reference GPT's counted without building it, a Hugging Face
+    model's on the meta device."""
+    from tightfit.models.build import hf_path
+    from tightfit.models.gpt import GPTConfig, parameter_count as gpt_count
+
+    if hf_path(cfg.model.model) is None:
+        m = cfg.model
+        return gpt_count(GPTConfig(vocab_size=_vocab_size(cfg), block_size=cfg.train.seq_len, n_layer=m.n_layer,
+                                   n_head=m.n_head, n_embd=m.n_embd))
+    return sum(p.numel() for p in build_meta_model(cfg).parameters())
+
+
 def _vocab_size(cfg: Config) -> int:
     from tightfit.models.tokenizer import get_tokenizer
 
@@ -179,7 +192,7 @@ def run(cfg: Config, world: World, *, quiet: bool = False, stopper: GracefulStop
     dataset = load_dataset(cfg, tokenizer, say=say)
     stream = world.streams_weights(cfg)
     if not stream:  # measured on the meta device first: one too large to build is refused, not allocated
-        check_buildable(build_meta_model(cfg), cfg, device.type)
+        check_buildable(parameter_count(cfg), cfg, device.type)
     model = build_model(cfg.model, vocab_size=dataset.vocab_size, block_size=t.seq_len,
                         device="meta" if stream else "cpu")
     # load_checkpoint refuses a missing, truncated or foreign file with a one-line --resume error.

@@ -26,17 +26,16 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def check_buildable(meta_model: nn.Module, cfg: Config, device_type: str) -> None:
+def check_buildable(n: int, cfg: Config, device_type: str) -> None:
     """Refuse, before a byte is allocated, a model whose construction alone cannot fit this machine's memory.
 
     The model is built on the CPU in fp32 before the planner places its states (4 bytes a parameter); with
     `--offload none` every state stays where it is computed (weights, gradients, two Adam moments: 16 bytes a
     parameter). The planner's full check comes after construction; this one keeps a reference model larger than RAM
-    (`--n-embd 1048576`, `--seq-len 100000000`) from being allocated at all."""
+    (`--n-embd 1048576`, `--seq-len 100000000`) from being allocated at all. `n`: the model's parameters."""
     from tightfit.errors import UsageError
     from tightfit.utils.sizes import format_size
 
-    n = sum(p.numel() for p in meta_model.parameters())
     available = psutil.virtual_memory().available
     plain_cpu = cfg.memory.offload == "none" and device_type == "cpu"
     need = n * (16 if plain_cpu else 4)
