@@ -68,6 +68,17 @@ def trained_run(tiny_args, tmp_path):
     return tmp_path / "run" / "checkpoints" / "step-00000003" / "root.safetensors"  # one shard of the checkpoint
 
 
+def test_another_model_of_the_same_shapes_is_not_resumed(tiny_args, trained_run, capsys):
+    """--n-head 4 where the checkpoint's model has 2: every shape matches, the model is another (issue 45: it printed
+    a notice and trained on)."""
+    before = _digest(trained_run)
+    capsys.readouterr()
+    assert main(["train", *tiny_args, "--steps", "6", "--resume", "--n-head", "4"]) == 2
+    err = _error_line(capsys)
+    assert "--n-head" in err and "another model" in err
+    assert _digest(trained_run) == before
+
+
 def test_checkpoint_from_a_different_model(tiny_args, trained_run, capsys):
     before = _digest(trained_run)
     capsys.readouterr()

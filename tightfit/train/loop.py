@@ -200,6 +200,12 @@ def run(cfg: Config, world: World, *, quiet: bool = False, stopper: GracefulStop
     resume = ckpt.load_checkpoint(out_dir, step=t.resume_step) if t.resume else None
     if resume is not None:
         ckpt.check_compatible(resume, [(n, tuple(p.shape)) for n, p in model.named_parameters()])
+        other = ckpt.changed_model(resume.config, cfg.to_dict())
+        if other is not None:
+            flag, was, now = other
+            raise UsageError(f"{flag}: the checkpoint in {out_dir} was trained with {flag} {was}, this run asks for "
+                             f"{now}: another model with the same shapes; resume with {flag} {was}, or train the new "
+                             "model in another --out-dir")
         resume.check_rng()  # before any tier is written
     start_step = resume.step if resume is not None else 0
     room = Room(cfg, out_dir, model, start_step)
