@@ -68,6 +68,18 @@ def trained_run(tiny_args, tmp_path):
     return tmp_path / "run" / "checkpoints" / "step-00000003" / "root.safetensors"  # one shard of the checkpoint
 
 
+def test_resuming_a_suspect_checkpoint_warns(tiny_args, trained_run, capsys):
+    """A checkpoint its run marked suspect (taken inside a loss spike), resumed by name or as the newest: a warning
+    naming it and where a healthy one is (issue 45: it resumed without a word)."""
+    from tightfit.train.health import SUSPECT, set_verdict
+
+    set_verdict(trained_run.parent, SUSPECT, float("nan"))
+    capsys.readouterr()
+    assert main(["train", *tiny_args, "--steps", "4", "--resume", "--resume-step", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "warning: the checkpoint of step 3 was taken inside a loss spike" in out, out
+
+
 def test_another_model_of_the_same_shapes_is_not_resumed(tiny_args, trained_run, capsys):
     """--n-head 4 where the checkpoint's model has 2: every shape matches, the model is another (issue 45: it printed
     a notice and trained on)."""

@@ -286,6 +286,13 @@ class Run:
         load_scaler_state(self.trainee.scaler, resume.loss_scaler)
         resume.close()  # its shards' file handles
         self.say(f"resumed from {resume.path} at step {self.start_step}")
+        if verdict_of(resume.path) == SUSPECT:
+            from tightfit.train.divergence import resume_candidate
+
+            good = resume_candidate(self.ckpt_root)
+            self.say(f"warning: the checkpoint of step {self.start_step} was taken inside a loss spike (marked suspect "
+                     "by the run that wrote it); " + (f"the newest healthy one is step {good[0]}: --resume-step "
+                                                      f"{good[0]}" if good else "no healthy one was kept"))
         changed = ckpt.changed_settings(resume.config, self.cfg.to_dict())
         if changed:
             self.say(f"notice: resuming with settings changed since the checkpoint: {', '.join(changed)}")
