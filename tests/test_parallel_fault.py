@@ -95,6 +95,7 @@ def test_killed_rank_under_torchrun(tiny_args, tmp_path):
     # The survivor's line, and the agent's naming the rank that was killed; not torchrun's 25-line report.
     errors = [line for line in out.splitlines() if line.startswith("tightfit: error:")]
     assert f"tightfit: error: rank 1 (pid {workers[-1].pid}) was killed by SIGKILL" in out, out[-2000:]
+    assert "sent by another process, or by the kernel's out-of-memory killer" in out  # not an accusation (issue 45)
     assert len(errors) <= 2 and "ChildFailedError" not in out and "Traceback" not in out, out[-3000:]
     for w in workers:
         assert not w.is_running() or w.status() == psutil.STATUS_ZOMBIE

@@ -146,7 +146,8 @@ def _silent_failures(error) -> list[str]:
             continue
         if failure.exitcode < 0:
             name = failure.signal_name()
-            why = " (the kernel's out-of-memory killer sends it: see `dmesg`)" if name == "SIGKILL" else ""
+            why = (" (sent by another process, or by the kernel's out-of-memory killer: `dmesg` says which)"
+                   if name == "SIGKILL" else "")
             lines.append(f"rank {rank} (pid {failure.pid}) was killed by {name}{why}")
         else:
             lines.append(f"rank {rank} (pid {failure.pid}) exited with status {failure.exitcode} without saying why")
