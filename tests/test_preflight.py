@@ -142,3 +142,38 @@ def test_the_reference_gpts_count_is_its_parameters(bias):
     cfg = GPTConfig(vocab_size=300, block_size=48, n_layer=3, n_head=4, n_embd=96, bias=bias)
     with torch.device("meta"):
         assert parameter_count(cfg) == sum(p.numel() for p in GPT(cfg).parameters())
+
+
+def test_a_metrics_file_hard_linked_to_a_users_file_is_refused(tiny_args, tmp_path):
+    """Symlinks were refused; a hard link had the metrics appended to the user's file (issue 45)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    mine = tmp_path / "notes.txt"
+    mine.write_text("mine\n")
+    os.link(mine, out / "metrics.jsonl")
+    err = _one_line(_train(tiny_args, out=out))
+    assert "--out-dir (metrics.jsonl)" in err and "hard link" in err
+    assert mine.read_text() == "mine\n"
+
+
+def test_metrics_written_into_a_folder_removed_or_linked_mid_run_is_one_line(tmp_path):
+    """What preflight cannot see: the --out-dir removed while the run trains (a FileNotFoundError traceback, issue 45)
+    or metrics.jsonl turned into a hard link since."""
+    import shutil
+
+    from tightfit.errors import UsageError
+    from tightfit.train.progress import Progress
+
+    out = tmp_path / "run"
+    out.mkdir()
+    progress = Progress(10, 0, 100, out / "metrics.jsonl", lambda: {}, enabled=True)
+    progress.log({"kind": "train", "step": 1})
+    mine = tmp_path / "notes.txt"
+    os.link(out / "metrics.jsonl", mine)
+    before = mine.read_text()
+    with pytest.raises(UsageError, match="hard link"):
+        progress.log({"kind": "train", "step": 2})
+    assert mine.read_text() == before
+    shutil.rmtree(out)
+    with pytest.raises(UsageError, match="--out-dir: .* is gone"):
+        progress.log({"kind": "train", "step": 3})

@@ -7,7 +7,8 @@ a `metrics.jsonl` that was a folder or a `tensorboard` that was a file gave trac
 symlink had the metrics appended to whatever it pointed to (issue 27). Here each output path is checked the way it
 will be used (a folder to create or fill, a file to create or append to), in one line naming its flag:
 - nothing on the way is a file where a folder must be, or a folder where a file must be;
-- nothing tightfit writes is a symlink (it would write outside the folder it was given);
+- nothing tightfit writes is a symlink (it would write outside the folder it was given), nor a file it appends to
+  a hard link (the same write would change the other name's file);
 - the nearest existing folder is writable (a read-only mount, a folder of another user);
 - the path can be printed and logged: a name that is not valid UTF-8 is refused.
 """
@@ -64,7 +65,15 @@ def check_file(path: Path, flag: str) -> None:
     if path.exists() and not path.is_file():
         raise UsageError(f"{flag}: {path} exists and is not a file (a folder, or a device or pipe); move it away or "
                          f"choose another {flag}")
+    if path.is_file() and path.stat().st_nlink > 1:
+        raise UsageError(hard_link_message(path, flag))
     _writable_from(path.parent, flag)
+
+
+def hard_link_message(path: Path, flag: str) -> str:
+    """A file tightfit appends to that has another name on the disk: writing it would write the other file too."""
+    return (f"{flag}: {path} is a hard link (the same file has another name on the disk), and appending to it would "
+            f"change that file too; remove {path.name} or choose another {flag}")
 
 
 def check_outputs(cfg) -> None:

@@ -16,6 +16,7 @@ Two displays of the same figures:
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import time
@@ -70,10 +71,31 @@ class Progress:
     def log(self, record: dict) -> None:
         record = {"time": round(time.time(), 3), **record}
         if self.enabled and self.metrics_path is not None:
-            with open(self.metrics_path, "a") as f:
+            with self._open_metrics() as f:
                 f.write(json.dumps(record) + "\n")
         for sink in self.sinks:
             sink.write(record)
+
+    def _open_metrics(self):
+        """metrics.jsonl for appending, checked as it is opened (preflight.py checked it before the run): the folder
+        still there, the file not a symlink nor a hard link made since; each a one-line error naming --out-dir."""
+        from tightfit.errors import UsageError
+        from tightfit.train.preflight import hard_link_message
+
+        path = self.metrics_path
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except FileNotFoundError:
+            raise UsageError(f"--out-dir: {path.parent} is gone (removed while the run was training?): its "
+                             f"metrics.jsonl cannot be written; give the run a folder it keeps") from None
+        except OSError as e:
+            raise UsageError(f"--out-dir: {path} cannot be appended to ({e.strerror}; a symlink is refused): "
+                             "remove it or choose another --out-dir") from None
+        f = os.fdopen(fd, "a")
+        if os.fstat(fd).st_nlink > 1:
+            f.close()
+            raise UsageError(hard_link_message(path, "--out-dir (metrics.jsonl)"))
+        return f
 
     def say(self, text: str) -> None:
         if self.enabled:
