@@ -81,6 +81,18 @@ def test_a_symlink_at_the_lock_name_is_refused_and_left(tmp_path):
     assert (tmp_path / "run" / LOCK_NAME).is_symlink() and target.read_text() == "mine"
 
 
+def test_a_hard_link_at_the_lock_name_is_refused_and_left(tmp_path):
+    """The lock truncated and rewrote a user's file hard-linked at its name (issue 45)."""
+    target = tmp_path / "precious.txt"
+    target.write_text("mine")
+    (tmp_path / "run").mkdir()
+    os.link(target, tmp_path / "run" / LOCK_NAME)
+    with pytest.raises(UsageError, match="hard link"):
+        RunLock.acquire(tmp_path / "run", "--out-dir")
+    assert target.read_text() == "mine" and (tmp_path / "run" / LOCK_NAME).read_text() == "mine"
+    RunLock.acquire(tmp_path / "run2", "--out-dir").release()  # a lock of its own still works
+
+
 def test_second_cli_run_on_a_held_out_dir_is_refused(tiny_args, holder, capsys):
     folder, pid = holder
     args = [a if a != tiny_args[tiny_args.index("--out-dir") + 1] else str(folder) for a in tiny_args]

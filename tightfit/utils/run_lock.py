@@ -7,7 +7,8 @@ included): a lock that is free is the proof that the previous holder is dead, so
 The file holds the holder's PID, which the refusal names.
 
 Invariants:
-- The lock file is opened with O_NOFOLLOW: a symlink planted at its name is refused, never followed.
+- The lock file is opened with O_NOFOLLOW: a symlink planted at its name is refused, never followed; a hard link
+  (another name for a user's file) is refused before anything is written to it.
 - `release` unlinks the file while still holding the lock; `acquire` checks after locking that the name still
   points at the inode it locked, and retries if not. So a file removed by a releasing holder is never mistaken
   for a lock held by nobody.
@@ -91,6 +92,11 @@ class RunLock:
             if same:
                 break
             os.close(fd)  # the previous holder removed the file between our open and our lock: take the new one
+        if os.fstat(fd).st_nlink > 1:  # another name for the same file: truncating it would change that file too
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+            raise UsageError(f"{flag}: {path} is a hard link (the same file has another name on the disk), and the "
+                             f"lock would overwrite it; remove {LOCK_NAME} or choose another {flag}")
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
