@@ -177,3 +177,51 @@ def test_metrics_written_into_a_folder_removed_or_linked_mid_run_is_one_line(tmp
     shutil.rmtree(out)
     with pytest.raises(UsageError, match="--out-dir: .* is gone"):
         progress.log({"kind": "train", "step": 3})
+
+
+@pytest.mark.parametrize("planted", ["symlink", "folder"])
+def test_a_step_folder_tightfit_did_not_write_is_refused_and_left(tiny_args, tmp_path, planted):
+    """checkpoints/step-00000003 as a symlink to the user's archive (retention pruned through it) or a user's folder
+    without an index (the save of step 3 replaced it): refused before a run that may save step 3, nothing touched
+    (issue 45); beyond the run's steps it is left alone (test_checkpoint_format.py)."""
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    archive = tmp_path / "archive"
+    archive.mkdir()
+    (archive / "my-notes.txt").write_text("mine")
+    step = out / "checkpoints" / "step-00000003"
+    if planted == "symlink":
+        step.symlink_to(archive, target_is_directory=True)
+    else:
+        step.mkdir()
+        (step / "my-notes.txt").write_text("mine")
+    err = _one_line(_train(tiny_args, "--save-interval", "1", out=out))
+    assert "step-00000003 is named like a checkpoint" in err and "--out-dir" in err
+    assert (archive / "my-notes.txt").read_text() == "mine" and sorted(p.name for p in archive.iterdir()) == [
+        "my-notes.txt"]
+    assert (step / "my-notes.txt").read_text() == "mine"
+
+
+def test_a_symlink_named_like_a_later_step_is_never_removed(tiny_args, tmp_path):
+    """--resume-step drops the checkpoints after the one resumed; a symlink named like one of them (the user's
+    archive) was removed through the link (issue 45). Now it is not a checkpoint at all."""
+    out = tmp_path / "run"
+    assert subprocess.run([sys.executable, "-m", "tightfit.cli", "train", *tiny_args, "--steps", "3",
+                           "--save-interval", "1", "--keep-checkpoints", "5"], cwd=ROOT, capture_output=True,
+                          timeout=120).returncode == 0
+    archive = tmp_path / "archive"
+    archive.mkdir()
+    (archive / "index.json").write_text("{}")  # even one that looks like a checkpoint inside
+    (out / "checkpoints" / "step-00000050").symlink_to(archive, target_is_directory=True)
+    proc = subprocess.run([sys.executable, "-m", "tightfit.cli", "train", *tiny_args, "--steps", "3", "--resume",
+                           "--resume-step", "1", "--keep-checkpoints", "5"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (out / "checkpoints" / "step-00000050").is_symlink() and (archive / "index.json").read_text() == "{}"
+    assert not (archive / cw_owned()).exists()
+
+
+def cw_owned() -> str:
+    from tightfit.train.checkpoint_writer import OWNED
+
+    return OWNED

@@ -79,9 +79,26 @@ def committed(root: Path) -> list[tuple[int, Path]]:
     out = []
     for p in root.iterdir():
         m = _STEP_RE.match(p.name)
-        if m and p.is_dir() and (p / INDEX).is_file():
+        if m and p.is_dir() and not p.is_symlink() and (p / INDEX).is_file():
             out.append((int(m.group(1)), p))
     return sorted(out)
+
+
+def check_step_names(root: Path, last: int | None = None) -> None:
+    """Refuse, in one line naming --out-dir, a `step-NNNNNNNN` entry under `root` that is not a checkpoint (a
+    symlink, a file, a folder without an index) where a save of this run may go (steps up to `last`, None: any): the
+    save would replace it. Retention never sees one (`committed` skips them), so the others stay as they are."""
+    if not root.is_dir():
+        return
+    for p in sorted(root.iterdir()):
+        m = _STEP_RE.match(p.name)
+        if not m or (last is not None and int(m.group(1)) > last):
+            continue
+        what = ("a symlink" if p.is_symlink() else "not a folder" if not p.is_dir() else
+                f"a folder without {INDEX}" if not (p / INDEX).is_file() else None)
+        if what is not None:
+            raise UsageError(f"--out-dir: {p} is named like a checkpoint but is {what}; a save of this run would "
+                             f"replace it: move it out of {root}")
 
 
 def clean_leftovers(root: Path) -> list[str]:
@@ -458,7 +475,8 @@ class CheckpointWriter:
             os.fsync(f.fileno())
         os.replace(tmp, self.partial / INDEX)
         fsync_dir(self.partial)
-        if self.final.exists():  # the same step saved again (a resumed run that stopped where it started)
+        if self.final.exists() or self.final.is_symlink():  # the same step saved again (a resumed run that
+            check_step_names(self.root, self.step)  # stopped where it started); anything else is refused, kept
             _remove_checkpoint(self.final)
         os.replace(self.partial, self.final)
         fsync_dir(self.root)

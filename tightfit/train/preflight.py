@@ -88,6 +88,9 @@ def check_outputs(cfg) -> None:
 
     if t.keep_checkpoints:
         check_folder(out / CHECKPOINT_NAME, f"--out-dir ({CHECKPOINT_NAME}/)")
+        from tightfit.train.checkpoint_writer import check_step_names
+
+        check_step_names(out / CHECKPOINT_NAME, t.steps)  # nothing named like a step a save of this run may take
     check_file(out / "metrics.jsonl", "--out-dir (metrics.jsonl)")
     if t.tensorboard != "off":
         check_folder(out / TENSORBOARD, f"--out-dir ({TENSORBOARD}/)")
