@@ -39,7 +39,7 @@ def _wait_for(proc_out_path, text: str, timeout: float) -> None:
     raise AssertionError(f"{text!r} not seen in {timeout}s:\n{proc_out_path.read_text()[-2000:]}")
 
 
-@pytest.mark.parametrize("engine", [False, True], ids=["ddp", "ddp-engine-nvme"])
+@pytest.mark.parametrize("engine", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["ddp", "ddp-engine-nvme"])
 def test_killed_rank_without_torchrun(tiny_args, tmp_path, engine):
     """With the engine on every rank the survivor waits for the dead peer in a gradient average, on a copy thread,
     and says so in the same line."""

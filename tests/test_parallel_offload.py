@@ -54,7 +54,7 @@ def _metrics(out) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("tier,order", [("host", "micro"), ("nvme", "unit")])
+@pytest.mark.parametrize("tier,order", [pytest.param("host", "micro", marks=pytest.mark.slow), ("nvme", "unit")])
 def test_the_engine_on_every_rank_trains_as_one_process(tiny_args, tmp_path, tier, order, plain):
     """2 ranks, each with the whole model through its engine (every state on host, or on NVMe in a swap folder of its
     own), clipped at 1.0: the losses of one process of plain PyTorch on the same sequences; the gradients cross the
