@@ -225,3 +225,20 @@ def cw_owned() -> str:
     from tightfit.train.checkpoint_writer import OWNED
 
     return OWNED
+
+
+def test_a_checkpoint_whose_marker_is_a_symlink_loop_is_left_alone(tiny_args, tmp_path):
+    """An old checkpoint whose `.tightfit-owned` is a symlink loop: OSError traceback at pruning (issue 45). A marker
+    that is a symlink was never written by a save: the folder is not a checkpoint, never pruned nor followed."""
+    out = tmp_path / "run"
+    assert subprocess.run([sys.executable, "-m", "tightfit.cli", "train", *tiny_args, "--steps", "2",
+                           "--save-interval", "1", "--keep-checkpoints", "5"], cwd=ROOT, capture_output=True,
+                          timeout=120).returncode == 0
+    old = out / "checkpoints" / "step-00000001"
+    (old / cw_owned()).unlink(missing_ok=True)
+    (old / cw_owned()).symlink_to(old / cw_owned())  # a loop
+    proc = subprocess.run([sys.executable, "-m", "tightfit.cli", "train", *tiny_args, "--steps", "4", "--resume",
+                           "--save-interval", "1", "--keep-checkpoints", "1"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert (old / cw_owned()).is_symlink() and (old / "index.json").is_file()

@@ -79,8 +79,8 @@ def committed(root: Path) -> list[tuple[int, Path]]:
     out = []
     for p in root.iterdir():
         m = _STEP_RE.match(p.name)
-        if m and p.is_dir() and not p.is_symlink() and (p / INDEX).is_file():
-            out.append((int(m.group(1)), p))
+        if m and p.is_dir() and not p.is_symlink() and (p / INDEX).is_file() and not (p / OWNED).is_symlink():
+            out.append((int(m.group(1)), p))  # a marker that is a symlink was never written by a save
     return sorted(out)
 
 
