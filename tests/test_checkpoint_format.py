@@ -399,3 +399,18 @@ def test_checkpoints_that_cannot_fit_beside_the_swap_are_refused_before_it_is_fi
                  "--save-interval", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "of --nvme swap files this plan keeps share this disk" in err, err
+
+
+def test_the_saved_rng_state_is_the_runs_whatever_the_placement(tiny_args, tmp_path):
+    """Planning (the process floor's warm-up step, the model's profile) drew from torch's global RNG in an offloaded
+    run only, so its checkpoints' RNG state differed from a plain run's with identical weights (issue 45)."""
+    from safetensors.torch import load_file
+
+    states = []
+    for offload in ("none", "host"):
+        out = tmp_path / offload
+        args = [a if a != tiny_args[tiny_args.index("--out-dir") + 1] else str(out) for a in tiny_args]
+        assert main(["train", *args, "--steps", "2", "--offload", offload]) == 0
+        states.append(load_file(out / "checkpoints" / "step-00000002" / "rng.safetensors"))
+    assert states[0].keys() == states[1].keys()
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
