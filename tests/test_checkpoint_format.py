@@ -402,7 +402,7 @@ def test_checkpoints_that_cannot_fit_beside_the_swap_are_refused_before_it_is_fi
 
 
 def test_the_saved_rng_state_is_the_runs_whatever_the_placement(tiny_args, tmp_path):
-    """Planning (the process floor's warm-up step, the model's profile) drew from torch's global RNG in an offloaded
+    """Planning (the process floor's measurement) drew from torch's global RNG in an offloaded
     run only, so its checkpoints' RNG state differed from a plain run's with identical weights (issue 45)."""
     from safetensors.torch import load_file
 

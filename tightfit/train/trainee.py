@@ -149,7 +149,7 @@ def one_process(model: torch.nn.Module, cfg, device: torch.device, dtype: torch.
     """`model` held as `cfg` says (`setup_memory`), with the resumed state or a streamed model's weights in it."""
     from tightfit.models.build import hf_path
 
-    # Planning measures and traces (the process floor's warm-up step, the model's profile): with torch's global RNG
+    # Planning measures this process's memory floor (it builds and steps a small model): with torch's global RNG
     # of its own, so the run draws what a plain run draws, whatever the placement (a checkpoint's RNG state was the
     # offload mode's before).
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
