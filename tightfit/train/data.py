@@ -195,10 +195,13 @@ class TokenDataset:
         chunk = split[idx]
         return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()  # inputs, next-token targets: [B, T] each
 
+    def _starts(self, split: Split, batch_size: int, generator: torch.Generator) -> torch.Tensor:
+        """`batch_size` random window offsets in `split`; advances `generator`."""
+        return torch.randint(0, len(split) - self.seq_len - 1, (batch_size,), generator=generator)
+
     def sample(self, batch_size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """A training batch at random offsets; advances `generator` (the resumable data position)."""
-        starts = torch.randint(0, len(self.train) - self.seq_len - 1, (batch_size,), generator=generator)
-        return self._batch(self.train, starts)
+        return self._batch(self.train, self._starts(self.train, batch_size, generator))
 
     def step_batches(self, size: int, count: int, generator: torch.Generator, share: int = 0,
                      shares: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -210,7 +213,7 @@ class TokenDataset:
         tokens are gathered."""
         out = []
         for i in range(shares * count):
-            starts = torch.randint(0, len(self.train) - self.seq_len - 1, (size,), generator=generator)
+            starts = self._starts(self.train, size, generator)
             if i // count == share:
                 out.append(self._batch(self.train, starts))
         return out
@@ -220,8 +223,7 @@ class TokenDataset:
         g = torch.Generator().manual_seed(seed)
         out = []
         for _ in range(n_batches):
-            starts = torch.randint(0, len(self.val) - self.seq_len - 1, (batch_size,), generator=g)
-            out.append(self._batch(self.val, starts))
+            out.append(self._batch(self.val, self._starts(self.val, batch_size, g)))
         return out
 
 
