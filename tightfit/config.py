@@ -37,13 +37,31 @@ class ModelConfig:
     n_layer: int = _f(4, "reference GPT: number of transformer blocks")
     n_head: int = _f(4, "reference GPT: attention heads")
     n_embd: int = _f(128, "reference GPT: residual width")
-    tokenizer: str | None = _f(None, "local Hugging Face tokenizer folder (default: byte-level tokens, vocab 256)")
+    tokenizer: str | None = _f(None, "local Hugging Face tokenizer folder; for records, the --model hf:DIR folder's "
+                                     "own when it has one (default: byte-level tokens, vocab 256)")
+    lora: str | None = _f(None, "train LoRA adapters (peft) on a frozen base: r=16,alpha=32,dropout=0.05,"
+                                "targets=q_proj,k_proj,v_proj,o_proj (each key optional; default: r=16,alpha=32,"
+                                "dropout=0,targets=all-linear)")
 
 
 @dataclass
 class DataConfig:
-    data: str | None = _f(None, "text file or folder of text files (default: the Python standard library's source)")
-    val_fraction: float = _f(0.05, "fraction of the corpus held out for validation (the end of the token stream)")
+    data: str | None = _f(None, "text file or folder of text files; or records: a .jsonl or .parquet file, a "
+                                "folder of them, a datasets.save_to_disk folder (default: the Python standard "
+                                "library's source)")
+    val_fraction: float = _f(0.05, "fraction held out for validation: of a corpus's blocks, or of the records")
+    val_data: str | None = _f(None, "held-out records (as --data), instead of a --val-fraction of --data's")
+    data_format: str = _f("auto", "what the records are (auto: read off the first record's fields)",
+                          ("auto", "text", "prompt-completion", "messages"))
+    chat_template: str | None = _f(None, "Jinja file rendering messages records (default: the tokenizer's own)")
+    train_on_prompt: bool = _f(False, "records: train on every token, not only the completion or the assistant's "
+                                      "turns")
+    packing: bool = _f(True, "records: fill each row of --seq-len with whole examples, attention within each "
+                             "(--no-packing: one example a row, padded to the longest in the micro-batch)")
+    truncate: bool = _f(True, "records: cut an example longer than --seq-len to it, counting them "
+                              "(--no-truncate: refuse such an example)")
+    skip_bad_records: bool = _f(False, "records: skip a record that cannot be trained on, counting them, instead "
+                                       "of stopping at it")
 
 
 @dataclass
@@ -75,7 +93,9 @@ class TrainConfig:
                                     "(--no-save-on-signal: stop without one; a save in flight still completes)")
     resume_step: int = _f(0, "with --resume: the step of the checkpoint to continue from (0: the newest); the "
                              "newer ones are removed when this run commits its first checkpoint")
-    export_hf: str | None = _f(None, "at the end, also save the model to this folder in the Hugging Face layout")
+    export_hf: str | None = _f(None, "at the end, also save the model to this folder in the Hugging Face layout "
+                                     "(with --lora: the adapter, in peft's layout)")
+    merge_lora: bool = _f(False, "with --lora and --export-hf: export the base with the adapters merged into it")
     max_time: float = _f(0.0, "stop after this many seconds of training (0: no limit)")
     stop_at: int = _f(0, "stop with a checkpoint after this step, keeping the schedule of --steps (0: run to --steps)")
     seed: int = _f(1337, "random seed (model init, data order)")
@@ -313,6 +333,7 @@ def validate(cfg: Config) -> None:
         raise UsageError(f"--min-lr: must be between 0 and --lr ({o.lr}), got {o.min_lr}")
     if not (0.0 < cfg.data.val_fraction < 0.5):
         raise UsageError(f"--val-fraction: must be in (0, 0.5), got {cfg.data.val_fraction}")
+    _validate_finetune(cfg)
     if cfg.model.n_embd % cfg.model.n_head:
         raise UsageError(f"--n-head: must divide --n-embd ({cfg.model.n_embd}), got {cfg.model.n_head}")
     world = cfg.parallel.nproc_per_node * cfg.parallel.nnodes
@@ -345,6 +366,34 @@ def validate(cfg: Config) -> None:
         from tightfit.train.pictures import require as require_matplotlib
 
         require_matplotlib()
+
+
+def _validate_finetune(cfg: Config) -> None:
+    """The fine-tuning flags: records-only ones need records, --lora a Hugging Face model and peft."""
+    from tightfit.finetune.records import is_records
+
+    d = cfg.data
+    records = is_records(d.data)
+    if not records:
+        for name, value, default in (("val_data", d.val_data, None), ("data_format", d.data_format, "auto"),
+                                     ("chat_template", d.chat_template, None),
+                                     ("train_on_prompt", d.train_on_prompt, False),
+                                     ("skip_bad_records", d.skip_bad_records, False)):
+            if value != default:
+                raise UsageError(f"{flag_name(name)}: applies to records (--data a .jsonl or .parquet file, a folder "
+                                 f"of them, or a datasets folder), and --data {d.data or '(the default corpus)'} is "
+                                 "text; drop it or give records")
+    elif d.val_data is not None and not is_records(d.val_data):
+        raise UsageError(f"--val-data: {d.val_data} is not records (a .jsonl or .parquet file, a folder of them, "
+                         "or a datasets folder)")
+    if cfg.model.lora is not None:
+        from tightfit.finetune.lora import parse_lora
+
+        parse_lora(cfg.model.lora)
+        if cfg.model.model == "gpt":
+            raise UsageError("--lora: needs a Hugging Face model (--model hf:PATH); the reference GPT trains whole")
+    if cfg.train.merge_lora and not (cfg.model.lora and cfg.train.export_hf):
+        raise UsageError("--merge-lora: merges the adapters into the exported model; add --lora and --export-hf")
 
 
 def compute_device_type(cfg: Config, cuda_available: bool) -> str:

@@ -71,12 +71,17 @@ def is_hf_model(model: nn.Module) -> bool:
     return hasattr(getattr(model, "config", None), "model_type")
 
 
-def model_logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Logits [B, T, vocab] for token ids x [B, T], for either kind of model."""
+def model_logits(model: nn.Module, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits [B, T, vocab] for token ids x [B, T], for either kind of model. `positions` [B, T] restart at 0 at
+    each example packed into a row: a Hugging Face model then attends within each example (transformers builds a
+    block-diagonal mask from position ids that restart, when no attention mask is given), and so does the
+    reference GPT (its own mask)."""
     if is_hf_model(model):
         # use_cache=False: training and evaluation never reuse keys/values, so building a cache only costs memory.
-        return model(input_ids=x, use_cache=False).logits
-    return model(x)
+        if positions is None:
+            return model(input_ids=x, use_cache=False).logits
+        return model(input_ids=x, position_ids=positions, use_cache=False).logits
+    return model(x) if positions is None else model(x, positions=positions)
 
 
 def model_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -58,14 +58,18 @@ class CausalSelfAttention(nn.Module):
         self.o_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = x.shape
         # Separate q/k/v projections (rather than one fused qkv) so tensor parallelism can split heads with a
         # plain column-wise plan: q, k, v are [B, T, C] -> [B, n_head, T, head_dim].
         q = self.q_proj(x).view(B, T, -1, C // self.n_head).transpose(1, 2)
         k = self.k_proj(x).view(B, T, -1, C // self.n_head).transpose(1, 2)
         v = self.v_proj(x).view(B, T, -1, C // self.n_head).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        drop = self.dropout if self.training else 0.0
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop)
+        else:  # [B, 1, T, T] bool: causal and within each packed example
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop)
         y = y.transpose(1, 2).reshape(B, T, -1)  # [B, T, local heads * head_dim]
         return self.o_proj(y)
 
@@ -89,8 +93,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -121,14 +125,24 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions` [B, T]: each token's position in its example, restarting at 0 where an example packed into
+        the row starts; attention then stays within each example."""
         B, T = idx.shape  # [B, T] int64 token ids
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        pos = torch.arange(T, device=idx.device)
+        mask = None
+        if positions is None:
+            pos = torch.arange(T, device=idx.device)
+        else:
+            pos = positions
+            example = torch.cumsum(torch.diff(positions, prepend=positions[:, :1] - 1) != 1, dim=1)  # [B, T]
+            causal = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()
+            mask = ((example[:, :, None] == example[:, None, :]) & causal)[:, None]  # [B, 1, T, T]
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # [B, T, C]
         for block in self.blocks:
-            x = block(x)
+            x = block(x) if mask is None else block(x, mask)
         logits = self.head(self.ln_f(x))  # [B, T, vocab]
         if targets is None:
             return logits

@@ -78,6 +78,20 @@ class HFTokenizer:
         return self._tok.decode(list(ids))
 
 
+def tokenizer_folder(cfg) -> str | None:
+    """The tokenizer a run uses: --tokenizer; for records (a fine-tune), the --model hf:DIR folder's own when it
+    holds tokenizer files; None for byte-level tokens."""
+    if cfg.model.tokenizer:
+        return cfg.model.tokenizer
+    from tightfit.finetune.records import is_records
+    from tightfit.models.build import hf_path
+
+    folder = hf_path(cfg.model.model)
+    if folder is not None and is_records(cfg.data.data) and any((Path(folder) / f).is_file() for f in _TOKENIZER_FILES):
+        return folder
+    return None
+
+
 def get_tokenizer(spec: str | Path | None) -> ByteTokenizer | HFTokenizer:
     """`None` -> byte-level tokens; a folder path -> that Hugging Face tokenizer."""
     return ByteTokenizer() if spec is None else HFTokenizer(spec)

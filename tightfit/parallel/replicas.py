@@ -131,11 +131,12 @@ class Replicated(OneProcess):
     def checkpoint_groups(self, hand_over: bool = False):
         return super().checkpoint_groups(hand_over) if self.world.is_main else None
 
-    def export_hf(self, folder: str, meta_model: Callable[[], torch.nn.Module], check_finite: bool = False) -> None:
+    def export_hf(self, folder: str, meta_model: Callable[[], torch.nn.Module], check_finite: bool = False,
+                  merge_lora: bool = False) -> None:
         failed = None
         if self.world.is_main:
             try:
-                super().export_hf(folder, meta_model, check_finite)
+                super().export_hf(folder, meta_model, check_finite, merge_lora)
             except Exception as e:  # noqa: BLE001 - raised below, after every rank has heard of it
                 failed = e
         if self.world.any_rank(failed is not None, "the vote after rank 0 exported the Hugging Face folder"):

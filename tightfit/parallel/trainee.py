@@ -27,6 +27,7 @@ class Sharded:
     """This rank's `pm` (ParallelModel) and `optimizer`, in `world` (GroupWorld)."""
 
     scaler = None  # fp16's loss scaler is the one-process trainer's (a CUDA device of its own)
+    takes_examples = False  # fine-tuning batches: one process, or ddp with the offload engine (replicas.py)
     plan = None  # no memory plan: the strategy is the plan (`summary_fields`)
 
     def __init__(self, pm, optimizer, world, device: torch.device, dtype: torch.dtype,
@@ -85,7 +86,8 @@ class Sharded:
         full = self._gather()
         return None if full is None else group_by_key(sorted(full.items()))
 
-    def export_hf(self, folder: str, meta_model: Callable[[], torch.nn.Module], check_finite: bool = False) -> None:
+    def export_hf(self, folder: str, meta_model: Callable[[], torch.nn.Module], check_finite: bool = False,
+                  merge_lora: bool = False) -> None:
         """The gathered weights written by rank 0, a meta-device twin planning the files (shapes, dtypes, tied
         names); every rank learns whether rank 0's write failed (one vote), so none waits for it."""
         from tightfit.models.hf_save import save_hf_model

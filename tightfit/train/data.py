@@ -204,13 +204,14 @@ class TokenDataset:
         return self._batch(self.train, self._starts(self.train, batch_size, generator))
 
     def step_batches(self, size: int, count: int, generator: torch.Generator, share: int = 0,
-                     shares: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                     shares: int = 1, step: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One optimizer step's batches for data share `share` of `shares` (a data-parallel rank of a group): the
         step's global batch is `shares x count` batches of `size` sequences, drawn in order from the one generator
         (the run's data position, the same whatever the world size), and this share is `count` consecutive ones.
         So a step sees the same sequences on one process with `--grad-accum shares x count` as on `shares` ranks with
         `count` each, and a checkpoint resumes at the same sequences on any number of ranks. Only this share's
-        tokens are gathered."""
+        tokens are gathered. `step` is not needed: the generator is the position (a fine-tune's examples are taken
+        by step, tightfit/finetune/examples.py)."""
         out = []
         for i in range(shares * count):
             starts = self._starts(self.train, size, generator)

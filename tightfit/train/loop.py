@@ -87,15 +87,25 @@ class Summary:
     """What `tightfit train` exits with: 128 + the signal's number after a signal, else 0."""
 
 
-def load_dataset(cfg: Config, tokenizer, say=None) -> TokenDataset:
-    """The corpus --data names, split; `say` gets the progress of a tokenizer's encoding (`load_tokens`)."""
+def load_dataset(cfg: Config, tokenizer, say=None):
+    """The corpus --data names, split (a TokenDataset), or its records tokenized into examples (an ExampleDataset,
+    tightfit/finetune/examples.py); `say` gets the progress of a tokenizer's encoding."""
+    from tightfit.finetune.records import is_records
+
+    if is_records(cfg.data.data):
+        from tightfit.finetune.examples import load_examples
+        from tightfit.models.tokenizer import get_tokenizer
+
+        return load_examples(cfg, tokenizer if tokenizer is not None else get_tokenizer(None),
+                             say or (lambda s: None))
     tokens = load_tokens(cfg.data.data, tokenizer, say)
     vocab = tokenizer.vocab_size if tokenizer is not None else 256
     return TokenDataset.from_tokens(tokens, cfg.train.seq_len, cfg.data.val_fraction, vocab)
 
 
-def build_meta_model(cfg: Config) -> torch.nn.Module:
-    """The model `cfg` names, on the meta device: shapes for planning, no memory, no weights read."""
+def build_meta_model(cfg: Config, adapters: bool = True) -> torch.nn.Module:
+    """The model `cfg` names, on the meta device: shapes for planning, no memory, no weights read. With --lora, its
+    adapters on it (the base frozen) unless `adapters` is False (the base alone: what a merged export writes)."""
     from tightfit.models.build import hf_path
     from tightfit.models.gpt import GPT, GPTConfig
 
@@ -107,7 +117,12 @@ def build_meta_model(cfg: Config) -> torch.nn.Module:
                                  n_head=m.n_head, n_embd=m.n_embd))
     from tightfit.models.build import build_model
 
-    return build_model(cfg.model, vocab_size=_vocab_size(cfg), block_size=cfg.train.seq_len, device="meta")
+    model = build_model(cfg.model, vocab_size=_vocab_size(cfg), block_size=cfg.train.seq_len, device="meta")
+    if cfg.model.lora and adapters:
+        from tightfit.finetune.lora import add_lora
+
+        model = add_lora(model, cfg.model.lora, seed=cfg.train.seed)
+    return model
 
 
 def parameter_count(cfg: Config) -> int:
@@ -124,9 +139,10 @@ def parameter_count(cfg: Config) -> int:
 
 
 def _vocab_size(cfg: Config) -> int:
-    from tightfit.models.tokenizer import get_tokenizer
+    from tightfit.models.tokenizer import get_tokenizer, tokenizer_folder
 
-    return get_tokenizer(cfg.model.tokenizer).vocab_size if cfg.model.tokenizer else 256
+    folder = tokenizer_folder(cfg)
+    return get_tokenizer(folder).vocab_size if folder else 256
 
 
 def shares_disk(cfg: Config, out_dir: Path) -> bool:
@@ -171,7 +187,7 @@ def run(cfg: Config, world: World, *, quiet: bool = False, stopper: GracefulStop
     """The training loop, for a world of any size (world.py): set up, then `Run.train`. Every rank runs it; the
     main rank prints, writes the metrics and commits the checkpoints."""
     from tightfit.models.build import build_model, hf_path
-    from tightfit.models.tokenizer import get_tokenizer
+    from tightfit.models.tokenizer import get_tokenizer, tokenizer_folder
 
     t = cfg.train
     say = (lambda s: None) if quiet or not world.is_main else (lambda s: print(s, flush=True))
@@ -188,13 +204,18 @@ def run(cfg: Config, world: World, *, quiet: bool = False, stopper: GracefulStop
 
     torch.manual_seed(t.seed)  # the same seed on every rank: identical initial weights, no broadcast
     # Byte-level text takes the fast path (raw bytes are the token ids); a named tokenizer encodes the text.
-    tokenizer = get_tokenizer(cfg.model.tokenizer) if cfg.model.tokenizer else None
+    folder = tokenizer_folder(cfg)
+    tokenizer = get_tokenizer(folder) if folder else None
     dataset = load_dataset(cfg, tokenizer, say=say)
     stream = world.streams_weights(cfg)
     if not stream:  # measured on the meta device first: one too large to build is refused, not allocated
         check_buildable(parameter_count(cfg), cfg, device.type)
     model = build_model(cfg.model, vocab_size=dataset.vocab_size, block_size=t.seq_len,
                         device="meta" if stream else "cpu")
+    if cfg.model.lora:  # adapters on the frozen base, before any state is planned or loaded (finetune/lora.py)
+        from tightfit.finetune.lora import add_lora
+
+        model = add_lora(model, cfg.model.lora, seed=t.seed)
     # load_checkpoint refuses a missing, truncated or foreign file with a one-line --resume error.
     # Every tensor's name, shape and dtype is checked against this model, and the metadata, before any is loaded.
     resume = ckpt.load_checkpoint(out_dir, step=t.resume_step) if t.resume else None
@@ -213,8 +234,14 @@ def run(cfg: Config, world: World, *, quiet: bool = False, stopper: GracefulStop
     early = (lambda plan: room.check(plan, plan.prediction.peak.get("nvme", 0))) \
         if t.keep_checkpoints and t.steps > start_step and world.is_main else None
     trainee = world.trainee(model, cfg, device, dtype, resume, planned=early, say=say)
+    trainee.base_name = str(Path(hf_path(cfg.model.model) or "").resolve()) if cfg.model.lora else ""
     loop = None
     try:
+        if not trainee.takes_examples and (hasattr(dataset, "last_step_tokens") or cfg.model.lora):
+            raise UsageError(f"--strategy: {'--lora' if cfg.model.lora else 'records (--data ' + str(cfg.data.data) + ')'}"
+                             " train in one process, or on several with --strategy ddp --offload host|nvme (the "
+                             "engine on every rank); the FSDP, tensor- and pipeline-parallel strategies take a text "
+                             "corpus and a whole model")
         say(trainee.describe())
         loop = Run(cfg, world, trainee, dataset, resume, say, quiet, stopper, room)
         summary = loop.train()
@@ -236,6 +263,7 @@ class Room:
         self.shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
         self.trainable = {n for n, p in model.named_parameters() if p.requires_grad}
         self.parameters = sum(p.numel() for p in model.parameters())
+        self.trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
     def check(self, plan, swap_to_come: int = 0) -> tuple[int, int, int, str]:
         """(per checkpoint, need, free, note), or UsageError naming --out-dir."""
@@ -278,6 +306,7 @@ class Run:
             self._resume(resume)
         self.room = room
         self.quiet = quiet
+        self.answers = hasattr(dataset, "last_step_tokens")  # records: the loss and tokens/s count answer tokens
 
     def _resume(self, resume) -> None:
         """The data position, the RNGs and the loss scaler of the checkpoint; the state is in the trainee already.
@@ -297,11 +326,11 @@ class Run:
         if changed:
             self.say(f"notice: resuming with settings changed since the checkpoint: {', '.join(changed)}")
 
-    def _draw(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's batches for one step: --grad-accum micro-batches, or one batch a pipeline splits."""
+    def _draw(self, step: int) -> list:
+        """This rank's batches for step `step`: --grad-accum micro-batches, or one batch a pipeline splits."""
         t, trainee = self.cfg.train, self.trainee
         size, count = (t.micro_batch * t.grad_accum, 1) if trainee.whole_batch else (t.micro_batch, t.grad_accum)
-        return self.dataset.step_batches(size, count, self.gen, trainee.data_rank, trainee.data_ranks)
+        return self.dataset.step_batches(size, count, self.gen, trainee.data_rank, trainee.data_ranks, step=step)
 
     def fail(self) -> None:
         """The run is failing: stop the profiler and the status line, drop the save in flight."""
@@ -344,7 +373,8 @@ class Run:
         shown = world.is_main and not self.quiet
         tensorboard = open_sink(t.tensorboard, self.out_dir) if shown else None
         self.progress = Progress(t.steps, self.start_step, self.tokens_per_step, self.out_dir / "metrics.jsonl",
-                                 self.trainee.memory_in_use, enabled=shown, sinks=[tensorboard] if tensorboard else [])
+                                 self.trainee.memory_in_use, enabled=shown, sinks=[tensorboard] if tensorboard else [],
+                                 counted=self.answers)
         # The held-out batches, dealt round-robin to the data ranks by the trainee.
         self.val_batches = self.dataset.val_batches(
             t.eval_batches, t.micro_batch * (t.grad_accum if self.trainee.whole_batch else 1), seed=t.seed + 1)
@@ -374,9 +404,16 @@ class Run:
             raise UsageError(f"--steps: the checkpoint is already at step {self.start_step}; ask for more than that "
                              f"(or, to export it, --steps {self.start_step} with --export-hf)")
         self._prepare()
-        say(f"training {self.room.parameters:,} parameters on {trainee.device} ({str(trainee.dtype)[6:]}), "
-            f"{len(self.dataset.train):,} train / {len(self.dataset.val):,} val tokens, {self.tokens_per_step:,} "
-            "tokens per step")
+        if self.answers:
+            say(self.dataset.describe())
+            trained = "" if self.room.trained == self.room.parameters else f" ({self.room.trained:,} trained)"
+            say(f"training {self.room.parameters:,} parameters{trained} on {trainee.device} "
+                f"({str(trainee.dtype)[6:]}), {self.tokens_per_step:,} token positions per step; the loss and tok/s "
+                "count only the tokens that carry loss (answer tokens)")
+        else:
+            say(f"training {self.room.parameters:,} parameters on {trainee.device} ({str(trainee.dtype)[6:]}), "
+                f"{len(self.dataset.train):,} train / {len(self.dataset.val):,} val tokens, {self.tokens_per_step:,} "
+                "tokens per step")
         t_start = time.perf_counter()
         step, self.loss, self.val_loss, self.lr = self.start_step, float("nan"), float("nan"), self.cfg.optim.lr
         # [Note: the step the plan predicts] The plan predicts one optimizer step in the steady state: the median
@@ -417,7 +454,9 @@ class Run:
         self.lr = lr_at(step, self.cfg)
         for group in self.trainee.optimizer.param_groups:
             group["lr"] = self.lr
-        batches = self._draw()
+        batches = self._draw(step)
+        if self.answers:  # the progress line counts the tokens that carry loss
+            self.progress.count_tokens(self.dataset.last_step_tokens)
         with self.world.collective(f"training step {step + 1} (forward, backward, gradient reduction, loss "
                                    "all-reduce)"):
             local = self.trainee.accumulate(batches)
@@ -475,7 +514,8 @@ class Run:
 
     def _export(self, check_finite: bool) -> None:
         with self.world.collective("the Hugging Face export"):
-            self.trainee.export_hf(self.cfg.train.export_hf, lambda: build_meta_model(self.cfg), check_finite)
+            self.trainee.export_hf(self.cfg.train.export_hf, lambda: build_meta_model(self.cfg, adapters=False), check_finite,
+                                   merge_lora=self.cfg.train.merge_lora)
 
     def finish(self, step: int, seconds: float) -> Summary:
         """The end of the loop: the last checkpoint (and the export before it), the summary, the plan's report."""
@@ -512,7 +552,8 @@ class Run:
                 + (f"the newest healthy one is step {good[0]} in {good[1]}" if good else "no healthy one was kept"))
         done = step - self.start_step
         summary = Summary(steps_done=done, final_step=step, train_loss=self.loss, val_loss=self.val_loss,
-                          seconds=seconds, tokens_per_s=done * self.tokens_per_step / max(seconds, 1e-9),
+                          seconds=seconds, tokens_per_s=(self.progress.tokens if self.answers else
+                                                         done * self.tokens_per_step) / max(seconds, 1e-9),
                           checkpoint=path, peak_memory=trainee.peak_memory(),
                           stopped_by=signal.Signals(self.signalled).name if self.signalled else None,
                           exit_code=128 + self.signalled if self.signalled else 0)
@@ -520,7 +561,8 @@ class Run:
                            "val_loss": self.val_loss, "seconds": seconds, "tokens_per_s": summary.tokens_per_s,
                            "peak_memory": summary.peak_memory, **trainee.summary_fields()})
         peaks = ", ".join(f"{k} {format_size(v)}" for k, v in summary.peak_memory.items())
-        say(f"done: {done} steps in {format_duration(seconds)} ({summary.tokens_per_s:,.0f} tok/s), train loss "
+        say(f"done: {done} steps in {format_duration(seconds)} ({summary.tokens_per_s:,.0f} "
+            f"{'answer ' if self.answers else ''}tok/s), train loss "
             f"{self.loss:.4f}, val loss {self.val_loss:.4f} nats/token; peak memory {peaks}; checkpoint "
             f"{path or 'none'}")
         run_step_s = seconds / max(1, done)

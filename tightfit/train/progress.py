@@ -52,8 +52,12 @@ class Progress:
 
     def __init__(self, total_steps: int, start_step: int, tokens_per_step: int, metrics_path: Path | None,
                  memory: Callable[[], dict[str, int]], enabled: bool = True, stream=None, sinks=(),
-                 bar: bool | None = None) -> None:
+                 bar: bool | None = None, counted: bool = False) -> None:
         self.total = total_steps
+        self.counted = counted
+        """tok/s counts the tokens `count_tokens` is told of (a fine-tune's answer tokens), not tokens_per_step."""
+        self.tokens = 0  # counted since the start
+        self._last_tokens = 0
         self.start_step = start_step
         self.tokens_per_step = tokens_per_step
         self.memory = memory
@@ -97,6 +101,13 @@ class Progress:
             raise UsageError(hard_link_message(path, "--out-dir (metrics.jsonl)"))
         return f
 
+    def count_tokens(self, n: int) -> None:
+        """One step's tokens, where tok/s counts them (`counted`)."""
+        self.tokens += n
+
+    def _tokens_since(self, step: int, last_step: int, last_tokens: int) -> int:
+        return self.tokens - last_tokens if self.counted else (step - last_step) * self.tokens_per_step
+
     def say(self, text: str) -> None:
         if self.enabled:
             self._clear_bar()
@@ -112,13 +123,14 @@ class Progress:
         per step over the steps since the last report, with "step_s" their mean time (`EngineWindow`)."""
         now = time.perf_counter()
         dt = max(now - self._last_t, 1e-9)
-        tok_s = (step - self._last_step) * self.tokens_per_step / dt
+        tok_s = self._tokens_since(step, self._last_step, self._last_tokens) / dt
         elapsed = now - self.t0
         eta = self._eta(step, now)
         mem = self.memory()
-        self._last_t, self._last_step = now, step
+        self._last_t, self._last_step, self._last_tokens = now, step, self.tokens
         width = len(str(self.total))
-        self.say(f"step {step:>{width}}/{self.total} | loss {loss:.4f} | lr {lr:.2e} | {tok_s:,.0f} tok/s | "
+        unit = "answer tok/s" if self.counted else "tok/s"
+        self.say(f"step {step:>{width}}/{self.total} | loss {loss:.4f} | lr {lr:.2e} | {tok_s:,.0f} {unit} | "
                  f"mem {_mem_text(mem)}{_rates_text(engine)} | ETA {format_duration(eta)}")
         record = {"kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                   "tokens_per_s": tok_s, "memory": mem, "elapsed_s": elapsed}
@@ -134,8 +146,7 @@ class Progress:
         if now - self._drawn_at < 1.0 / BAR_HZ and step != self.total:
             return
         self._drawn_at = now
-        done = step - self.start_step
-        tok_s = done * self.tokens_per_step / max(now - self.t0, 1e-9)
+        tok_s = self._tokens_since(step, self.start_step, 0) / max(now - self.t0, 1e-9)
         frac = step / self.total if self.total else 1.0
         cols = shutil.get_terminal_size((100, 20)).columns
         text = (f"{frac:4.0%} {step}/{self.total} | loss {loss:.4f} | {tok_s:,.0f} tok/s | "

@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from tightfit.train.batch import as_batch, batch_loss
 from tightfit.train.memory import MemorySetup, setup_memory
 
 
@@ -31,14 +32,14 @@ class NonFiniteWeight(Exception):
 
 
 @torch.no_grad()
-def evaluate(model, batches, loss_fn, device, autocast) -> float:
-    """The mean loss over `batches`, dropout off meanwhile."""
+def evaluate(model, batches, device, autocast) -> float:
+    """The mean of the batches' losses (tightfit/train/batch.py), dropout off meanwhile."""
     was_training = model.training
     model.eval()
     total = 0.0
-    for x, y in batches:
+    for b in batches:
         with autocast():
-            total += loss_fn(model, x.to(device), y.to(device)).item()
+            total += batch_loss(model, as_batch(b), device, 1).item()
     model.train(was_training)
     return total / len(batches)
 
@@ -55,29 +56,31 @@ class OneProcess:
     """This rank's share of the sample stream, and how many shares there are."""
     whole_batch = False
     """A step draws one batch of `--micro-batch x --grad-accum` sequences (a pipeline splits it), not micro-batches."""
+    takes_examples = True
+    """Trains on fine-tuning batches (tightfit/train/batch.py: masks, packed positions, the step's token count)."""
+    base_name = ""
+    """What a LoRA adapter's config names as its base model (the --model folder)."""
 
     def __init__(self, mem: MemorySetup, device: torch.device, dtype: torch.dtype) -> None:
-        from tightfit.models.build import model_loss
-
         self.mem, self.device, self.dtype = mem, device, dtype
         self.model, self.optimizer = mem.model, mem.optimizer
         self.scaler = getattr(mem, "scaler", None)  # fp16 only: its state is part of a checkpoint
         self.plan = getattr(mem, "plan", None)
         self.autocast = autocast_for(device, dtype)
-        self._loss = model_loss
 
     def describe(self) -> str:
         return self.mem.describe()
 
-    def accumulate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        def forward(x, y):
+    def accumulate(self, batches: list) -> torch.Tensor:
+        """`batches`: Batch objects or (inputs, targets) pairs (tightfit/train/batch.py)."""
+        def forward(b):
             with self.autocast():
-                return self._loss(self.model, x.to(self.device), y.to(self.device)) / len(batches)
+                return batch_loss(self.model, b, self.device, len(batches))
 
         # In the plan's order (micro-batch or unit major: MemorySetup.accumulate); summed on the device: one host
         # sync a step, not one per micro-batch.
         total = torch.zeros((), device=self.device)
-        for loss in self.mem.accumulate([lambda x=x, y=y: forward(x, y) for x, y in batches]):
+        for loss in self.mem.accumulate([lambda b=as_batch(b): forward(b) for b in batches]):
             total += loss
         return total
 
@@ -88,7 +91,7 @@ class OneProcess:
         return local.item()
 
     def evaluate(self, batches) -> float:
-        return evaluate(self.model, batches, self._loss, self.device, self.autocast)
+        return evaluate(self.model, batches, self.device, self.autocast)
 
     def signature_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         return self.mem.named_shapes()
@@ -98,10 +101,12 @@ class OneProcess:
 
         return state_groups(self.model, self.optimizer, hand_over=hand_over)
 
-    def export_hf(self, folder: str, meta_model: Callable[[], torch.nn.Module], check_finite: bool = False) -> None:
+    def export_hf(self, folder: str, meta_model: Callable[[], torch.nn.Module], check_finite: bool = False,
+                  merge_lora: bool = False) -> None:
         """Write the trained model as a Hugging Face folder, streamed from wherever its weights live. `check_finite`:
         raise NonFiniteWeight for a NaN or infinite weight (the export is then not written): a run exports before
-        its last save, which would have refused such a state."""
+        its last save, which would have refused such a state. A LoRA fine-tune writes its adapter in peft's layout,
+        or with `merge_lora` the base model with the adapters merged in (`meta_model` builds the base)."""
         from tightfit.models.hf_save import save_hf_model
         from tightfit.train.checkpoint_writer import non_finite_in
 
@@ -112,7 +117,16 @@ class OneProcess:
                     raise NonFiniteWeight(key, bad)
                 yield key, t
 
-        save_hf_model(self.model, folder, tensors=checked(), strip_prefix="model.")
+        from tightfit.finetune import lora
+
+        config = lora.peft_config_of(self.model)
+        if config is None:
+            save_hf_model(self.model, folder, tensors=checked(), strip_prefix="model.")
+        elif merge_lora:  # the base model's folder, each adapter merged into its weight
+            save_hf_model(meta_model(), folder, strip_prefix="model.",
+                          tensors=lora.merged_tensors(checked(), config.lora_alpha / config.r))
+        else:  # the adapter, as peft saves it
+            lora.save_adapter(folder, config, lora.adapter_tensors(checked()), base=self.base_name)
 
     def memory_in_use(self) -> dict[str, int]:
         return self.mem.memory_in_use()
@@ -138,7 +152,8 @@ class OneProcess:
 
 
 def streams_weights(cfg) -> bool:
-    """An offloaded Hugging Face model is built on the meta device, its weights streamed into their tiers."""
+    """An offloaded Hugging Face model is built on the meta device, its weights streamed into their tiers (with
+    --lora, the base's under peft's names: finetune/lora.py `lora_values`)."""
     from tightfit.models.build import hf_path
 
     return hf_path(cfg.model.model) is not None and cfg.memory.offload != "none"
@@ -152,6 +167,7 @@ def one_process(model: torch.nn.Module, cfg, device: torch.device, dtype: torch.
     # Planning measures this process's memory floor (it builds and steps a small model): with torch's global RNG
     # of its own, so the run draws what a plain run draws, whatever the placement (a checkpoint's RNG state was the
     # offload mode's before).
+    shapes = {n: p.shape for n, p in model.named_parameters()}  # as built, before the engine holds them
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         mem = setup_memory(model, cfg, device, dtype, planned=planned)
     trainee = OneProcess(mem, device, dtype)
@@ -163,6 +179,10 @@ def one_process(model: torch.nn.Module, cfg, device: torch.device, dtype: torch.
             from tightfit.models.hf_wrap import checkpoint_values
 
             with checkpoint_values(HFCheckpoint.open(hf_path(cfg.model.model))) as get:
+                if cfg.model.lora:  # the base's weights under peft's names, the adapters' initial values
+                    from tightfit.finetune.lora import lora_values
+
+                    get = lora_values(get, shapes, cfg.train.seed)
                 trainee.mem.import_state(get)
     except BaseException:
         trainee.close()
