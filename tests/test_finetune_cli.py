@@ -110,6 +110,39 @@ def test_masking_turn_by_turn_equals_the_templates_generation_markers(tmp_path):
         assert 0 < sum(mask) < len(mask)
 
 
+def test_turn_by_turn_on_a_byte_level_bpe_equals_chatml_generation_markers(tmp_path):
+    """A real BPE, where tokens merge across a turn's edges: the rendered text's characters decide, as
+    transformers decides with generation markers."""
+    import tokenizer_helpers
+    from tightfit.finetune.render import Renderer
+    from tightfit.models.tokenizer import HFTokenizer
+    from tightfit.train.data import stdlib_files
+
+    text = "".join(f.read_text(errors="replace") for f in stdlib_files()[:60])[:300_000]
+    chatml = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}"
+              "{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}{% else %}{{ m['content'] }}<|im_end|>"
+              "{% endif %}\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    folders = {}
+    for name, template in (("marked", chatml), ("plain", chatml.replace("{% generation %}", "").replace(
+            "{% endgeneration %}", ""))):
+        folder = tokenizer_helpers.byte_level(tmp_path / name, text)
+        tok = transformers.AutoTokenizer.from_pretrained(folder)
+        tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+        tok.chat_template = template
+        tok.save_pretrained(folder)
+        folders[name] = Renderer(HFTokenizer(folder), "messages")
+    assert folders["marked"].markers and not folders["plain"].markers
+    lines = [x for x in text.splitlines() if x.strip()][:400]
+    for i in range(40):
+        msgs = []
+        for j in range(1 + i % 3):
+            msgs += [{"role": "user", "content": lines[(7 * i + j) % 400]},
+                     {"role": "assistant", "content": " " * (i % 2) + lines[(11 * i + 3 * j) % 400]}]
+        ids, mask = folders["plain"]({"messages": msgs}, f"record {i}")
+        assert (ids, mask) == folders["marked"]({"messages": msgs}, f"record {i}")
+        assert 0 < sum(mask) < len(mask)
+
+
 def _error(capsys, args) -> str:
     """The one line a refused run prints (without its "tightfit: error: "), having exited with 2."""
     capsys.readouterr()
