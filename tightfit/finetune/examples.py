@@ -83,12 +83,14 @@ class Rows:
 class ExampleDataset:
     """Training and held-out rows, and the batches of each step (`step_batches`, as TokenDataset answers it)."""
 
-    def __init__(self, train: Rows, val: Rows, seed: int, pad_id: int, vocab_size: int, describe: str) -> None:
+    def __init__(self, train: Rows, val: Rows, seed: int, pad_id: int, vocab_size: int, describe: str,
+                 isolation: str | None = None) -> None:
         if not len(train):
             raise UsageError("--data: no training example left after the held-out ones were taken; give more records")
         self.train, self.val, self.seed, self.pad_id, self.vocab_size = train, val, seed, pad_id, vocab_size
         self.seq_len = train.seq_len
         self._describe = describe
+        self.isolation = isolation or "restarting positions"
         self._perm: tuple[int, torch.Tensor] | None = None
         self.last_step_tokens = 0
         """The answer tokens of the step `step_batches` drew last, every rank's together."""
@@ -96,7 +98,7 @@ class ExampleDataset:
     def describe(self) -> str:
         t, v = self.train, self.val
         packed = (f"packed into {len(t):,} rows of {t.seq_len} tokens ({t.tokens / max(1, len(t) * t.seq_len):.0%} "
-                  "full; attention within each example)") if t.packing else \
+                  f"full; attention within each example: {self.isolation})") if t.packing else \
             f"{len(t):,} rows, one example each, padded to the longest in a micro-batch"
         dropped = f"; {t.dropped + v.dropped:,} examples left out, their answers cut off by --seq-len" \
             if t.dropped + v.dropped else ""
@@ -143,9 +145,9 @@ class ExampleDataset:
         return out
 
 
-def load_examples(cfg, tokenizer, say) -> ExampleDataset:
+def load_examples(cfg, tokenizer, say, isolation: str | None = None) -> ExampleDataset:
     """The records `--data` (and `--val-data`) name, tokenized (or read from the token cache in --out-dir/tokens),
-    split and put into rows."""
+    split and put into rows. `isolation`: how the model keeps packed examples apart (packed_attention.py)."""
     from pathlib import Path
 
     from tightfit.finetune.records import held_out_split, record_files
@@ -188,4 +190,4 @@ def load_examples(cfg, tokenizer, say) -> ExampleDataset:
     pad = None if hf is None else (hf.pad_token_id if hf.pad_token_id is not None else hf.eos_token_id)
     return ExampleDataset(Rows(train, train_idx, t.seq_len, d.packing), Rows(val, val_idx, t.seq_len, d.packing),
                           seed=t.seed, pad_id=pad or 0, vocab_size=tokenizer.vocab_size,
-                          describe=train.meta["rendering"])
+                          describe=train.meta["rendering"], isolation=isolation)

@@ -96,8 +96,13 @@ def load_dataset(cfg: Config, tokenizer, say=None):
         from tightfit.finetune.examples import load_examples
         from tightfit.models.tokenizer import get_tokenizer
 
+        isolation = None
+        if cfg.data.packing:  # before the tokenizing: a model that cannot take packed rows is refused at once
+            from tightfit.finetune.packed_attention import check_packing
+
+            isolation = check_packing(cfg)
         return load_examples(cfg, tokenizer if tokenizer is not None else get_tokenizer(None),
-                             say or (lambda s: None))
+                             say or (lambda s: None), isolation=isolation)
     tokens = load_tokens(cfg.data.data, tokenizer, say)
     vocab = tokenizer.vocab_size if tokenizer is not None else 256
     return TokenDataset.from_tokens(tokens, cfg.train.seq_len, cfg.data.val_fraction, vocab)
