@@ -196,3 +196,34 @@ def test_records_flags_on_text_and_too_long_examples_are_one_line(llama, tmp_pat
     assert err.startswith("--lora: r='0' is not valid")
     err = _error(capsys, ["train", "--model", f"hf:{llama}", "--data", str(data), "--merge-lora"])
     assert err.startswith("--merge-lora: merges the adapters")
+
+
+def test_unit_major_order_on_packed_records_is_micro_batch_majors_bit_for_bit(llama, tmp_path):
+    """Packed rows carry positions into every block: each unit runs its micro-batches in turn and gets the same."""
+    data = h.write_jsonl(tmp_path / "chat.jsonl", h.chat_records(40, seed=6))
+    runs = {}
+    for order in ("unit", "micro"):
+        out = tmp_path / order
+        assert main(_args(llama, data, out, "--keep-checkpoints", "0", "--offload", "host", "--accumulation", order,
+                          "--lora", "r=4")) == 0
+        runs[order] = _losses(out)
+    assert runs["unit"] == runs["micro"]
+
+
+def test_held_out_records_from_val_data_or_a_dataset_dicts_validation_split(llama, tmp_path, capsys):
+    train = h.chat_records(40, seed=7)
+    val = h.chat_records(6, seed=8)
+    h.write_jsonl(tmp_path / "train.jsonl", train)
+    h.write_jsonl(tmp_path / "val.jsonl", val)
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(train), "validation": datasets.Dataset.from_list(val)}
+                         ).save_to_disk(str(tmp_path / "dd"))
+    evals = {}
+    for name, extra in (("files", ["--data", str(tmp_path / "train.jsonl"), "--val-data", str(tmp_path / "val.jsonl")]),
+                        ("dict", ["--data", str(tmp_path / "dd")])):
+        args = _args(llama, tmp_path / "x", tmp_path / name, "--keep-checkpoints", "0")
+        args[args.index("--data"):args.index("--data") + 2] = extra
+        assert main(args) == 0
+        assert "40 train / 6 held-out examples" in capsys.readouterr().out
+        rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        evals[name] = [r["val_loss"] for r in rows if r.get("kind") == "eval"]
+    assert evals["files"] == evals["dict"] and len(evals["files"]) == 1
