@@ -327,6 +327,26 @@ def test_nvme_units_are_checkpointed_as_a_copy_of_their_swap_files(tiny_args, tm
             torch.testing.assert_close(got[k], ref[k], rtol=1e-6, atol=0, msg=k)
 
 
+def test_an_index_whose_view_reads_another_views_bytes_is_refused(tiny_args, tmp_path, capsys):
+    """A crafted index: k_proj's view moved onto q_proj's bytes, q_proj's checksum copied. Before the check it
+    resumed and trained on q_proj's weights as k_proj's."""
+    import json
+
+    i = tiny_args.index("--out-dir")
+    run = tiny_args[: i + 1] + [str(tmp_path / "nvme")] + tiny_args[i + 2:]
+    assert main(["train", *run, "--steps", "2", "--offload", "nvme", "--nvme", str(tmp_path / "swap")]) == 0
+    folder = ckpt.latest(tmp_path / "nvme")
+    index = json.loads((folder / cw.INDEX).read_text())
+    q, k = (index["tensors"][f"model.blocks.0.attn.{n}.weight"] for n in ("q_proj", "k_proj"))
+    assert q["entry"] == k["entry"] == "master"
+    k["offset"], k["crc32"] = q["offset"], q["crc32"]
+    (folder / cw.INDEX).write_text(json.dumps(index))
+    capsys.readouterr()
+    assert main(["train", *run, "--steps", "3", "--resume", "--offload", "nvme", "--nvme", str(tmp_path / "swap")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "sharing bytes" in err and "blocks.0.attn.k_proj.weight" in err and len(err.splitlines()) == 1, err
+
+
 @pytest.mark.parametrize("kernel", [True, False])
 def test_range_copy_both_ways(tmp_path, kernel):
     """A swap file's byte ranges copy exactly, by copy_file_range (filesystems that share blocks) or by blocks."""

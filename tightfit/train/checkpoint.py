@@ -241,7 +241,17 @@ def _read_shards(folder: Path, weight_map: dict, shapes: dict, dtypes: dict, vie
                 raise _bad(folder / file, f"stores {k!r} as {e.dtype} {list(e.shape)}, the index says "
                                           f"{dtypes[k]} {shapes[k]}")
             entries[k] = e
+        _check_views_apart(folder / file, [entries[k] for k in keys if k in views])
     return entries
+
+
+def _check_views_apart(path: Path, views: list[TensorEntry]) -> None:
+    """No two views of a shard share a byte: an index whose k_proj read q_proj's bytes (its checksum copied) would
+    load another model's weights without a word (safetensors itself keeps whole entries apart)."""
+    spans = sorted((e.begin, e.end, e.name) for e in views if e.end > e.begin)
+    for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
+        if begin < end:
+            raise _bad(path, f"has views {a!r} and {b!r} sharing bytes (a crafted or corrupt index)")
 
 
 def _check_rng(folder: Path, shapes: dict, dtypes: dict) -> None:
