@@ -283,3 +283,34 @@ def test_probe_disk_volume_errors(tmp_path, capsys, args, needle):
     assert main(argv) == 2
     line = _error_line(capsys)
     assert line.startswith("tightfit: error: --disk-volume") and needle in line
+
+
+def _under_address_limit(args: list[str], limit: int) -> subprocess.CompletedProcess:
+    import resource
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    return subprocess.run([sys.executable, "-m", "tightfit.cli", *args], capture_output=True, text=True, timeout=120,
+                          preexec_fn=limited, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_a_model_that_fits_ram_but_not_the_process_limit_is_refused_before_it_is_built(tmp_path):
+    """`ulimit -v 3 GiB` and a 1.6 B-parameter GPT (6.4 GB of fp32 weights, within this machine's RAM): refused by
+    the size check naming the limit, not a MemoryError traceback from the allocator."""
+    proc = _under_address_limit(["train", "--n-layer", "8", "--n-embd", "4096", "--steps", "1", "--out-dir",
+                                 str(tmp_path / "run"), "--keep-checkpoints", "0"], 3 << 30)
+    err = proc.stderr.strip()
+    assert proc.returncode == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert "ulimit -v" in err and err.startswith("tightfit: error: --n-embd/--n-layer/--seq-len:"), err
+
+
+def test_an_allocation_the_process_limit_refuses_past_the_checks_is_one_line(tmp_path):
+    """A limit the size check cannot see coming (the model fits, its first step's buffers do not): one line."""
+    proc = _under_address_limit(["train", "--n-layer", "2", "--n-embd", "1024", "--micro-batch", "64",
+                                 "--seq-len", "512", "--steps", "1", "--offload", "none", "--out-dir",
+                                 str(tmp_path / "run"), "--keep-checkpoints", "0"], 1600 << 20)
+    err = proc.stderr.strip()
+    assert proc.returncode == 2 and "Traceback" not in err, err[-2000:]
+    assert err.splitlines()[-1].startswith("tightfit: error: out of memory: an allocation failed (its address-space "
+                                          "limit, ulimit -v, is 1600 MiB)"), err

@@ -170,6 +170,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("tightfit: interrupted", file=sys.stderr)
         return 130
+    except (MemoryError, RuntimeError) as e:  # an allocation the process limit (ulimit -v) or the machine refused,
+        # past every check (torch's CPU allocator raises a RuntimeError for it)
+        if isinstance(e, RuntimeError) and "can't allocate memory" not in str(e):
+            raise
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        limit = "" if soft == resource.RLIM_INFINITY else f" (its address-space limit, ulimit -v, is {soft >> 20} MiB)"
+        print(f"tightfit: error: out of memory: an allocation failed{limit}; give the run more memory, or lower "
+              "--cpu-mem so that the plan keeps less in it", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -37,6 +37,10 @@ def check_buildable(n: int, cfg: Config, device_type: str) -> None:
     from tightfit.utils.sizes import format_size
 
     available = psutil.virtual_memory().available
+    where = "this machine has available"
+    limit = process_address_limit()
+    if limit is not None and limit < available:  # `ulimit -v`: what this process may still map
+        available, where = limit, f"this process may still allocate under its address-space limit (ulimit -v)"
     plain_cpu = cfg.memory.offload == "none" and device_type == "cpu"
     need = n * (16 if plain_cpu else 4)
     if need > available:
@@ -46,8 +50,18 @@ def check_buildable(n: int, cfg: Config, device_type: str) -> None:
                else "choose a smaller model" + ("" if hf else " (--n-layer, --n-embd, --seq-len)"))
         flag = "--model" if hf else "--n-embd/--n-layer/--seq-len"
         raise UsageError(f"{flag}: this model has {n:,} parameters and needs "
-                         f"{format_size(need)} {what}, more than the {format_size(available)} of memory this "
-                         f"machine has available; {fix}")
+                         f"{format_size(need)} {what}, more than the {format_size(available)} of memory {where}; "
+                         f"{fix}")
+
+
+def process_address_limit() -> int | None:
+    """Bytes this process may still map under RLIMIT_AS (`ulimit -v`), None without a limit."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    return max(0, soft - psutil.Process().memory_info().vms)
 
 
 class MemorySetup(Protocol):
