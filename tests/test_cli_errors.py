@@ -314,3 +314,19 @@ def test_an_allocation_the_process_limit_refuses_past_the_checks_is_one_line(tmp
     assert proc.returncode == 2 and "Traceback" not in err, err[-2000:]
     assert err.splitlines()[-1].startswith("tightfit: error: out of memory: an allocation failed (its address-space "
                                           "limit, ulimit -v, is 1600 MiB)"), err
+
+
+def test_an_out_dir_too_long_for_what_is_written_below_it_is_refused_before_training(tmp_path, capsys):
+    """A path near PATH_MAX: its shards' paths pass 4096 bytes, so the first save failed (ENAMETOOLONG) after the
+    training; a name over NAME_MAX failed at the first mkdir. Both are refused before the first step now."""
+    rem = 4050 - len(str(tmp_path))
+    deep = tmp_path.joinpath(*["d" * 200] * (rem // 201), "e" * (rem % 201 - 1))
+    assert 4096 - 128 < len(str(deep)) < 4096  # a valid path, with too little room below it
+    capsys.readouterr()
+    assert main(["train", "--steps", "1", "--out-dir", str(deep)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "PATH_MAX" in err and err.startswith("tightfit: error: --out-dir: the path is") and len(err.splitlines()) == 1
+    assert main(["train", "--steps", "1", "--out-dir", str(tmp_path / ("n" * 300))]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "more than the 255 a file name may have" in err and len(err.splitlines()) == 1, err
+    assert not any(tmp_path.iterdir())  # nothing made

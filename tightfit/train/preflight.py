@@ -49,9 +49,38 @@ def _writable_from(path: Path, flag: str) -> None:
             return
 
 
+ROOM_BELOW = 128
+"""Bytes of the longest path tightfit writes below a folder it is given (a checkpoint's shard in the folder of a
+save being removed: checkpoints/.removing-step-00000001-abc123/blocks.12.safetensors.tmp, with room to spare)."""
+
+
+def _short_enough(path: Path, flag: str) -> None:
+    """Every name of `path` within NAME_MAX, and `path` short enough for what is written below it (PATH_MAX):
+    otherwise a save would fail hours in, with ENAMETOOLONG."""
+    full = os.fsencode(os.path.abspath(path))
+    existing = Path("/")
+    for p in path.parents:  # the nearest folder that exists: its filesystem's limits
+        try:
+            if p.exists():
+                existing = p
+                break
+        except OSError:  # a name over the limit: exists() raises ENAMETOOLONG
+            continue
+    name_max = os.pathconf(existing, "PC_NAME_MAX") if hasattr(os, "pathconf") else 255
+    path_max = os.pathconf(existing, "PC_PATH_MAX") if hasattr(os, "pathconf") else 4096
+    for part in Path(os.fsdecode(full)).parts:
+        if len(os.fsencode(part)) > name_max:
+            raise UsageError(f"{flag}: the name {part[:40]}... in it is {len(os.fsencode(part))} bytes, more than the "
+                             f"{name_max} a file name may have here; choose a shorter {flag}")
+    if len(full) + ROOM_BELOW > path_max:
+        raise UsageError(f"{flag}: the path is {len(full)} bytes, and the files tightfit writes below it would pass "
+                         f"this system's {path_max}-byte limit on a path (PATH_MAX); choose a shorter {flag}")
+
+
 def check_folder(path: Path, flag: str) -> None:
     """`path` is a folder tightfit will create (if missing) and write files into."""
     _printable(path, flag)
+    _short_enough(path, flag)
     _no_symlink(path, flag)
     if path.exists() and not path.is_dir():
         raise UsageError(f"{flag}: {path} is a file, not a folder; choose another {flag}")
