@@ -121,11 +121,17 @@ def test_no_save_on_signal_stops_without_a_checkpoint(tiny_args, tmp_path):
     assert steps and steps[-1] == stopped - stopped % 2 and steps[-1] >= 2, (steps, stopped, "".join(lines))
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", pytest.param("SIGINT", marks=pytest.mark.slow)])
-def test_a_stop_signal_stops_every_rank_of_a_distributed_run_at_one_step(tiny_args, tmp_path, sig):
+@pytest.mark.parametrize("sig,target", [("SIGTERM", "launcher"), pytest.param("SIGINT", "launcher",
+                                                                                 marks=pytest.mark.slow),
+                                        ("SIGTERM", "agent")])
+def test_a_stop_signal_stops_every_rank_of_a_distributed_run_at_one_step(tiny_args, tmp_path, sig, target):
     """`tightfit train --nproc-per-node 2`: the signal reaches the launcher, which hands it to every rank; the ranks
     vote after each step, stop at the same one with a checkpoint, and the launcher exits 128 + the signal's number
-    with one line on stderr (issue 27). Before, the ranks died with torchrun's traceback and no checkpoint."""
+    with one line on stderr (issue 27). Before, the ranks died with torchrun's traceback and no checkpoint. Sent to
+    torchrun's agent (the launcher's child) instead, it reaches the ranks the same way; the agent printed torch's
+    SignalException traceback (issue 45)."""
+    import psutil
+
     from parallel_launch import free_port, rank_env
 
     args = list(tiny_args)
@@ -135,7 +141,12 @@ def test_a_stop_signal_stops_every_rank_of_a_distributed_run_at_one_step(tiny_ar
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**rank_env(), "PYTHONUNBUFFERED": "1"})
     _wait_for_steps(proc, 3)
-    proc.send_signal(getattr(signal, sig))
+    if target == "agent":
+        agents = [c for c in psutil.Process(proc.pid).children() if "tightfit.parallel.launcher" in c.cmdline()]
+        assert len(agents) == 1, psutil.Process(proc.pid).children()
+        agents[0].send_signal(getattr(signal, sig))
+    else:
+        proc.send_signal(getattr(signal, sig))
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + getattr(signal, sig), (proc.returncode, err[-3000:])
     assert err.strip().splitlines() == [f"tightfit: {sig} received: finishing this step, then saving a checkpoint"

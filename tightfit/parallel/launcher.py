@@ -156,17 +156,22 @@ def _silent_failures(error) -> list[str]:
 
 def agent(argv: list[str]) -> int:
     """torchrun's agent, run with `argv` (torchrun's arguments), without its report of a failed rank."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     # Its "failed (exitcode: ...)" line and the notices of closing the other ranks: the launcher's line says it.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    # Its "Received 15 death signal, shutting down workers": each rank says what it does with the signal.
+    logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
     try:
         run(parse_args(argv))
     except ChildFailedError as e:
         for line in _silent_failures(e):
             print(f"tightfit: error: {line}", file=sys.stderr)
         return 1
+    except SignalException as e:  # a signal sent to the agent itself: it passed it on to the ranks, which stop at
+        return 128 + int(e.sigval)  # the end of their step with a checkpoint (train/signals.py) and say so
     return 0
 
 
