@@ -294,3 +294,32 @@ def test_a_second_training_run_on_one_out_dir_is_refused(corpus, tmp_path):
     finally:
         first.kill()
         first.wait()
+
+
+def test_out_dir_turned_read_only_between_saves_is_one_line_and_keeps_the_last_checkpoint(corpus, tmp_path,
+                                                                                         monkeypatch, capsys):
+    """The disk under --out-dir turns read-only after two saves (a filesystem remounted read-only on an error): the
+    third save's folder cannot be made. Before, that was an OSError traceback from the writer's constructor."""
+    import errno
+
+    import tightfit.train.checkpoint_writer as cw
+    from tightfit.cli import main
+
+    made = []
+    real = cw._make_owned
+
+    def read_only_after_two(folder):
+        if len(made) >= 2:
+            raise OSError(errno.EROFS, "Read-only file system", str(folder))
+        made.append(folder)
+        real(folder)
+
+    monkeypatch.setattr(cw, "_make_owned", read_only_after_two)
+    out = tmp_path / "run"
+    capsys.readouterr()
+    assert main(_argv(corpus, out, "--keep-checkpoints", "3", steps=6)[3:]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"tightfit: error: --out-dir: cannot write the checkpoint of step 3 in {out / 'checkpoints'} "
+                   "(Read-only file system); the previous checkpoint is untouched; make the disk writable again and "
+                   "resume with --resume"), err
+    assert _latest_step(out) == 2

@@ -41,6 +41,7 @@ trainer reports what diverged.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -239,16 +240,19 @@ class CheckpointWriter:
     def __init__(self, root: Path, step: int, *, queue_bytes: int = CHECKPOINT_QUEUE) -> None:
         self.root, self.step = root, step
         self.final = root / step_dir_name(step)
-        root.mkdir(parents=True, exist_ok=True)
         self.partial = root / f"{_PARTIAL_PREFIX}{step:08d}-{os.getpid()}"
-        if self.partial.is_dir() and (self.partial / OWNED).is_file():
-            _remove_owned(self.partial)  # this process's own, from a save of this step that failed
-        while True:  # a name nothing holds: never into a folder of someone else's
-            try:
-                _make_owned(self.partial)
-                break
-            except FileExistsError:
-                self.partial = root / f"{_PARTIAL_PREFIX}{step:08d}-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            if self.partial.is_dir() and (self.partial / OWNED).is_file():
+                _remove_owned(self.partial)  # this process's own, from a save of this step that failed
+            while True:  # a name nothing holds: never into a folder of someone else's
+                try:
+                    _make_owned(self.partial)
+                    break
+                except FileExistsError:
+                    self.partial = root / f"{_PARTIAL_PREFIX}{step:08d}-{os.getpid()}-{secrets.token_hex(4)}"
+        except OSError as e:  # a disk made read-only or full since the last save: nothing of this save exists yet
+            raise self._disk_error(e) from None
         # Guards the partial folder between the trainer's file copies (`put_copy`) and its removal by the writer
         # thread when the save stops: a copy never lands in a folder being removed (it would outlive its marker).
         self._folder_lock = threading.Lock()
@@ -405,8 +409,10 @@ class CheckpointWriter:
                 self._cv.notify_all()
 
     def _disk_error(self, e: OSError) -> UsageError:
+        fix = {errno.EROFS: "make the disk writable again", errno.EACCES: "give the run write permission there",
+               errno.EPERM: "give the run write permission there"}.get(e.errno, "free space")
         return UsageError(f"--out-dir: cannot write the checkpoint of step {self.step} in {self.root} "
-                          f"({e.strerror or e}); the previous checkpoint is untouched; free space and resume with "
+                          f"({e.strerror or e}); the previous checkpoint is untouched; {fix} and resume with "
                           "--resume")
 
     def _record(self, key: str, file: str, t: torch.Tensor, crc: int) -> None:
