@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tightfit-installed
 
-.PHONY: train test test-slow test-faults test-gpu gpu-check bench setup clean
+.PHONY: train test test-slow test-faults test-gpu gpu-check bench results setup clean
 
 $(STAMP): pyproject.toml scripts/setup_env.sh
 	bash scripts/setup_env.sh $(VENV)
@@ -35,6 +35,10 @@ test-gpu: $(STAMP)
 # No .venv needed: it uses the machine's own CUDA torch and installs nothing from a registry (scripts/gpu_check.sh).
 gpu-check:
 	bash scripts/gpu_check.sh
+
+# benchmarks/RESULTS.md's summary and the pictures in docs/img/, regenerated from the benchmarks' JSON.
+results: $(STAMP)
+	$(PY) benchmarks/summary.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -112,6 +112,9 @@ def main() -> None:
     ap.add_argument("--train", action="store_true")
     ap.add_argument("--cpu-mem", default="1GiB")
     ap.add_argument("--skip-datasets", action="store_true")
+    ap.add_argument("--json-out", default=None, help="also write the figures to this JSON file (benchmarks/results/, "
+                                                     "read by benchmarks/summary.py)")
+    ap.add_argument("--section", default="", help="the RESULTS.md section (its anchor) the figures are recorded in")
     args = ap.parse_args()
     import tokenizer_helpers
     from tightfit.train.data import stdlib_files
@@ -138,8 +141,22 @@ def main() -> None:
             print(f"{name:38s} {r['wall_s']:7.1f} s  {size / 1e6 / r['wall_s']:6.2f} MB/s  {r['examples']:>9,} "
                   f"examples {r['tokens']:>12,} tokens  peak RSS {r['peak_rss_mib']:7.0f} MiB  "
                   f"({r['wall_s'] / base:.2f}x tightfit's time)")
+        import datetime
+        import platform
+
+        import psutil
+        import torch
+
+        record = {"benchmark": "bench_sft_tokenize", "format": args.format, "mb": size / 1e6, "rows": rows,
+                  "figure": f"{size / 1e6:.0f} MB of {args.format} JSONL records, a byte-level BPE",
+                  "command": "benchmarks/bench_sft_tokenize.py " + " ".join(sys.argv[1:]),
+                  "machine": f"{os.cpu_count()}-core CPU ({platform.machine()}), "
+                             f"{psutil.virtual_memory().total / 2**30:.0f} GiB, torch {torch.__version__}",
+                  "date": datetime.date.today().isoformat(), "section": args.section}
         if args.train:
-            train(tmp, folder, data, args.cpu_mem)
+            record["train"] = train(tmp, folder, data, args.cpu_mem)
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps(record, indent=1))
 
 
 def train(tmp: Path, tok_folder: Path, data: Path, cpu_mem: str) -> None:
@@ -163,7 +180,9 @@ def train(tmp: Path, tok_folder: Path, data: Path, cpu_mem: str) -> None:
     summary = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     plan = next((r for r in summary if r.get("kind") == "plan_vs_measured"), {})
     print(f"train: exit {proc.returncode} in {time.perf_counter() - t:.0f} s; plan vs measured: "
-          f"{json.dumps({k: v for k, v in plan.items() if 'rss' in k})}")
+          f"{json.dumps({k: v for k, v in plan.items() if k in ('predicted', 'measured')})}")
+    return {"exit": proc.returncode, "seconds": time.perf_counter() - t, "cpu_mem": cpu_mem,
+            "plan_vs_measured": plan, "stdout_tail": proc.stdout[-1500:]}
 
 
 if __name__ == "__main__":
