@@ -9,6 +9,7 @@ data is a list of examples, each with the tokens that carry loss marked. Both fe
 - render.py: a record as token ids and a loss mask, the way TRL's SFTTrainer tokenizes it.
 - token_cache.py: the tokenized examples on disk, memory-mapped, keyed by the data files and the tokenizer.
 - packing.py: whole examples into rows of --seq-len (best-fit decreasing).
+- packed_attention.py: whether the model keeps attention inside each packed example (checked on a tiny twin).
 - examples.py: the dataset the loop draws its batches from.
 - lora.py: `--lora r=..,alpha=..`: peft adapters on the model, saved in peft's layout, merged on request.
 """
