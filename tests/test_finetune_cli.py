@@ -227,3 +227,11 @@ def test_held_out_records_from_val_data_or_a_dataset_dicts_validation_split(llam
         rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         evals[name] = [r["val_loss"] for r in rows if r.get("kind") == "eval"]
     assert evals["files"] == evals["dict"] and len(evals["files"]) == 1
+
+
+def test_resuming_with_another_lora_of_the_same_shapes_is_refused(llama, tmp_path, capsys):
+    data = h.write_jsonl(tmp_path / "chat.jsonl", h.chat_records(30))
+    out = tmp_path / "run"
+    assert main(_args(llama, data, out, "--lora", "r=4,alpha=8", "--stop-at", "2")) == 0
+    err = _error(capsys, _args(llama, data, out, "--lora", "r=4,alpha=16", "--resume"))
+    assert err.startswith("--lora: the checkpoint in") and "r=4,alpha=8" in err, err

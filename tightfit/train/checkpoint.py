@@ -307,14 +307,14 @@ RESUME_SETTINGS = {"model": None, "data": None, "optim": None,
 
 def changed_model(saved: dict, now: dict) -> tuple[str, object, object] | None:
     """(flag, saved, now) of the first setting that makes another model of the same shapes (the reference GPT's
-    heads, the model folder, the tokenizer's ids), or None. Resuming one with another model's weights would train
+    heads, the model folder, the tokenizer's ids, LoRA's alpha), or None. Resuming one with another model's weights would train
     without an error and mean nothing."""
     from tightfit.config import flag_name
 
     old, new = saved.get("model"), now.get("model", {})
     if not isinstance(old, dict):
         return None
-    names = ("model", "tokenizer") + (("n_layer", "n_head", "n_embd") if new.get("model") == "gpt" else ())
+    names = ("model", "tokenizer", "lora") + (("n_layer", "n_head", "n_embd") if new.get("model") == "gpt" else ())
     for name in names:
         if name in old and old[name] != new.get(name):
             return flag_name(name), old[name], new.get(name)
