@@ -11,7 +11,7 @@ import sys
 import sft_helpers as h
 from parallel_launch import ROOT, free_port, rank_env
 
-STEPS = 6
+STEPS = 4
 
 
 def _train(llama, data, out, *extra: str) -> list[float]:
