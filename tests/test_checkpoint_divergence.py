@@ -88,8 +88,11 @@ DIVERGING = {
 }
 
 
-@pytest.mark.parametrize("placement", ["plain", "host", "nvme"])
-@pytest.mark.parametrize("variant", list(DIVERGING))
+# Every variant on plain PyTorch, the offloaded placements with one in `make test` and all in `make test-slow`.
+@pytest.mark.parametrize("variant,placement", [
+    (variant, placement) if placement == "plain" or variant == "lr-slow" else
+    pytest.param(variant, placement, marks=pytest.mark.slow)
+    for placement in ("plain", "host", "nvme") for variant in DIVERGING])
 def test_following_the_divergence_advice_trains_on(tiny_args, tmp_path, capsys, placement, variant):
     """A divergence names a checkpoint that resuming from helps and the flags that do it: followed to the letter,
     the run trains to its end (issue 27). Nothing non-finite is saved; retention kept the healthy checkpoint."""

@@ -61,8 +61,10 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("mode,device", [("plain", "free"), ("preload", "free"), ("preload", "tight-device"),
-                                         ("early", "free"), ("early", "tight-device")])
+@pytest.mark.parametrize("mode,device", [("plain", "free"), pytest.param("preload", "free", marks=pytest.mark.slow),
+                                         ("preload", "tight-device"),
+                                         pytest.param("early", "free", marks=pytest.mark.slow),
+                                         ("early", "tight-device")])
 def test_step_with_room_for_one_unit_finishes(tmp_path, mode, device):
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), mode, "1.3", device], capture_output=True,
                           text=True, timeout=120)

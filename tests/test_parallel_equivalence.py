@@ -37,8 +37,20 @@ def test_two_processes():
         print(line)
 
 
+FOUR_QUICK = ["dp_tp", "zero2_tp", "pp_tp", "dp_pp:sched=1f1b", "zero3_pp", "tp:tp=4", "pp_tp:resume=1",
+              "dp_tp:accum=2"]
+"""The 4-process cases of `make test`: every pair of dimensions, resumed and accumulated once; all in test-slow."""
+
+
 def test_four_processes():
-    cases = FOUR + (FOUR_HF if HAS_HF else [])
+    cases = FOUR_QUICK + (FOUR_HF if HAS_HF else [])
+    for line in check_cases(torchrun_worker(4, cases, timeout=400), cases):
+        print(line)
+
+
+@pytest.mark.slow
+def test_four_processes_every_case():
+    cases = [c for c in FOUR if c not in FOUR_QUICK]
     for line in check_cases(torchrun_worker(4, cases, timeout=400), cases):
         print(line)
 

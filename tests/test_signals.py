@@ -98,7 +98,7 @@ def _trials(tiny_args, tmp_path, trials: int) -> None:
 
 
 def test_sigterm_during_checkpoint_writes_resumes_bit_identically(tiny_args, tmp_path):
-    _trials(tiny_args, tmp_path, trials=2)
+    _trials(tiny_args, tmp_path, trials=1)  # ten in make test-slow, below
 
 
 @pytest.mark.slow
@@ -123,7 +123,7 @@ def test_no_save_on_signal_stops_without_a_checkpoint(tiny_args, tmp_path):
 
 @pytest.mark.parametrize("sig,target", [("SIGTERM", "launcher"), pytest.param("SIGINT", "launcher",
                                                                                  marks=pytest.mark.slow),
-                                        ("SIGTERM", "agent")])
+                                        pytest.param("SIGTERM", "agent", marks=pytest.mark.slow)])
 def test_a_stop_signal_stops_every_rank_of_a_distributed_run_at_one_step(tiny_args, tmp_path, sig, target):
     """`tightfit train --nproc-per-node 2`: the signal reaches the launcher, which hands it to every rank; the ranks
     vote after each step, stop at the same one with a checkpoint, and the launcher exits 128 + the signal's number
