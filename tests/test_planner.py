@@ -517,6 +517,7 @@ def test_a_cached_profile_of_an_older_probe_is_measured_again(tmp_path, monkeypa
     assert load_cached() is not None and load_cached().probe_version == PROBE_VERSION
 
 
+@pytest.mark.slow  # a whole probe in this process (14 s); a run probes in a child since (load_or_probe)
 def test_probing_leaves_the_seeded_generator_alone(tmp_path, monkeypatch):
     """A plan probes when no profile is cached, after the run has seeded torch and before it trains. The probe's
     random operands must not come from the global generator: the same run would otherwise draw other dropout masks
