@@ -52,9 +52,15 @@ def _link(section: str, text: str) -> str:
     return f"[{text}](#{section})"
 
 
+def _where(d: dict) -> str:
+    """Machine, date, commit (where the benchmark recorded it) and the section, for a table's caption."""
+    commit = f", commit {d['commit']}" if d.get("commit") else ", commit not recorded"
+    return f"{d['machine']}, {d['date']}{commit}; {_link(d['section'], 'the section')}"
+
+
 def fsdp_table(runs) -> list[str]:
-    lines = ["| GPU run | FSDP2 CPU offload | tightfit (its plan) | ratio | tightfit at FSDP2's peak memory | ratio |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["| GPU run (its torch) | FSDP2 CPU offload | tightfit (its plan) | ratio | tightfit at FSDP2's peak memory "
+             "| ratio |", "| --- | --- | --- | --- | --- | --- |"]
     for name, d in reversed(runs):
         f = d.get("fsdp")
         if not f or "tokens_per_s_ratio" not in f:
@@ -63,7 +69,8 @@ def fsdp_table(runs) -> list[str]:
         gib = lambda side: (f"{f[side]['peak_cuda_allocated'] / 2**30:.2f} GiB"
                             if "peak_cuda_allocated" in f[side] else "-")
         lines.append(
-            f"| {name} ({c['layers']} layers x {c['embd']}, {c['dtype']}, cap {c['cap_gib']:g} GiB) | "
+            f"| {name} ({d.get('env', {}).get('torch', '?')}; {c['layers']} layers x {c['embd']}, {c['dtype']}, "
+            f"cap {c['cap_gib']:g} GiB) | "
             f"{f['fsdp2']['tokens_per_s']:,.0f} tok/s, {gib('fsdp2')} | {f['tightfit']['tokens_per_s']:,.0f} tok/s, "
             f"{gib('tightfit')} | **{f['tokens_per_s_ratio']:.2f}x** | "
             f"{f['tightfit-at-fsdp2-peak']['tokens_per_s']:,.0f} tok/s, {gib('tightfit-at-fsdp2-peak')} | "
@@ -76,7 +83,7 @@ def deepspeed_table() -> list[str]:
     for d in reversed(results("deepspeed")):
         ratios = [p["tightfit_step_s"] / p["deepspeed_step_s"] for p in d["pairs"]]
         rss = [p["tightfit_rss_gb"] / p["deepspeed_rss_gb"] for p in d["pairs"]]
-        lines += [f"{d['figure']} ({d['machine']}, {d['date']}; {_link(d['section'], 'the section')}):", "",
+        lines += [f"{d['figure']} ({_where(d)}):", "",
                   "| pair | tightfit step | DeepSpeed step | ratio | peak RSS tightfit / DeepSpeed |",
                   "| --- | --- | --- | --- | --- |"]
         for i, p in enumerate(d["pairs"], 1):
@@ -105,7 +112,7 @@ def plan_table(runs) -> list[str]:
 def ddp_table() -> list[str]:
     lines = []
     for d in reversed(results("ddp-engine")):
-        lines += [f"{d['figure']} ({d['machine']}, {d['date']}; {_link(d['section'], 'the section')}):", "",
+        lines += [f"{d['figure']} ({_where(d)}):", "",
                   "| run | loop seconds (two rounds) |", "| --- | --- |"]
         for r in d["runs"]:
             lines.append(f"| {r['run']} | {' / '.join(f'{s:.2f}' for s in r['seconds'])} |")
@@ -116,7 +123,7 @@ def ddp_table() -> list[str]:
 def tokenize_table() -> list[str]:
     lines = []
     for d in reversed(results("sft-tokenize")):
-        lines += [f"{d['figure']} ({d['machine']}, {d['date']}; {_link(d['section'], 'the section')}):", "",
+        lines += [f"{d['figure']} (`{d['command']}`; {_where(d)}):", "",
                   "| tokenizer of the records | seconds | MB/s | peak RSS |", "| --- | --- | --- | --- |"]
         for name, r in d["rows"].items():
             lines.append(f"| {name} | {r['wall_s']:.1f} | {d['mb'] / r['wall_s']:.2f} | {r['peak_rss_mib']:.0f} MiB |")
