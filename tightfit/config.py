@@ -39,9 +39,9 @@ class ModelConfig:
     n_embd: int = _f(128, "reference GPT: residual width")
     tokenizer: str | None = _f(None, "local Hugging Face tokenizer folder; for records, the --model hf:DIR folder's "
                                      "own when it has one (default: byte-level tokens, vocab 256)")
-    lora: str | None = _f(None, "train LoRA adapters (peft) on a frozen base: r=16,alpha=32,dropout=0.05,"
-                                "targets=q_proj,k_proj,v_proj,o_proj (each key optional; default: r=16,alpha=32,"
-                                "dropout=0,targets=all-linear)")
+    lora: str | None = _f(None, "train LoRA adapters (peft) on a frozen base, e.g. r=16,alpha=32,dropout=0.05,"
+                                "targets=q_proj,k_proj,v_proj,o_proj (default: off; a key left out is r=16, alpha=32, "
+                                "dropout=0, targets=all-linear)")
 
 
 @dataclass
