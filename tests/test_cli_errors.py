@@ -55,7 +55,7 @@ def test_help_says_each_default_once(capsys):
     assert "(default:byte-leveltokens,vocab256)" in text and "(default:1337)" in text
     # Each flag's help says "(default:" once: a help that words its default otherwise gets a second one appended.
     per_flag = re.split(r"(?=--[a-z])", text)
-    assert all(part.count("(default:") <= 1 for part in per_flag), [p for p in per_flag if p.count("(default:") > 1]
+    assert all(part.count("default:") <= 1 for part in per_flag), [p for p in per_flag if p.count("default:") > 1]
 
 
 def test_empty_data_folder(tiny_args, tmp_path, capsys):
