@@ -145,6 +145,7 @@ def block() -> str:
         "", *fsdp_table(runs), "",
         "![tightfit against FSDP2's CPU offload](../docs/img/fsdp2.png)", "",
         "### How fast against DeepSpeed ZeRO-3 with every state on NVMe", "", *deepspeed_table(),
+        "![tightfit against DeepSpeed ZeRO-3 on NVMe](../docs/img/deepspeed.png)", "",
         "### Several ranks with the offload engine", "", *ddp_table(),
         "### Fine-tuning records: tokenizing", "", *tokenize_table(),
         "### The plan against the run (lent H200)", "", *plan_table(runs), "",
@@ -177,6 +178,23 @@ def plots() -> list[Path]:
         ax.legend(fontsize=8)
         fig.tight_layout()
         written.append(IMAGES / "fsdp2.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    deepspeed = results("deepspeed")
+    if deepspeed:
+        d = deepspeed[-1]
+        fig, ax = plt.subplots(figsize=(7, 3.2))
+        pairs = d["pairs"]
+        xs = range(len(pairs))
+        ax.bar([x - 0.2 for x in xs], [p["deepspeed_step_s"] for p in pairs], 0.4, label="DeepSpeed ZeRO-3, NVMe")
+        ax.bar([x + 0.2 for x in xs], [p["tightfit_step_s"] for p in pairs], 0.4, label="tightfit, NVMe")
+        ax.set_xticks(list(xs), [f"pair {i + 1}" for i in xs])
+        ax.set_ylabel("seconds a step")
+        ax.set_ylim(0, 1.3 * max(p["deepspeed_step_s"] for p in pairs))
+        ax.set_title(f"GPT-2-small, every state on NVMe, 2-core CPU VM, {d['date']} (lower is better)")
+        ax.legend(fontsize=8, loc="upper center", ncol=2)
+        fig.tight_layout()
+        written.append(IMAGES / "deepspeed.png")
         fig.savefig(written[-1], dpi=110)
         plt.close(fig)
     points = []
