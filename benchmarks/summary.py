@@ -83,15 +83,13 @@ def deepspeed_table() -> list[str]:
     for d in reversed(results("deepspeed")):
         ratios = [p["tightfit_step_s"] / p["deepspeed_step_s"] for p in d["pairs"]]
         rss = [p["tightfit_rss_gb"] / p["deepspeed_rss_gb"] for p in d["pairs"]]
-        lines += [f"{d['figure']} ({_where(d)}):", "",
-                  "| pair | tightfit step | DeepSpeed step | ratio | peak RSS tightfit / DeepSpeed |",
-                  "| --- | --- | --- | --- | --- |"]
-        for i, p in enumerate(d["pairs"], 1):
-            lines.append(f"| {i} | {p['tightfit_step_s']:.2f} s | {p['deepspeed_step_s']:.2f} s | "
-                         f"{p['tightfit_step_s'] / p['deepspeed_step_s']:.2f} | "
-                         f"{p['tightfit_rss_gb']:.2f} / {p['deepspeed_rss_gb']:.2f} GB |")
-        lines += ["", f"Step time {min(ratios):.2f}-{max(ratios):.2f}x DeepSpeed's, peak RSS {min(rss):.2f}-"
-                      f"{max(rss):.2f}x. Source: {d['source']}.", ""]
+        lines += _table(f"{d['figure']} ({_where(d)}):",
+                        ["pair", "tightfit step", "DeepSpeed step", "ratio", "peak RSS tightfit / DeepSpeed"],
+                        [[str(i), f"{p['tightfit_step_s']:.2f} s", f"{p['deepspeed_step_s']:.2f} s", f"{ratio:.2f}",
+                          f"{p['tightfit_rss_gb']:.2f} / {p['deepspeed_rss_gb']:.2f} GB"]
+                         for i, (p, ratio) in enumerate(zip(d["pairs"], ratios), 1)])
+        lines += [f"Step time {min(ratios):.2f}-{max(ratios):.2f}x DeepSpeed's, peak RSS {min(rss):.2f}-"
+                  f"{max(rss):.2f}x. Source: {d['source']}.", ""]
     return lines
 
 
@@ -109,25 +107,27 @@ def plan_table(runs) -> list[str]:
     return lines
 
 
+def _table(caption: str, header: list[str], rows: list[list[str]]) -> list[str]:
+    """A captioned Markdown table, with the blank lines around it."""
+    return [caption, "", "| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |",
+            *("| " + " | ".join(r) + " |" for r in rows), ""]
+
+
 def ddp_table() -> list[str]:
     lines = []
     for d in reversed(results("ddp-engine")):
-        lines += [f"{d['figure']} ({_where(d)}):", "",
-                  "| run | loop seconds (two rounds) |", "| --- | --- |"]
-        for r in d["runs"]:
-            lines.append(f"| {r['run']} | {' / '.join(f'{s:.2f}' for s in r['seconds'])} |")
-        lines.append("")
+        lines += _table(f"{d['figure']} ({_where(d)}):", ["run", "loop seconds (two rounds)"],
+                        [[r["run"], " / ".join(f"{s:.2f}" for s in r["seconds"])] for r in d["runs"]])
     return lines
 
 
 def tokenize_table() -> list[str]:
     lines = []
     for d in reversed(results("sft-tokenize")):
-        lines += [f"{d['figure']} (`{d['command']}`; {_where(d)}):", "",
-                  "| tokenizer of the records | seconds | MB/s | peak RSS |", "| --- | --- | --- | --- |"]
-        for name, r in d["rows"].items():
-            lines.append(f"| {name} | {r['wall_s']:.1f} | {d['mb'] / r['wall_s']:.2f} | {r['peak_rss_mib']:.0f} MiB |")
-        lines.append("")
+        lines += _table(f"{d['figure']} (`{d['command']}`; {_where(d)}):",
+                        ["tokenizer of the records", "seconds", "MB/s", "peak RSS"],
+                        [[name, f"{r['wall_s']:.1f}", f"{d['mb'] / r['wall_s']:.2f}", f"{r['peak_rss_mib']:.0f} MiB"]
+                         for name, r in d["rows"].items()])
     return lines
 
 

@@ -83,6 +83,9 @@ class Rows:
 class ExampleDataset:
     """Training and held-out rows, and the batches of each step (`step_batches`, as TokenDataset answers it)."""
 
+    answers_only = True
+    """Only answer tokens carry loss: the loss and tokens/s count them (`last_step_tokens`)."""
+
     def __init__(self, train: Rows, val: Rows, seed: int, pad_id: int, vocab_size: int, describe: str,
                  isolation: str | None = None) -> None:
         if not len(train):
@@ -122,10 +125,10 @@ class ExampleDataset:
         rows = [self._row_of(step * per_step + i) for i in range(per_step)]
         total, mine = 0, []
         for i in range(shares * count):
-            inputs, targets, positions = self.train.batch(rows[i * size:(i + 1) * size], self.pad_id)
-            total += int((targets != IGNORE).sum())
+            batch = Batch(*self.train.batch(rows[i * size:(i + 1) * size], self.pad_id))
+            total += batch.loss_tokens
             if i // count == share:
-                mine.append(Batch(inputs, targets, positions))
+                mine.append(batch)
         self.last_step_tokens = total
         for b in mine:
             b.per_token = shares / total if total else 0.0
@@ -135,10 +138,7 @@ class ExampleDataset:
         """The first `n_batches` batches of held-out rows (fewer where there are fewer rows): the mean of their
         losses is the mean over all their answer tokens."""
         rows = list(range(min(len(self.val), n_batches * batch_size)))
-        out = []
-        for i in range(0, len(rows), batch_size):
-            inputs, targets, positions = self.val.batch(rows[i:i + batch_size], self.pad_id)
-            out.append(Batch(inputs, targets, positions))
+        out = [Batch(*self.val.batch(rows[i:i + batch_size], self.pad_id)) for i in range(0, len(rows), batch_size)]
         total = sum(b.loss_tokens for b in out)
         for b in out:
             b.per_token = len(out) / total if total else 0.0

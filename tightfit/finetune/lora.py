@@ -82,9 +82,10 @@ def _peft():
     return peft
 
 
-def add_lora(model: torch.nn.Module, spec: str, seed: int) -> torch.nn.Module:
+def add_lora(model: torch.nn.Module, spec: str, seed: int, base: str = "") -> torch.nn.Module:
     """`model` with LoRA adapters (peft), the base frozen, the adapters at their initial values (`initial_value`)
-    where the model is real; a model on the meta device gets them from `lora_values` with the rest of its state."""
+    where the model is real; a model on the meta device gets them from `lora_values` with the rest of its state.
+    `base`: what the adapter's config names as its base model (the --model folder)."""
     from tightfit.models.build import is_hf_model
 
     if not is_hf_model(model):
@@ -96,6 +97,7 @@ def add_lora(model: torch.nn.Module, spec: str, seed: int) -> torch.nn.Module:
             model = peft.get_peft_model(model, config)
         except ValueError as e:  # a target the model does not have
             raise UsageError(f"--lora: {str(e).splitlines()[0][:160]}") from None
+    model.peft_config[ADAPTER].base_model_name_or_path = base  # get_peft_model sets it from the model's config
     for name, p in model.named_parameters():
         if p.requires_grad:
             if not name.endswith((f".lora_A.{ADAPTER}.weight", f".lora_B.{ADAPTER}.weight")):
@@ -164,7 +166,7 @@ def adapter_tensors(state: Iterable[tuple[str, torch.Tensor]], prefix: str = "mo
             yield name.replace(f".{ADAPTER}.", "."), t
 
 
-def save_adapter(folder: str | Path, config, tensors: Iterable[tuple[str, torch.Tensor]], base: str) -> None:
+def save_adapter(folder: str | Path, config, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """`folder` as `PeftModel.save_pretrained` writes it: adapter_model.safetensors and adapter_config.json, each
     written to a temporary name and renamed."""
     from safetensors.torch import save_file
@@ -179,7 +181,6 @@ def save_adapter(folder: str | Path, config, tensors: Iterable[tuple[str, torch.
     os.chmod(tmp, 0o644)
     os.replace(tmp, folder / "adapter_model.safetensors")
     d = config.to_dict()
-    d["base_model_name_or_path"] = base
     d = {k: (sorted(v) if isinstance(v, set) else v) for k, v in d.items()}
     tmp = folder / ".adapter_config.json.tmp"
     tmp.write_text(json.dumps(d, indent=2, default=str))

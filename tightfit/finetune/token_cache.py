@@ -120,7 +120,8 @@ def tokenize_records(files: list[Path], root: Path, tokenizer, *, forced_format:
                     say(f"tokenizing {flag}: {n_records:,} records, {n_tokens:,} tokens, "
                         f"{n_records / max(now - start, 1e-9):,.0f} records/s")
         if not n_examples:
-            raise UsageError(f"{flag}: no example to train on in {files[0] if len(files) == 1 else str(len(files)) + ' files'}"
+            where = files[0] if len(files) == 1 else f"{len(files)} files"
+            raise UsageError(f"{flag}: no example to train on in {where}"
                              + (f" ({sum(skipped.values())} bad records skipped)" if skipped else ""))
         np.frombuffer(offsets, dtype=np.int64).astype("<i8").tofile(partial / "offsets.bin")
         meta = {"version": CACHE_VERSION, "format": fmt, "records": n_records, "examples": n_examples,

@@ -87,9 +87,8 @@ def tokenizer_folder(cfg) -> str | None:
     from tightfit.models.build import hf_path
 
     folder = hf_path(cfg.model.model)
-    if folder is not None and is_records(cfg.data.data) and any((Path(folder) / f).is_file() for f in _TOKENIZER_FILES):
-        return folder
-    return None
+    has_tokenizer = folder is not None and any((Path(folder) / f).is_file() for f in _TOKENIZER_FILES)
+    return folder if has_tokenizer and is_records(cfg.data.data) else None
 
 
 def get_tokenizer(spec: str | Path | None) -> ByteTokenizer | HFTokenizer:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tightfit.models.build import model_logits, model_loss
+
 IGNORE = -100
 """A target that carries no loss (F.cross_entropy's and Hugging Face's ignore index)."""
 
@@ -42,8 +44,6 @@ def as_batch(item) -> Batch:
 
 def batch_loss(model: torch.nn.Module, batch: Batch, device: torch.device, micro_batches: int) -> torch.Tensor:
     """The loss `batch` contributes to its step, in fp32 (see the module's docstring)."""
-    from tightfit.models.build import model_logits, model_loss
-
     x, y = batch.inputs.to(device), batch.targets.to(device)
     if batch.per_token is None:
         return model_loss(model, x, y) / micro_batches

@@ -314,7 +314,8 @@ def changed_model(saved: dict, now: dict) -> tuple[str, object, object] | None:
     old, new = saved.get("model"), now.get("model", {})
     if not isinstance(old, dict):
         return None
-    names = ("model", "tokenizer", "lora") + (("n_layer", "n_head", "n_embd") if new.get("model") == "gpt" else ())
+    gpt = ("n_layer", "n_head", "n_embd") if new.get("model") == "gpt" else ()
+    names = ("model", "tokenizer", "lora", *gpt)
     for name in names:
         if name in old and old[name] != new.get(name):
             return flag_name(name), old[name], new.get(name)

@@ -170,6 +170,8 @@ class TokenDataset:
     val: Split
     seq_len: int
     vocab_size: int
+    answers_only = False
+    """Every target carries loss (a fine-tune's examples count only their answer tokens: finetune/examples.py)."""
 
     @classmethod
     def from_tokens(cls, tokens: np.ndarray, seq_len: int, val_fraction: float, vocab_size: int,

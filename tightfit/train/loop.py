@@ -220,7 +220,7 @@ def run(cfg: Config, world: World, *, quiet: bool = False, stopper: GracefulStop
     if cfg.model.lora:  # adapters on the frozen base, before any state is planned or loaded (finetune/lora.py)
         from tightfit.finetune.lora import add_lora
 
-        model = add_lora(model, cfg.model.lora, seed=t.seed)
+        model = add_lora(model, cfg.model.lora, seed=t.seed, base=str(Path(hf_path(cfg.model.model)).resolve()))
     # load_checkpoint refuses a missing, truncated or foreign file with a one-line --resume error.
     # Every tensor's name, shape and dtype is checked against this model, and the metadata, before any is loaded.
     resume = ckpt.load_checkpoint(out_dir, step=t.resume_step) if t.resume else None
@@ -239,14 +239,13 @@ def run(cfg: Config, world: World, *, quiet: bool = False, stopper: GracefulStop
     early = (lambda plan: room.check(plan, plan.prediction.peak.get("nvme", 0))) \
         if t.keep_checkpoints and t.steps > start_step and world.is_main else None
     trainee = world.trainee(model, cfg, device, dtype, resume, planned=early, say=say)
-    trainee.base_name = str(Path(hf_path(cfg.model.model) or "").resolve()) if cfg.model.lora else ""
     loop = None
     try:
-        if not trainee.takes_examples and (hasattr(dataset, "last_step_tokens") or cfg.model.lora):
-            raise UsageError(f"--strategy: {'--lora' if cfg.model.lora else 'records (--data ' + str(cfg.data.data) + ')'}"
-                             " train in one process, or on several with --strategy ddp --offload host|nvme (the "
-                             "engine on every rank); the FSDP, tensor- and pipeline-parallel strategies take a text "
-                             "corpus and a whole model")
+        if not trainee.takes_examples and (dataset.answers_only or cfg.model.lora):
+            what = "--lora" if cfg.model.lora else f"records (--data {cfg.data.data})"
+            raise UsageError(f"--strategy: {what} train in one process, or on several with --strategy ddp --offload "
+                             "host|nvme (the engine on every rank); the FSDP, tensor- and pipeline-parallel strategies "
+                             "take a text corpus and a whole model")
         say(trainee.describe())
         loop = Run(cfg, world, trainee, dataset, resume, say, quiet, stopper, room)
         summary = loop.train()
@@ -311,7 +310,7 @@ class Run:
             self._resume(resume)
         self.room = room
         self.quiet = quiet
-        self.answers = hasattr(dataset, "last_step_tokens")  # records: the loss and tokens/s count answer tokens
+        self.answers = dataset.answers_only  # records: the loss and tokens/s count answer tokens
 
     def _resume(self, resume) -> None:
         """The data position, the RNGs and the loss scaler of the checkpoint; the state is in the trainee already.
@@ -519,8 +518,8 @@ class Run:
 
     def _export(self, check_finite: bool) -> None:
         with self.world.collective("the Hugging Face export"):
-            self.trainee.export_hf(self.cfg.train.export_hf, lambda: build_meta_model(self.cfg, adapters=False), check_finite,
-                                   merge_lora=self.cfg.train.merge_lora)
+            self.trainee.export_hf(self.cfg.train.export_hf, lambda: build_meta_model(self.cfg, adapters=False),
+                                   check_finite, merge_lora=self.cfg.train.merge_lora)
 
     def finish(self, step: int, seconds: float) -> Summary:
         """The end of the loop: the last checkpoint (and the export before it), the summary, the plan's report."""

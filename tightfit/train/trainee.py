@@ -58,8 +58,6 @@ class OneProcess:
     """A step draws one batch of `--micro-batch x --grad-accum` sequences (a pipeline splits it), not micro-batches."""
     takes_examples = True
     """Trains on fine-tuning batches (tightfit/train/batch.py: masks, packed positions, the step's token count)."""
-    base_name = ""
-    """What a LoRA adapter's config names as its base model (the --model folder)."""
 
     def __init__(self, mem: MemorySetup, device: torch.device, dtype: torch.dtype) -> None:
         self.mem, self.device, self.dtype = mem, device, dtype
@@ -126,7 +124,7 @@ class OneProcess:
             save_hf_model(meta_model(), folder, strip_prefix="model.",
                           tensors=lora.merged_tensors(checked(), config.lora_alpha / config.r))
         else:  # the adapter, as peft saves it
-            lora.save_adapter(folder, config, lora.adapter_tensors(checked()), base=self.base_name)
+            lora.save_adapter(folder, config, lora.adapter_tensors(checked()))
 
     def memory_in_use(self) -> dict[str, int]:
         return self.mem.memory_in_use()
