@@ -78,6 +78,9 @@ def test_the_engine_on_every_rank_trains_as_one_process(tiny_args, tmp_path, tie
         assert swap.is_dir() and not any(swap.iterdir()), list(swap.iterdir())  # each rank removed its own
     plan = next(r for r in _metrics(tmp_path / "two") if r["kind"] == "plan_vs_measured")
     assert len(plan["ranks"]) == 2
+    # the group's all-reduce measured before planning, and priced in the step (links.py)
+    assert plan["step_terms"]["allreduce_bus_bw"] > 0 and plan["step_terms"]["allreduce_s"] > 0
+    assert "bus bandwidth (measured in this run's group)" in proc.stdout
     for rank in plan["ranks"]:  # each rank's process within 10% of its own plan's
         rss = rank["rss_peak"]
         assert abs(rss["measured"] - rss["predicted"]) <= 0.10 * rss["predicted"], plan["ranks"]
@@ -177,4 +180,4 @@ def test_the_plan_of_every_rank(tmp_path, capsys):
     assert ranks["sent_bytes_per_step_per_rank"] == ranks["allreduce_bytes_per_step"]  # 2(n-1)/n = 1 for n = 2
     assert main(["plan", *common, "--nproc-per-node", "2", "--strategy", "ddp", "--offload", "nvme"]) == 0
     text = capsys.readouterr().out
-    assert "2 ranks, strategy ddp, the offload engine on each" in text and "not in the step time" in text
+    assert "2 ranks, strategy ddp, the offload engine on each" in text and "ms added to the predicted step" in text

@@ -178,11 +178,10 @@ class Replicated(OneProcess):
                 pass
 
 
-def average_over_ranks(engine) -> GradientAverager:
-    """Make `engine` one replica of the default process group's: its gradients averaged over every rank as they leave
-    the device. Collective: every rank calls it (it makes the averages' own process group)."""
-    group = dist.new_group(backend=dist.get_backend())  # the gradients' own: no interleaving with other collectives
-    averager = GradientAverager(group, dist.get_world_size())
+def average_over_ranks(engine, group) -> GradientAverager:
+    """Make `engine` one replica of `group`'s (every rank of the default group, in a process group of the
+    gradients' own: no interleaving with other collectives): its gradients averaged as they leave the device."""
+    averager = GradientAverager(group, dist.get_world_size(group))
     engine.shipper.reduce = averager
     return averager
 
@@ -216,10 +215,12 @@ def rank_config(cfg, rank: int, local: int | None = None, available: int | None 
 
 def rank_plan(cfg, hw=None) -> tuple[object, dict]:
     """`tightfit plan --nproc-per-node N --strategy ddp --offload host|nvme`: the plan of one rank (every rank's is
-    alike), made for its share of the node (`rank_config`) on `hw` (None: this machine), and what the gradients'
-    average sends per step (a ring all-reduce sends 2(n-1)/n of its bytes), which the step time does not count."""
-    from tightfit.config import precision_name
+    alike), made for its share of the node (`rank_config`) on `hw` (None: this machine), its step priced with the
+    gradients' average at the bus bandwidth `--interconnect` names (links.py: assumed; CPU ranks: gloo on one
+    machine), and what that average sends per step (a ring all-reduce sends 2(n-1)/n of its bytes)."""
+    from tightfit.parallel.links import assumed
     from tightfit.planner import make_plan
+    from tightfit.planner.averaging import allreduce_bytes
     from tightfit.train.loop import build_meta_model
 
     p = cfg.parallel
@@ -227,18 +228,16 @@ def rank_plan(cfg, hw=None) -> tuple[object, dict]:
     mine, _ = rank_config(cfg, 0, local=p.nproc_per_node, available=hw.host_available if hw is not None else None,
                           folder=False)
     model = build_meta_model(mine)
-    plan = make_plan(model, mine, hw, what_if=hw is not None)
-    trainable = sum(q.numel() for q in model.parameters() if q.requires_grad)
-    unit_major = plan.shape.unit_major
-    dtype = precision_name(cfg, "cuda" if hw is not None and hw.device_name != "cpu" else "cpu")
-    itemsize = 4 if unit_major or dtype == "fp32" else 2  # unit-major sums are fp32; else each micro-batch's grads
-    times = 1 if unit_major else cfg.train.grad_accum
-    averaged = trainable * itemsize * times
-    sent = int(2 * (ranks - 1) / ranks * averaged)
+    cuda = hw.cuda if hw is not None else torch.cuda.is_available()
+    averaging = assumed(ranks, p.interconnect, cuda and cfg.train.device != "cpu")
+    plan = make_plan(model, mine, hw, what_if=hw is not None, averaging=averaging)
+    averaged = allreduce_bytes(plan.profile, plan.shape)
     return plan, {"ranks": ranks, "strategy": "ddp", "engine": True, "cpu_mem_per_rank": mine.memory.cpu_mem,
                   "nvme_per_rank": mine.memory.nvme, "allreduce_bytes_per_step": averaged,
-                  "sent_bytes_per_step_per_rank": sent, "allreduce_times_per_step": times,
-                  "order": "unit" if unit_major else "micro"}
+                  "sent_bytes_per_step_per_rank": int(2 * (ranks - 1) / ranks * averaged),
+                  "allreduce_times_per_step": plan.shape.passes, "allreduce_bus_bw": averaging.bus_bw,
+                  "allreduce_bw_source": averaging.source, "allreduce_s": plan.prediction.allreduce_s,
+                  "order": "unit" if plan.shape.unit_major else "micro"}
 
 
 def rank_plan_text(plan, ranks: dict) -> str:
@@ -254,14 +253,16 @@ def rank_plan_text(plan, ranks: dict) -> str:
     return (f"{ranks['ranks']} ranks, strategy ddp, the offload engine on each: every rank's plan is this one, for "
             f"{host} of host memory{disk}\n{plan.table()}\n"
             f"gradients averaged over the ranks {once}: {format_size(ranks['allreduce_bytes_per_step'])} a step, "
-            f"{format_size(ranks['sent_bytes_per_step_per_rank'])} sent by each rank (ring all-reduce); not in the "
-            "step time above")
+            f"{format_size(ranks['sent_bytes_per_step_per_rank'])} sent by each rank (ring all-reduce) at "
+            f"{ranks['allreduce_bus_bw'] / 1e9:.2f} GB/s bus bandwidth ({ranks['allreduce_bw_source']}): "
+            f"{ranks['allreduce_s'] * 1e3:.1f} ms added to the predicted step")
 
 
 def replicate(model: torch.nn.Module, cfg, world, device: torch.device, dtype: torch.dtype, resume,
               planned: Callable | None, say: Callable[[str], None]) -> Replicated:
     """This rank's replica: `model` held by its own engine as its plan says, its gradients averaged over `world`."""
     from tightfit.offload.step.engine import find_engine
+    from tightfit.parallel.links import measured
     from tightfit.planner.probe import load_or_probe
 
     mine, swap = rank_config(cfg, world.rank)
@@ -274,6 +275,9 @@ def replicate(model: torch.nn.Module, cfg, world, device: torch.device, dtype: t
     if world.is_main:
         load_or_probe(str(swap) if swap is not None else None)
     world.barrier("the hardware probe")
-    inner = one_process(model, mine, device, dtype, resume, planned if world.is_main else None, say)
-    averager = average_over_ranks(find_engine(inner.model))
+    group = dist.new_group(backend=dist.get_backend())  # the gradients' own
+    with world.collective("the all-reduce's bandwidth, measured before planning"):
+        averaging = measured(group, device, cfg.parallel.interconnect)
+    inner = one_process(model, mine, device, dtype, resume, planned if world.is_main else None, say, averaging)
+    averager = average_over_ranks(find_engine(inner.model), group)
     return Replicated(inner, world, averager, swap, made)

@@ -69,6 +69,7 @@ from dataclasses import dataclass, field, replace
 from tightfit.offload import memory_model as mm
 from tightfit.offload.device_kind import separate_memory
 from tightfit.offload.placement import ROOT_UNIT, Placement, State, Tier
+from tightfit.planner.averaging import allreduce_in_step
 from tightfit.planner.hardware import HardwareProfile
 from tightfit.planner.model_profile import ModelProfile, UnitProfile
 from tightfit.planner.work import Work
@@ -97,6 +98,15 @@ class TrainShape:
     boundaries_on_host: bool = False
     """In unit-major order, the units' inputs saved for backward wait in host memory, not on the device
     ([Note: boundaries on the host] in offload/step/boundaries.py): down and up the link once a step each."""
+    ranks: int = 1
+    """Replicas whose engines average their gradients as they leave the device (`--strategy ddp --offload
+    host|nvme`, tightfit/parallel/replicas.py): each pass's gradients cross the group once (planner/averaging.py)."""
+    allreduce_bw: float = 0.0
+    """The group's all-reduce bus bandwidth, bytes/s (tightfit/parallel/links.py); 0 with one rank."""
+    allreduce_on_link: bool = False
+    """The all-reduce crosses the lanes the host<->device copies use (GPUs on PCIe without NVLink)."""
+    allreduce_source: str = ""
+    """Where `allreduce_bw` comes from: measured in the run's group, or assumed for a named link."""
 
     @property
     def passes(self) -> int:
@@ -149,6 +159,9 @@ class Prediction:
     the step under the next forward])."""
     exposed_s: float = 0.0
     """Latency nothing hides: fetching the first units before compute can start."""
+    allreduce_s: float = 0.0
+    """Of phase A, the gradients' average over the ranks: all of its time on a CPU-only machine, the part the
+    backward does not hide on a GPU ([Note: the gradients' average in the step] in planner/averaging.py)."""
     phase_a_s: float = 0.0
     """Phase A: the forward and backward of every micro-batch, with the streams that overlap them."""
     step_s: float = 0.0
@@ -675,15 +688,18 @@ def step_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, 
     exposed = first / hw.h2d_bw if first else 0.0
     if any(placement.of(u.name).params == Tier.NVME for u in profile.units):
         exposed += first / hw.nvme_read_bw
+    reduce, tail = allreduce_in_step(profile, shape, hw.cuda)
     if hw.cuda:
-        link = link_time(tr, hw)
+        alone = link_time(tr, hw)
+        link = alone + (reduce if shape.allreduce_on_link else 0.0)
         backward_passes, step_passes = (b / host_pass_rate(hw) for b in host_pass_bytes(profile, placement, shape))
         early = steps_under_backward(profile, shape)
         # The last micro-batch's passes follow its gradients' arrivals: stepping under backward they queue with the
         # steps ([Note: one memory under backward]), otherwise phase A ends no earlier than they do. Phase A's
         # stream of passes holds the earlier micro-batches'.
         last_passes = sum(last_gradient_pass(u, placement, hw, shape) for u in profile.units)
-        phase_a = max(compute, link, disk_a, backward_passes - last_passes)
+        phase_a = max(compute, link, disk_a, backward_passes - last_passes, reduce) + tail
+        pred.allreduce_s = phase_a - max(compute, alone, disk_a, backward_passes - last_passes)
         cpu_step = cpu_opt / hw.cpu_adam_rate + step_passes
         if early:
             cpu_step = cpu_step_after_backward(profile, placement, hw, shape, phase_a)
@@ -698,12 +714,13 @@ def step_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, 
         opt += step_passes
         pred.passes_s = backward_passes + step_passes
         terms = {"compute" if kernels >= host else "host issuing ops": compute, "host<->device": link,
-                 "nvme": disk_a, "host gradient sums": backward_passes - last_passes}
+                 "nvme": disk_a, "host gradient sums": backward_passes - last_passes, "all-reduce": reduce + tail}
     else:
         # One set of cores: compute and memcpy serialise; the disk threads wait on DMA and overlap.
-        phase_a = max(compute + h2d + d2h, disk_a)
+        phase_a = max(compute + h2d + d2h + reduce, disk_a)
+        pred.allreduce_s = reduce
         phase_b = max(opt + h2d_b, disk_b)
-        terms = {"compute": compute, "host<->device": h2d + d2h, "nvme": disk_a}
+        terms = {"compute": compute, "host<->device": h2d + d2h, "nvme": disk_a, "all-reduce": reduce}
     pred.compute_s, pred.copy_s, pred.nvme_s, pred.optim_s = compute, h2d + d2h + h2d_b, disk_a + disk_b, opt
     pred.host_s = host
     pred.exposed_s = exposed
@@ -715,8 +732,8 @@ def step_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, 
     elif hw.cuda:
         pred.bottleneck = max(terms, key=terms.get)
     else:
-        pred.bottleneck = "nvme" if disk_a > compute + h2d + d2h else ("compute" if compute >= h2d + d2h
-                                                                      else "host<->device")
+        pred.bottleneck = "nvme" if disk_a > compute + h2d + d2h + reduce else \
+            max((k for k in terms if k != "nvme"), key=terms.get)
     tokens = shape.tokens_per_micro * a
     pred.tokens_per_s = tokens / pred.step_s if pred.step_s > 0 else 0.0
 

@@ -177,6 +177,8 @@ class Plan:
                  f"{format_size(pr.breakdown.get('device', {}).get('activations', 0))} at the device's peak",
                  f"  predicted step: {self._figure('step_s')} ({pr.tokens_per_s:,.0f} tokens/s), "
                  f"bottleneck: {pr.bottleneck}; the host issues its ops in {pr.host_s * 1e3:.1f} ms"]
+        if self.shape.ranks > 1:
+            lines.append(f"  {self.averaging_line()}")
         extras = []
         if p.checkpoint_units:
             extras.append(f"checkpointing {len(p.checkpoint_units)} unit(s)")
@@ -257,6 +259,8 @@ class Plan:
                         if self.hardware.cuda and self.shape.engine else "")
                      + (f"; the CPU's passes besides AdamW {pr.passes_s * 1e3:.1f} ms (gradient sums in backward, "
                         f"the rest in the optimizer's)" if pr.passes_s else ""))
+        if self.shape.ranks > 1:
+            lines.append(self.averaging_line())
         lines.append(f"predicted step: {pr.step_s * 1e3:.1f} ms ({pr.tokens_per_s:,.0f} tokens/s); "
                      f"bottleneck: {pr.bottleneck}")
         if self.reasons:
@@ -266,6 +270,19 @@ class Plan:
             lines.append(f"- note: {self.profile.note}")
         lines += [f"- assumed: {a}" for a in self.hardware.assumptions]
         return "\n".join(lines)
+
+    def averaging_line(self) -> str:
+        """One rank of replicas: what averaging the gradients over the group costs its step."""
+        from tightfit.planner.averaging import allreduce_bytes
+
+        sh, pr = self.shape, self.prediction
+        if not self.hardware.cuda:
+            where = "on the cores the step computes on"
+        else:
+            where = "over the host<->device link's lanes" if sh.allreduce_on_link else "beside the backward"
+        return (f"gradients averaged over {sh.ranks} ranks: {format_size(allreduce_bytes(self.profile, sh))} a step "
+                f"at {sh.allreduce_bw / 1e9:.2f} GB/s bus bandwidth ({sh.allreduce_source}): "
+                f"{pr.allreduce_s * 1e3:.1f} ms added to the step ({where})")
 
     def compare(self, measured: dict) -> str:
         """Predicted vs measured, one line per quantity measured.

@@ -7,6 +7,8 @@ itself knows nothing about flags.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn as nn
 
@@ -24,7 +26,7 @@ from tightfit.utils.sizes import format_size
 
 
 def make_plan(model: nn.Module, cfg, hardware: HardwareProfile | None = None, names: Naming = CLI,
-              what_if: bool = False, autocast: bool = True) -> Plan:
+              what_if: bool = False, autocast: bool = True, averaging=None) -> Plan:
     """Plan where every state of `model` (which may live on the meta device) goes, and predict the result.
 
     `hardware`: a profile to plan for (tests, what-ifs); None reads this machine's cached profile (probing it
@@ -32,8 +34,9 @@ def make_plan(model: nn.Module, cfg, hardware: HardwareProfile | None = None, na
     `--hardware` file or named profile): nothing of this machine is read into it. `names`: how messages name the
     settings (CLI flags, or the keyword arguments of `tightfit.plan`). `autocast`: the loop runs a bf16/fp16
     forward under `torch.autocast`, as `tightfit train` and the Hugging Face Trainer do (the trace then makes its
-    casts: planner/autocast_trace.py); False for a loop that runs the compute dtype as given. Raises UsageError
-    when no placement fits.
+    casts: planner/autocast_trace.py); False for a loop that runs the compute dtype as given. `averaging`: the plan
+    is one rank's of replicas that average their gradients over a group (`tightfit.parallel.links.Averaging`),
+    priced in its step. Raises UsageError when no placement fits.
     """
     from tightfit.config import parse_nvme, precision_name
 
@@ -53,6 +56,9 @@ def make_plan(model: nn.Module, cfg, hardware: HardwareProfile | None = None, na
                        tokens_per_micro=cfg.train.micro_batch * cfg.train.seq_len,
                        grad_clip=cfg.optim.grad_clip > 0, checkpoints=cfg.train.keep_checkpoints > 0,
                        engine=cfg.memory.offload != "none")
+    if averaging is not None and averaging.ranks > 1:
+        shape = replace(shape, ranks=averaging.ranks, allreduce_bw=averaging.bus_bw,
+                        allreduce_on_link=averaging.on_link, allreduce_source=averaging.source)
     mode = cfg.memory.offload
     accumulation = _accumulation(cfg, profile, names)
 
@@ -150,8 +156,6 @@ def choose_accumulation(place, shape: TrainShape, forced: bool, names: Naming, b
     keep unit-major unless micro-batch-major is faster or it alone fits, and say why in the plan's reasons.
     `boundaries`: where unit-major order keeps the units' saved inputs ("auto": on the device if they fit there, else
     in host memory, [Note: boundaries on the host] in offload/step/boundaries.py)."""
-    from dataclasses import replace
-
     m = shape.grad_accum
     unit = None
     for on_host in {"device": (False,), "host": (True,), "auto": (False, True)}[boundaries]:
@@ -188,8 +192,9 @@ def choose_accumulation(place, shape: TrainShape, forced: bool, names: Naming, b
         micro.reasons.insert(0, f"accumulation: micro-batch-major ({b * 1e3:.0f} ms per step, against "
                                 f"{u * 1e3:.0f} ms unit-major: {why})")
         return micro
+    averaged = f" and averaged over the {shape.ranks} ranks once" if shape.ranks > 1 else ""
     unit.reasons.insert(0, f"accumulation: unit-major, each unit runs the {m} micro-batches back to back: its "
-                           f"params cross once a step and its gradients leave once, summed on the device "
+                           f"params cross once a step and its gradients leave once, summed on the device{averaged} "
                            f"({u * 1e3:.0f} ms per step, against {b * 1e3:.0f} ms micro-batch-major)")
     return unit
 

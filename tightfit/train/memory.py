@@ -362,8 +362,8 @@ class OffloadMemory(_Stepping):
                 "measured": self._measured(step_seconds),
                 "step_terms": {"compute_s": pr.compute_s, "host_s": pr.host_s, "copy_s": pr.copy_s,
                                "nvme_s": pr.nvme_s, "optim_s": pr.optim_s, "passes_s": pr.passes_s,
-                               "optim_after_s": pr.optim_after_s,
-                               "bottleneck": pr.bottleneck},
+                               "optim_after_s": pr.optim_after_s, "allreduce_s": pr.allreduce_s,
+                               "allreduce_bus_bw": self.plan.shape.allreduce_bw, "bottleneck": pr.bottleneck},
                 "hardware": {k: getattr(hw, k) for k in ("device_name", "op_overhead_s", "unit_overhead_s",
                                                          "stream_overhead_s", "step_overhead_s", "duplex_bw",
                                                          "host_pass_bw", "device_workspace", "probe_version",
@@ -386,11 +386,11 @@ def cap_device_memory(device: torch.device, gpu_mem: int) -> float | None:
 
 
 def setup_memory(model: nn.Module, cfg: Config, device: torch.device, dtype: torch.dtype,
-                 planned: Callable | None = None, autocast: bool = True) -> MemorySetup:
+                 planned: Callable | None = None, autocast: bool = True, averaging=None) -> MemorySetup:
     """Pick how the run holds its model: plain PyTorch (--offload none), or the offload engine with the plan.
     `planned(plan)` runs once the plan is made, before the engine allocates anything (a check that can refuse the
     run while that is cheap). `autocast`: whether the loop's forward runs under `torch.autocast` (`tightfit
-    train`'s does; `make_plan`)."""
+    train`'s does; `make_plan`). `averaging`: one rank of replicas averaging gradients (`make_plan`)."""
     if cfg.memory.gpu_mem is not None:
         from tightfit.utils.sizes import parse_size
 
@@ -404,7 +404,7 @@ def setup_memory(model: nn.Module, cfg: Config, device: torch.device, dtype: tor
     # The plan's floor is this process's, measured now (the probe's is a fresh process without the data set).
     hw = load_or_probe(parse_nvme(cfg.memory.nvme)[0] if cfg.memory.nvme else None)
     hw = replace(hw, runtime_rss=max(hw.runtime_rss, process_floor(model, device, dtype)))
-    plan = make_plan(model, cfg, hw, autocast=autocast)
+    plan = make_plan(model, cfg, hw, autocast=autocast, averaging=averaging)
     if planned is not None:
         planned(plan)
     return OffloadMemory(model, cfg, device, dtype, plan)

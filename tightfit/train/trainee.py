@@ -158,8 +158,9 @@ def streams_weights(cfg) -> bool:
 
 
 def one_process(model: torch.nn.Module, cfg, device: torch.device, dtype: torch.dtype, resume,
-                planned: Callable | None, say: Callable[[str], None]) -> OneProcess:
-    """`model` held as `cfg` says (`setup_memory`), with the resumed state or a streamed model's weights in it."""
+                planned: Callable | None, say: Callable[[str], None], averaging=None) -> OneProcess:
+    """`model` held as `cfg` says (`setup_memory`), with the resumed state or a streamed model's weights in it.
+    `averaging`: the model is one rank's replica (tightfit/parallel/replicas.py), its plan priced so."""
     from tightfit.models.build import hf_path
 
     # Planning measures this process's memory floor (it builds and steps a small model): with torch's global RNG
@@ -167,7 +168,7 @@ def one_process(model: torch.nn.Module, cfg, device: torch.device, dtype: torch.
     # offload mode's before).
     shapes = {n: p.shape for n, p in model.named_parameters()}  # as built, before the engine holds them
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        mem = setup_memory(model, cfg, device, dtype, planned=planned)
+        mem = setup_memory(model, cfg, device, dtype, planned=planned, averaging=averaging)
     trainee = OneProcess(mem, device, dtype)
     try:
         if resume is not None:

@@ -1,0 +1,62 @@
+"""The gradients' average over replicas, priced in a rank's step: the planner's model of parallel/replicas.py.
+
+[Note: the gradients' average in the step] With `--strategy ddp --offload host|nvme` each rank's engine averages
+its gradients over the group as they leave the device (parallel/replicas.py): every trainable gradient once per
+pass (per micro-batch in micro-batch-major order, in the compute dtype; once a step as fp32 sums in unit-major
+order), `allreduce_bytes`. A ring all-reduce of B bytes over n ranks takes 2(n-1)/n x B / bus bandwidth; the bus
+bandwidth is measured in the run's group before it plans, or assumed for `tightfit plan` (parallel/links.py).
+- On a CPU-only machine gloo adds, sums and copies through loopback on the cores the step computes on, and a
+  message waits for its peer's thread to be scheduled beside them: beside a step it moved its bytes at 0.35 of its
+  idle bus bandwidth (GLOO_BESIDE_A_STEP; 2 ranks on the 2-core VM, 13 M parameters: 206 MB a step in 340 ms more
+  than one process's step in micro-batch-major order, 52 MB in 85 ms in unit-major order, against 1.5-1.95 GB/s
+  idle; benchmarks/RESULTS.md batch AK). It adds to phase A.
+- On a GPU, NCCL runs beside the backward on its own stream: phase A is the longer of the backward's streams and
+  the all-reduces, plus the root's average, which starts when the backward ends (its gradients are the last). Over
+  PCIe without NVLink the all-reduce crosses the lanes the offload's copies use, and is added to the link's time.
+Nothing here is measured on a GPU yet.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tightfit.offload.placement import ROOT_UNIT
+
+if TYPE_CHECKING:
+    from tightfit.planner.costs import TrainShape
+    from tightfit.planner.model_profile import ModelProfile
+
+
+GLOO_BESIDE_A_STEP = 0.35
+"""On a CPU-only machine a gloo all-reduce runs on the cores the step computes on: beside a step it moved its bytes
+at 0.35 of the bus bandwidth measured idle ([Note: the gradients' average in the step])."""
+
+
+def allreduce_bytes(profile: ModelProfile, shape: TrainShape) -> int:
+    """Bytes each rank averages per step: every trainable gradient once per pass, as the engine holds it when it
+    leaves the device (the compute dtype's `param.grad` in micro-batch-major order, the fp32 sums in unit-major
+    order, [Note: gradient sums on the device] in offload/step/unit.py)."""
+    if shape.ranks < 2:
+        return 0
+    itemsize = 4 if shape.unit_major else shape.compute_bytes
+    return sum(u.trainable for u in profile.units) * itemsize * shape.passes
+
+
+def allreduce_time(nbytes: float, shape: TrainShape) -> float:
+    """Seconds a ring all-reduce of `nbytes` takes over the group at its bus bandwidth, idle."""
+    if shape.ranks < 2 or not nbytes:
+        return 0.0
+    return 2 * (shape.ranks - 1) / shape.ranks * nbytes / shape.allreduce_bw
+
+
+def allreduce_in_step(profile: ModelProfile, shape: TrainShape, cuda: bool) -> tuple[float, float]:
+    """(the all-reduces' time beside phase A, the tail after the backward) of a step ([Note: the gradients' average
+    in the step])."""
+    whole = allreduce_time(allreduce_bytes(profile, shape), shape)
+    if not whole:
+        return 0.0, 0.0
+    if not cuda:
+        return whole / GLOO_BESIDE_A_STEP, 0.0
+    root = sum(u.trainable for u in profile.units if u.name == ROOT_UNIT)  # its gradients are the backward's last
+    itemsize = 4 if shape.unit_major else shape.compute_bytes
+    return whole, allreduce_time(root * itemsize, shape)
