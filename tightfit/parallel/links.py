@@ -7,8 +7,8 @@ weigh the two orders by it and the plan can be checked against the run.
 
 The figure is the bus bandwidth nccl-tests reports: a ring all-reduce of B bytes over n ranks sends and receives
 2(n-1)/n x B per rank, and takes 2(n-1)/n x B / bus_bw seconds, whatever n. A run measures it in its own group
-before it plans (`measure_bus_bw`: a few all-reduces of the size a unit's gradients have, idle, on the process
-group the gradients use). `tightfit plan` has no group: it assumes the figure of the link named by `--interconnect`
+before it plans (`measure_bus_bw`: the median of five all-reduces of 16 MiB, idle, on the process group the
+gradients use). `tightfit plan` has no group: it assumes the figure of the link named by `--interconnect`
 (`ASSUMED_BUS_BW`), or, planning this machine's CPU ranks, gloo between processes on one machine; the plan says
 which.
 """
@@ -37,8 +37,9 @@ batch AK); what `tightfit plan` assumes for this machine's CPU ranks."""
 SHARES_LINK = ("pcie",)
 """Interconnects whose all-reduce crosses the lanes the offload's copies use: its bytes queue with theirs."""
 
-PROBE_BYTES = 8 << 20
-"""The probe's all-reduce: large enough that its fixed cost (~0.5 ms on gloo) is a small part of it."""
+PROBE_BYTES = 16 << 20
+"""The probe's all-reduce: large enough that its fixed cost (~0.5 ms on gloo) is a small part of it (on the 2-core
+VM the median of five at 8 MiB ranged 1.4-2.8 GB/s from one probe to the next, at 16 MiB 1.4-1.8)."""
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ def assumed(ranks: int, interconnect: str | None, cuda: bool) -> Averaging:
     return Averaging(ranks, ASSUMED_BUS_BW[link], f"assumed for {link}", link in SHARES_LINK)
 
 
-def measure_bus_bw(group, device: torch.device, repeats: int = 3) -> float:
+def measure_bus_bw(group, device: torch.device, repeats: int = 5) -> float:
     """The bus bandwidth of an all-reduce of PROBE_BYTES over `group`, idle (the median of `repeats` after one to
     warm up). Collective: every rank of `group` calls it, and every rank gets the same figure (the slowest rank's
     time, which is what an all-reduce waits for)."""

@@ -6,10 +6,10 @@ pass (per micro-batch in micro-batch-major order, in the compute dtype; once a s
 order), `allreduce_bytes`. A ring all-reduce of B bytes over n ranks takes 2(n-1)/n x B / bus bandwidth; the bus
 bandwidth is measured in the run's group before it plans, or assumed for `tightfit plan` (parallel/links.py).
 - On a CPU-only machine gloo adds, sums and copies through loopback on the cores the step computes on, and a
-  message waits for its peer's thread to be scheduled beside them: beside a step it moved its bytes at 0.35 of its
-  idle bus bandwidth (GLOO_BESIDE_A_STEP; 2 ranks on the 2-core VM, 13 M parameters: 206 MB a step in 340 ms more
-  than one process's step in micro-batch-major order, 52 MB in 85 ms in unit-major order, against 1.5-1.95 GB/s
-  idle; benchmarks/RESULTS.md batch AK). It adds to phase A.
+  message waits for its peer's thread to be scheduled beside them: beside a step it moved its bytes at 0.35-0.46
+  of the bus bandwidth its group measured idle just before (GLOO_BESIDE_A_STEP = 0.4; 2 ranks on the 2-core VM,
+  13 M parameters, six runs: 206 MB a step costing 314-361 ms more than one process's step in micro-batch-major
+  order, 52 MB costing 102-113 ms in unit-major order; benchmarks/RESULTS.md batch AK). It adds to phase A.
 - On a GPU, NCCL runs beside the backward on its own stream: phase A is the longer of the backward's streams and
   the all-reduces, plus the root's average, which starts when the backward ends (its gradients are the last). Over
   PCIe without NVLink the all-reduce crosses the lanes the offload's copies use, and is added to the link's time.
@@ -27,9 +27,9 @@ if TYPE_CHECKING:
     from tightfit.planner.model_profile import ModelProfile
 
 
-GLOO_BESIDE_A_STEP = 0.35
+GLOO_BESIDE_A_STEP = 0.4
 """On a CPU-only machine a gloo all-reduce runs on the cores the step computes on: beside a step it moved its bytes
-at 0.35 of the bus bandwidth measured idle ([Note: the gradients' average in the step])."""
+at 0.35-0.46 of the bus bandwidth measured idle ([Note: the gradients' average in the step])."""
 
 
 def allreduce_bytes(profile: ModelProfile, shape: TrainShape) -> int:
