@@ -112,3 +112,41 @@ def test_bad_input_a_rank_finds_is_one_line_for_the_run(tiny_args, tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr[-3000:]
     assert proc.stderr.startswith("tightfit: error:") and "no-model" in proc.stderr
+
+
+@pytest.mark.parametrize("trouble", ["in-the-way", pytest.param("full", marks=pytest.mark.slow)])
+def test_a_rank_whose_swap_disk_refuses_it_is_one_line_for_the_run(tiny_args, tmp_path, trouble):
+    """`--strategy ddp --offload nvme` on 2 ranks where only rank 1's swap folder cannot be used: a file by its name
+    in the way, or (root: a tmpfs) a disk too small for its swap files. Rank 1 says so in one line naming itself and
+    --nvme, the run exits 2, and rank 0 neither waits in a collective nor says it lost contact (which it did: rank 1
+    left while rank 0 was in the next collective, two lines and status 1; with a file in the way, rank 1 died in a
+    traceback). Rank 0's swap folder is gone; what tightfit did not make is as it was."""
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    theirs = swap / "rank-00001"
+    if trouble == "in-the-way":
+        theirs.write_text("not tightfit's")
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("mounting a small tmpfs needs root")
+        theirs.mkdir()
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(theirs)],
+                          capture_output=True).returncode:
+            pytest.skip("cannot mount a tmpfs here")
+    try:
+        cmd = [*_train_args(tiny_args), "--nproc-per-node", "2", "--master-port", str(free_port()), "--offload",
+               "nvme", "--nvme", str(swap)]
+        proc = subprocess.run(cmd, env=rank_env(), cwd=ROOT, capture_output=True, text=True, timeout=180)
+        listing = sorted(p.name for p in theirs.iterdir()) if theirs.is_dir() else None
+    finally:
+        if trouble == "full":
+            subprocess.run(["umount", "-l", str(theirs)], capture_output=True)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr[-3000:]
+    assert proc.stderr.startswith("tightfit: error: rank 1: --nvme: ") and str(theirs) in proc.stderr
+    assert "space" in proc.stderr if trouble == "full" else "in the way" in proc.stderr
+    assert sorted(p.name for p in swap.iterdir()) == ["rank-00001"]  # rank 0's own folder removed
+    if trouble == "in-the-way":
+        assert theirs.read_text() == "not tightfit's"
+    else:
+        assert listing == [], listing  # the run's files on the small disk taken back

@@ -169,13 +169,20 @@ class Replicated(OneProcess):
 
     def close(self) -> None:
         super().close()
-        if self.swap is not None and self.made:
-            try:
-                if sorted(p.name for p in self.swap.iterdir()) == [RANK_MARKER]:  # the engine removed its files
-                    (self.swap / RANK_MARKER).unlink()
-                    self.swap.rmdir()
-            except OSError:
-                pass
+        remove_rank_folder(self.swap, self.made)
+
+
+def remove_rank_folder(swap: Path | None, made: bool) -> None:
+    """Remove the rank's swap folder if tightfit made it and its engine took its files back (only the marker
+    left); a folder the user made, or one with anything else in it, stays."""
+    if swap is None or not made:
+        return
+    try:
+        if sorted(p.name for p in swap.iterdir()) == [RANK_MARKER]:
+            (swap / RANK_MARKER).unlink()
+            swap.rmdir()
+    except OSError:
+        pass
 
 
 def average_over_ranks(engine, group) -> GradientAverager:
@@ -266,18 +273,58 @@ def replicate(model: torch.nn.Module, cfg, world, device: torch.device, dtype: t
     from tightfit.planner.probe import load_or_probe
 
     mine, swap = rank_config(cfg, world.rank)
-    made = swap is not None and (not swap.exists() or (swap / RANK_MARKER).is_file())
-    if swap is not None:
-        swap.mkdir(parents=True, exist_ok=True)
-        if made:
-            (swap / RANK_MARKER).touch()
+    inner, refused, made = None, None, False
+    try:
+        made = make_rank_folder(swap)
+    except UsageError as e:
+        refused = e
     # The machine's profile is measured once, by the main rank; the others read its cache.
-    if world.is_main:
+    if world.is_main and refused is None:
         load_or_probe(str(swap) if swap is not None else None)
     world.barrier("the hardware probe")
     group = dist.new_group(backend=dist.get_backend())  # the gradients' own
     with world.collective("the all-reduce's bandwidth, measured before planning"):
         averaging = measured(group, device, cfg.parallel.interconnect)
-    inner = one_process(model, mine, device, dtype, resume, planned if world.is_main else None, say, averaging)
+    if refused is None:
+        try:
+            inner = one_process(model, mine, device, dtype, resume, planned if world.is_main else None, say,
+                                averaging)
+        except UsageError as e:  # its own tiers refused it (a full swap disk, a budget)
+            refused = e
+    # A rank refused alone would leave the others waiting in their next collective: every rank stops here, and the
+    # refused rank's line is the run's.
+    if world.any_rank(refused is not None, "the vote after every rank set up its engine"):
+        if inner is not None:
+            inner.close()
+        remove_rank_folder(swap, made)
+        raise setup_refused(world.rank, refused)
     averager = average_over_ranks(find_engine(inner.model), group)
     return Replicated(inner, world, averager, swap, made)
+
+
+def make_rank_folder(swap: Path | None) -> bool:
+    """Make this rank's swap folder (marked as tightfit's) unless it is there; whether tightfit made it (or made
+    it in an earlier run that was killed). Something in the way is one line naming --nvme."""
+    if swap is None:
+        return False
+    made = not swap.exists() or (swap / RANK_MARKER).is_file()
+    try:
+        swap.mkdir(parents=True, exist_ok=True)
+        if made:
+            (swap / RANK_MARKER).touch()
+    except OSError as e:
+        raise UsageError(f"--nvme: cannot use {swap} as this rank's swap folder ({e.strerror or e}); move what is "
+                         "in the way, or point --nvme at another folder") from None
+    return made
+
+
+def setup_refused(rank: int, refused: UsageError | None) -> UsageError:
+    """What a rank raises when a rank's engine could not be set up: the refused rank its own line, named by rank
+    (the one the launcher prints for the run), every other rank a quiet stop."""
+    if refused is not None:
+        error = UsageError(f"rank {rank}: {refused}")
+        error.exit_code = refused.exit_code
+        return error
+    error = UsageError(f"rank {rank}: stopping: another rank could not set up its offload engine")
+    error.quiet = True
+    return error
