@@ -443,11 +443,13 @@ def overlap(args) -> dict:
             "engine_timings": {k: v for k, v in timings.items() if k != "nvme"}}
 
 
-def _gpt2_steps(model, opt, steps: int, early: bool, first: int = 0, phases: list | None = None) -> list[float]:
-    """Step times; `phases`, when given, gets (forward, backward, optimizer step) seconds of each step."""
+def _gpt2_steps(model, opt, steps: int, early: bool, first: int = 0, phases: list | None = None,
+                rank: int = 0, world: int = 1) -> list[float]:
+    """Step times; `phases`, when given, gets (forward, backward, optimizer step) seconds of each step. Of `world`
+    ranks, rank `rank` trains on its own batch of each step."""
     times = []
     for step in range(first, first + steps):
-        g = torch.Generator().manual_seed(step)
+        g = torch.Generator().manual_seed(step * world + rank)
         x = torch.randint(0, 50257, (2, 128), generator=g)
         t0 = time.perf_counter()
         loss = model(input_ids=x, labels=x).loss
@@ -476,7 +478,16 @@ def gpt2(args) -> dict:
     """tightfit's side of the peer comparison (acceptance 5): HF GPT-2-small (124M, random init), batch 2x128, every
     state on NVMe, fp32 on the CPU. The DeepSpeed ZeRO-3 side is not run by this script; plain PyTorch (the model
     and `torch.optim.AdamW(fused=True)` in memory, no offload) runs after it in the same process, as the compute
-    floor."""
+    floor.
+
+    Under `torchrun --nproc-per-node N` (gloo): N replicas, each with every state on its own NVMe folder and its own
+    batch of each step, the gradients averaged as they leave the device (parallel/replicas.py, as `--strategy ddp
+    --offload nvme` runs them); rank 0 reports every rank's step times and peak RSS, and no plain floor runs."""
+    import os
+
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        torch.distributed.init_process_group("gloo")
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging as hf_logging
 
@@ -486,7 +497,7 @@ def gpt2(args) -> dict:
     _warm_up()
     overhead = psutil.Process().memory_info().rss
     config = GPT2Config(use_cache=False, bos_token_id=0, eos_token_id=0)
-    folder = Path(args.folder) / "gpt2"
+    folder = Path(args.folder) / "gpt2" / (f"rank-{rank}" if world > 1 else "")
     shutil.rmtree(folder, ignore_errors=True)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(config)
@@ -495,15 +506,27 @@ def gpt2(args) -> dict:
     opt = AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     print("tightfit, every state on NVMe:")
     engine = engine_of(model)
-    times = _gpt2_steps(model, opt, 1, early=True)
+    if world > 1:
+        from tightfit.parallel.replicas import average_over_ranks
+
+        average_over_ranks(engine, torch.distributed.new_group(backend="gloo"))
+    times = _gpt2_steps(model, opt, 1, early=True, rank=rank, world=world)
     engine.reset_timings()
     phases: list = []
-    times += _gpt2_steps(model, opt, args.steps - 1, early=True, first=1, phases=phases)
+    times += _gpt2_steps(model, opt, args.steps - 1, early=True, first=1, phases=phases, rank=rank, world=world)
     # The kernel's high-water mark of RSS so far (exact, no sampling thread competing with the hooks for the GIL):
     # the tightfit run is the largest thing this process has done yet. Plain PyTorch runs after it.
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     timings = engine.timings()
     engine.close()
+    if world > 1:
+        ranks = [None] * world
+        torch.distributed.all_gather_object(ranks, {"step_s": times[1:], "peak_rss": peak,
+                                                    "phases_median": _median_phases(phases)})
+        torch.distributed.destroy_process_group()
+        shutil.rmtree(folder, ignore_errors=True)
+        return {"rank": rank, "ranks": ranks, "timings_rank": {k: round(v, 3) for k, v in timings.items()
+                                                                 if k != "nvme"}}
     n_params = sum(p.numel() for p in model.parameters())
     del model, opt, engine
     gc.collect()
@@ -554,7 +577,8 @@ def main() -> None:
     t0 = time.time()
     out = {"memory": memory, "overlap": overlap, "gpt2": gpt2}[args.what](args)
     out["wall_s"] = time.time() - t0
-    print(json.dumps(out, indent=2))
+    if out.get("rank", 0) == 0:  # several ranks (gpt2 under torchrun): rank 0 reports for all
+        print(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,12 @@ use with ninja and g++):
     .venv/bin/pip install --target /tmp/dspkgs --no-deps deepspeed hjson py-cpuinfo msgpack einops ninja
     PYTHONPATH=/tmp/dspkgs DS_ACCELERATOR=cpu .venv/bin/python benchmarks/bench_offload_deepspeed.py --folder /tmp/tf_bench
 
+Under `torchrun --nproc-per-node N` (gloo) each rank trains on its own batch of the same shape (so a step is N
+batches), its NVMe files in a folder of its own; rank 0 prints every rank's step times and peak RSS:
+
+    PYTHONPATH=/tmp/dspkgs DS_ACCELERATOR=cpu .venv/bin/torchrun --nproc-per-node 2 \
+        benchmarks/bench_offload_deepspeed.py --folder /tmp/tf_bench
+
 DeepSpeed's NVMe parameter offload needs `stage3_max_live_parameters`, `stage3_prefetch_bucket_size` and
 `stage3_max_reuse_distance` near 1e7, and `offload_param.buffer_count` >= 16 with buffers as large as the largest
 parameter (the 38.6M-element tied embedding), to run at all.
@@ -50,7 +56,8 @@ def main() -> None:
     import deepspeed
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    folder = Path(args.folder) / "deepspeed"
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    folder = Path(args.folder) / "deepspeed" / f"rank-{rank}"
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     cfg = {
@@ -77,7 +84,7 @@ def main() -> None:
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     times = []
     for step in range(args.steps):
-        g = torch.Generator().manual_seed(step)
+        g = torch.Generator().manual_seed(step * world + rank)
         x = torch.randint(0, 50257, (2, 128), generator=g)
         t0 = time.perf_counter()
         loss = engine(input_ids=x, labels=x).loss
@@ -87,7 +94,10 @@ def main() -> None:
         print(f"  step {step}: loss {loss.item():.4f}  {times[-1]:.2f} s", flush=True)
     # The kernel's high-water mark of this process's RSS (exact, and no sampling thread competing for the GIL).
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"step_s": times[1:], "peak_rss": peak}, indent=2))
+    ranks = [None] * world
+    torch.distributed.all_gather_object(ranks, {"step_s": times[1:], "peak_rss": peak})
+    if rank == 0:
+        print(json.dumps(ranks[0] if world == 1 else {"ranks": ranks}, indent=2))
     shutil.rmtree(folder, ignore_errors=True)
 
 
