@@ -86,3 +86,20 @@ def test_one_rank_plans_as_before():
     same = make_plan(model, c, CPU, averaging=Averaging(1, 1e9, "one"))
     assert same.prediction.step_s == base.prediction.step_s and same.shape == base.shape
     assert replace(base.shape).ranks == 1
+
+
+def test_the_ranks_of_a_node_share_its_disk_and_on_a_gpu_its_cpu(tmp_path):
+    """8 ranks on one node each get an eighth of the swap disk's rates and, on a GPU machine, of the CPU optimizer's:
+    a rank's plan of its step prices its share ([Note: a node's ranks share it] in planner/averaging.py); the same
+    8 ranks over 8 nodes (one each) have the whole disk and CPU."""
+    model, c = meta_gpt(), _cfg("micro", offload="nvme")
+    c.memory.nvme = f"{tmp_path}:1GiB"
+    spread = make_plan(model, c, GPU, averaging=assumed(8, "nvlink", cuda=True, node_ranks=1)).prediction
+    packed = make_plan(model, c, GPU, averaging=assumed(8, "nvlink", cuda=True, node_ranks=8)).prediction
+    assert packed.nvme_s == pytest.approx(8 * spread.nvme_s)
+    assert packed.optim_s == pytest.approx(8 * spread.optim_s)
+    assert packed.step_s > spread.step_s
+    cpu_spread = make_plan(model, c, CPU, averaging=Averaging(2, 1e9, "t", node_ranks=1)).prediction
+    cpu_packed = make_plan(model, c, CPU, averaging=Averaging(2, 1e9, "t", node_ranks=2)).prediction
+    assert cpu_packed.nvme_s == pytest.approx(2 * cpu_spread.nvme_s)
+    assert cpu_packed.optim_s == pytest.approx(cpu_spread.optim_s)  # the ranks' --threads divide a CPU's cores

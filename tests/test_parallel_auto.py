@@ -9,6 +9,7 @@ import pytest
 
 from tightfit.config import Config
 from tightfit.errors import UsageError
+from tightfit.utils.sizes import format_size
 from tightfit.parallel import auto
 from tightfit.parallel.auto import choose_strategy
 from tightfit.parallel.costs import Hardware, ModelProfile, comm_per_step, memory_per_gpu
@@ -151,4 +152,21 @@ def test_what_if_report():
     assert d["mesh"] == {"pp": 1, "dp": 2, "tp": 8} and d["comm_per_step_per_gpu"]["tp"] > 0
     cfg.memory.gpu_mem = "lots"
     with pytest.raises(UsageError, match="--gpu-mem"):
+        what_if(cfg)
+
+
+def test_what_if_takes_offload_as_the_run_does():
+    """`--strategy zero3 --offload host` is FSDP2's CPU offload in a run, and so in the what-if (it was planned as
+    zero3 on the GPUs alone): nothing of the states on the GPU, and the host memory it takes per rank and node."""
+    cfg = Config()
+    cfg.parallel.nproc_per_node, cfg.parallel.strategy = 8, "zero3"
+    cfg.memory.gpu_mem, cfg.memory.offload = "80GiB", "host"
+    report = what_if(cfg)
+    d = report.to_dict()
+    assert d["cpu_offload"] and d["memory_per_gpu"]["weights"] == d["memory_per_gpu"]["optim"] == 0
+    per_node = report.profile.n_params / 8 * 16 * 8
+    note = next(n for n in d["notes"] if n.startswith("host memory for the offloaded shards"))
+    assert format_size(int(report.profile.n_params / 8 * 16)) in note and format_size(int(per_node)) in note
+    cfg.memory.offload = "nvme"
+    with pytest.raises(UsageError, match="--offload nvme with several processes"):
         what_if(cfg)

@@ -52,15 +52,19 @@ class Averaging:
     bus_bw: float
     source: str
     on_link: bool = False
+    node_ranks: int = 1
+    """Of `ranks`, those on this node, sharing its disk and CPU ([Note: a node's ranks share it] in
+    planner/averaging.py)."""
 
 
-def assumed(ranks: int, interconnect: str | None, cuda: bool) -> Averaging:
-    """The averaging `tightfit plan` assumes: the named interconnect's figure on a GPU machine (PCIe when
-    "auto"/None), gloo on one machine for CPU ranks."""
+def assumed(ranks: int, interconnect: str | None, cuda: bool, node_ranks: int = 1) -> Averaging:
+    """The averaging `tightfit plan` assumes for `ranks` ranks, `node_ranks` of them on each node: the named
+    interconnect's figure on a GPU machine (PCIe when "auto"/None), gloo on one machine for CPU ranks."""
     if not cuda:
-        return Averaging(ranks, GLOO_ONE_MACHINE_BW, "assumed for gloo between processes on one machine")
+        return Averaging(ranks, GLOO_ONE_MACHINE_BW, "assumed for gloo between processes on one machine",
+                         node_ranks=node_ranks)
     link = interconnect if interconnect in ASSUMED_BUS_BW else "pcie"
-    return Averaging(ranks, ASSUMED_BUS_BW[link], f"assumed for {link}", link in SHARES_LINK)
+    return Averaging(ranks, ASSUMED_BUS_BW[link], f"assumed for {link}", link in SHARES_LINK, node_ranks)
 
 
 def measure_bus_bw(group, device: torch.device, repeats: int = 5) -> float:
@@ -85,8 +89,9 @@ def measure_bus_bw(group, device: torch.device, repeats: int = 5) -> float:
     return 2 * (n - 1) / n * PROBE_BYTES / float(slowest[0])
 
 
-def measured(group, device: torch.device, interconnect: str | None) -> Averaging:
-    """The averaging of this run's `group`, its bus bandwidth measured now."""
+def measured(group, device: torch.device, interconnect: str | None, node_ranks: int) -> Averaging:
+    """The averaging of this run's `group` (`node_ranks` of its ranks on this node), its bus bandwidth measured
+    now."""
     bw = measure_bus_bw(group, device)
     return Averaging(dist.get_world_size(group), bw, "measured in this run's group",
-                     device.type == "cuda" and interconnect in SHARES_LINK)
+                     device.type == "cuda" and interconnect in SHARES_LINK, node_ranks)

@@ -236,7 +236,7 @@ def rank_plan(cfg, hw=None) -> tuple[object, dict]:
                           folder=False)
     model = build_meta_model(mine)
     cuda = hw.cuda if hw is not None else torch.cuda.is_available()
-    averaging = assumed(ranks, p.interconnect, cuda and cfg.train.device != "cpu")
+    averaging = assumed(ranks, p.interconnect, cuda and cfg.train.device != "cpu", p.nproc_per_node)
     plan = make_plan(model, mine, hw, what_if=hw is not None, averaging=averaging)
     averaged = allreduce_bytes(plan.profile, plan.shape)
     return plan, {"ranks": ranks, "strategy": "ddp", "engine": True, "cpu_mem_per_rank": mine.memory.cpu_mem,
@@ -284,7 +284,7 @@ def replicate(model: torch.nn.Module, cfg, world, device: torch.device, dtype: t
     world.barrier("the hardware probe")
     group = dist.new_group(backend=dist.get_backend())  # the gradients' own
     with world.collective("the all-reduce's bandwidth, measured before planning"):
-        averaging = measured(group, device, cfg.parallel.interconnect)
+        averaging = measured(group, device, cfg.parallel.interconnect, local_ranks())
     if refused is None:
         try:
             inner = one_process(model, mine, device, dtype, resume, planned if world.is_main else None, say,

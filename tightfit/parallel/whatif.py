@@ -13,8 +13,12 @@ import torch
 
 from tightfit.parallel.auto import StrategyChoice, choose_strategy
 from tightfit.parallel.costs import Hardware, ModelProfile, comm_per_step, memory_per_gpu
-from tightfit.parallel.plan import parse_strategy
+from tightfit.parallel.plan import plan_from_config
 from tightfit.utils.sizes import format_size, parse_size
+
+CPU_OFFLOAD_BYTES = 16
+"""Host bytes per parameter of FSDP2's CPU offload: the fp32 sharded parameter, its fp32 gradient, AdamW's two
+moments."""
 
 DEFAULT_GPU_MEM = "80GiB"
 """Assumed per-GPU memory when --gpu-mem is not given (an H100/A100-80GB)."""
@@ -83,9 +87,8 @@ def what_if(cfg, model: torch.nn.Module | None = None, log=None) -> WhatIfReport
                                    cfg.train.micro_batch, mixed)
     if cfg.parallel.strategy == "auto":
         choice = choose_strategy(hw, prof, log=log)
-    else:
-        plan = parse_strategy(cfg.parallel.strategy, hw.world_size, cfg.parallel.tp, cfg.parallel.pp,
-                              cfg.parallel.pp_schedule, cfg.parallel.pp_microbatches)
+    else:  # as the run takes it: `--offload host` with zero3 keeps the shards in host memory
+        plan = plan_from_config(cfg.parallel, hw.world_size, cfg.memory.offload)
         choice = StrategyChoice(cfg.parallel.strategy, plan.dims, "given by --strategy",
                                 f"given by --strategy {cfg.parallel.strategy}", plan)
     memory = comm = None
@@ -97,7 +100,14 @@ def what_if(cfg, model: torch.nn.Module | None = None, log=None) -> WhatIfReport
             plan = replace(plan, pp_schedule=cfg.parallel.pp_schedule,
                            pp_microbatches=max(cfg.parallel.pp_microbatches, plan.pp_microbatches))
         memory, comm = memory_per_gpu(plan, prof), comm_per_step(plan, prof)
+        if plan.cpu_offload:  # FSDP2's CPUOffloadPolicy: the fp32 shard, its gradient and AdamW's moments
+            rank = int(prof.n_params / (plan.dims.pp * plan.dims.tp * plan.dims.dp) * CPU_OFFLOAD_BYTES)
+            choice.notes.append(f"host memory for the offloaded shards: {format_size(rank)} per rank, "
+                                f"{format_size(rank * hw.gpus_per_node)} per node (fp32 parameters, gradients "
+                                f"and AdamW moments, {CPU_OFFLOAD_BYTES} bytes a parameter)")
         if memory["total"] > hw.gpu_mem:
+            what = ("the activations: the scale-out strategies do not checkpoint activations yet; lower --micro-batch "
+                    "or --seq-len" if plan.cpu_offload else "combine with offload or raise the degrees")
             choice.notes.append(f"the plan needs {format_size(memory['total'])} per GPU, more than "
-                                f"{format_size(hw.gpu_mem)}: combine with offload or raise the degrees")
+                                f"{format_size(hw.gpu_mem)}: {what}")
     return WhatIfReport(hw, prof, choice, memory, comm)

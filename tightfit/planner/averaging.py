@@ -14,16 +14,25 @@ bandwidth is measured in the run's group before it plans, or assumed for `tightf
   the all-reduces, plus the root's average, which starts when the backward ends (its gradients are the last). Over
   PCIe without NVLink the all-reduce crosses the lanes the offload's copies use, and is added to the link's time.
 Nothing here is measured on a GPU yet.
+
+[Note: a node's ranks share it] The ranks on one node each plan for their share of its host memory and swap disk
+(parallel/replicas.py, `rank_config`), and they also share what moves the bytes: one swap disk's bandwidth, and on
+a GPU machine the CPU cores that step AdamW and make the host passes, and the host memory they stream. Each rank's
+step is priced at its share (`node_share`: the disk's rates, and on a GPU the CPU optimizer's and the host passes'
+rates, divided by the node's ranks); a GPU's own link to the host and its compute are its own. On a CPU-only
+machine the ranks' `--threads` divide the cores, and the probe measured the rates at a rank's threads.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from tightfit.offload.placement import ROOT_UNIT
 
 if TYPE_CHECKING:
     from tightfit.planner.costs import TrainShape
+    from tightfit.planner.hardware import HardwareProfile
     from tightfit.planner.model_profile import ModelProfile
 
 
@@ -60,3 +69,15 @@ def allreduce_in_step(profile: ModelProfile, shape: TrainShape, cuda: bool) -> t
     root = sum(u.trainable for u in profile.units if u.name == ROOT_UNIT)  # its gradients are the backward's last
     itemsize = 4 if shape.unit_major else shape.compute_bytes
     return whole, allreduce_time(root * itemsize, shape)
+
+
+def node_share(hw: HardwareProfile, node_ranks: int) -> HardwareProfile:
+    """`hw` as one of `node_ranks` ranks on the node sees it ([Note: a node's ranks share it])."""
+    if node_ranks <= 1:
+        return hw
+    n = node_ranks
+    share = replace(hw, nvme_read_bw=hw.nvme_read_bw / n, nvme_write_bw=hw.nvme_write_bw / n,
+                    nvme_mixed_bw=hw.nvme_mixed_bw / n)
+    if hw.cuda:
+        share = replace(share, cpu_adam_rate=hw.cpu_adam_rate / n, host_pass_bw=hw.host_pass_bw / n)
+    return share

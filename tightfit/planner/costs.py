@@ -69,7 +69,7 @@ from dataclasses import dataclass, field, replace
 from tightfit.offload import memory_model as mm
 from tightfit.offload.device_kind import separate_memory
 from tightfit.offload.placement import ROOT_UNIT, Placement, State, Tier
-from tightfit.planner.averaging import allreduce_in_step
+from tightfit.planner.averaging import allreduce_in_step, node_share
 from tightfit.planner.hardware import HardwareProfile
 from tightfit.planner.model_profile import ModelProfile, UnitProfile
 from tightfit.planner.work import Work
@@ -107,6 +107,9 @@ class TrainShape:
     """The all-reduce crosses the lanes the host<->device copies use (GPUs on PCIe without NVLink)."""
     allreduce_source: str = ""
     """Where `allreduce_bw` comes from: measured in the run's group, or assumed for a named link."""
+    node_ranks: int = 1
+    """Ranks on this node, whose engines share its swap disk and, on a GPU machine, its CPU cores and host memory
+    (`node_share` in planner/averaging.py)."""
 
     @property
     def passes(self) -> int:
@@ -672,6 +675,7 @@ def step_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, 
     overlapping; only the disk runs beside them.
     """
     a = shape.grad_accum
+    hw = node_share(hw, shape.node_ranks)
     compute, kernels, host = compute_time(profile, placement, hw, shape)
     tr = traffic(profile, placement, shape)
     pred.traffic = {k: v for k, v in tr.items()}

@@ -58,7 +58,8 @@ def make_plan(model: nn.Module, cfg, hardware: HardwareProfile | None = None, na
                        engine=cfg.memory.offload != "none")
     if averaging is not None and averaging.ranks > 1:
         shape = replace(shape, ranks=averaging.ranks, allreduce_bw=averaging.bus_bw,
-                        allreduce_on_link=averaging.on_link, allreduce_source=averaging.source)
+                        allreduce_on_link=averaging.on_link, allreduce_source=averaging.source,
+                        node_ranks=averaging.node_ranks)
     mode = cfg.memory.offload
     accumulation = _accumulation(cfg, profile, names)
 
