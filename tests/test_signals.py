@@ -42,8 +42,9 @@ def _wait_for_steps(proc: subprocess.Popen, n: int) -> list[str]:
     raise AssertionError("training did not get under way: " + "".join(lines[-20:]))
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP", "SIGINT"])
+@pytest.mark.parametrize("sig", ["SIGTERM", pytest.param("SIGHUP", marks=pytest.mark.slow), "SIGINT"])
 def test_a_stop_signal_saves_a_checkpoint_that_resumes(tiny_args, tmp_path, sig):
+    """SIGHUP runs the handler SIGTERM's does (train/signals.py's SIGNALS): `make test-slow` runs it."""
     proc = _start(tiny_args, steps=20_000)
     _wait_for_steps(proc, 3)
     proc.send_signal(getattr(signal, sig))
