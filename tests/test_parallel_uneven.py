@@ -49,7 +49,7 @@ def _reference_val_loss(tiny_args, out_dir, eval_batches: int) -> float:
         return sum(model_loss(model, x, y).item() for x, y in val) / len(val)
 
 
-@pytest.mark.parametrize("strategy,eval_batches", [("zero3", 1), ("zero2", 3)])
+@pytest.mark.parametrize("strategy,eval_batches", [("zero3", 1), pytest.param("zero2", 3, marks=pytest.mark.slow)])
 def test_evaluates_and_saves_with_uneven_batches(tiny_args, tmp_path, strategy, eval_batches):
     """A checkpoint right after an evaluation (step 2) too: a forward without backward must leave FSDP's groups
     sharded, or the next backward fails to free the unsharded storage the checkpoint writer read."""
