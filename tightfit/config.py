@@ -138,7 +138,9 @@ class ParallelConfig:
     master_port: int = _f(29500, "port of the rank-0 node")
     strategy: str = _f("auto", "scale-out strategy: auto, or tokens dp|ddp|zero1|zero2|zero3, pp, tp joined by '_' "
                                 "(e.g. ddp, zero3, tp, pp, dp_tp, dp_pp, pp_tp, dp_pp_tp, zero1_pp_tp)")
-    interconnect: str = _f("auto", "interconnect for what-if planning",
+    interconnect: str = _f("auto", "interconnect between the GPUs, for what-if planning (its assumed bandwidth); "
+                                   "in a run of the engine on each rank, pcie: its all-reduce shares the offload's "
+                                   "lanes",
                            ("auto", "nvlink", "pcie", "infiniband", "ethernet"))
     tp: int = _f(0, "tensor-parallel degree (0: chosen by the strategy)")
     pp: int = _f(0, "pipeline-parallel degree (0: chosen by the strategy)")
