@@ -5,7 +5,8 @@ each case named on the command line, builds the same model from the same seed, p
 steps on its share of the same batches, and checks losses (relative difference <= 1e-5) and final weights.
 Rank 0 prints one line `CASE <name> OK max_loss_rel=... max_weight_diff=...` per case; a mismatch raises.
 
-Case syntax: strategy[:key=value,...] with keys tp, pp, sched, mb, offload, model (gpt|hf-gpt2|hf-llama),
+Case syntax: strategy[:key=value,...] with keys tp, pp, sched, mb, offload, model (gpt|hf-gpt2|hf-llama), ac=1 (every
+block's activations recomputed in backward: parallel/activation_checkpoint.py),
 accum=N (gradient accumulation over N calls, pp == 1), resume=1 (save the full state after 3 steps, rebuild
 everything from it and continue: must match too), and strided=refuse (DTensor refuses to redistribute a
 `_StridedShard` that alone shards its dim, as torch before 2.13 does: HF GPT-2's packed c_attn must train, save
@@ -89,7 +90,7 @@ def reference(kind: str):
 RESUME_AT = 3
 
 
-def resume(pm, opt, kind, plan, mesh, env):
+def resume(pm, opt, kind, plan, mesh, env, ac: bool = False):
     """Checkpoint round trip mid-run: gather the full state (rank 0), give it to every rank, build a fresh model
     from it, parallelise it again and restore the AdamW moments; training must continue exactly."""
     full = [gather_full_state(pm, opt)]
@@ -100,7 +101,7 @@ def resume(pm, opt, kind, plan, mesh, env):
     with torch.no_grad():
         for n, p in model.named_parameters():
             p.copy_(full[f"model.{n}"])
-    pm2 = parallelize(model, plan, mesh, env.device)
+    pm2 = parallelize(model, plan, mesh, env.device, checkpoint=ac)
     opt2 = make_optimizer(pm2, lr=LR, weight_decay=WD, eps=EPS)
     loaded = load_moments(pm2, opt2, full.__getitem__)
     assert loaded > 0 or plan.dp_mode == "zero1", "no moments restored"
@@ -158,14 +159,15 @@ def _run_case(spec: str, strategy: str, kv: dict, env, refs) -> str:
         refs[kind] = reference(kind)
     ref_losses, ref_params = refs[kind]
     mesh = build_mesh(plan.dims, env.device)
-    pm = parallelize(build_model(kind), plan, mesh, env.device)
+    ac = kv.get("ac") == "1"
+    pm = parallelize(build_model(kind), plan, mesh, env.device, checkpoint=ac)
     opt = make_optimizer(pm, lr=LR, weight_decay=WD, eps=EPS)
     dp_rank, b = mesh["dp"].get_local_rank(), B // plan.dims.dp
     losses = []
     t0 = time.perf_counter()
     for s in range(STEPS):
         if s == RESUME_AT and kv.get("resume") == "1":
-            pm, opt = resume(pm, opt, kind, plan, mesh, env)
+            pm, opt = resume(pm, opt, kind, plan, mesh, env, ac)
         x, y = batch(s)
         x, y = x[dp_rank * b:(dp_rank + 1) * b], y[dp_rank * b:(dp_rank + 1) * b]
         accum = int(kv.get("accum", 1))  # gradient accumulation over `accum` calls, dp sync on the last only

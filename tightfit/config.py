@@ -118,7 +118,9 @@ class MemoryConfig:
     nvme: str | None = _f(None, "swap folder for the NVMe tier, optionally with a size: PATH[:SIZE]")
     offload: str = _f("auto", "offload: auto (planner decides), none (plain PyTorch), or a tier for every state",
                       ("auto", "none", "device", "host", "nvme"))
-    checkpointing: str = _f("auto", "activation checkpointing of units", ("auto", "on", "off"))
+    checkpointing: str = _f("auto", "activation checkpointing: of the units the plan picks (one process, the engine "
+                                    "on each rank), or of every block under ddp/zero/tp/pp (auto: where a rank's "
+                                    "estimate outgrows its GPU)", ("auto", "on", "off"))
     accumulation: str = _f("auto", "order of a step's micro-batches under offload: unit (each unit runs every "
                                    "micro-batch before the next: its params cross once a step and its gradients are "
                                    "summed on the device), micro (each micro-batch's forward and backward before the "

@@ -69,6 +69,8 @@ class ModelProfile:
     blocks_params: int = 0
     """Parameters in the repeated blocks (0: unknown, taken as all). ZeRO-3 re-gathers these in backward; the
     rest (embeddings, head) stays gathered from forward to backward."""
+    checkpointed: bool = False
+    """Every block recomputes its forward in backward (parallel/activation_checkpoint.py)."""
 
     @property
     def weight_bytes(self) -> int:
@@ -95,10 +97,12 @@ class ModelProfile:
     @property
     def activation_bytes(self) -> int:
         """Activations kept for backward, whole model, one micro-batch (Korthikanti et al.: 34·s·b·h bytes per
-        layer in 16-bit plus 5·a·s²·b for attention scores; doubled in fp32)."""
+        layer in 16-bit plus 5·a·s²·b for attention scores; doubled in fp32). Checkpointed: each layer's input
+        (2·s·b·h) and one layer's activations while it recomputes (their "full recomputation")."""
         s, b, h, a = self.seq_len, self.micro_batch, self.hidden, self.n_heads
         per_layer = 34 * s * b * h + 5 * a * s * s * b
-        return self.n_layers * per_layer * (1 if self.mixed_precision else 2)
+        kept = self.n_layers * 2 * s * b * h + per_layer if self.checkpointed else self.n_layers * per_layer
+        return kept * (1 if self.mixed_precision else 2)
 
     def fits(self, gpu_mem: int) -> bool:
         return self.state_bytes + self.activation_bytes <= gpu_mem

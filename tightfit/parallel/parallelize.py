@@ -5,6 +5,7 @@ The order (torchtitan's), and why:
    only the parameters this rank owns.
 2. **TP** — `apply_tp`: replace the stage's Linear weights by DTensor shards over the `tp` mesh. Before DP, because
    FSDP2 must see the TP shards to make 2-D (dp, tp) shards, and DDP must see them to localise them.
+   Then activation checkpointing of every block where asked (activation_checkpoint.py), inside DP's wrappers.
 3. **DP** — `apply_ddp` (ddp, zero1) or `apply_zero` (zero2, zero3) over the `dp` mesh.
 4. **PP schedule** — `apply_pp`: the PipelineStage wraps the DP-wrapped stage, so it can skip gradient sync on all
    but the last micro-batch.
@@ -26,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from tightfit.errors import UsageError
+from tightfit.parallel.activation_checkpoint import checkpoint_blocks
 from tightfit.parallel.data_parallel import apply_ddp, apply_zero, build_optimizer
 from tightfit.parallel.pipeline import apply_pp, build_stage_module, lm_loss
 from tightfit.parallel.plan import ParallelPlan
@@ -206,14 +208,18 @@ class ParallelModel:
         return out
 
 
-def parallelize(model: nn.Module, plan: ParallelPlan, mesh: DeviceMesh, device: torch.device) -> ParallelModel:
-    """Apply PP split, TP, DP and the PP schedule to `model` (built identically on every rank), in that order."""
+def parallelize(model: nn.Module, plan: ParallelPlan, mesh: DeviceMesh, device: torch.device,
+                checkpoint: bool = False) -> ParallelModel:
+    """Apply PP split, TP, activation checkpointing (`checkpoint`: every block), DP and the PP schedule to `model`
+    (built identically on every rank), in that order (torchtitan's)."""
     dims = plan.dims
     module = model.to(device)
     if dims.pp > 1:
         module = build_stage_module(model, mesh["pp"].get_local_rank(), dims.pp)
     if dims.tp > 1:
         apply_tp(module, mesh["tp"])
+    if checkpoint:
+        checkpoint_blocks(module)
     if dims.dp > 1 or plan.dp_mode == "zero3" and plan.cpu_offload:
         if plan.dp_mode in ("ddp", "zero1"):
             module = apply_ddp(module, mesh["dp"], pipelined=dims.pp > 1)

@@ -141,6 +141,8 @@ class Sharded:
 
 def shard(model: torch.nn.Module, cfg, world, plan, dtype: torch.dtype, resume, say: Callable[[str], None]) -> Sharded:
     """The parallel transform of `model` (built alike on every rank) for this rank, with `resume`'s state in it."""
+    from tightfit.parallel.activation_checkpoint import gpu_memory, wanted
+    from tightfit.parallel.costs import ModelProfile
     from tightfit.parallel.mesh import build_mesh
     from tightfit.parallel.parallelize import make_optimizer, parallelize
     from tightfit.parallel.state import load_moments
@@ -152,7 +154,11 @@ def shard(model: torch.nn.Module, cfg, world, plan, dtype: torch.dtype, resume, 
             for n, p in model.named_parameters():
                 p.copy_(resume.get(f"model.{n}"))
     device = world.env.device
-    pm = parallelize(model, plan, build_mesh(plan.dims, device), device)
+    recompute, why = wanted(cfg.memory.checkpointing, plan, ModelProfile.from_model(
+        model, cfg.train.seq_len, cfg.train.micro_batch, dtype != torch.float32), gpu_memory(cfg, device))
+    pm = parallelize(model, plan, build_mesh(plan.dims, device), device, checkpoint=recompute)
+    if recompute:
+        say(f"activation checkpointing: every block recomputes its forward in backward ({why})")
     optimizer = make_optimizer(pm, lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2))
     if resume is not None and not load_moments(pm, optimizer, resume.get):
         say("notice: the checkpoint holds no optimizer moments; AdamW starts afresh")

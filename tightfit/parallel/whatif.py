@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tightfit.parallel.activation_checkpoint import wanted
 from tightfit.parallel.auto import StrategyChoice, choose_strategy
 from tightfit.parallel.costs import Hardware, ModelProfile, comm_per_step, memory_per_gpu
 from tightfit.parallel.plan import plan_from_config
@@ -99,6 +100,12 @@ def what_if(cfg, model: torch.nn.Module | None = None, log=None) -> WhatIfReport
 
             plan = replace(plan, pp_schedule=cfg.parallel.pp_schedule,
                            pp_microbatches=max(cfg.parallel.pp_microbatches, plan.pp_microbatches))
+        recompute, why = wanted(cfg.memory.checkpointing, plan, prof, hw.gpu_mem)
+        if recompute:  # as the run would: every block recomputes its forward in backward
+            from dataclasses import replace
+
+            prof = replace(prof, checkpointed=True)
+            choice.notes.append(f"activation checkpointing of every block ({why})")
         memory, comm = memory_per_gpu(plan, prof), comm_per_step(plan, prof)
         if plan.cpu_offload:  # FSDP2's CPUOffloadPolicy: the fp32 shard, its gradient and AdamW's moments
             rank = int(prof.n_params / (plan.dims.pp * plan.dims.tp * plan.dims.dp) * CPU_OFFLOAD_BYTES)
@@ -106,8 +113,8 @@ def what_if(cfg, model: torch.nn.Module | None = None, log=None) -> WhatIfReport
                                 f"{format_size(rank * hw.gpus_per_node)} per node (fp32 parameters, gradients "
                                 f"and AdamW moments, {CPU_OFFLOAD_BYTES} bytes a parameter)")
         if memory["total"] > hw.gpu_mem:
-            what = ("the activations: the scale-out strategies do not checkpoint activations yet; lower --micro-batch "
-                    "or --seq-len" if plan.cpu_offload else "combine with offload or raise the degrees")
+            what = ("lower --micro-batch or --seq-len" if plan.cpu_offload and prof.checkpointed else
+                    "add --checkpointing on" if plan.cpu_offload else "combine with offload or raise the degrees")
             choice.notes.append(f"the plan needs {format_size(memory['total'])} per GPU, more than "
                                 f"{format_size(hw.gpu_mem)}: {what}")
     return WhatIfReport(hw, prof, choice, memory, comm)
