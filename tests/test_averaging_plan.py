@@ -39,6 +39,14 @@ def test_on_a_cpu_the_average_adds_its_bytes_at_the_rate_beside_a_step(order):
     assert four.prediction.allreduce_s == pytest.approx(1.5 * expected)  # a ring sends 2(n-1)/n of the bytes
     text = two.table()
     assert "gradients averaged over 2 ranks" in text and "1.00 GB/s bus bandwidth (assumed for a test)" in text
+    # gloo's flat buffers (parallel/replicas.py): the largest unit's gradients, one per average in flight (two where
+    # the device is apart from host memory, as this suite's strict mover makes it), in the rank's RSS
+    from tightfit.offload.device_kind import separate_memory
+
+    buffer = max(u.trainable for u in two.profile.units) * 4 * (2 if separate_memory("cpu") else 1)
+    assert two.prediction.allreduce_buffer == buffer and one.prediction.allreduce_buffer == 0
+    assert two.prediction.rss(False) == one.prediction.rss(False) + buffer
+    assert "of all-reduce buffers" in text
 
 
 def test_the_average_makes_the_planner_sum_micro_batches_on_the_device():

@@ -181,3 +181,18 @@ def test_the_plan_of_every_rank(tmp_path, capsys):
     assert main(["plan", *common, "--nproc-per-node", "2", "--strategy", "ddp", "--offload", "nvme"]) == 0
     text = capsys.readouterr().out
     assert "2 ranks, strategy ddp, the offload engine on each" in text and "ms added to the predicted step" in text
+
+
+def test_gloo_averages_go_through_a_kept_flat_buffer():
+    """On gloo a unit's gradients are averaged through one flat buffer of the averager's own, kept and reused (a
+    coalesced gloo call flattens into a new buffer each time, and those left the heap 90-100 MiB fuller at a 13 M
+    model's peak: benchmarks/RESULTS.md batch AK), with the coalesced call's results bit for bit."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(free_port()), str(ROOT / "tests" / "averager_worker.py")], env=rank_env(), cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["flat"] and got["mean"] and got["bitwise_as_coalesced"] and got["shapes"], got
+    assert got["kept"] == 1 and got["reused"], got  # one buffer, the second call's too
+    assert got["bytes"] == 2 * (64 * 48 + 48 + 3 * 5 * 7) * 4, got
+

@@ -81,3 +81,17 @@ def node_share(hw: HardwareProfile, node_ranks: int) -> HardwareProfile:
     if hw.cuda:
         share = replace(share, cpu_adam_rate=hw.cpu_adam_rate / n, host_pass_bw=hw.host_pass_bw / n)
     return share
+
+
+def allreduce_buffer_bytes(profile: ModelProfile, shape: TrainShape, cuda: bool) -> int:
+    """Host bytes of the flat buffers gloo's averages go through ([Note: gloo through a flat buffer of our own] in
+    parallel/replicas.py): each as large as the largest unit's gradients, one per average in flight: one where the
+    device shares host memory (a unit's average is waited for where its gradients are read, at once), two where it
+    is apart (waited for in the copy off the device, as two units' gradients can be in flight). 0 with one rank, or
+    on a GPU (NCCL needs none)."""
+    from tightfit.offload.device_kind import separate_memory
+
+    if shape.ranks < 2 or cuda:
+        return 0
+    itemsize = 4 if shape.unit_major else shape.compute_bytes
+    return max(u.trainable for u in profile.units) * itemsize * (2 if separate_memory("cpu") else 1)

@@ -69,7 +69,7 @@ from dataclasses import dataclass, field, replace
 from tightfit.offload import memory_model as mm
 from tightfit.offload.device_kind import separate_memory
 from tightfit.offload.placement import ROOT_UNIT, Placement, State, Tier
-from tightfit.planner.averaging import allreduce_in_step, node_share
+from tightfit.planner.averaging import allreduce_buffer_bytes, allreduce_in_step, node_share
 from tightfit.planner.hardware import HardwareProfile
 from tightfit.planner.model_profile import ModelProfile, UnitProfile
 from tightfit.planner.work import Work
@@ -182,6 +182,9 @@ class Prediction:
 
     save_bytes: int = 0
     """Host bytes a checkpoint's save holds beyond the process at rest ([Note: the save] in memory_model.py)."""
+    allreduce_buffer: int = 0
+    """Host bytes of the flat buffers a rank's gloo averages go through (`allreduce_buffer_bytes` in
+    planner/averaging.py), in its RSS during a step."""
     device_states: int = 0
     """The device tier's states: what of the device a CPU-only machine's RAM still holds between steps."""
 
@@ -193,7 +196,7 @@ class Prediction:
 
     def rss_parts(self, cuda: bool) -> dict[str, int]:
         """{"step": the RSS at the step's peak, "save": the RSS while a checkpoint is saved}."""
-        rest = self.runtime_rss + self.peak.get("host", 0)
+        rest = self.runtime_rss + self.peak.get("host", 0) + self.allreduce_buffer
         return {"step": rest + (0 if cuda else self.peak.get("device", 0) + self.heap_free(cuda)),
                 "save": rest + (0 if cuda else self.device_states) + self.save_bytes}
 
@@ -366,6 +369,7 @@ def memory(profile: ModelProfile, placement: Placement, hw: HardwareProfile, sha
     units = unit_sizes(profile)
     pred.save_bytes = mm.save_bytes(units, placement, profile.largest_param) if shape.checkpoints else 0
     pred.device_states = mm.tier_states(units, placement, shape.compute_bytes)[Tier.DEVICE]
+    pred.allreduce_buffer = allreduce_buffer_bytes(profile, shape, hw.cuda)
     return pred
 
 

@@ -236,7 +236,9 @@ class Plan:
         heap = pr.heap_free(self.hardware.cuda)
         lines.append(f"predicted RSS (process floor {format_size(pr.runtime_rss)} + host"
                      f"{' + CPU device' if not self.hardware.cuda else ''}"
-                     f"{f' + {format_size(heap)} the heap holds free at the peak' if heap else ''}): "
+                     f"{f' + {format_size(heap)} the heap holds free at the peak' if heap else ''}"
+                     f"{f' + {format_size(pr.allreduce_buffer)} of all-reduce buffers' if pr.allreduce_buffer else ''}"
+                     "): "
                      f"{self._figure('rss_peak')}"
                      + (f", while a checkpoint is saved ({format_size(pr.save_bytes)} of it read for the writer; "
                         f"{format_size(parts['step'])} in the step)" if parts["save"] > parts["step"] else ""))
