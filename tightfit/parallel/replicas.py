@@ -6,9 +6,10 @@ which tightfit creates and removes), and trains on its share of each step's glob
 `TokenDataset.step_batches`). What makes the replicas one model:
 
 [Note: gradients averaged as they leave] The engine's gradient shipper calls `GradientAverager` on a unit's
-gradients on the device as its backward ends: one asynchronous `all_reduce` per gradient over the data-parallel
-group (torch.distributed's, on a process group of its own so that no collective the loop issues can interleave with
-them), and, before anything reads them (the norms a clip needs, the sums on the host or NVMe, the unit's step), a
+gradients on the device as its backward ends: asynchronous `all_reduce`s over the data-parallel group
+(torch.distributed's, on a process group of its own so that no collective the loop issues can interleave with
+them; one coalesced call per bucket on NCCL, one flat buffer on gloo: [Note: gloo through a flat buffer of our
+own]), and, before anything reads them (the norms a clip needs, the sums on the host or NVMe, the unit's step), a
 wait and a division by the group's size: in the copy off the device (its copy thread; on CUDA, ordered on the copy
 stream), so the backward of the next units runs while the group adds, or at once where they are read at once. Every
 rank's gradients are then the group's mean, bit for bit alike (an all-reduce hands every rank the same sum), so
