@@ -150,6 +150,13 @@ def test_what_if_report():
     cfg.parallel.strategy, cfg.parallel.tp = "dp_tp", 8
     d = what_if(cfg).to_dict()
     assert d["mesh"] == {"pp": 1, "dp": 2, "tp": 8} and d["comm_per_step_per_gpu"]["tp"] > 0
+    # the collectives' time at the interconnect's assumed bus bandwidth (parallel/links.py)
+    assert d["bus_bw_assumed"] == 360e9
+    assert d["comm_s_per_step"] == pytest.approx(d["comm_per_step_per_gpu"]["total"] / 360e9)
+    cfg.parallel.interconnect = "ethernet"
+    slow = what_if(cfg)
+    assert slow.comm_s == pytest.approx(36 * d["comm_s_per_step"]) and "assumed for ethernet" in str(slow)
+    cfg.parallel.interconnect = "nvlink"
     cfg.memory.gpu_mem = "lots"
     with pytest.raises(UsageError, match="--gpu-mem"):
         what_if(cfg)

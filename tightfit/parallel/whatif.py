@@ -33,13 +33,29 @@ class WhatIfReport:
     memory: dict[str, int] | None
     comm: dict[str, int] | None
 
+    @property
+    def bus_bw(self) -> float:
+        """The bus bandwidth assumed for the interconnect (parallel/links.py's figures)."""
+        from tightfit.parallel.links import ASSUMED_BUS_BW
+
+        return ASSUMED_BUS_BW[self.hardware.interconnect]
+
+    @property
+    def comm_s(self) -> float | None:
+        """Seconds a GPU's collectives take a step at `bus_bw`: the bytes each GPU sends (comm_per_step's ring
+        figures: 2(n-1)/n of an all-reduce's, (n-1)/n of a gather's) over the bus bandwidth, which nccl-tests defines
+        so. Not a step time: dp's overlap the backward, tp's and pp's are in its path, and compute is not estimated
+        here."""
+        return None if self.comm is None else self.comm["total"] / self.bus_bw
+
     def to_dict(self) -> dict:
         c = self.choice
         return {"hardware": vars(self.hardware), "model": self.profile.to_dict(), "strategy": c.strategy,
                 "mesh": {"pp": c.dims.pp, "dp": c.dims.dp, "tp": c.dims.tp}, "rule": c.rule, "reason": c.reason,
                 "dp_mode": c.plan.dp_mode if c.plan else None,
                 "cpu_offload": bool(c.plan and c.plan.cpu_offload),
-                "memory_per_gpu": self.memory, "comm_per_step_per_gpu": self.comm, "notes": c.notes}
+                "memory_per_gpu": self.memory, "comm_per_step_per_gpu": self.comm, "comm_s_per_step": self.comm_s,
+                "bus_bw_assumed": self.bus_bw, "notes": c.notes}
 
     def __str__(self) -> str:
         hw, c, p = self.hardware, self.choice, self.profile
@@ -59,6 +75,10 @@ class WhatIfReport:
             cm = self.comm
             lines.append(f"communication per step per GPU: {format_size(cm['total'])}" + (" (" + ", ".join(
                 f"{k} {format_size(v)}" for k, v in cm.items() if k != "total" and v) + ")" if cm["total"] else ""))
+            if cm["total"]:
+                lines.append(f"its time: about {self.comm_s * 1e3:,.0f} ms a step at {self.bus_bw / 1e9:.0f} GB/s bus "
+                             f"bandwidth (assumed for {hw.interconnect}); dp's overlaps the backward, tp's and pp's "
+                             "are in its path")
         lines += [f"note: {n}" for n in c.notes]
         return "\n".join(lines)
 
