@@ -509,7 +509,7 @@ def gpt2(args) -> dict:
     if world > 1:
         from tightfit.parallel.replicas import average_over_ranks
 
-        average_over_ranks(engine, torch.distributed.new_group(backend="gloo"))
+        average_over_ranks(engine)
     times = _gpt2_steps(model, opt, 1, early=True, rank=rank, world=world)
     engine.reset_timings()
     phases: list = []

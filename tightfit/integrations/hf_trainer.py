@@ -126,11 +126,9 @@ class TightfitTrainer(transformers.Trainer):
         if self.optimizer is not None:
             tightfit_optimizer(self.optimizer)  # refuse a torch optimizer now, not after a silent epoch
         if args.world_size > 1 and engine.shipper.reduce is None:
-            import torch.distributed as dist
-
             from tightfit.parallel.replicas import average_over_ranks
 
-            average_over_ranks(engine, dist.new_group(backend=dist.get_backend()))
+            average_over_ranks(engine)
 
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         """Over several processes: the model in a `Replica`, which accelerate leaves unwrapped (no DDP: the engine

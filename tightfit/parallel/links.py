@@ -2,7 +2,7 @@
 
 Why: with `--strategy ddp --offload host|nvme` every rank's engine averages its gradients over the group as they
 leave the device (replicas.py), once per micro-batch in micro-batch-major order, once a step in unit-major order.
-What that costs belongs in each rank's predicted step (planner/costs.py, `allreduce_time`), so that the planner can
+What that costs belongs in each rank's predicted step (planner/averaging.py, `allreduce_in_step`), so that the planner can
 weigh the two orders by it and the plan can be checked against the run.
 
 The figure is the bus bandwidth nccl-tests reports: a ring all-reduce of B bytes over n ranks sends and receives

@@ -225,9 +225,12 @@ def remove_rank_folder(swap: Path | None, made: bool) -> None:
         pass
 
 
-def average_over_ranks(engine, group) -> GradientAverager:
-    """Make `engine` one replica of `group`'s (every rank of the default group, in a process group of the
-    gradients' own: no interleaving with other collectives): its gradients averaged as they leave the device."""
+def average_over_ranks(engine, group=None) -> GradientAverager:
+    """Make `engine` one replica of `group`'s: its gradients averaged as they leave the device. `group`: a process
+    group of the gradients' own over every rank (no interleaving with other collectives); None makes one, which is
+    collective: every rank calls it."""
+    if group is None:
+        group = dist.new_group(backend=dist.get_backend())
     averager = GradientAverager(group, dist.get_world_size(group))
     engine.shipper.reduce = averager
     return averager

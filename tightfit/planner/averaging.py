@@ -41,14 +41,18 @@ GLOO_BESIDE_A_STEP = 0.4
 at 0.35-0.46 of the bus bandwidth measured idle ([Note: the gradients' average in the step])."""
 
 
+def grad_itemsize(shape: TrainShape) -> int:
+    """Bytes per element of a gradient as it leaves the device: the fp32 sums in unit-major order, else the compute
+    dtype's `param.grad` ([Note: gradient sums on the device] in offload/step/unit.py)."""
+    return 4 if shape.unit_major else shape.compute_bytes
+
+
 def allreduce_bytes(profile: ModelProfile, shape: TrainShape) -> int:
     """Bytes each rank averages per step: every trainable gradient once per pass, as the engine holds it when it
-    leaves the device (the compute dtype's `param.grad` in micro-batch-major order, the fp32 sums in unit-major
-    order, [Note: gradient sums on the device] in offload/step/unit.py)."""
+    leaves the device (`grad_itemsize`)."""
     if shape.ranks < 2:
         return 0
-    itemsize = 4 if shape.unit_major else shape.compute_bytes
-    return sum(u.trainable for u in profile.units) * itemsize * shape.passes
+    return sum(u.trainable for u in profile.units) * grad_itemsize(shape) * shape.passes
 
 
 def allreduce_time(nbytes: float, shape: TrainShape) -> float:
@@ -67,8 +71,7 @@ def allreduce_in_step(profile: ModelProfile, shape: TrainShape, cuda: bool) -> t
     if not cuda:
         return whole / GLOO_BESIDE_A_STEP, 0.0
     root = sum(u.trainable for u in profile.units if u.name == ROOT_UNIT)  # its gradients are the backward's last
-    itemsize = 4 if shape.unit_major else shape.compute_bytes
-    return whole, allreduce_time(root * itemsize, shape)
+    return whole, allreduce_time(root * grad_itemsize(shape), shape)
 
 
 def node_share(hw: HardwareProfile, node_ranks: int) -> HardwareProfile:
@@ -93,5 +96,4 @@ def allreduce_buffer_bytes(profile: ModelProfile, shape: TrainShape, cuda: bool)
 
     if shape.ranks < 2 or cuda:
         return 0
-    itemsize = 4 if shape.unit_major else shape.compute_bytes
-    return max(u.trainable for u in profile.units) * itemsize * (2 if separate_memory("cpu") else 1)
+    return max(u.trainable for u in profile.units) * grad_itemsize(shape) * (2 if separate_memory("cpu") else 1)
