@@ -78,7 +78,7 @@ class AdamW(torch.optim.Optimizer):
             per_unit: dict[str, list[int]] = {}
             for p in group["params"]:
                 where = self.engine.locate(p)
-                if where is not None:  # None: frozen
+                if where is not None and where[0].steps_here:  # None: frozen; not steps_here: another rank's
                     per_unit.setdefault(where[0].name, []).append(where[1])
             for name, idx in per_unit.items():
                 layout.setdefault(name, []).append((group, idx))

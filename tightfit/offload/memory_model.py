@@ -87,6 +87,10 @@ class UnitSize:
     """Elements of the unit's flat buffer, padding included (all its parameters)."""
     trainable: int
     """Elements of its trainable prefix: these have gradients and Adam moments."""
+    stepped: bool = True
+    """This process steps the unit: it holds its fp32 master and moments. False: another rank does and sends its
+    updated values ([Note: optimizer states sharded by unit] in tightfit/parallel/sharded_optimizer.py); the unit
+    keeps its compute params and its gradients here."""
 
     @property
     def is_root(self) -> bool:
@@ -119,7 +123,7 @@ def casts_on_device(u: UnitSize, up: UnitPlacement, c: int, enabled: bool) -> bo
     (`enabled`: `Placement.cast_on_device`; [Note: the device casts the master] in step/unit.py)? Only where the
     master is the whole unit (no frozen tail kept in the compute dtype) and lives on the host tier, as the params
     would."""
-    return (enabled and c < 4 and u.trainable == u.numel > 0
+    return (enabled and c < 4 and u.trainable == u.numel > 0 and u.stepped
             and up.params == up.master == Tier.HOST)
 
 
@@ -128,11 +132,11 @@ def state_bytes(u: UnitSize, state: State, up: UnitPlacement, c: int, casts: boo
     compute copy at rest)."""
     if state is State.PARAMS:
         return 0 if casts else u.numel * c
-    if state is State.MASTER:
-        return 0 if (c == 4 and up.master == up.params) else u.trainable * 4  # frozen: no master
+    if state is State.MASTER:  # frozen, or stepped by another rank: no master
+        return 0 if (c == 4 and up.master == up.params) or not u.stepped else u.trainable * 4
     if state is State.GRADS:
         return u.trainable * 4
-    return u.trainable * 8
+    return u.trainable * 8 if u.stepped else 0
 
 
 def params_bytes(u: UnitSize, c: int) -> int:
@@ -183,6 +187,8 @@ def unit_jobs(u: UnitSize, up: UnitPlacement, c: int, separate: bool) -> dict[st
         return jobs
     if up.grads == Tier.NVME or (up.grads == Tier.HOST and separate):  # not addressable where computed
         jobs["ship"] = {"pack": (n, c), **({"grads": (n, 4)} if up.grads == Tier.NVME else {})}
+    if not u.stepped:  # another rank steps it
+        return jobs
     on_device = up.master == up.grads == up.optim == Tier.DEVICE
     master_is_params = c == 4 and up.master == up.params
     step: dict[str, tuple[int, int]] = {}
@@ -295,7 +301,7 @@ COPY_BUFFERS = 2 * (16 << 20)
 def copied_by_file(u: UnitSize, up: UnitPlacement) -> bool:
     """A unit whose fp32 master and moments are NVMe files, all its parameters trainable: its checkpoint shard is a
     copy of byte ranges of those files (tightfit/train/checkpoint_swap.py), not a pass through memory."""
-    return up.master == Tier.NVME and up.optim == Tier.NVME and u.trainable == u.numel
+    return up.master == Tier.NVME and up.optim == Tier.NVME and u.trainable == u.numel and u.stepped
 
 
 def export_bytes(u: UnitSize) -> int:

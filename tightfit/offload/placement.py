@@ -121,6 +121,11 @@ class Placement:
     the device casts the master] in step/unit.py). 4 bytes a parameter over the link per fetch instead of 2, and
     the CPU's step no longer casts (6 bytes a parameter over host memory) nor holds the copy (2 bytes a parameter
     of page-locked memory; the master is page-locked instead). The planner takes the faster."""
+    stepped_elsewhere: list[str] = field(default_factory=list)
+    """Units another rank steps ([Note: optimizer states sharded by unit] in tightfit/parallel/sharded_optimizer.py):
+    this process holds no fp32 master (beyond fp32 params that are their own) and no moments for them, ships their
+    gradients like any other's, and is sent their new values after each step. Block names; a group or a tile of one
+    of them is stepped elsewhere too."""
 
     def of(self, unit: str) -> UnitPlacement:
         """The tiers of `unit`, or of the group that contains it ("blocks.2" is in "blocks.0-3")."""
@@ -129,6 +134,15 @@ class Placement:
     def checkpoints(self, unit: str) -> bool:
         """`unit` (or the group that contains it) is recomputed in backward."""
         return unit in self.checkpoint_units or _group_of(unit, self.checkpoint_units) is not None
+
+    def steps_here(self, unit: str) -> bool:
+        """Does this process step `unit` (or the group or block that contains it)? ([Note: optimizer states sharded
+        by unit])"""
+        if not self.stepped_elsewhere:
+            return True
+        elsewhere = set(self.stepped_elsewhere)
+        return not (unit in elsewhere or _group_of(unit, elsewhere) is not None
+                    or any(unit.startswith(name + ".") for name in elsewhere))
 
     def uses(self, tier: Tier) -> bool:
         return any(p.tier(s) == tier for p in [self.default, *self.units.values()] for s in State)
@@ -153,12 +167,14 @@ class Placement:
             return max(found, key=len) if found else None
 
         units = {n: self.units[o] for n in names if (o := owner(n)) is not None}
-        return replace(self, units=units, checkpoint_units=[u for u in self.checkpoint_units if u in names])
+        return replace(self, units=units, checkpoint_units=[u for u in self.checkpoint_units if u in names],
+                       stepped_elsewhere=[n for n in names if not self.steps_here(n)])
 
     def for_groups(self, groups: dict[str, list[str]]) -> "Placement":
         """This placement re-expressed for coarser units: `groups` maps a unit name to the names of the blocks it
         joins, which share their tiers and checkpointing (units.py keeps blocks apart that do not)."""
         units, checkpointed = dict(self.units), set(self.checkpoint_units)
+        elsewhere = set(self.stepped_elsewhere)
         for name, members in groups.items():
             if members == [name]:
                 continue
@@ -167,10 +183,13 @@ class Placement:
                 units[name] = units[first]
             if first in checkpointed:
                 checkpointed.add(name)
+            if first in elsewhere:
+                elsewhere.add(name)
             for m in members:
                 units.pop(m, None)
                 checkpointed.discard(m)
-        return replace(self, units=units, checkpoint_units=sorted(checkpointed))
+                elsewhere.discard(m)
+        return replace(self, units=units, checkpoint_units=sorted(checkpointed), stepped_elsewhere=sorted(elsewhere))
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -55,6 +55,9 @@ class Averaging:
     node_ranks: int = 1
     """Of `ranks`, those on this node, sharing its disk and CPU ([Note: a node's ranks share it] in
     planner/averaging.py)."""
+    stepped_elsewhere: frozenset = frozenset()
+    """Units another rank steps, where the ranks' optimizer states are sharded by unit ([Note: optimizer states
+    sharded by unit] in parallel/sharded_optimizer.py): this rank's plan holds no master or moments for them."""
 
 
 def assumed(ranks: int, interconnect: str | None, cuda: bool, node_ranks: int = 1) -> Averaging:

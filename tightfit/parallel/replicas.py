@@ -270,7 +270,7 @@ def rank_plan(cfg, hw=None) -> tuple[object, dict]:
     machine), and what that average sends per step (a ring all-reduce sends 2(n-1)/n of its bytes)."""
     from tightfit.parallel.links import assumed
     from tightfit.planner import make_plan
-    from tightfit.planner.averaging import allreduce_bytes
+    from tightfit.planner.averaging import allreduce_bytes, exchange_bytes
     from tightfit.train.loop import build_meta_model
 
     p = cfg.parallel
@@ -280,14 +280,23 @@ def rank_plan(cfg, hw=None) -> tuple[object, dict]:
     model = build_meta_model(mine)
     cuda = hw.cuda if hw is not None else torch.cuda.is_available()
     averaging = assumed(ranks, p.interconnect, cuda and cfg.train.device != "cpu", p.nproc_per_node)
+    strategy = "zero1" if p.strategy == "zero1" else "ddp"
+    if strategy == "zero1":  # rank 0's units; every rank steps a share as alike as the units allow
+        from dataclasses import replace
+
+        from tightfit.parallel.sharded_optimizer import shard_setup
+
+        averaging = replace(averaging, stepped_elsewhere=shard_setup(model, 0, ranks)[1])
     plan = make_plan(model, mine, hw, what_if=hw is not None, averaging=averaging)
     averaged = allreduce_bytes(plan.profile, plan.shape)
-    return plan, {"ranks": ranks, "strategy": "ddp", "engine": True, "cpu_mem_per_rank": mine.memory.cpu_mem,
+    return plan, {"ranks": ranks, "strategy": strategy, "engine": True, "cpu_mem_per_rank": mine.memory.cpu_mem,
                   "nvme_per_rank": mine.memory.nvme, "allreduce_bytes_per_step": averaged,
                   "sent_bytes_per_step_per_rank": int(2 * (ranks - 1) / ranks * averaged),
                   "allreduce_times_per_step": plan.shape.passes, "allreduce_bus_bw": averaging.bus_bw,
                   "allreduce_bw_source": averaging.source, "allreduce_s": plan.prediction.allreduce_s,
-                  "order": "unit" if plan.shape.unit_major else "micro"}
+                  "order": "unit" if plan.shape.unit_major else "micro",
+                  "exchange_bytes_per_step": exchange_bytes(plan.profile, plan.shape),
+                  "exchange_s": plan.prediction.exchange_s}
 
 
 def rank_plan_text(plan, ranks: dict) -> str:
@@ -300,17 +309,24 @@ def rank_plan_text(plan, ranks: dict) -> str:
         disk = f", {format_size(parse_size(size))} of the swap disk in {path}/{RANK_FOLDER.format(0)}..."
     once = "once a step (unit-major order)" if ranks["order"] == "unit" else \
         f"once per micro-batch ({ranks['allreduce_times_per_step']} a step, micro-batch-major order)"
-    return (f"{ranks['ranks']} ranks, strategy ddp, the offload engine on each: every rank's plan is this one, for "
+    whose = "every rank's plan is this one" if ranks["strategy"] == "ddp" else \
+        "rank 0's plan (each rank steps its own units and holds their master and moments alone)"
+    exchange = "" if not ranks["exchange_bytes_per_step"] else (
+        f"\nthe stepped units' new values broadcast by their ranks after each step: "
+        f"{format_size(ranks['exchange_bytes_per_step'])}, {ranks['exchange_s'] * 1e3:.1f} ms added to the step")
+    return (f"{ranks['ranks']} ranks, strategy {ranks['strategy']}, the offload engine on each: {whose}, for "
             f"{host} of host memory{disk}\n{plan.table()}\n"
             f"gradients averaged over the ranks {once}: {format_size(ranks['allreduce_bytes_per_step'])} a step, "
             f"{format_size(ranks['sent_bytes_per_step_per_rank'])} sent by each rank (ring all-reduce) at "
             f"{ranks['allreduce_bus_bw'] / 1e9:.2f} GB/s bus bandwidth ({ranks['allreduce_bw_source']}): "
-            f"{ranks['allreduce_s'] * 1e3:.1f} ms added to the predicted step")
+            f"{ranks['allreduce_s'] * 1e3:.1f} ms added to the predicted step{exchange}")
 
 
 def replicate(model: torch.nn.Module, cfg, world, device: torch.device, dtype: torch.dtype, resume,
-              planned: Callable | None, say: Callable[[str], None]) -> Replicated:
-    """This rank's replica: `model` held by its own engine as its plan says, its gradients averaged over `world`."""
+              planned: Callable | None, say: Callable[[str], None], shard_optimizer: bool = False) -> Replicated:
+    """This rank's replica: `model` held by its own engine as its plan says, its gradients averaged over `world`.
+    `shard_optimizer`: each unit's master and moments on its owner alone (`--strategy zero1`:
+    parallel/sharded_optimizer.py)."""
     from tightfit.offload.step.engine import find_engine
     from tightfit.parallel.links import measured
     from tightfit.planner.probe import load_or_probe
@@ -328,6 +344,15 @@ def replicate(model: torch.nn.Module, cfg, world, device: torch.device, dtype: t
     group = dist.new_group(backend=dist.get_backend())  # the gradients' own
     with world.collective("the all-reduce's bandwidth, measured before planning"):
         averaging = measured(group, device, cfg.parallel.interconnect, local_ranks())
+    owner, exchange = None, None
+    if shard_optimizer:
+        from dataclasses import replace
+
+        from tightfit.parallel.sharded_optimizer import shard_setup
+
+        exchange = dist.new_group(backend=dist.get_backend())  # the exchange's and the gathers' own
+        owner, elsewhere = shard_setup(model, world.rank, world.size)
+        averaging = replace(averaging, stepped_elsewhere=elsewhere)
     if refused is None:
         try:
             inner = one_process(model, mine, device, dtype, resume, planned if world.is_main else None, say,
@@ -342,6 +367,10 @@ def replicate(model: torch.nn.Module, cfg, world, device: torch.device, dtype: t
         remove_rank_folder(swap, made)
         raise setup_refused(world.rank, refused)
     averager = average_over_ranks(find_engine(inner.model), group)
+    if shard_optimizer:
+        from tightfit.parallel.sharded_optimizer import ShardedOptimizer
+
+        return ShardedOptimizer(inner, world, averager, swap, made, owner, exchange)
     return Replicated(inner, world, averager, swap, made)
 
 

@@ -81,5 +81,6 @@ class GroupWorld(World):
 
         plan = resolve_plan(cfg, self.size, model, say)
         if plan.engine:
-            return replicate(model, cfg, self, device, dtype, resume, planned, say)
+            return replicate(model, cfg, self, device, dtype, resume, planned, say,
+                             shard_optimizer=plan.dp_mode == "zero1")
         return shard(model, cfg, self, plan, dtype, resume, say)

@@ -74,6 +74,27 @@ def allreduce_in_step(profile: ModelProfile, shape: TrainShape, cuda: bool) -> t
     return whole, allreduce_time(root * grad_itemsize(shape), shape)
 
 
+def shards_optimizer(profile: ModelProfile) -> bool:
+    """Does another rank step some of the units ([Note: optimizer states sharded by unit] in
+    parallel/sharded_optimizer.py)?"""
+    return any(not u.stepped for u in profile.units)
+
+
+def exchange_bytes(profile: ModelProfile, shape: TrainShape) -> int:
+    """Bytes each step's exchange of new values moves where the ranks' optimizer states are sharded by unit: every
+    unit's fp32 values, broadcast by the rank that stepped it (0 otherwise)."""
+    if shape.ranks < 2 or not shards_optimizer(profile):
+        return 0
+    return sum(4 * u.numel for u in profile.units if u.trainable)
+
+
+def exchange_time(profile: ModelProfile, shape: TrainShape) -> float:
+    """Seconds of the exchange (`exchange_bytes`), after the step and before the next forward, at the bus
+    bandwidth (a broadcast's bus bandwidth is its bytes over its time)."""
+    nbytes = exchange_bytes(profile, shape)
+    return nbytes / shape.allreduce_bw if nbytes else 0.0
+
+
 def node_share(hw: HardwareProfile, node_ranks: int) -> HardwareProfile:
     """`hw` as one of `node_ranks` ranks on the node sees it ([Note: a node's ranks share it])."""
     if node_ranks <= 1:

@@ -69,7 +69,13 @@ from dataclasses import dataclass, field, replace
 from tightfit.offload import memory_model as mm
 from tightfit.offload.device_kind import separate_memory
 from tightfit.offload.placement import ROOT_UNIT, Placement, State, Tier
-from tightfit.planner.averaging import allreduce_buffer_bytes, allreduce_in_step, node_share
+from tightfit.planner.averaging import (
+    allreduce_buffer_bytes,
+    allreduce_in_step,
+    exchange_time,
+    node_share,
+    shards_optimizer,
+)
 from tightfit.planner.hardware import HardwareProfile
 from tightfit.planner.model_profile import ModelProfile, UnitProfile
 from tightfit.planner.work import Work
@@ -165,6 +171,9 @@ class Prediction:
     allreduce_s: float = 0.0
     """Of phase A, the gradients' average over the ranks: all of its time on a CPU-only machine, the part the
     backward does not hide on a GPU ([Note: the gradients' average in the step] in planner/averaging.py)."""
+    exchange_s: float = 0.0
+    """The exchange of new values after the step where the ranks' optimizer states are sharded by unit
+    (`exchange_time` in planner/averaging.py): in phase B, after the rank's own steps."""
     phase_a_s: float = 0.0
     """Phase A: the forward and backward of every micro-batch, with the streams that overlap them."""
     step_s: float = 0.0
@@ -208,19 +217,20 @@ class Prediction:
 
 def unit_sizes(profile: ModelProfile) -> list[mm.UnitSize]:
     """The memory model's view of the profile's units (the engine's flat sizes, padding included)."""
-    return [mm.UnitSize(u.name, u.numel, u.trainable) for u in profile.units]
+    return [mm.UnitSize(u.name, u.numel, u.trainable, u.stepped) for u in profile.units]
 
 
 def state_bytes(u: UnitProfile, state: State, placement: Placement, shape: TrainShape) -> int:
     """Bytes `state` of unit `u` occupies on its tier ([Note: bytes per state] in memory_model.py)."""
-    return mm.state_bytes(mm.UnitSize(u.name, u.numel, u.trainable), state, placement.of(u.name),
+    return mm.state_bytes(mm.UnitSize(u.name, u.numel, u.trainable, u.stepped), state, placement.of(u.name),
                           shape.compute_bytes, casts_on_device(u, placement, shape))
 
 
 def casts_on_device(u: UnitProfile, placement: Placement, shape: TrainShape) -> bool:
     """Does a fetch of `u` upload its fp32 master for the device to cast? ([Note: the device casts the master] in
     offload/step/unit.py)"""
-    return mm.casts_on_device(mm.UnitSize(u.name, u.numel, u.trainable), placement.of(u.name), shape.compute_bytes,
+    return mm.casts_on_device(mm.UnitSize(u.name, u.numel, u.trainable, u.stepped), placement.of(u.name),
+                              shape.compute_bytes,
                               placement.cast_on_device)
 
 
@@ -278,7 +288,7 @@ def unit_pass_bytes(u: UnitProfile, placement: Placement, shape: TrainShape) -> 
     backward = step = 0.0
     if n and up.grads != Tier.DEVICE and not shape.unit_major:  # unit-major: summed, and normed, on the device
         backward = sum(micro_pass_bytes(u, placement, shape, m) for m in range(a))
-    if n and not _optimizer_on_device(placement, u.name):
+    if u.stepped_numel and not _optimizer_on_device(placement, u.name):
         step = n * 8 if shape.grad_clip else 0  # the clip coefficient's multiply
         if (up.params != up.master or c != 4) and not casts_on_device(u, placement, shape):
             step += n * (4 + c)  # the compute copy is not the master: the cast (unless the device casts)
@@ -459,7 +469,13 @@ def traffic(profile: ModelProfile, placement: Placement, shape: TrainShape) -> d
             if up.grads == Tier.NVME:  # accumulate: write each micro-batch, read back all but the first
                 t["nvme_write"] += a * g
                 t["nvme_read"] += (a - 1) * g
-                t["nvme_read_opt"] += g
+                t["nvme_read_opt"] += g if u.stepped else 0
+        if not u.stepped:  # its new values come from the rank that steps it, written to its params' tier
+            if up.params == Tier.DEVICE:
+                t["h2d_opt"] += p
+            elif up.params == Tier.NVME:
+                t["nvme_write_opt"] += u.numel * shape.compute_bytes
+            continue
         if not _optimizer_on_device(placement, u.name):
             if up.grads == Tier.DEVICE:
                 t["d2h"] += g
@@ -495,7 +511,7 @@ def steps_under_backward(profile: ModelProfile, shape: TrainShape) -> bool:
 
 def unit_cpu_step(u: UnitProfile, placement: Placement, hw: HardwareProfile, shape: TrainShape) -> float:
     """Seconds of one unit's CPU optimizer step: AdamW and its host passes ([Note: host passes])."""
-    return u.trainable / hw.cpu_adam_rate + unit_pass_bytes(u, placement, shape)[1] / host_pass_rate(hw)
+    return u.stepped_numel / hw.cpu_adam_rate + unit_pass_bytes(u, placement, shape)[1] / host_pass_rate(hw)
 
 
 def last_gradient_pass(u: UnitProfile, placement: Placement, hw: HardwareProfile, shape: TrainShape) -> float:
@@ -567,7 +583,7 @@ def cpu_step_after_backward(profile: ModelProfile, placement: Placement, hw: Har
     backward])."""
     end = 0.0
     for u, ready in backward_arrivals(profile, placement, hw, shape, phase_a):
-        if u.trainable and not _optimizer_on_device(placement, u.name):
+        if u.stepped_numel and not _optimizer_on_device(placement, u.name):
             end = max(end, ready) + last_gradient_pass(u, placement, hw, shape) + unit_cpu_step(u, placement, hw, shape)
     return max(0.0, end - phase_a)
 
@@ -599,7 +615,8 @@ def optimizer_under_forward(profile: ModelProfile, placement: Placement, hw: Har
     """Seconds of the optimizer's `after_s` (its work left after backward: CPU, disk and uploads) that the next
     forward cannot hide, out of a whole step's CPU optimizer time `whole_s` ([Note: the step under the next
     forward])."""
-    cpu = [(u, u.trainable) for u in profile.units if u.trainable and not _optimizer_on_device(placement, u.name)]
+    cpu = [(u, u.stepped_numel) for u in profile.units
+           if u.stepped_numel and not _optimizer_on_device(placement, u.name)]
     total = sum(n for _, n in cpu)
     if not total or after_s <= 0:
         return max(0.0, after_s)
@@ -688,8 +705,8 @@ def step_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, 
     disk_a = disk_time(tr["nvme_read"], tr["nvme_write"], hw)
     disk_b = disk_time(tr["nvme_read_opt"], tr["nvme_write_opt"], hw)
     h2d_b = tr["h2d_opt"] / hw.h2d_bw
-    cpu_opt = sum(u.trainable for u in profile.units if not _optimizer_on_device(placement, u.name))
-    dev_opt = sum(u.trainable for u in profile.units if _optimizer_on_device(placement, u.name))
+    cpu_opt = sum(u.stepped_numel for u in profile.units if not _optimizer_on_device(placement, u.name))
+    dev_opt = sum(u.stepped_numel for u in profile.units if _optimizer_on_device(placement, u.name))
     opt = cpu_opt / hw.cpu_adam_rate + dev_opt / hw.device_adam_rate
 
     first = stream_unit_bytes(profile, placement, shape)
@@ -717,7 +734,10 @@ def step_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, 
         whole = cpu_opt / hw.cpu_adam_rate + step_passes + (sum(last_gradient_pass(u, placement, hw, shape)
                                                                  for u in profile.units) if early else 0.0)
         pred.optim_exposed_s = optimizer_under_forward(profile, placement, hw, shape, after, whole)
-        phase_b = pred.optim_exposed_s + dev_opt / hw.device_adam_rate
+        if shards_optimizer(profile):  # the exchange waits for this rank's steps: none is under the next forward
+            pred.optim_exposed_s = after
+        pred.exchange_s = exchange_time(profile, shape)
+        phase_b = pred.optim_exposed_s + dev_opt / hw.device_adam_rate + pred.exchange_s
         pred.optim_after_s = cpu_step
         opt += step_passes
         pred.passes_s = backward_passes + step_passes
@@ -727,7 +747,8 @@ def step_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, 
         # One set of cores: compute and memcpy serialise; the disk threads wait on DMA and overlap.
         phase_a = max(compute + h2d + d2h + reduce, disk_a)
         pred.allreduce_s = reduce
-        phase_b = max(opt + h2d_b, disk_b)
+        pred.exchange_s = exchange_time(profile, shape)
+        phase_b = max(opt + h2d_b, disk_b) + pred.exchange_s
         terms = {"compute": compute, "host<->device": h2d + d2h, "nvme": disk_a, "all-reduce": reduce}
     pred.compute_s, pred.copy_s, pred.nvme_s, pred.optim_s = compute, h2d + d2h + h2d_b, disk_a + disk_b, opt
     pred.host_s = host

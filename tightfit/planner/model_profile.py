@@ -71,6 +71,14 @@ class UnitProfile:
     act_recompute: int = 0
     """Bytes one recomputation of the checkpointed unit holds, when less than `act_saved`: a group of blocks
     recomputes block by block ([Note: grouped blocks] in units.py). 0: `act_saved`."""
+    stepped: bool = True
+    """This rank steps the unit (holds its master and moments); False: another rank does ([Note: optimizer states
+    sharded by unit] in tightfit/parallel/sharded_optimizer.py)."""
+
+    @property
+    def stepped_numel(self) -> int:
+        """Parameters this rank's optimizer steps: the trainable ones, where it steps the unit."""
+        return self.trainable if self.stepped else 0
 
     @classmethod
     def from_dict(cls, d: dict) -> "UnitProfile":
@@ -153,7 +161,7 @@ class ModelProfile:
                     default=None),
                 sum(q.act_saved for q in parts), sum(q.act_input for q in parts), fwd, bwd,
                 all(q.checkpointable for q in parts), linears,
-                max(q.act_recompute or q.act_saved for q in parts)))
+                max(q.act_recompute or q.act_saved for q in parts), all(q.stepped for q in parts)))
         return replace(self, units=units)
 
     def with_micro_batch(self, micro_batch: int) -> "ModelProfile":

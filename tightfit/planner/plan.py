@@ -274,17 +274,24 @@ class Plan:
         return "\n".join(lines)
 
     def averaging_line(self) -> str:
-        """One rank of replicas: what averaging the gradients over the group costs its step."""
-        from tightfit.planner.averaging import allreduce_bytes
+        """One rank of replicas: what averaging the gradients over the group costs its step (and where the ranks'
+        optimizer states are sharded by unit, exchanging the new values)."""
+        from tightfit.planner.averaging import allreduce_bytes, exchange_bytes
 
         sh, pr = self.shape, self.prediction
         if not self.hardware.cuda:
             where = "on the cores the step computes on"
         else:
             where = "over the host<->device link's lanes" if sh.allreduce_on_link else "beside the backward"
-        return (f"gradients averaged over {sh.ranks} ranks: {format_size(allreduce_bytes(self.profile, sh))} a step "
+        line = (f"gradients averaged over {sh.ranks} ranks: {format_size(allreduce_bytes(self.profile, sh))} a step "
                 f"at {sh.allreduce_bw / 1e9:.2f} GB/s bus bandwidth ({sh.allreduce_source}): "
                 f"{pr.allreduce_s * 1e3:.1f} ms added to the step ({where})")
+        if pr.exchange_s:  # [Note: optimizer states sharded by unit] in parallel/sharded_optimizer.py
+            stepped = sum(1 for u in self.profile.units if u.stepped and u.trainable)
+            line += (f"; this rank steps {stepped} of the {sum(1 for u in self.profile.units if u.trainable)} units "
+                     f"and holds their master and moments alone, the new values broadcast after the step: "
+                     f"{format_size(exchange_bytes(self.profile, sh))}, {pr.exchange_s * 1e3:.1f} ms added")
+        return line
 
     def compare(self, measured: dict) -> str:
         """Predicted vs measured, one line per quantity measured.

@@ -60,6 +60,9 @@ def make_plan(model: nn.Module, cfg, hardware: HardwareProfile | None = None, na
         shape = replace(shape, ranks=averaging.ranks, allreduce_bw=averaging.bus_bw,
                         allreduce_on_link=averaging.on_link, allreduce_source=averaging.source,
                         node_ranks=averaging.node_ranks)
+    elsewhere = sorted(getattr(averaging, "stepped_elsewhere", ()) or ())
+    if elsewhere:  # [Note: optimizer states sharded by unit] in parallel/sharded_optimizer.py
+        profile = replace(profile, units=[replace(u, stepped=u.name not in elsewhere) for u in profile.units])
     mode = cfg.memory.offload
     accumulation = _accumulation(cfg, profile, names)
 
@@ -80,7 +83,8 @@ def make_plan(model: nn.Module, cfg, hardware: HardwareProfile | None = None, na
         else:
             res = fixed(profile, hw, budgets, shape, Tier(mode), cfg.memory.checkpointing,
                         names.set("offload", mode), names)
-        return Plan(res.placement, res.prediction, {"device": budgets.device, "host": budgets.host,
+        placement = replace(res.placement, stepped_elsewhere=elsewhere) if elsewhere else res.placement
+        return Plan(placement, res.prediction, {"device": budgets.device, "host": budgets.host,
                                                     "nvme": budgets.nvme if budgets.nvme_dir else None},
                     budgets.source, res.reasons, mode, shape, res.profile, hw, budgets.shared)
 

@@ -31,6 +31,8 @@ def small_block_groups(placement: Placement, profile: ModelProfile) -> tuple[dic
     target = min(NVME_UNIT_BYTES, sum(4 * u.numel for u in blocks) // MIN_UNITS)
     if placement.tiled_linears or not on_disk or min(4 * u.numel for u in on_disk) >= target:
         return None
+    if any(not u.stepped for u in blocks):  # optimizer states sharded by unit: each block stays its own unit
+        return None
     # By size alone: the search that follows places the joined units; the engine, given the target, forms the
     # same units (its key on placement and checkpointing can only split where the joined units already end).
     groups = group_blocks([(u.name, 4 * u.numel) for u in blocks], target)

@@ -154,7 +154,7 @@ def copyable(engine, unit) -> bool:
     master, optim = unit.store[State.MASTER], unit.store[State.OPTIM]
     fp32_master = unit.master_entry != PARAMS or unit.compute_dtype == torch.float32
     return (isinstance(master, DiskStore) and isinstance(optim, DiskStore) and fp32_master
-            and unit.master_numel == unit.spec.numel)
+            and unit.master_numel == unit.spec.numel and unit.steps_here)
 
 
 def swap_copy(unit, with_optim: bool) -> SwapCopy:
@@ -186,7 +186,7 @@ def state_groups(model, opt, hand_over: bool = False):
     last save; each unit's swap file is removed once the unit has been taken, and the caller closes the engine
     when this is done (the checkpoint has its NVMe states, the swap no longer)."""
     from tightfit.offload.step.engine import find_engine
-    from tightfit.offload.model_state.state_io import export_groups, export_pieces, quiesce
+    from tightfit.offload.model_state.state_io import export_groups, quiesce
 
     engine = find_engine(model)
     if engine is None:
@@ -194,14 +194,27 @@ def state_groups(model, opt, hand_over: bool = False):
         return
     quiesce(engine)
     for unit in engine.units.values():
-        if copyable(engine, unit):
-            for store in {unit.store[State.MASTER], unit.store[State.OPTIM]}:
-                store.wait()  # no request in flight on the files being copied
-            yield swap_copy(unit, opt is not None)
-        else:
-            for piece in export_pieces(engine, unit, opt is not None):  # a large unit: several shards
-                yield unit.name, piece
-        if hand_over:  # its shard is written, or its pieces are the writer's own copies
-            for store in {unit.store[s] for s in State}:
-                if isinstance(store, DiskStore):
-                    store.drop(unit.name)
+        yield from unit_groups(engine, unit, opt is not None, hand_over)
+
+
+def unit_groups(engine, unit, with_optim: bool, hand_over: bool = False):
+    """`state_groups` of one unit (after `state_io.quiesce`)."""
+    from tightfit.offload.model_state.state_io import export_pieces
+
+    if copyable(engine, unit):
+        for store in {unit.store[State.MASTER], unit.store[State.OPTIM]}:
+            store.wait()  # no request in flight on the files being copied
+        yield swap_copy(unit, with_optim)
+    else:
+        for piece in export_pieces(engine, unit, with_optim):  # a large unit: several shards
+            yield unit.name, piece
+    if hand_over:
+        drop_swap(unit)
+
+
+def drop_swap(unit) -> None:
+    """Remove the unit's swap files (the run's last save has taken its states: its shard is written, or its
+    pieces are the writer's own copies)."""
+    for store in {unit.store[s] for s in State}:
+        if isinstance(store, DiskStore):
+            store.drop(unit.name)

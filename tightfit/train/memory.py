@@ -363,6 +363,7 @@ class OffloadMemory(_Stepping):
                 "step_terms": {"compute_s": pr.compute_s, "host_s": pr.host_s, "copy_s": pr.copy_s,
                                "nvme_s": pr.nvme_s, "optim_s": pr.optim_s, "passes_s": pr.passes_s,
                                "optim_after_s": pr.optim_after_s, "allreduce_s": pr.allreduce_s,
+                               "exchange_s": pr.exchange_s,
                                "allreduce_bus_bw": self.plan.shape.allreduce_bw, "bottleneck": pr.bottleneck},
                 "hardware": {k: getattr(hw, k) for k in ("device_name", "op_overhead_s", "unit_overhead_s",
                                                          "stream_overhead_s", "step_overhead_s", "duplex_bw",

@@ -109,7 +109,7 @@ class OneProcess:
         from tightfit.train.checkpoint_writer import non_finite_in
 
         def checked():
-            for key, t in self.mem.export_state():
+            for key, t in self.export_tensors():
                 bad = non_finite_in(t) if check_finite and key.startswith("model.") else None
                 if bad:
                     raise NonFiniteWeight(key, bad)
@@ -125,6 +125,11 @@ class OneProcess:
                           tensors=lora.merged_tensors(checked(), config.lora_alpha / config.r))
         else:  # the adapter, as peft saves it
             lora.save_adapter(folder, config, lora.adapter_tensors(checked()))
+
+    def export_tensors(self):
+        """(key, CPU tensor) of the model's values and its optimizer's state (state_io's keys), as an export reads
+        them."""
+        return self.mem.export_state()
 
     def memory_in_use(self) -> dict[str, int]:
         return self.mem.memory_in_use()

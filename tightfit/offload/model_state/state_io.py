@@ -218,7 +218,7 @@ def _import_wrapped(engine: OffloadEngine, with_optim: bool, get, trainable_only
             slot.view(master).copy_(_model_value(get, slot.name, slot.shape))
         engine.write_master(unit, master)
         del master
-        if not with_optim or not unit.trainable:
+        if not with_optim or not unit.trainable or not unit.steps_here:  # another rank's moments: not here
             continue
         moments = {e: torch.zeros(unit.spec.train_numel, dtype=torch.float32) for e in _MOMENTS}
         found = False

@@ -22,7 +22,7 @@ from tightfit.utils.sizes import format_size
 
 def unit_sizes(units: dict[str, OffloadUnit]) -> list[mm.UnitSize]:
     """The memory model's view of the engine's units (flat sizes, padding included)."""
-    return [mm.UnitSize(u.name, u.spec.numel, u.spec.train_numel) for u in units.values()]
+    return [u.size for u in units.values()]
 
 
 def _compute_bytes(units: dict[str, OffloadUnit]) -> int:

@@ -119,7 +119,7 @@ class OffloadEngine:
         self.device = device
         self.meta_init = replace_meta_params(model)
         specs = find_units(model, units, min_bytes=placement.min_unit_bytes,
-                           group_key=lambda path, p=placement: (p.of(path), p.checkpoints(path)))
+                           group_key=lambda path, p=placement: (p.of(path), p.checkpoints(path), p.steps_here(path)))
         names = {s.name for s in specs} | {path for s in specs for path, _ in s.members}
         for name in [*placement.units, *placement.checkpoint_units]:
             if name not in names:
@@ -142,7 +142,7 @@ class OffloadEngine:
         self.stores: dict[Tier, TierStore] = rt.stores
         self.units: dict[str, OffloadUnit] = {
             s.name: OffloadUnit(s, placement.of(s.name), self.stores, compute_dtype, device, self.separate,
-                                placement.cast_on_device)
+                                placement.cast_on_device, placement.steps_here(s.name))
             for s in specs}
         try:
             check_budgets(self.units, placement, self.separate)

@@ -115,7 +115,8 @@ class StepRunner:
     def steps_in_flat(self, unit: OffloadUnit) -> bool:
         """Can the root's step run in place on its materialised params? (CPU device sharing host memory, fp32
         params that are their own master: [Note: master from the fetch].)"""
-        return (unit.spec.is_root and not self.separate and bool(unit.trainable) and unit.master_entry == PARAMS
+        return (unit.spec.is_root and not self.separate and bool(unit.trainable) and unit.steps_here
+                and unit.master_entry == PARAMS
                 and unit.flat.device.type == "cpu" and not unit.resident)
 
     def _master_from_flat(self, unit: OffloadUnit) -> bool:

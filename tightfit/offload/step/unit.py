@@ -103,7 +103,7 @@ class OffloadUnit:
 
     def __init__(self, spec: UnitSpec, placement: UnitPlacement, stores: dict[Tier, TierStore],
                  compute_dtype: torch.dtype, device: torch.device, separate: bool,
-                 cast_on_device: bool = False) -> None:
+                 cast_on_device: bool = False, steps_here: bool = True) -> None:
         self.spec = spec
         self.name = spec.name
         self.placement = placement
@@ -114,9 +114,12 @@ class OffloadUnit:
         self.master_entry = PARAMS if (compute_dtype == torch.float32
                                        and placement.params == placement.master) else MASTER
         self.trainable = spec.trainable  # slots with gradients, in flat order
+        # False: another rank steps the unit and sends its values; no master (beyond fp32 params that are their own)
+        # and no moments here ([Note: optimizer states sharded by unit] in tightfit/parallel/sharded_optimizer.py).
+        self.steps_here = steps_here
+        self.size = UnitSize(self.name, spec.numel, spec.train_numel, steps_here)  # the memory model's view
         # [Note: the device casts the master]: no compute copy at rest, the master uploaded and cast by the device.
-        self.casts_on_device = casts_on_device(UnitSize(self.name, spec.numel, spec.train_numel), placement,
-                                               compute_dtype.itemsize, cast_on_device)
+        self.casts_on_device = casts_on_device(self.size, placement, compute_dtype.itemsize, cast_on_device)
         self.resident = placement.params == Tier.DEVICE
         self.life = Lifecycle(self.name, self.resident)
         # States the CPU works on in place (no pool buffer): [Note: jobs and grants] in host_memory.py.
@@ -125,8 +128,7 @@ class OffloadUnit:
         dtype = {compute_dtype.itemsize: compute_dtype, 4: torch.float32}  # bytes per element -> dtype
         self.jobs: dict[str, Sizes] = {
             job: {name: (numel, dtype[e]) for name, (numel, e) in bufs.items()}
-            for job, bufs in unit_jobs(UnitSize(self.name, spec.numel, spec.train_numel), placement,
-                                       compute_dtype.itemsize, separate).items()}
+            for job, bufs in unit_jobs(self.size, placement, compute_dtype.itemsize, separate).items()}
         self.moments_empty = True  # no optimizer step yet: Adam's moments start at zero, nothing to read
         self.flat: torch.Tensor | None = None
         self.flat_io: torch.Tensor | None = None
@@ -166,10 +168,11 @@ class OffloadUnit:
         out: dict[Tier, dict[str, tuple[int, torch.dtype]]] = {}
         if not self.casts_on_device:
             out.setdefault(self.placement.params, {})[PARAMS] = (n, self.compute_dtype)
-        if self.master_entry == MASTER and nt:
+        if self.master_entry == MASTER and nt and self.steps_here:
             out.setdefault(self.placement.master, {})[MASTER] = (nt, torch.float32)
         if nt:
             out.setdefault(self.placement.grads, {})[GRADS] = (nt, torch.float32)
+        if nt and self.steps_here:
             out.setdefault(self.placement.optim, {})[EXP_AVG] = (nt, torch.float32)
             out[self.placement.optim][EXP_AVG_SQ] = (nt, torch.float32)
         return out
@@ -202,8 +205,10 @@ class OffloadUnit:
         covers only the trainable prefix `[0, train_numel)`: frozen parameters are kept once, in the compute dtype,
         in PARAMS, with no master, gradient or moments. When the params *are* the master (PARAMS), the step works on
         the whole flat buffer; only its prefix changes, and only that goes back to the tier ([Note: the frozen tail
-        stays on its tier] in optimizer.py)."""
-        return self.spec.numel if self.master_entry == PARAMS else self.spec.train_numel
+        stays on its tier] in optimizer.py). A unit another rank steps has no separate master here: 0."""
+        if self.master_entry == PARAMS:
+            return self.spec.numel
+        return self.spec.train_numel if self.steps_here else 0
 
     @property
     def compute_bytes(self) -> int:

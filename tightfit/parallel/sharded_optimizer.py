@@ -1,0 +1,261 @@
+"""ZeRO-1 over the offload engine: `--strategy zero1 --offload host|nvme` on several ranks.
+
+[Note: optimizer states sharded by unit] The replicas of parallel/replicas.py each hold every state of the whole
+model: at 16 bytes a parameter of fp32 master, gradients and moments, a 70B model is 1.1 TB per rank whatever the
+number of ranks. Here each trainable unit (a block, the root) has one owner among the data-parallel ranks
+(`owners`: largest first to the least loaded rank), and only its owner holds its fp32 master and Adam moments
+(where the compute copy is not itself the fp32 master) and steps it; every other rank plans, allocates and keeps
+neither (`Placement.stepped_elsewhere`; the memory model's `UnitSize.stepped`), so master and moments cost each rank
+1/N of the model's, on whichever tier its own plan puts them. What stays whole on every rank: the compute params
+(each rank runs the whole forward and backward, as in ZeRO-1 and -2) and the gradients, averaged over the group as
+they leave the device exactly as the replicas average them (so the global norm a clip needs is every rank's own,
+bit for bit alike, with no collective of its own).
+
+After the optimizer step (`opt.step()` queues this rank's units on the engine's step thread), `exchange` hands every
+rank the new values: unit by unit, in the engine's unit order (the same on every rank), the owner waits for its
+unit's step, reads its fp32 values and broadcasts them over a process group of the exchange's own; every other rank
+writes them into its tiers as the unit's values (`OffloadEngine.write_master`: the compute copy cast from them, as
+the owner's step casts it). An owner's step and the receivers' cast are the same ops on the same bits, so every
+rank holds the values the replicas would, bit for bit. DeepSpeed's ZeRO-1/2 all-gather the updated partitions the
+same way; the unit is the partition here because it is what the engine steps and moves.
+
+Checkpoints stay the one-process format, written by rank 0: its own units' states from its tiers, the others' sent
+to it unit by unit (`_gathered`, `_send_owned`), so one process, another world size, or the replicas resume them;
+on resume each rank reads every unit's values and only its own units' moments (state_io.import_state).
+
+Cost, against the replicas: each rank steps 1/N of the units, but the exchange waits for them (no step runs under the
+next forward) and broadcasts 4 bytes a parameter a step (the plan prices both: planner/averaging.py
+`exchange_time`). Not built: ZeRO-2's reduce to the owner (each rank still holds every unit's gradients) and ZeRO-3's
+sharded params.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tightfit.errors import UsageError
+from tightfit.parallel.replicas import Replicated
+
+
+def owners(sizes: list[tuple[str, int]], ranks: int) -> dict[str, int]:
+    """Each named unit's owner among `ranks` ranks from its (name, trainable elements): the largest unit first, each
+    to the rank that owns the fewest elements so far (the lowest such rank on a tie). The same on every rank: it
+    depends on the model alone. Units without trainable elements have no owner (every rank has their values)."""
+    load = [0] * ranks
+    out: dict[str, int] = {}
+    for name, n in sorted((s for s in sizes if s[1] > 0), key=lambda s: (-s[1], s[0])):
+        r = min(range(ranks), key=lambda k: (load[k], k))
+        out[name] = r
+        load[r] += n
+    return out
+
+
+def owner_of(name: str, owner: dict[str, int]) -> int | None:
+    """The owner of engine unit `name`: its own entry, or the block it is part of (a tile: "blocks.0.mlp.tiles.1"),
+    None when no rank owns it alone (every rank steps it, as `Placement.steps_here` says for it)."""
+    if name in owner:
+        return owner[name]
+    found = [k for k in owner if name.startswith(k + ".")]
+    return owner[max(found, key=len)] if found else None
+
+
+class ShardedOptimizer(Replicated):
+    """This rank's whole model through its engine, stepping only the units it owns (`owner`: block name -> rank);
+    `group`: the exchange's process group."""
+
+    def __init__(self, inner, world, averager, swap, made, owner: dict[str, int], group) -> None:
+        super().__init__(inner, world, averager, swap, made)
+        from tightfit.offload.step.engine import find_engine
+
+        self.owner, self.group = owner, group
+        self.engine = find_engine(inner.model)
+        self.exchanged_bytes = 0  # fp32 values sent or received in the exchanges
+        self.exchange_s = 0.0
+
+    def _units(self):
+        """(unit, owner) of every unit one rank steps for all, in the engine's unit order."""
+        for unit in self.engine.units.values():
+            r = owner_of(unit.name, self.owner) if unit.trainable else None
+            if r is not None:
+                yield unit, r
+
+    def describe(self) -> str:
+        mine = sum(1 for _, r in self._units() if r == self.world.rank)
+        text = super().describe().replace("strategy ddp, the offload engine on each",
+                                          "strategy zero1, the offload engine on each")
+        return text.replace("(rank 0's plan below;", f"(each rank steps its own units, {mine} of them on rank 0, "
+                                                     "and holds their master and moments alone; rank 0's plan "
+                                                     "below;", 1)
+
+    def clip_and_step(self, max_norm: float) -> float | None:
+        norm = super().clip_and_step(max_norm)
+        self.exchange()
+        return norm
+
+    def exchange(self) -> None:
+        """Every unit's new values from its owner to every other rank ([Note: optimizer states sharded by unit])."""
+        import time
+
+        from tightfit.offload.runtime.aligned import aligned_empty
+
+        t0 = time.perf_counter()
+        with self.world.collective("the exchange of the stepped units' values"):
+            for unit, r in self._units():
+                if r == self.world.rank:
+                    values = self.engine.read_master(unit)  # waits for its step
+                else:
+                    values = aligned_empty(unit.spec.numel, torch.float32)
+                dist.broadcast(values, src=r, group=self.group)
+                if r != self.world.rank:
+                    self.engine.write_master(unit, values)
+                self.exchanged_bytes += values.numel() * 4
+        self.exchange_s += time.perf_counter() - t0
+
+    # ---- checkpoints and exports: rank 0 writes, the owners send ------------------------------------------------
+
+    def checkpoint_groups(self, hand_over: bool = False):
+        from tightfit.offload.model_state.state_io import quiesce
+
+        quiesce(self.engine)
+        if self.world.is_main:
+            return self._gathered(True, hand_over)
+        self._send_owned(True, hand_over)
+        return None
+
+    def export_tensors(self):
+        """On rank 0, every unit's values and state, the other owners' sent to it (rank 0 alone calls this, from
+        `export_hf`: `_send_owned` is its other ranks' side)."""
+        from tightfit.offload.model_state.state_io import quiesce
+
+        quiesce(self.engine)
+        gathered = self._gathered(True, False)
+        try:
+            for _, items in gathered:
+                yield from items
+        finally:
+            gathered.close()
+
+    def export_hf(self, folder, meta_model, check_finite: bool = False, merge_lora: bool = False) -> None:
+        if not self.world.is_main:
+            from tightfit.offload.model_state.state_io import quiesce
+
+            quiesce(self.engine)
+            self._send_owned(True, False)
+        super().export_hf(folder, meta_model, check_finite, merge_lora)
+
+    def _gathered(self, with_optim: bool, hand_over: bool) -> "Gathered":
+        return Gathered(self.engine, list(self._units()), with_optim, hand_over, self.group)
+
+    def _send_owned(self, with_optim: bool, hand_over: bool) -> None:
+        """Another rank's side of `_gathered`: its units' values and state to rank 0, in the engine's order."""
+        from tightfit.train.checkpoint_swap import drop_swap
+
+        for unit, r in self._units():
+            if r == self.world.rank:
+                _send(self.engine, unit, with_optim, self.group)
+                if hand_over:
+                    drop_swap(unit)
+
+    def engine_counters(self):
+        counters = super().engine_counters()
+        if counters is not None:
+            counters["exchange_bytes"] = float(self.exchanged_bytes)
+            counters["exchange_s"] = self.exchange_s
+        return counters
+
+    def summary_fields(self) -> dict:
+        return {**super().summary_fields(), "strategy": "zero1"}
+
+
+class Gathered:
+    """Rank 0's side of a gather: (group, [(key, tensor)]) of every unit in the engine's order, its own read from its
+    tiers (train/checkpoint_swap.py), the others' received from their owners (`_receive`). Dropped or closed before
+    the end (the save or the export failed, or never started), it still receives what the owners send, so that no
+    rank is left waiting in a send."""
+
+    def __init__(self, engine, owned: list, with_optim: bool, hand_over: bool, group) -> None:
+        self.with_optim, self.group = with_optim, group
+        self._pending = [(u, r) for u, r in owned if r != 0]  # still to receive, in order
+        self._items = self._run(engine, {u.name: r for u, r in owned}, hand_over)
+
+    def _run(self, engine, owner: dict, hand_over: bool):
+        from tightfit.train.checkpoint_swap import unit_groups
+
+        for unit in engine.units.values():
+            r = owner.get(unit.name, 0)
+            if r == 0:
+                yield from unit_groups(engine, unit, self.with_optim, hand_over)
+            else:
+                self._pending.pop(0)
+                yield unit.name, _receive(unit, r, self.with_optim, self.group)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._items)
+
+    def close(self) -> None:
+        self._items.close()
+        while self._pending:
+            unit, r = self._pending.pop(0)
+            _receive(unit, r, self.with_optim, self.group)
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def _send(engine, unit, with_optim: bool, group) -> None:
+    """A unit's fp32 values and, with `with_optim`, its step counts (-1: never stepped) and moments, to rank 0."""
+    from tightfit.offload.placement import State
+    from tightfit.offload.step.unit import EXP_AVG, EXP_AVG_SQ
+
+    dist.send(engine.read_master(unit), dst=0, group=group)
+    if not with_optim:
+        return
+    steps = torch.tensor([-1.0 if unit.moments_empty or s is None else float(s) for s in unit.steps],
+                         dtype=torch.float32)
+    dist.send(steps, dst=0, group=group)
+    if bool((steps >= 0).any()):
+        for entry in (EXP_AVG, EXP_AVG_SQ):
+            moments = torch.empty(unit.spec.train_numel, dtype=torch.float32)
+            unit.store[State.OPTIM].load(unit.name, entry, moments).result()
+            dist.send(moments, dst=0, group=group)
+
+
+def _receive(unit, src: int, with_optim: bool, group) -> list[tuple[str, torch.Tensor]]:
+    """Rank 0's side of `_send`: the unit's (key, tensor) pairs as `state_io.export_pieces` names them."""
+    from tightfit.offload.runtime.aligned import aligned_empty
+
+    master = aligned_empty(unit.spec.numel, torch.float32)
+    dist.recv(master, src=src, group=group)
+    items = [(f"model.{slot.name}", slot.view(master)) for slot in unit.spec.slots]
+    if not with_optim:
+        return items
+    steps = torch.empty(len(unit.trainable), dtype=torch.float32)
+    dist.recv(steps, src=src, group=group)
+    if bool((steps >= 0).any()):
+        moments = {}
+        for entry in ("exp_avg", "exp_avg_sq"):
+            moments[entry] = torch.empty(unit.spec.train_numel, dtype=torch.float32)
+            dist.recv(moments[entry], src=src, group=group)
+        for i, slot in enumerate(unit.trainable):
+            if steps[i] < 0:
+                continue
+            items += [(f"optim.{slot.name}.{entry}", slot.view(moments[entry])) for entry in moments]
+            items.append((f"optim.{slot.name}.step", steps[i].clone()))
+    return items
+
+
+def shard_setup(model: torch.nn.Module, rank: int, ranks: int) -> tuple[dict[str, int], frozenset]:
+    """(every unit's owner, the units this rank does not step) of `model` as the planner and the engine see its units
+    (`find_units`: the root and each block)."""
+    from tightfit.offload.step.units import find_units
+
+    specs = find_units(model)
+    owner = owners([(s.name, s.train_numel) for s in specs], ranks)
+    if ranks > 1 and len(owner) < ranks:
+        raise UsageError(f"--strategy zero1 with the offload engine: the model has {len(owner)} trainable units for "
+                         f"{ranks} ranks, so a rank would step none; use fewer ranks or --strategy ddp")
+    return owner, frozenset(name for name, r in owner.items() if r != rank)
