@@ -94,6 +94,37 @@ def test_the_engine_on_every_rank_trains_as_one_process(tiny_args, tmp_path, tie
     assert f"resumed from" in resumed.stdout and f"step {STEPS + 2}/{STEPS + 2}" in resumed.stdout
 
 
+def test_zero1_with_the_engine_shards_the_optimizer_states(tiny_args, tmp_path, plain):
+    """2 ranks, `--strategy zero1`, every state on each rank's NVMe, micro-batch-major, clipped at 1.0: the losses
+    of one process of plain PyTorch on the same sequences (as the replicas'); each rank steps its own units and holds
+    their master and moments alone, so the two swap folders together hold less than two replicas' (16 bytes a
+    parameter each), as each rank's plan said; each unit's new values cross once a step (4 bytes a parameter); the
+    checkpoint, gathered to rank 0, is the one-process format (one process resumes it)."""
+    swap = tmp_path / "swap"
+    proc, two = _train(tiny_args, tmp_path / "two", "--grad-accum", "2", "--strategy", "zero1", "--offload", "nvme",
+                       "--nvme", str(swap), "--accumulation", "micro", ranks=2)
+    _close(two, plain)
+    assert "strategy zero1, the offload engine on each" in proc.stdout
+    parameters = int(re.search(r"training ([\d,]+) parameters", proc.stdout)[1].replace(",", ""))
+    engine = [r for r in _metrics(tmp_path / "two") if r["kind"] == "train"][-1]["engine"]
+    assert engine["exchange_bytes"] == 4 * parameters
+    plan = next(r for r in _metrics(tmp_path / "two") if r["kind"] == "plan_vs_measured")
+    disk = [rank["nvme_peak"] for rank in plan["ranks"]]
+    assert all(d["measured"] == d["predicted"] for d in disk), disk
+    replica = 16 * parameters  # fp32 params (their own master), gradients and two moments
+    assert sum(d["measured"] for d in disk) < 0.8 * 2 * replica, (disk, replica)
+    for rank in plan["ranks"]:
+        rss = rank["rss_peak"]
+        assert abs(rss["measured"] - rss["predicted"]) <= 0.10 * rss["predicted"], plan["ranks"]
+    assert swap.is_dir() and not any(swap.iterdir()), list(swap.iterdir())
+    resumed = subprocess.run([sys.executable, "-m", "tightfit.cli", "train", *tiny_args[:tiny_args.index("--out-dir")],
+                              "--out-dir", str(tmp_path / "two"), *tiny_args[tiny_args.index("--out-dir") + 2:],
+                              "--steps", str(STEPS + 2), "--grad-accum", "4", "--offload", "none", "--resume"],
+                             env=rank_env(), cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and f"step {STEPS + 2}/{STEPS + 2}" in resumed.stdout
+
+
 @pytest.mark.slow
 def test_four_ranks_with_the_engine_train_as_one_process(tiny_args, tmp_path, plain):
     """4 ranks, each with every state on its own NVMe folder, against one process with 4x the micro-batches."""
@@ -138,20 +169,24 @@ def _train_to(tiny_args, out, ranks: int, extra: list[str], steps: int) -> None:
     assert f"--stop-at {steps} reached" in proc.stdout
 
 
-def test_one_process_checkpoint_resumes_on_two_ranks_with_the_engine(tiny_args, tmp_path, plain):
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow), "zero1"])
+def test_one_process_checkpoint_resumes_on_two_ranks_with_the_engine(tiny_args, tmp_path, plain, strategy):
     """1 -> 2: one process (every state on host, 4 micro-batches) stopped at step 4, resumed by 2 ranks each with its
-    engine on NVMe (2 micro-batches each): the losses of one uninterrupted plain run."""
+    engine on NVMe (2 micro-batches each; with zero1 each rank reads the moments of its own units alone): the losses
+    of one uninterrupted plain run."""
     _resumed_across(tiny_args, tmp_path, (1, ["--grad-accum", "4", "--offload", "host"]),
-                    (2, ["--grad-accum", "2", "--strategy", "ddp", "--offload", "nvme", "--nvme",
+                    (2, ["--grad-accum", "2", "--strategy", strategy, "--offload", "nvme", "--nvme",
                          str(tmp_path / "swap")]), plain)
 
 
 @pytest.mark.slow
 def test_two_rank_checkpoint_resumes_on_four_and_on_one(tiny_args, tmp_path, plain):
-    """2 -> 4 (plain DDP) and 2 -> 1 (the engine in one process)."""
+    """2 -> 4 (plain DDP) and 2 -> 1 (the engine in one process), from DDP and from zero1 with the engine."""
     two = (2, ["--grad-accum", "2", "--strategy", "ddp"])
     _resumed_across(tiny_args, tmp_path / "a", two, (4, ["--grad-accum", "1", "--strategy", "ddp"]), plain)
     _resumed_across(tiny_args, tmp_path / "b", two, (1, ["--grad-accum", "4", "--offload", "host"]), plain)
+    zero1 = (2, ["--grad-accum", "2", "--strategy", "zero1", "--offload", "host"])
+    _resumed_across(tiny_args, tmp_path / "c", zero1, (1, ["--grad-accum", "4", "--offload", "host"]), plain)
 
 
 def test_the_plan_of_every_rank(tmp_path, capsys):
