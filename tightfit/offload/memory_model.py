@@ -90,7 +90,10 @@ class UnitSize:
     stepped: bool = True
     """This process steps the unit: it holds its fp32 master and moments. False: another rank does and sends its
     updated values ([Note: optimizer states sharded by unit] in tightfit/parallel/sharded_optimizer.py); the unit
-    keeps its compute params and its gradients here."""
+    keeps its compute params and (unless `keeps_grads` is False) its gradients here."""
+    keeps_grads: bool = True
+    """Its gradients are summed here. False (a unit another rank steps, under ZeRO-2): they are reduced to that
+    rank as they leave the device and dropped; nothing of them lands here."""
 
     @property
     def is_root(self) -> bool:
@@ -135,7 +138,7 @@ def state_bytes(u: UnitSize, state: State, up: UnitPlacement, c: int, casts: boo
     if state is State.MASTER:  # frozen, or stepped by another rank: no master
         return 0 if (c == 4 and up.master == up.params) or not u.stepped else u.trainable * 4
     if state is State.GRADS:
-        return u.trainable * 4
+        return u.trainable * 4 if u.keeps_grads else 0
     return u.trainable * 8 if u.stepped else 0
 
 
@@ -185,7 +188,8 @@ def unit_jobs(u: UnitSize, up: UnitPlacement, c: int, separate: bool) -> dict[st
         jobs["fetch"] = {"params": (big, c)}
     if not n:
         return jobs
-    if up.grads == Tier.NVME or (up.grads == Tier.HOST and separate):  # not addressable where computed
+    # Not addressable where computed: a ship (none for another rank's gradients under ZeRO-2, which do not land).
+    if u.keeps_grads and (up.grads == Tier.NVME or (up.grads == Tier.HOST and separate)):
         jobs["ship"] = {"pack": (n, c), **({"grads": (n, 4)} if up.grads == Tier.NVME else {})}
     if not u.stepped:  # another rank steps it
         return jobs
@@ -427,7 +431,8 @@ def conversion_bytes(units: list[UnitSize], p: Placement, c: int) -> int:
     compute dtype: `Placement.land_grads_fp32` False)."""
     if c == 4 or not p.land_grads_fp32:
         return 0
-    return _chunk_bytes([u.trainable for u in units if u.trainable and p.of(u.name).grads != Tier.DEVICE])
+    return _chunk_bytes([u.trainable for u in units
+                         if u.trainable and u.keeps_grads and p.of(u.name).grads != Tier.DEVICE])
 
 
 def _chunk_bytes(numels: list[int]) -> int:

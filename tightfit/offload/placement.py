@@ -123,9 +123,12 @@ class Placement:
     of page-locked memory; the master is page-locked instead). The planner takes the faster."""
     stepped_elsewhere: list[str] = field(default_factory=list)
     """Units another rank steps ([Note: optimizer states sharded by unit] in tightfit/parallel/sharded_optimizer.py):
-    this process holds no fp32 master (beyond fp32 params that are their own) and no moments for them, ships their
-    gradients like any other's, and is sent their new values after each step. Block names; a group or a tile of one
-    of them is stepped elsewhere too."""
+    this process holds no fp32 master (beyond fp32 params that are their own) and no moments for them, averages
+    their gradients like any other's (or, with `grads_elsewhere`, reduces them to their rank and keeps none), and is
+    sent their new values after each step. Block names; a group or a tile of one of them is stepped elsewhere too."""
+    grads_elsewhere: bool = False
+    """ZeRO-2: the gradients of the units stepped elsewhere are reduced to the rank that steps them as they leave the
+    device; none of them lands here."""
 
     def of(self, unit: str) -> UnitPlacement:
         """The tiers of `unit`, or of the group that contains it ("blocks.2" is in "blocks.0-3")."""
@@ -143,6 +146,10 @@ class Placement:
         elsewhere = set(self.stepped_elsewhere)
         return not (unit in elsewhere or _group_of(unit, elsewhere) is not None
                     or any(unit.startswith(name + ".") for name in elsewhere))
+
+    def keeps_grads(self, unit: str) -> bool:
+        """Are `unit`'s gradients summed in this process? (All but, under ZeRO-2, another rank's units'.)"""
+        return not self.grads_elsewhere or self.steps_here(unit)
 
     def uses(self, tier: Tier) -> bool:
         return any(p.tier(s) == tier for p in [self.default, *self.units.values()] for s in State)

@@ -58,6 +58,8 @@ class Averaging:
     stepped_elsewhere: frozenset = frozenset()
     """Units another rank steps, where the ranks' optimizer states are sharded by unit ([Note: optimizer states
     sharded by unit] in parallel/sharded_optimizer.py): this rank's plan holds no master or moments for them."""
+    grads_elsewhere: bool = False
+    """ZeRO-2: nor their gradients, reduced to the rank that steps them."""
 
 
 def assumed(ranks: int, interconnect: str | None, cuda: bool, node_ranks: int = 1) -> Averaging:

@@ -61,14 +61,19 @@ class GradientAverager:
 
     def __init__(self, group, size: int) -> None:
         self.group, self.size = group, size
+        self.rank = dist.get_rank(group)
         self.through_flat = dist.get_backend(group) == "gloo"
+        # ZeRO-2 over the engine (sharded_optimizer.py): unit name -> the rank its gradients are reduced to, which
+        # alone receives their mean (None: every unit's averaged on every rank).
+        self.owner_of: Callable[[str], int | None] | None = None
         self._free: list[torch.Tensor] = []  # flat buffers no call is using (list operations are atomic)
         self.bytes = 0
         self.seconds = 0.0
 
-    def __call__(self, grads: list[torch.Tensor]) -> Callable[[], None]:
-        if self.through_flat and len({g.dtype for g in grads}) == 1:
-            return self._through_flat(grads)
+    def __call__(self, grads: list[torch.Tensor], unit: str | None = None) -> Callable[[], None]:
+        dst = self.owner_of(unit) if self.owner_of is not None and unit is not None else None
+        if dst is not None or (self.through_flat and len({g.dtype for g in grads}) == 1):
+            return self._through_flat(grads, dst)
         pending = []  # (work, its gradients): each bucket's all-reduces as one coalesced call, in place
         for bucket in buckets(grads):
             with _coalescing_manager(group=self.group, async_ops=True) as calls:
@@ -87,31 +92,39 @@ class GradientAverager:
 
         return averaged
 
-    def _through_flat(self, grads: list[torch.Tensor]) -> Callable[[], None]:
+    def _through_flat(self, grads: list[torch.Tensor], dst: int | None = None) -> Callable[[], None]:
+        """One flat buffer's all-reduce, or (`dst`: ZeRO-2) its reduce to rank `dst`, which alone copies the mean
+        back (the others' gradients are dropped after it). The flat's dtype is the gradients' (a ZeRO-2 reduce of
+        mixed dtypes goes through fp32, which holds every bf16/fp16 value exactly)."""
+        dtype = grads[0].dtype if len({g.dtype for g in grads}) == 1 else torch.float32
         n = sum(g.numel() for g in grads)
-        buffer = self._take(n, grads[0].dtype)
+        buffer = self._take(n, dtype, grads[0].device)
         flat = buffer[:n]
-        torch.cat([g.reshape(-1) for g in grads], out=flat)
-        work = dist.all_reduce(flat, group=self.group, async_op=True)
+        torch.cat([g.reshape(-1).to(dtype) for g in grads], out=flat)
+        if dst is None:
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
+        else:
+            work = dist.reduce(flat, dst=dst, group=self.group, async_op=True)
         self.bytes += n * flat.element_size()
 
         def averaged() -> None:
             t0 = time.perf_counter()
             work.wait()
-            flat.div_(float(self.size))
-            torch._foreach_copy_(grads, [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in grads]),
-                                                                             grads)])
+            if dst is None or dst == self.rank:
+                flat.div_(float(self.size))
+                torch._foreach_copy_(grads, [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in
+                                                                                            grads]), grads)])
             self._free.append(buffer)
             self.seconds += time.perf_counter() - t0
 
         return averaged
 
-    def _take(self, n: int, dtype: torch.dtype) -> torch.Tensor:
-        """A kept flat buffer of at least `n` elements of `dtype`, or a new one."""
+    def _take(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A kept flat buffer of at least `n` elements of `dtype` on `device`, or a new one."""
         for i, b in enumerate(self._free):
-            if b.dtype == dtype and b.numel() >= n:
+            if b.dtype == dtype and b.device == device and b.numel() >= n:
                 return self._free.pop(i)
-        return torch.empty(n, dtype=dtype)
+        return torch.empty(n, dtype=dtype, device=device)
 
 
 BUCKET_BYTES = 25 << 20
@@ -280,13 +293,14 @@ def rank_plan(cfg, hw=None) -> tuple[object, dict]:
     model = build_meta_model(mine)
     cuda = hw.cuda if hw is not None else torch.cuda.is_available()
     averaging = assumed(ranks, p.interconnect, cuda and cfg.train.device != "cpu", p.nproc_per_node)
-    strategy = "zero1" if p.strategy == "zero1" else "ddp"
-    if strategy == "zero1":  # rank 0's units; every rank steps a share as alike as the units allow
+    strategy = p.strategy if p.strategy in ("zero1", "zero2") else "ddp"
+    if strategy != "ddp":  # rank 0's units; every rank steps a share as alike as the units allow
         from dataclasses import replace
 
         from tightfit.parallel.sharded_optimizer import shard_setup
 
-        averaging = replace(averaging, stepped_elsewhere=shard_setup(model, 0, ranks)[1])
+        averaging = replace(averaging, stepped_elsewhere=shard_setup(model, 0, ranks, strategy)[1],
+                            grads_elsewhere=strategy == "zero2")
     plan = make_plan(model, mine, hw, what_if=hw is not None, averaging=averaging)
     averaged = allreduce_bytes(plan.profile, plan.shape)
     return plan, {"ranks": ranks, "strategy": strategy, "engine": True, "cpu_mem_per_rank": mine.memory.cpu_mem,
@@ -323,10 +337,10 @@ def rank_plan_text(plan, ranks: dict) -> str:
 
 
 def replicate(model: torch.nn.Module, cfg, world, device: torch.device, dtype: torch.dtype, resume,
-              planned: Callable | None, say: Callable[[str], None], shard_optimizer: bool = False) -> Replicated:
+              planned: Callable | None, say: Callable[[str], None], sharding: str | None = None) -> Replicated:
     """This rank's replica: `model` held by its own engine as its plan says, its gradients averaged over `world`.
-    `shard_optimizer`: each unit's master and moments on its owner alone (`--strategy zero1`:
-    parallel/sharded_optimizer.py)."""
+    `sharding`: "zero1", each unit's master and moments on one rank alone; "zero2", and its gradients reduced to that
+    rank (parallel/sharded_optimizer.py)."""
     from tightfit.offload.step.engine import find_engine
     from tightfit.parallel.links import measured
     from tightfit.planner.probe import load_or_probe
@@ -345,14 +359,14 @@ def replicate(model: torch.nn.Module, cfg, world, device: torch.device, dtype: t
     with world.collective("the all-reduce's bandwidth, measured before planning"):
         averaging = measured(group, device, cfg.parallel.interconnect, local_ranks())
     owner, exchange = None, None
-    if shard_optimizer:
+    if sharding:
         from dataclasses import replace
 
         from tightfit.parallel.sharded_optimizer import shard_setup
 
-        exchange = dist.new_group(backend=dist.get_backend())  # the exchange's and the gathers' own
-        owner, elsewhere = shard_setup(model, world.rank, world.size)
-        averaging = replace(averaging, stepped_elsewhere=elsewhere)
+        exchange = dist.new_group(backend=dist.get_backend())  # the exchange's, the norms' and the gathers' own
+        owner, elsewhere = shard_setup(model, world.rank, world.size, sharding)
+        averaging = replace(averaging, stepped_elsewhere=elsewhere, grads_elsewhere=sharding == "zero2")
     if refused is None:
         try:
             inner = one_process(model, mine, device, dtype, resume, planned if world.is_main else None, say,
@@ -367,10 +381,10 @@ def replicate(model: torch.nn.Module, cfg, world, device: torch.device, dtype: t
         remove_rank_folder(swap, made)
         raise setup_refused(world.rank, refused)
     averager = average_over_ranks(find_engine(inner.model), group)
-    if shard_optimizer:
+    if sharding:
         from tightfit.parallel.sharded_optimizer import ShardedOptimizer
 
-        return ShardedOptimizer(inner, world, averager, swap, made, owner, exchange)
+        return ShardedOptimizer(inner, world, averager, swap, made, owner, exchange, sharding)
     return Replicated(inner, world, averager, swap, made)
 
 

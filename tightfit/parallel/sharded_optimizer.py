@@ -64,12 +64,16 @@ class ShardedOptimizer(Replicated):
     """This rank's whole model through its engine, stepping only the units it owns (`owner`: block name -> rank);
     `group`: the exchange's process group."""
 
-    def __init__(self, inner, world, averager, swap, made, owner: dict[str, int], group) -> None:
+    def __init__(self, inner, world, averager, swap, made, owner: dict[str, int], group,
+                 strategy: str = "zero1") -> None:
         super().__init__(inner, world, averager, swap, made)
         from tightfit.offload.step.engine import find_engine
 
-        self.owner, self.group = owner, group
+        self.owner, self.group, self.strategy = owner, group, strategy
         self.engine = find_engine(inner.model)
+        if strategy == "zero2":  # each unit's gradients to its owner alone; the norms a clip needs from every rank
+            averager.owner_of = lambda name: owner_of(name, owner)
+            self.engine.norms_over_ranks = self._norms_over_ranks
         self.exchanged_bytes = 0  # fp32 values sent or received in the exchanges
         self.exchange_s = 0.0
 
@@ -83,10 +87,25 @@ class ShardedOptimizer(Replicated):
     def describe(self) -> str:
         mine = sum(1 for _, r in self._units() if r == self.world.rank)
         text = super().describe().replace("strategy ddp, the offload engine on each",
-                                          "strategy zero1, the offload engine on each")
-        return text.replace("(rank 0's plan below;", f"(each rank steps its own units, {mine} of them on rank 0, "
-                                                     "and holds their master and moments alone; rank 0's plan "
-                                                     "below;", 1)
+                                          f"strategy {self.strategy}, the offload engine on each")
+        held = "master and moments" if self.strategy == "zero1" else "master, moments and gradients"
+        text = text.replace("(rank 0's plan below;", f"(each rank steps its own units, {mine} of them on rank 0, "
+                                                     f"and holds their {held} alone; rank 0's plan below;", 1)
+        if self.strategy == "zero2":
+            text = text.replace("gradients averaged as they leave the device",
+                                "each unit's gradients reduced to its rank as they leave the device", 1)
+        return text
+
+    def _norms_over_ranks(self, norms: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every rank's list of per-parameter gradient norms, each rank holding those of its own units and zeros for
+        the others' (ZeRO-2): their sum over the ranks, where exactly one term is not zero, is every norm bit for
+        bit, so every rank clips by the coefficient the replicas would."""
+        device = torch.device("cpu") if dist.get_backend(self.group) == "gloo" else \
+            torch.device("cuda", torch.cuda.current_device())
+        stacked = torch.stack([n.to(device, torch.float32) for n in norms])
+        with self.world.collective("the gradient norms' exchange"):
+            dist.all_reduce(stacked, group=self.group)
+        return list(stacked.unbind())
 
     def clip_and_step(self, max_norm: float) -> float | None:
         norm = super().clip_and_step(max_norm)
@@ -165,7 +184,7 @@ class ShardedOptimizer(Replicated):
         return counters
 
     def summary_fields(self) -> dict:
-        return {**super().summary_fields(), "strategy": "zero1"}
+        return {**super().summary_fields(), "strategy": self.strategy}
 
 
 class Gathered:
@@ -248,7 +267,8 @@ def _receive(unit, src: int, with_optim: bool, group) -> list[tuple[str, torch.T
     return items
 
 
-def shard_setup(model: torch.nn.Module, rank: int, ranks: int) -> tuple[dict[str, int], frozenset]:
+def shard_setup(model: torch.nn.Module, rank: int, ranks: int, strategy: str = "zero1"
+                ) -> tuple[dict[str, int], frozenset]:
     """(every unit's owner, the units this rank does not step) of `model` as the planner and the engine see its units
     (`find_units`: the root and each block)."""
     from tightfit.offload.step.units import find_units
@@ -256,6 +276,6 @@ def shard_setup(model: torch.nn.Module, rank: int, ranks: int) -> tuple[dict[str
     specs = find_units(model)
     owner = owners([(s.name, s.train_numel) for s in specs], ranks)
     if ranks > 1 and len(owner) < ranks:
-        raise UsageError(f"--strategy zero1 with the offload engine: the model has {len(owner)} trainable units for "
+        raise UsageError(f"--strategy {strategy} with the offload engine: the model has {len(owner)} trainable units for "
                          f"{ranks} ranks, so a rank would step none; use fewer ranks or --strategy ddp")
     return owner, frozenset(name for name, r in owner.items() if r != rank)

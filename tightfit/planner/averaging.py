@@ -66,6 +66,8 @@ def allreduce_in_step(profile: ModelProfile, shape: TrainShape, cuda: bool) -> t
     """(the all-reduces' time beside phase A, the tail after the backward) of a step ([Note: the gradients' average
     in the step])."""
     whole = allreduce_time(allreduce_bytes(profile, shape), shape)
+    if any(not u.keeps_grads for u in profile.units):  # ZeRO-2: reduced to each unit's rank, half a ring all-reduce
+        whole /= 2
     if not whole:
         return 0.0, 0.0
     if not cuda:

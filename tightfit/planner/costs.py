@@ -217,19 +217,19 @@ class Prediction:
 
 def unit_sizes(profile: ModelProfile) -> list[mm.UnitSize]:
     """The memory model's view of the profile's units (the engine's flat sizes, padding included)."""
-    return [mm.UnitSize(u.name, u.numel, u.trainable, u.stepped) for u in profile.units]
+    return [mm.UnitSize(u.name, u.numel, u.trainable, u.stepped, u.keeps_grads) for u in profile.units]
 
 
 def state_bytes(u: UnitProfile, state: State, placement: Placement, shape: TrainShape) -> int:
     """Bytes `state` of unit `u` occupies on its tier ([Note: bytes per state] in memory_model.py)."""
-    return mm.state_bytes(mm.UnitSize(u.name, u.numel, u.trainable, u.stepped), state, placement.of(u.name),
+    return mm.state_bytes(mm.UnitSize(u.name, u.numel, u.trainable, u.stepped, u.keeps_grads), state, placement.of(u.name),
                           shape.compute_bytes, casts_on_device(u, placement, shape))
 
 
 def casts_on_device(u: UnitProfile, placement: Placement, shape: TrainShape) -> bool:
     """Does a fetch of `u` upload its fp32 master for the device to cast? ([Note: the device casts the master] in
     offload/step/unit.py)"""
-    return mm.casts_on_device(mm.UnitSize(u.name, u.numel, u.trainable, u.stepped), placement.of(u.name),
+    return mm.casts_on_device(mm.UnitSize(u.name, u.numel, u.trainable, u.stepped, u.keeps_grads), placement.of(u.name),
                               shape.compute_bytes,
                               placement.cast_on_device)
 
@@ -286,7 +286,7 @@ def unit_pass_bytes(u: UnitProfile, placement: Placement, shape: TrainShape) -> 
     a, c = shape.grad_accum, shape.compute_bytes
     up, n = placement.of(u.name), u.trainable
     backward = step = 0.0
-    if n and up.grads != Tier.DEVICE and not shape.unit_major:  # unit-major: summed, and normed, on the device
+    if n and u.keeps_grads and up.grads != Tier.DEVICE and not shape.unit_major:  # unit-major: on the device
         backward = sum(micro_pass_bytes(u, placement, shape, m) for m in range(a))
     if u.stepped_numel and not _optimizer_on_device(placement, u.name):
         step = n * 8 if shape.grad_clip else 0  # the clip coefficient's multiply
@@ -298,7 +298,7 @@ def unit_pass_bytes(u: UnitProfile, placement: Placement, shape: TrainShape) -> 
 def micro_pass_bytes(u: UnitProfile, placement: Placement, shape: TrainShape, micro: int) -> int:
     """Bytes the gradient worker moves over unit `u`'s gradients of micro-batch `micro` on a GPU machine: its add
     into the sum, and in a step that clips, the sum's norm after the last micro-batch."""
-    if not u.trainable or placement.of(u.name).grads == Tier.DEVICE or shape.unit_major:
+    if not u.trainable or not u.keeps_grads or placement.of(u.name).grads == Tier.DEVICE or shape.unit_major:
         return 0
     norm = 4 if shape.grad_clip and micro == shape.grad_accum - 1 else 0
     return u.trainable * (_sum_bytes(shape.compute_bytes, micro, placement) + norm)
@@ -307,7 +307,7 @@ def micro_pass_bytes(u: UnitProfile, placement: Placement, shape: TrainShape, mi
 def grads_off_bytes(u: UnitProfile, placement: Placement, shape: TrainShape, micro: int) -> int:
     """Bytes of unit `u`'s gradients of micro-batch `micro` over the link to their tier off the device: fp32 for a
     step's first where they land as the sum ([Note: gradients land converted]), else the compute dtype's."""
-    if not u.trainable or placement.of(u.name).grads == Tier.DEVICE:
+    if not u.trainable or not u.keeps_grads or placement.of(u.name).grads == Tier.DEVICE:
         return 0
     if shape.unit_major:  # the step's fp32 sums, once ([Note: gradient sums on the device] in offload/step/unit.py)
         return u.trainable * 4 if micro == 0 else 0
@@ -464,7 +464,7 @@ def traffic(profile: ModelProfile, placement: Placement, shape: TrainShape) -> d
             if up.params == Tier.NVME:
                 t["nvme_read"] += uses * p
         g = u.trainable * 4
-        if up.grads != Tier.DEVICE:
+        if up.grads != Tier.DEVICE and u.keeps_grads:  # another rank's (ZeRO-2) are reduced to it on the device
             t["d2h"] += sum(grads_off_bytes(u, placement, shape, m) for m in range(a))
             if up.grads == Tier.NVME:  # accumulate: write each micro-batch, read back all but the first
                 t["nvme_write"] += a * g
@@ -518,7 +518,7 @@ def last_gradient_pass(u: UnitProfile, placement: Placement, hw: HardwareProfile
     """Seconds of the gradient worker's pass over one unit's gradients of the last micro-batch, in a step that steps
     under backward (no clip: no norm pass): where micro-batches came before, the pack read and the sum read and written
     ([Note: host passes], [Note: one memory under backward])."""
-    if not u.trainable or placement.of(u.name).grads == Tier.DEVICE or shape.unit_major:
+    if not u.trainable or not u.keeps_grads or placement.of(u.name).grads == Tier.DEVICE or shape.unit_major:
         return 0.0
     return u.trainable * _sum_bytes(shape.compute_bytes, shape.grad_accum - 1, placement) / host_pass_rate(hw)
 

@@ -74,6 +74,8 @@ class UnitProfile:
     stepped: bool = True
     """This rank steps the unit (holds its master and moments); False: another rank does ([Note: optimizer states
     sharded by unit] in tightfit/parallel/sharded_optimizer.py)."""
+    keeps_grads: bool = True
+    """Its gradients are summed on this rank; False (ZeRO-2, another rank's unit): reduced to that rank, none kept."""
 
     @property
     def stepped_numel(self) -> int:
@@ -161,7 +163,8 @@ class ModelProfile:
                     default=None),
                 sum(q.act_saved for q in parts), sum(q.act_input for q in parts), fwd, bwd,
                 all(q.checkpointable for q in parts), linears,
-                max(q.act_recompute or q.act_saved for q in parts), all(q.stepped for q in parts)))
+                max(q.act_recompute or q.act_saved for q in parts), all(q.stepped for q in parts),
+                all(q.keeps_grads for q in parts)))
         return replace(self, units=units)
 
     def with_micro_batch(self, micro_batch: int) -> "ModelProfile":

@@ -62,7 +62,10 @@ def make_plan(model: nn.Module, cfg, hardware: HardwareProfile | None = None, na
                         node_ranks=averaging.node_ranks)
     elsewhere = sorted(getattr(averaging, "stepped_elsewhere", ()) or ())
     if elsewhere:  # [Note: optimizer states sharded by unit] in parallel/sharded_optimizer.py
-        profile = replace(profile, units=[replace(u, stepped=u.name not in elsewhere) for u in profile.units])
+        grads_elsewhere = bool(getattr(averaging, "grads_elsewhere", False))
+        profile = replace(profile, units=[replace(u, stepped=u.name not in elsewhere,
+                                                  keeps_grads=not grads_elsewhere or u.name not in elsewhere)
+                                          for u in profile.units])
     mode = cfg.memory.offload
     accumulation = _accumulation(cfg, profile, names)
 
@@ -83,7 +86,8 @@ def make_plan(model: nn.Module, cfg, hardware: HardwareProfile | None = None, na
         else:
             res = fixed(profile, hw, budgets, shape, Tier(mode), cfg.memory.checkpointing,
                         names.set("offload", mode), names)
-        placement = replace(res.placement, stepped_elsewhere=elsewhere) if elsewhere else res.placement
+        placement = res.placement if not elsewhere else replace(
+            res.placement, stepped_elsewhere=elsewhere, grads_elsewhere=any(not u.keeps_grads for u in profile.units))
         return Plan(placement, res.prediction, {"device": budgets.device, "host": budgets.host,
                                                     "nvme": budgets.nvme if budgets.nvme_dir else None},
                     budgets.source, res.reasons, mode, shape, res.profile, hw, budgets.shared)

@@ -142,7 +142,8 @@ class OffloadEngine:
         self.stores: dict[Tier, TierStore] = rt.stores
         self.units: dict[str, OffloadUnit] = {
             s.name: OffloadUnit(s, placement.of(s.name), self.stores, compute_dtype, device, self.separate,
-                                placement.cast_on_device, placement.steps_here(s.name))
+                                placement.cast_on_device, placement.steps_here(s.name),
+                                placement.keeps_grads(s.name))
             for s in specs}
         try:
             check_budgets(self.units, placement, self.separate)
@@ -182,6 +183,9 @@ class OffloadEngine:
         # master and moments start loading as its backward starts.
         self.declared: DeclaredStep | None = None
         self.norms = NormPolicy()  # when the gradient worker takes norms: [Note: norms when asked]
+        # ZeRO-2 over the engine (parallel/sharded_optimizer.py): the ranks' norms, each rank's own units' only, made
+        # every rank's whole list; None otherwise.
+        self.norms_over_ranks: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
         self._early_submitted = 0  # units stepped during the running step's backward (`submit_early_step`)
         self._grads_charged: dict[str, int] = {}  # device bytes of this backward's param.grads, per unit
         self._warned_autocast = False
@@ -622,7 +626,8 @@ class OffloadEngine:
         self.norms.on_ask()
         for unit in self.units.values():
             self.timers.add("host_grad_bytes", norms_on_demand(unit, self.cache, self.pool))
-        return [u.grad_norms[i] for u, i in self._param_order if u.has_grad[i]]
+        norms = [u.grad_norms[i] for u, i in self._param_order if u.has_grad[i]]
+        return self.norms_over_ranks(norms) if self.norms_over_ranks is not None and norms else norms
 
     def step_order(self) -> list[OffloadUnit]:
         """Units in the order the optimizer steps them: backward order (their gradients are ready first)."""

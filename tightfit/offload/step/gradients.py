@@ -49,6 +49,11 @@ from tightfit.offload.step.unit import GRADS, OffloadUnit
 from tightfit.offload.step.units import slot_views
 
 
+_NO_NORM = torch.zeros(())
+"""The norm a rank records for gradients it reduced to another rank and dropped (ZeRO-2): a zero, which the norms'
+exchange over the ranks (a sum, where exactly one rank holds each norm) replaces with the owner's, bit for bit."""
+
+
 class GradientShipper:
     """Ships units' gradients to their tier. Collaborators: the pool that grants a ship's buffers, the mover that
     packs, the host cache that may hold the final gradients for a step, the gradient worker, the timers."""
@@ -82,9 +87,16 @@ class GradientShipper:
                 pairs.append((i, unit.trainable[i], g))
         if not pairs:
             return None
+        if not unit.keeps_grads:  # ZeRO-2, another rank's unit: reduced to that rank, then dropped here
+            self.reduce([g for _, _, g in pairs], unit.name)()
+            for i, _, _ in pairs:
+                unit.has_grad[i] = True
+                unit.grad_norms[i] = _NO_NORM  # its rank's, in the norms' exchange (engine.norms_over_ranks)
+            unit.life.on(Event.GRADS_STORED)
+            return None
         # Averaged over the ranks before anything reads them (the norms, the sums, the steps are the group's): the
         # reduction starts now and `averaged()` waits for it, here where they are read at once, else in the copy.
-        averaged = self.reduce([g for _, _, g in pairs]) if self.reduce is not None else None
+        averaged = self.reduce([g for _, _, g in pairs], unit.name) if self.reduce is not None else None
         had = list(unit.has_grad)
         new = {i for i, _, _ in pairs}
         for i in new:

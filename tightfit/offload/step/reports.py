@@ -64,7 +64,7 @@ def unit_report(unit: OffloadUnit) -> dict:
     """One unit's elements, and each state's tier, where it is now and its bytes."""
     sizes = {State.PARAMS: unit.compute_bytes,
              State.MASTER: 0 if unit.master_entry == PARAMS else 4 * unit.master_numel,
-             State.GRADS: 4 * unit.spec.train_numel,
+             State.GRADS: 4 * unit.spec.train_numel if unit.keeps_grads else 0,
              State.OPTIM: 8 * unit.spec.train_numel if unit.steps_here else 0}
     return {"numel": unit.spec.numel, "trainable_numel": unit.spec.train_numel,
             "states": {s.value: {"tier": unit.placement.tier(s).value, "where": unit.where[s].value,

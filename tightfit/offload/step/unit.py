@@ -103,7 +103,7 @@ class OffloadUnit:
 
     def __init__(self, spec: UnitSpec, placement: UnitPlacement, stores: dict[Tier, TierStore],
                  compute_dtype: torch.dtype, device: torch.device, separate: bool,
-                 cast_on_device: bool = False, steps_here: bool = True) -> None:
+                 cast_on_device: bool = False, steps_here: bool = True, keeps_grads: bool = True) -> None:
         self.spec = spec
         self.name = spec.name
         self.placement = placement
@@ -117,7 +117,9 @@ class OffloadUnit:
         # False: another rank steps the unit and sends its values; no master (beyond fp32 params that are their own)
         # and no moments here ([Note: optimizer states sharded by unit] in tightfit/parallel/sharded_optimizer.py).
         self.steps_here = steps_here
-        self.size = UnitSize(self.name, spec.numel, spec.train_numel, steps_here)  # the memory model's view
+        # False (ZeRO-2): its gradients are reduced to the rank that steps it as they leave the device, none lands here
+        self.keeps_grads = keeps_grads
+        self.size = UnitSize(self.name, spec.numel, spec.train_numel, steps_here, keeps_grads)
         # [Note: the device casts the master]: no compute copy at rest, the master uploaded and cast by the device.
         self.casts_on_device = casts_on_device(self.size, placement, compute_dtype.itemsize, cast_on_device)
         self.resident = placement.params == Tier.DEVICE
@@ -170,7 +172,7 @@ class OffloadUnit:
             out.setdefault(self.placement.params, {})[PARAMS] = (n, self.compute_dtype)
         if self.master_entry == MASTER and nt and self.steps_here:
             out.setdefault(self.placement.master, {})[MASTER] = (nt, torch.float32)
-        if nt:
+        if nt and self.keeps_grads:
             out.setdefault(self.placement.grads, {})[GRADS] = (nt, torch.float32)
         if nt and self.steps_here:
             out.setdefault(self.placement.optim, {})[EXP_AVG] = (nt, torch.float32)
