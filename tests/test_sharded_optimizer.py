@@ -62,6 +62,11 @@ def test_a_unit_stepped_elsewhere_holds_no_master_or_moments():
     assert mm.state_bytes(theirs, State.MASTER, up, 2) == 0 < mm.state_bytes(mine, State.MASTER, up, 2)
     nvme = UnitPlacement.all_on(Tier.NVME)
     assert "step" not in mm.unit_jobs(theirs, nvme, 2, False) and "step" in mm.unit_jobs(mine, nvme, 2, False)
+    zero2 = mm.UnitSize("blocks.0", 1000, 1000, stepped=False, keeps_grads=False)  # its gradients reduced away
+    assert mm.state_bytes(zero2, State.GRADS, up, 2) == 0 and mm.unit_jobs(zero2, nvme, 2, False) == {
+        "fetch": {"params": (1000, 2)}}
+    assert Placement(stepped_elsewhere=["blocks.0"], grads_elsewhere=True).keeps_grads("blocks.1")
+    assert not Placement(stepped_elsewhere=["blocks.0"], grads_elsewhere=True).keeps_grads("blocks.0")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
