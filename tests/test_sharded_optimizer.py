@@ -73,7 +73,8 @@ def test_a_unit_stepped_elsewhere_holds_no_master_or_moments():
 def test_the_engine_steps_its_own_units_and_takes_the_others_values(tmp_path, dtype):
     """Two engines over the same model and data, one stepping every unit (a replica), one stepping all but
     blocks.1 (a zero1 rank): the second holds no moments (nor, in bf16, master) for blocks.1, leaves it as it was at
-    the step, and after `write_master` with the replica's values holds what the replica holds, bit for bit."""
+    the step, and given the replica's compute copy of it (`write_params`, as the exchange gives a rank its owner's)
+    holds what the replica holds, bit for bit, and computes the same loss."""
     torch.manual_seed(0)
     base = tiny_gpt()
     models = {}
@@ -101,7 +102,7 @@ def test_the_engine_steps_its_own_units_and_takes_the_others_values(tmp_path, dt
             opts[name].zero_grad()
         # blocks.1 was not stepped here: its values are what they were, until its owner's arrive
         assert torch.equal(rank.read_master(theirs), before)
-        rank.write_master(theirs, replica.read_master(replica.units["blocks.1"]))
+        rank.write_params(theirs, replica.read_params(replica.units["blocks.1"]))  # the exchange's two ends
         before = rank.read_master(theirs)
         for unit in rank.units.values():
             if unit.steps_here:

@@ -364,7 +364,9 @@ def replicate(model: torch.nn.Module, cfg, world, device: torch.device, dtype: t
 
         from tightfit.parallel.sharded_optimizer import shard_setup
 
-        exchange = dist.new_group(backend=dist.get_backend())  # the exchange's, the norms' and the gathers' own
+        exchange = dist.new_group(backend=dist.get_backend())  # the exchange's and the norms' own
+        # the gathers' (point to point between host tensors): gloo, also where the run's backend is NCCL
+        gathers = exchange if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         owner, elsewhere = shard_setup(model, world.rank, world.size, sharding)
         averaging = replace(averaging, stepped_elsewhere=elsewhere, grads_elsewhere=sharding == "zero2")
     if refused is None:
@@ -384,7 +386,7 @@ def replicate(model: torch.nn.Module, cfg, world, device: torch.device, dtype: t
     if sharding:
         from tightfit.parallel.sharded_optimizer import ShardedOptimizer
 
-        return ShardedOptimizer(inner, world, averager, swap, made, owner, exchange, sharding)
+        return ShardedOptimizer(inner, world, averager, swap, made, owner, exchange, sharding, gathers)
     return Replicated(inner, world, averager, swap, made)
 
 

@@ -13,10 +13,10 @@ bit for bit alike, with no collective of its own).
 
 After the optimizer step (`opt.step()` queues this rank's units on the engine's step thread), `exchange` hands every
 rank the new values: unit by unit, in the engine's unit order (the same on every rank), the owner waits for its
-unit's step, reads its fp32 values and broadcasts them over a process group of the exchange's own; every other rank
-writes them into its tiers as the unit's values (`OffloadEngine.write_master`: the compute copy cast from them, as
-the owner's step casts it). An owner's step and the receivers' cast are the same ops on the same bits, so every
-rank holds the values the replicas would, bit for bit. DeepSpeed's ZeRO-1/2 all-gather the updated partitions the
+unit's step, reads its compute copy (the fp32 master cast by its step, or the fp32 params themselves) and broadcasts
+it over a process group of the exchange's own; every other rank writes it into its tiers as the unit's compute copy
+(`OffloadEngine.write_params`), the only copy it keeps of another rank's unit. So every rank holds the values the
+replicas would, bit for bit, and the exchange moves the compute dtype's bytes (2 a parameter in bf16). DeepSpeed's ZeRO-1/2 all-gather the updated partitions the
 same way; the unit is the partition here because it is what the engine steps and moves.
 
 Checkpoints stay the one-process format, written by rank 0: its own units' states from its tiers, the others' sent
@@ -24,7 +24,7 @@ to it unit by unit (`_gathered`, `_send_owned`), so one process, another world s
 on resume each rank reads every unit's values and only its own units' moments (state_io.import_state).
 
 Cost, against the replicas: each rank steps 1/N of the units, but the exchange waits for them (no step runs under the
-next forward) and broadcasts 4 bytes a parameter a step (the plan prices both: planner/averaging.py
+next forward) and broadcasts the compute dtype's bytes of every parameter a step (the plan prices both: planner/averaging.py
 `exchange_time`). Not built: ZeRO-2's reduce to the owner (each rank still holds every unit's gradients) and ZeRO-3's
 sharded params.
 """
@@ -65,12 +65,17 @@ class ShardedOptimizer(Replicated):
     `group`: the exchange's process group."""
 
     def __init__(self, inner, world, averager, swap, made, owner: dict[str, int], group,
-                 strategy: str = "zero1") -> None:
+                 strategy: str = "zero1", gather_group=None) -> None:
         super().__init__(inner, world, averager, swap, made)
         from tightfit.offload.step.engine import find_engine
 
         self.owner, self.group, self.strategy = owner, group, strategy
         self.engine = find_engine(inner.model)
+        # Where the exchange's and the norms' tensors are: the host on gloo, the GPU on NCCL (which carries device
+        # tensors only). The gathers of a checkpoint go point to point over gloo (`gather_group`).
+        self.wire = torch.device("cpu") if dist.get_backend(group) == "gloo" else \
+            torch.device("cuda", torch.cuda.current_device())
+        self.gather_group = group if dist.get_backend(group) == "gloo" else gather_group
         if strategy == "zero2":  # each unit's gradients to its owner alone; the norms a clip needs from every rank
             averager.owner_of = lambda name: owner_of(name, owner)
             self.engine.norms_over_ranks = self._norms_over_ranks
@@ -100,9 +105,7 @@ class ShardedOptimizer(Replicated):
         """Every rank's list of per-parameter gradient norms, each rank holding those of its own units and zeros for
         the others' (ZeRO-2): their sum over the ranks, where exactly one term is not zero, is every norm bit for
         bit, so every rank clips by the coefficient the replicas would."""
-        device = torch.device("cpu") if dist.get_backend(self.group) == "gloo" else \
-            torch.device("cuda", torch.cuda.current_device())
-        stacked = torch.stack([n.to(device, torch.float32) for n in norms])
+        stacked = torch.stack([n.to(self.wire, torch.float32) for n in norms])
         with self.world.collective("the gradient norms' exchange"):
             dist.all_reduce(stacked, group=self.group)
         return list(stacked.unbind())
@@ -116,19 +119,18 @@ class ShardedOptimizer(Replicated):
         """Every unit's new values from its owner to every other rank ([Note: optimizer states sharded by unit])."""
         import time
 
-        from tightfit.offload.runtime.aligned import aligned_empty
-
         t0 = time.perf_counter()
+        dtype = self.engine.compute_dtype
         with self.world.collective("the exchange of the stepped units' values"):
             for unit, r in self._units():
                 if r == self.world.rank:
-                    values = self.engine.read_master(unit)  # waits for its step
+                    values = self.engine.read_params(unit).to(self.wire)  # waits for its step
                 else:
-                    values = aligned_empty(unit.spec.numel, torch.float32)
+                    values = torch.empty(unit.spec.numel, dtype=dtype, device=self.wire)
                 dist.broadcast(values, src=r, group=self.group)
                 if r != self.world.rank:
-                    self.engine.write_master(unit, values)
-                self.exchanged_bytes += values.numel() * 4
+                    self.engine.write_params(unit, values.cpu())
+                self.exchanged_bytes += values.numel() * values.element_size()
         self.exchange_s += time.perf_counter() - t0
 
     # ---- checkpoints and exports: rank 0 writes, the owners send ------------------------------------------------
@@ -164,7 +166,7 @@ class ShardedOptimizer(Replicated):
         super().export_hf(folder, meta_model, check_finite, merge_lora)
 
     def _gathered(self, with_optim: bool, hand_over: bool) -> "Gathered":
-        return Gathered(self.engine, list(self._units()), with_optim, hand_over, self.group)
+        return Gathered(self.engine, list(self._units()), with_optim, hand_over, self.gather_group)
 
     def _send_owned(self, with_optim: bool, hand_over: bool) -> None:
         """Another rank's side of `_gathered`: its units' values and state to rank 0, in the engine's order."""
@@ -172,7 +174,7 @@ class ShardedOptimizer(Replicated):
 
         for unit, r in self._units():
             if r == self.world.rank:
-                _send(self.engine, unit, with_optim, self.group)
+                _send(self.engine, unit, with_optim, self.gather_group)
                 if hand_over:
                     drop_swap(unit)
 

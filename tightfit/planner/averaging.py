@@ -84,10 +84,10 @@ def shards_optimizer(profile: ModelProfile) -> bool:
 
 def exchange_bytes(profile: ModelProfile, shape: TrainShape) -> int:
     """Bytes each step's exchange of new values moves where the ranks' optimizer states are sharded by unit: every
-    unit's fp32 values, broadcast by the rank that stepped it (0 otherwise)."""
+    unit's compute-dtype values, broadcast by the rank that stepped it (0 otherwise)."""
     if shape.ranks < 2 or not shards_optimizer(profile):
         return 0
-    return sum(4 * u.numel for u in profile.units if u.trainable)
+    return sum(shape.compute_bytes * u.numel for u in profile.units if u.trainable)
 
 
 def exchange_time(profile: ModelProfile, shape: TrainShape) -> float:

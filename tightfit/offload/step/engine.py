@@ -49,7 +49,13 @@ from tightfit.offload.step.grad_norms import NormPolicy, norms_on_demand
 from tightfit.offload.step.gradients import GradientShipper
 from tightfit.offload.step.hooks import queue_end_of_backward, register_hooks, remove_hooks
 from tightfit.offload.step.lifecycle import Event, ParamsState, Phase
-from tightfit.offload.step.master_io import initialise, read_master, replace_meta_params, write_master
+from tightfit.offload.step.master_io import (
+    initialise,
+    read_master,
+    replace_meta_params,
+    write_master,
+    write_params,
+)
 from tightfit.offload.step.optimizer import Multipliers, StepRunner, Work
 from tightfit.offload.step import reports
 from tightfit.offload.step.passes import UnitMajorPass
@@ -235,6 +241,25 @@ class OffloadEngine:
         """Store fp32 master values (a host tensor of the unit's flat size) and the compute params cast from them."""
         self.wait_step(unit)
         write_master(unit, master, self.compute_dtype)
+        self._stale(unit)
+
+    def write_params(self, unit: OffloadUnit, params: torch.Tensor) -> None:
+        """Store the compute-dtype values of a unit another rank steps (`master_io.write_params`)."""
+        write_params(unit, params)
+        self._stale(unit)
+
+    def read_params(self, unit: OffloadUnit) -> torch.Tensor:
+        """The unit's compute-dtype values after its last step, as a new host tensor."""
+        self.wait_step(unit)
+        if unit.refresh is not None:  # a resident unit's new compute params on their way up
+            self.mover.wait(unit.refresh)
+            unit.refresh = None
+        out = torch.empty(unit.spec.numel, dtype=self.compute_dtype)
+        unit.read_params(out)
+        return out
+
+    def _stale(self, unit: OffloadUnit) -> None:
+        """The unit's stored values changed: its device copy and every cached copy are stale."""
         if unit.on_device and not unit.resident:
             self.release(unit)  # the device copy is stale
         unit.version += 1  # and so is every cached copy

@@ -60,6 +60,14 @@ def write_master(unit: OffloadUnit, master: torch.Tensor, compute_dtype: torch.d
         unit.store[State.MASTER].save(unit.name, PARAMS, master).result()
 
 
+def write_params(unit: OffloadUnit, params: torch.Tensor) -> None:
+    """Store compute-dtype values (a host tensor of the unit's flat size) of a unit whose only copy here is its
+    compute copy: one another rank steps ([Note: optimizer states sharded by unit] in parallel/sharded_optimizer.py),
+    whose fp32 master, where there is one, lives there."""
+    assert not unit.steps_here and not unit.casts_on_device, unit.name
+    unit.store[State.PARAMS].save(unit.name, PARAMS, params).result()
+
+
 def read_master(unit: OffloadUnit, compute_dtype: torch.dtype) -> torch.Tensor:
     """The unit's fp32 master values as a new host tensor."""
     out = aligned_empty(unit.spec.numel, torch.float32)
