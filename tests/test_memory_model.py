@@ -111,10 +111,10 @@ def test_resident_units_take_no_window_slot_and_bf16_keeps_a_master():
     assert parts["window"] == 2 * (2 * BLOCK)  # two streamed blocks: fewer than depth + 2 slots
     assert parts["grads in flight"] == 2 * ROOT + 2 * 2 * BLOCK
     # Pool: NVMe grads shipped (two blocks' bf16 pack and fp32 accumulator), params fetched from NVMe through
-    # staging (running + 2 prefetched), and (depth + 1) step jobs of 4 (master) + 12 (grads, moments) + 2 (the
-    # cast of the new bf16 params, written to NVMe) bytes per element.
-    assert mm.pool_parts(UNITS, p, c, cuda=False) == {"grad packs": 2 * 6 * BLOCK, "fetch staging": 3 * 2 * BLOCK,
-                                                      "optimizer": 3 * 18 * BLOCK}
+    # staging (running + 2 prefetched: but only two blocks are on NVMe), and (depth + 1, but two blocks) step jobs of
+    # 4 (master) + 12 (grads, moments) + 2 (the cast of the new bf16 params, written to NVMe) bytes per element.
+    assert mm.pool_parts(UNITS, p, c, cuda=False) == {"grad packs": 2 * 6 * BLOCK, "fetch staging": 2 * 2 * BLOCK,
+                                                      "optimizer": 2 * 18 * BLOCK}
     assert mm.state_bytes(UNITS[1], mm.State.MASTER, nvme, c) == 4 * BLOCK
 
 

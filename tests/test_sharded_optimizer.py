@@ -113,3 +113,25 @@ def test_the_engine_steps_its_own_units_and_takes_the_others_values(tmp_path, dt
             assert torch.equal(loss_of(models["rank"], x, y), loss_of(models["replica"], x, y))
     for m in models.values():
         engine_of(m).close()
+
+
+def test_a_rank_pools_buffers_for_the_steps_it_runs():
+    """The pool holds (depth + 1) blocks' step jobs at most, and no more than the blocks this rank steps: a rank
+    stepping one of three blocks preloads no other's master and moments."""
+    units = [mm.UnitSize("root", 100, 100)] + [mm.UnitSize(f"blocks.{i}", 1000, 1000, stepped=i == 1)
+                                                for i in range(3)]
+    p = Placement.everywhere(Tier.NVME, prefetch_depth=2)
+    mine = mm.pool_parts(units, p, 4, cuda=False)["optimizer"]
+    every = mm.pool_parts([mm.UnitSize(u.name, u.numel, u.trainable) for u in units], p, 4, cuda=False)["optimizer"]
+    one_block = mm.job_bytes(mm.unit_jobs(units[2], p.of("blocks.1"), 4, False)["step"], False)
+    root = mm.job_bytes(mm.unit_jobs(units[0], p.of("root"), 4, False)["step"], False)
+    assert mine == root + one_block and every == root + 3 * one_block
+
+
+def test_the_heap_is_capped_at_two_arenas_unless_the_user_set_it(monkeypatch):
+    from tightfit.utils import malloc_arenas
+
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "8")
+    assert malloc_arenas.limit_arenas() is False  # the user's own, read by glibc at start
+    monkeypatch.delenv("MALLOC_ARENA_MAX")
+    assert malloc_arenas.limit_arenas() is True  # glibc (Linux): mallopt took it

@@ -134,6 +134,9 @@ def _reported_to_launcher(e: UsageError) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tightfit.utils.malloc_arenas import limit_arenas
+
+    limit_arenas()  # before any thread: [Note: one heap for the engine's threads]
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     try:

@@ -274,7 +274,8 @@ def pool_parts(units: list[UnitSize], p: Placement, c: int, cuda: bool,
 
     def part(name: str, blocks: int) -> int:
         sizes = [(u.is_root, job(u, name)) for u in units]
-        return sum(b for root, b in sizes if root) + blocks * max((b for root, b in sizes if not root), default=0)
+        having = [b for root, b in sizes if not root and b]  # blocks with such a job (a rank steps only its own)
+        return sum(b for root, b in sizes if root) + min(blocks, len(having)) * max(having, default=0)
 
     return {"grad packs": part("ship", 2), "fetch staging": part("fetch", depth + 1),
             "optimizer": part("step", depth + 1)}

@@ -79,7 +79,8 @@ class ShardedOptimizer(Replicated):
         if strategy == "zero2":  # each unit's gradients to its owner alone; the norms a clip needs from every rank
             averager.owner_of = lambda name: owner_of(name, owner)
             self.engine.norms_over_ranks = self._norms_over_ranks
-        self.exchanged_bytes = 0  # fp32 values sent or received in the exchanges
+        self.exchanged_bytes = 0  # compute-dtype values sent or received in the exchanges
+        self._buffer: torch.Tensor | None = None  # the exchange's host buffer (its largest unit's values)
         self.exchange_s = 0.0
 
     def _units(self):
@@ -120,16 +121,20 @@ class ShardedOptimizer(Replicated):
         import time
 
         t0 = time.perf_counter()
-        dtype = self.engine.compute_dtype
+        units = list(self._units())
+        if self._buffer is None and units:  # kept from step to step: one unit's values at a time pass through it
+            from tightfit.offload.runtime.aligned import aligned_empty
+
+            self._buffer = aligned_empty(max(u.spec.numel for u, _ in units), self.engine.compute_dtype)
         with self.world.collective("the exchange of the stepped units' values"):
-            for unit, r in self._units():
+            for unit, r in units:
+                values = self._buffer[:unit.spec.numel]
                 if r == self.world.rank:
-                    values = self.engine.read_params(unit).to(self.wire)  # waits for its step
-                else:
-                    values = torch.empty(unit.spec.numel, dtype=dtype, device=self.wire)
-                dist.broadcast(values, src=r, group=self.group)
+                    self.engine.read_params(unit, values)  # waits for its step
+                wire = values.to(self.wire)
+                dist.broadcast(wire, src=r, group=self.group)
                 if r != self.world.rank:
-                    self.engine.write_params(unit, values.cpu())
+                    self.engine.write_params(unit, wire.cpu())
                 self.exchanged_bytes += values.numel() * values.element_size()
         self.exchange_s += time.perf_counter() - t0
 

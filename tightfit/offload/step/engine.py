@@ -248,13 +248,15 @@ class OffloadEngine:
         write_params(unit, params)
         self._stale(unit)
 
-    def read_params(self, unit: OffloadUnit) -> torch.Tensor:
-        """The unit's compute-dtype values after its last step, as a new host tensor."""
+    def read_params(self, unit: OffloadUnit, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The unit's compute-dtype values after its last step, in `out` (a host tensor of the unit's flat size) or a
+        new host tensor."""
         self.wait_step(unit)
         if unit.refresh is not None:  # a resident unit's new compute params on their way up
             self.mover.wait(unit.refresh)
             unit.refresh = None
-        out = torch.empty(unit.spec.numel, dtype=self.compute_dtype)
+        if out is None:
+            out = torch.empty(unit.spec.numel, dtype=self.compute_dtype)
         unit.read_params(out)
         return out
 
