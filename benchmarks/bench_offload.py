@@ -444,9 +444,10 @@ def overlap(args) -> dict:
 
 
 def _gpt2_steps(model, opt, steps: int, early: bool, first: int = 0, phases: list | None = None,
-                rank: int = 0, world: int = 1) -> list[float]:
+                rank: int = 0, world: int = 1, after_step=None) -> list[float]:
     """Step times; `phases`, when given, gets (forward, backward, optimizer step) seconds of each step. Of `world`
-    ranks, rank `rank` trains on its own batch of each step."""
+    ranks, rank `rank` trains on its own batch of each step. `after_step`: run after each step (the sharded
+    optimizer's exchange), timed as the step's."""
     times = []
     for step in range(first, first + steps):
         g = torch.Generator().manual_seed(step * world + rank)
@@ -460,6 +461,8 @@ def _gpt2_steps(model, opt, steps: int, early: bool, first: int = 0, phases: lis
         t2 = time.perf_counter()
         opt.step()
         opt.zero_grad()
+        if after_step is not None:
+            after_step()
         t3 = time.perf_counter()
         times.append(t3 - t0)
         if phases is not None:
@@ -501,22 +504,37 @@ def gpt2(args) -> dict:
     shutil.rmtree(folder, ignore_errors=True)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(config)
-    tightfit.wrap(model, Placement.everywhere(Tier.NVME, nvme_dir=str(folder), prefetch_depth=args.prefetch),
-                  device="cpu")
+    owner, elsewhere = None, ()
+    if world > 1 and args.shard != "none":  # ZeRO-1/2 with the engine: each rank steps its own units
+        from tightfit.parallel.sharded_optimizer import shard_setup
+
+        owner, elsewhere = shard_setup(model, rank, world, args.shard)
+    tightfit.wrap(model, Placement.everywhere(Tier.NVME, nvme_dir=str(folder), prefetch_depth=args.prefetch,
+                                             stepped_elsewhere=sorted(elsewhere),
+                                             grads_elsewhere=args.shard == "zero2"), device="cpu")
     opt = AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     print("tightfit, every state on NVMe:")
     engine = engine_of(model)
+    after_step = owners = None
     if world > 1:
         from tightfit.parallel.replicas import average_over_ranks
 
-        average_over_ranks(engine)
-    times = _gpt2_steps(model, opt, 1, early=True, rank=rank, world=world)
+        averager = average_over_ranks(engine)
+        if owner is not None:
+            from tightfit.parallel.sharded_optimizer import UnitOwners
+
+            owners = UnitOwners(engine, owner, averager, torch.distributed.new_group(backend="gloo"), args.shard)
+            after_step = owners.start  # the exchange beside the next forward
+    times = _gpt2_steps(model, opt, 1, early=True, rank=rank, world=world, after_step=after_step)
     engine.reset_timings()
     phases: list = []
-    times += _gpt2_steps(model, opt, args.steps - 1, early=True, first=1, phases=phases, rank=rank, world=world)
+    times += _gpt2_steps(model, opt, args.steps - 1, early=True, first=1, phases=phases, rank=rank, world=world,
+                         after_step=after_step)
     # The kernel's high-water mark of RSS so far (exact, no sampling thread competing with the hooks for the GIL):
     # the tightfit run is the largest thing this process has done yet. Plain PyTorch runs after it.
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if owners is not None:
+        owners.join()
     timings = engine.timings()
     engine.close()
     if world > 1:
@@ -555,6 +573,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--early", action="store_true", help="memory: step units during backward (step_during_backward)")
     ap.add_argument("--prefetch", type=int, default=2)
+    ap.add_argument("--shard", choices=["none", "zero1", "zero2"], default="none",
+                    help="gpt2 under torchrun: replicas (none), or each rank the optimizer states (zero1) and "
+                         "gradients (zero2) of its own units")
     ap.add_argument("--malloc", choices=["trim", "glibc"], default="trim",
                     help="gpt2, overlap: 'trim' pins glibc's mmap threshold (freed buffers go back to the OS at once, "
                          "lower RSS, a page fault per page on every re-allocation); 'glibc' keeps glibc's adaptive "

@@ -326,7 +326,7 @@ def rank_plan_text(plan, ranks: dict) -> str:
     whose = "every rank's plan is this one" if ranks["strategy"] == "ddp" else \
         "rank 0's plan (each rank steps its own units and holds their master and moments alone)"
     exchange = "" if not ranks["exchange_bytes_per_step"] else (
-        f"\nthe stepped units' new values broadcast by their ranks after each step: "
+        f"\nthe stepped units' new values broadcast by their ranks beside the next forward: "
         f"{format_size(ranks['exchange_bytes_per_step'])}, {ranks['exchange_s'] * 1e3:.1f} ms added to the step")
     return (f"{ranks['ranks']} ranks, strategy {ranks['strategy']}, the offload engine on each: {whose}, for "
             f"{host} of host memory{disk}\n{plan.table()}\n"

@@ -19,17 +19,32 @@ it over a process group of the exchange's own; every other rank writes it into i
 replicas would, bit for bit, and the exchange moves the compute dtype's bytes (2 a parameter in bf16). DeepSpeed's ZeRO-1/2 all-gather the updated partitions the
 same way; the unit is the partition here because it is what the engine steps and moves.
 
+[Note: the exchange under the next forward] The exchange runs on a thread of its own (`UnitOwners.start`), beside
+the next forward, as the units' own steps run on the step thread: before it starts, each unit another rank steps is
+marked `stepping` with a future its arrival completes, so the forward waits where it reaches such a unit and only
+until that unit's values are here (the engine's `materialise` waits for a stepping unit; no prefetch of it starts
+before), exactly as it waits for one of its own units' steps. The exchange's wait for this rank's own steps is on
+that thread, not the forward's. What the forward waited for is counted as `optimizer_exposed_s`. Nothing else uses
+the exchange's group while it runs: the norms' exchange, the checkpoints' gathers and `close` join it first.
+Deadlock-free: the exchange thread waits only for this rank's steps (which finish on their own: [Note: jobs and
+grants]) and for the peers' exchange threads, which wait for the same; never for a forward.
+
 Checkpoints stay the one-process format, written by rank 0: its own units' states from its tiers, the others' sent
 to it unit by unit (`_gathered`, `_send_owned`), so one process, another world size, or the replicas resume them;
 on resume each rank reads every unit's values and only its own units' moments (state_io.import_state).
 
-Cost, against the replicas: each rank steps 1/N of the units, but the exchange waits for them (no step runs under the
-next forward) and broadcasts the compute dtype's bytes of every parameter a step (the plan prices both: planner/averaging.py
+Cost, against the replicas: each rank steps 1/N of the units, and the exchange broadcasts the compute dtype's bytes
+of every parameter a step, beside the next forward (the plan prices both: planner/averaging.py
 `exchange_time`). Not built: ZeRO-2's reduce to the owner (each rank still holds every unit's gradients) and ZeRO-3's
 sharded params.
 """
 
 from __future__ import annotations
+
+import threading
+import time
+from contextlib import nullcontext
+from typing import Callable, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -60,35 +75,129 @@ def owner_of(name: str, owner: dict[str, int]) -> int | None:
     return owner[max(found, key=len)] if found else None
 
 
+class UnitOwners:
+    """Makes `engine` one rank of a group whose optimizer states are sharded by unit (`owner`: block name -> rank),
+    the engine wrapped with `Placement.stepped_elsewhere` (and, for "zero2", `grads_elsewhere`) as `shard_setup`
+    says and its gradients averaged by `averager` (replicas.average_over_ranks). `group`: the exchange's and the
+    norms' process group. A loop calls `exchange()` after each `opt.step()`; `tightfit train` does
+    (`ShardedOptimizer`), and so can a user's own loop. `collective(what)`: a context naming the collective calls
+    inside it (the run's World labels them for a lost peer's message)."""
+
+    def __init__(self, engine, owner: dict[str, int], averager, group, strategy: str = "zero1",
+                 collective: Callable[[str], ContextManager] = lambda what: nullcontext()) -> None:
+        self.engine, self.owner, self.group, self.strategy = engine, owner, group, strategy
+        self.rank = dist.get_rank(group)
+        self.collective = collective
+        # Where the exchange's and the norms' tensors are: the host on gloo, the GPU on NCCL (which carries device
+        # tensors only).
+        self.wire = torch.device("cpu") if dist.get_backend(group) == "gloo" else \
+            torch.device("cuda", torch.cuda.current_device())
+        if strategy == "zero2":  # each unit's gradients to its owner alone; the norms a clip needs from every rank
+            averager.owner_of = lambda name: owner_of(name, owner)
+            engine.norms_over_ranks = self.norms_over_ranks
+        self.bytes = 0  # compute-dtype values sent or received in the exchanges started
+        self.seconds = 0.0  # the exchange thread's time, beside the forward
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._buffer: torch.Tensor | None = None  # the exchange's host buffer (its largest unit's values)
+
+    def units(self):
+        """(unit, owner) of every unit one rank steps for all, in the engine's unit order."""
+        for unit in self.engine.units.values():
+            r = owner_of(unit.name, self.owner) if unit.trainable else None
+            if r is not None:
+                yield unit, r
+
+    def norms_over_ranks(self, norms: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every rank's list of per-parameter gradient norms, each rank holding those of its own units and zeros for
+        the others' (ZeRO-2): their sum over the ranks, where exactly one term is not zero, is every norm bit for
+        bit, so every rank clips by the coefficient the replicas would."""
+        self.join()  # the exchange's group is the norms'
+        stacked = torch.stack([n.to(self.wire, torch.float32) for n in norms])
+        with self.collective("the gradient norms' exchange"):
+            dist.all_reduce(stacked, group=self.group)
+        return list(stacked.unbind())
+
+    def exchange(self) -> None:
+        """Every unit's new values from its owner to every other rank, now ([Note: optimizer states sharded by
+        unit])."""
+        self.start()
+        self.join()
+
+    def start(self) -> None:
+        """Start the exchange of the step just queued (after `opt.step()`) on a thread of its own, and return: each
+        unit another rank steps is `stepping` until its values are here, so the next forward waits for that unit's
+        values alone, as it waits for a unit's own step ([Note: the exchange under the next forward])."""
+        from concurrent.futures import Future
+
+        self.join()
+        units = list(self.units())
+        if self._buffer is None and units:  # kept from step to step: one unit's values at a time pass through it
+            from tightfit.offload.runtime.aligned import aligned_empty
+
+            self._buffer = aligned_empty(max(u.spec.numel for u, _ in units), self.engine.compute_dtype)
+        arrivals: dict[str, Future] = {}
+        for unit, r in units:
+            if r != self.rank:  # set before the next forward can ask: it waits, and no prefetch starts before
+                arrivals[unit.name] = unit.stepping = Future()
+        self.bytes += sum(u.spec.numel for u, _ in units) * self.engine.compute_dtype.itemsize  # this step's
+        self._thread = threading.Thread(target=self._run, args=(units, arrivals), name="tightfit-exchange",
+                                        daemon=True)
+        self._thread.start()
+
+    def join(self) -> None:
+        """Wait for the exchange in flight; its error, if it failed, raised here."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _run(self, units: list, arrivals: dict) -> None:
+        """The exchange thread: unit by unit in the engine's order (every rank's), the owner's compute copy once its
+        step is done, broadcast; each arrival written and its unit released to the forward."""
+        t0 = time.perf_counter()
+        try:
+            with self.collective("the exchange of the stepped units' values"):
+                for unit, r in units:
+                    started = time.perf_counter()
+                    values = self._buffer[:unit.spec.numel]
+                    if r == self.rank:
+                        step = unit.stepping  # the forward may clear it once done: read once
+                        if step is not None:
+                            step.result()
+                        self.engine.read_params(unit, values, after_step=False)
+                    wire = values.to(self.wire)
+                    dist.broadcast(wire, src=r, group=self.group)
+                    if r != self.rank:
+                        self.engine.write_params(unit, wire.cpu())
+                        arrivals.pop(unit.name).set_result(started)
+        except BaseException as e:  # noqa: BLE001 - the forward waiting on a unit raises it; so does `join`
+            self._error = e
+            for f in arrivals.values():
+                f.set_exception(e)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+
 class ShardedOptimizer(Replicated):
-    """This rank's whole model through its engine, stepping only the units it owns (`owner`: block name -> rank);
-    `group`: the exchange's process group."""
+    """This rank's whole model through its engine, stepping only the units it owns (`owner`: block name -> rank):
+    `tightfit train`'s trainee for `--strategy zero1|zero2` with the offload engine. `group`: the exchange's process
+    group; `gather_group`: a gloo group for the checkpoints' gathers where `group` is NCCL's."""
 
     def __init__(self, inner, world, averager, swap, made, owner: dict[str, int], group,
                  strategy: str = "zero1", gather_group=None) -> None:
         super().__init__(inner, world, averager, swap, made)
         from tightfit.offload.step.engine import find_engine
 
-        self.owner, self.group, self.strategy = owner, group, strategy
+        self.strategy = strategy
         self.engine = find_engine(inner.model)
-        # Where the exchange's and the norms' tensors are: the host on gloo, the GPU on NCCL (which carries device
-        # tensors only). The gathers of a checkpoint go point to point over gloo (`gather_group`).
-        self.wire = torch.device("cpu") if dist.get_backend(group) == "gloo" else \
-            torch.device("cuda", torch.cuda.current_device())
+        self.shard = UnitOwners(self.engine, owner, averager, group, strategy, world.collective)
         self.gather_group = group if dist.get_backend(group) == "gloo" else gather_group
-        if strategy == "zero2":  # each unit's gradients to its owner alone; the norms a clip needs from every rank
-            averager.owner_of = lambda name: owner_of(name, owner)
-            self.engine.norms_over_ranks = self._norms_over_ranks
-        self.exchanged_bytes = 0  # compute-dtype values sent or received in the exchanges
-        self._buffer: torch.Tensor | None = None  # the exchange's host buffer (its largest unit's values)
-        self.exchange_s = 0.0
 
     def _units(self):
-        """(unit, owner) of every unit one rank steps for all, in the engine's unit order."""
-        for unit in self.engine.units.values():
-            r = owner_of(unit.name, self.owner) if unit.trainable else None
-            if r is not None:
-                yield unit, r
+        return self.shard.units()
 
     def describe(self) -> str:
         mine = sum(1 for _, r in self._units() if r == self.world.rank)
@@ -102,47 +211,25 @@ class ShardedOptimizer(Replicated):
                                 "each unit's gradients reduced to its rank as they leave the device", 1)
         return text
 
-    def _norms_over_ranks(self, norms: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Every rank's list of per-parameter gradient norms, each rank holding those of its own units and zeros for
-        the others' (ZeRO-2): their sum over the ranks, where exactly one term is not zero, is every norm bit for
-        bit, so every rank clips by the coefficient the replicas would."""
-        stacked = torch.stack([n.to(self.wire, torch.float32) for n in norms])
-        with self.world.collective("the gradient norms' exchange"):
-            dist.all_reduce(stacked, group=self.group)
-        return list(stacked.unbind())
-
     def clip_and_step(self, max_norm: float) -> float | None:
         norm = super().clip_and_step(max_norm)
-        self.exchange()
+        self.shard.start()
         return norm
 
-    def exchange(self) -> None:
-        """Every unit's new values from its owner to every other rank ([Note: optimizer states sharded by unit])."""
-        import time
-
-        t0 = time.perf_counter()
-        units = list(self._units())
-        if self._buffer is None and units:  # kept from step to step: one unit's values at a time pass through it
-            from tightfit.offload.runtime.aligned import aligned_empty
-
-            self._buffer = aligned_empty(max(u.spec.numel for u, _ in units), self.engine.compute_dtype)
-        with self.world.collective("the exchange of the stepped units' values"):
-            for unit, r in units:
-                values = self._buffer[:unit.spec.numel]
-                if r == self.world.rank:
-                    self.engine.read_params(unit, values)  # waits for its step
-                wire = values.to(self.wire)
-                dist.broadcast(wire, src=r, group=self.group)
-                if r != self.world.rank:
-                    self.engine.write_params(unit, wire.cpu())
-                self.exchanged_bytes += values.numel() * values.element_size()
-        self.exchange_s += time.perf_counter() - t0
+    def close(self) -> None:
+        """Wait for the exchange in flight (its error was the forward's), then close as the replicas do."""
+        try:
+            self.shard.join()
+        except BaseException:  # noqa: BLE001 - raised already where the forward waited for the unit
+            pass
+        super().close()
 
     # ---- checkpoints and exports: rank 0 writes, the owners send ------------------------------------------------
 
     def checkpoint_groups(self, hand_over: bool = False):
         from tightfit.offload.model_state.state_io import quiesce
 
+        self.shard.join()  # the gathers' group may be the exchange's
         quiesce(self.engine)
         if self.world.is_main:
             return self._gathered(True, hand_over)
@@ -154,6 +241,7 @@ class ShardedOptimizer(Replicated):
         `export_hf`: `_send_owned` is its other ranks' side)."""
         from tightfit.offload.model_state.state_io import quiesce
 
+        self.shard.join()
         quiesce(self.engine)
         gathered = self._gathered(True, False)
         try:
@@ -166,6 +254,7 @@ class ShardedOptimizer(Replicated):
         if not self.world.is_main:
             from tightfit.offload.model_state.state_io import quiesce
 
+            self.shard.join()
             quiesce(self.engine)
             self._send_owned(True, False)
         super().export_hf(folder, meta_model, check_finite, merge_lora)
@@ -186,8 +275,8 @@ class ShardedOptimizer(Replicated):
     def engine_counters(self):
         counters = super().engine_counters()
         if counters is not None:
-            counters["exchange_bytes"] = float(self.exchanged_bytes)
-            counters["exchange_s"] = self.exchange_s
+            counters["exchange_bytes"] = float(self.shard.bytes)
+            counters["exchange_s"] = self.shard.seconds
         return counters
 
     def summary_fields(self) -> dict:

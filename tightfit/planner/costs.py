@@ -74,7 +74,6 @@ from tightfit.planner.averaging import (
     allreduce_in_step,
     exchange_time,
     node_share,
-    shards_optimizer,
 )
 from tightfit.planner.hardware import HardwareProfile
 from tightfit.planner.model_profile import ModelProfile, UnitProfile
@@ -172,8 +171,9 @@ class Prediction:
     """Of phase A, the gradients' average over the ranks: all of its time on a CPU-only machine, the part the
     backward does not hide on a GPU ([Note: the gradients' average in the step] in planner/averaging.py)."""
     exchange_s: float = 0.0
-    """The exchange of new values after the step where the ranks' optimizer states are sharded by unit
-    (`exchange_time` in planner/averaging.py): in phase B, after the rank's own steps."""
+    """Of the exchange of new values where the ranks' optimizer states are sharded by unit (`exchange_time` in
+    planner/averaging.py), what adds to the step: all of it on a CPU-only machine (gloo on the forward's cores),
+    what the next forward's compute does not hide on a GPU."""
     phase_a_s: float = 0.0
     """Phase A: the forward and backward of every micro-batch, with the streams that overlap them."""
     step_s: float = 0.0
@@ -734,9 +734,10 @@ def step_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, 
         whole = cpu_opt / hw.cpu_adam_rate + step_passes + (sum(last_gradient_pass(u, placement, hw, shape)
                                                                  for u in profile.units) if early else 0.0)
         pred.optim_exposed_s = optimizer_under_forward(profile, placement, hw, shape, after, whole)
-        if shards_optimizer(profile):  # the exchange waits for this rank's steps: none is under the next forward
-            pred.optim_exposed_s = after
-        pred.exchange_s = exchange_time(profile, shape)
+        # NCCL's exchange beside the next forward ([Note: the exchange under the next forward] in
+        # parallel/sharded_optimizer.py): what the forward's compute does not hide
+        forward = sum(work_time(u.fwd, hw) for u in profile.units) * (a if shape.unit_major else 1)
+        pred.exchange_s = max(0.0, exchange_time(profile, shape) - forward)
         phase_b = pred.optim_exposed_s + dev_opt / hw.device_adam_rate + pred.exchange_s
         pred.optim_after_s = cpu_step
         opt += step_passes
@@ -747,7 +748,7 @@ def step_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, 
         # One set of cores: compute and memcpy serialise; the disk threads wait on DMA and overlap.
         phase_a = max(compute + h2d + d2h + reduce, disk_a)
         pred.allreduce_s = reduce
-        pred.exchange_s = exchange_time(profile, shape)
+        pred.exchange_s = exchange_time(profile, shape)  # gloo on the cores the forward computes on
         phase_b = max(opt + h2d_b, disk_b) + pred.exchange_s
         terms = {"compute": compute, "host<->device": h2d + d2h, "nvme": disk_a, "all-reduce": reduce}
     pred.compute_s, pred.copy_s, pred.nvme_s, pred.optim_s = compute, h2d + d2h + h2d_b, disk_a + disk_b, opt

@@ -289,7 +289,7 @@ class Plan:
         if pr.exchange_s:  # [Note: optimizer states sharded by unit] in parallel/sharded_optimizer.py
             stepped = sum(1 for u in self.profile.units if u.stepped and u.trainable)
             line += (f"; this rank steps {stepped} of the {sum(1 for u in self.profile.units if u.trainable)} units "
-                     f"and holds their master and moments alone, the new values broadcast after the step: "
+                     f"and holds their master and moments alone, the new values broadcast beside the next forward: "
                      f"{format_size(exchange_bytes(self.profile, sh))}, {pr.exchange_s * 1e3:.1f} ms added")
         return line
 

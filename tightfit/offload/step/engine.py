@@ -248,10 +248,13 @@ class OffloadEngine:
         write_params(unit, params)
         self._stale(unit)
 
-    def read_params(self, unit: OffloadUnit, out: torch.Tensor | None = None) -> torch.Tensor:
+    def read_params(self, unit: OffloadUnit, out: torch.Tensor | None = None, after_step: bool = True
+                    ) -> torch.Tensor:
         """The unit's compute-dtype values after its last step, in `out` (a host tensor of the unit's flat size) or a
-        new host tensor."""
-        self.wait_step(unit)
+        new host tensor. `after_step` False: the caller has waited for the step (another thread than the forward's,
+        which alone clears `stepping`)."""
+        if after_step:
+            self.wait_step(unit)
         if unit.refresh is not None:  # a resident unit's new compute params on their way up
             self.mover.wait(unit.refresh)
             unit.refresh = None
