@@ -305,7 +305,9 @@ def rank_plan(cfg, hw=None) -> tuple[object, dict]:
     averaged = allreduce_bytes(plan.profile, plan.shape)
     return plan, {"ranks": ranks, "strategy": strategy, "engine": True, "cpu_mem_per_rank": mine.memory.cpu_mem,
                   "nvme_per_rank": mine.memory.nvme, "allreduce_bytes_per_step": averaged,
-                  "sent_bytes_per_step_per_rank": int(2 * (ranks - 1) / ranks * averaged),
+                  # a ring all-reduce sends 2(n-1)/n of its bytes, zero2's reduce to each unit's rank (n-1)/n
+                  "sent_bytes_per_step_per_rank": int((1 if strategy == "zero2" else 2) * (ranks - 1) / ranks
+                                                      * averaged),
                   "allreduce_times_per_step": plan.shape.passes, "allreduce_bus_bw": averaging.bus_bw,
                   "allreduce_bw_source": averaging.source, "allreduce_s": plan.prediction.allreduce_s,
                   "order": "unit" if plan.shape.unit_major else "micro",
@@ -324,14 +326,16 @@ def rank_plan_text(plan, ranks: dict) -> str:
     once = "once a step (unit-major order)" if ranks["order"] == "unit" else \
         f"once per micro-batch ({ranks['allreduce_times_per_step']} a step, micro-batch-major order)"
     whose = "every rank's plan is this one" if ranks["strategy"] == "ddp" else \
-        "rank 0's plan (each rank steps its own units and holds their master and moments alone)"
+        ("rank 0's plan (each rank steps its own units and holds their " +
+         ("master, moments and gradients" if ranks["strategy"] == "zero2" else "master and moments") + " alone)")
     exchange = "" if not ranks["exchange_bytes_per_step"] else (
         f"\nthe stepped units' new values broadcast by their ranks beside the next forward: "
         f"{format_size(ranks['exchange_bytes_per_step'])}, {ranks['exchange_s'] * 1e3:.1f} ms added to the step")
+    how = "reduced to each unit's rank" if ranks["strategy"] == "zero2" else "ring all-reduce"
     return (f"{ranks['ranks']} ranks, strategy {ranks['strategy']}, the offload engine on each: {whose}, for "
             f"{host} of host memory{disk}\n{plan.table()}\n"
             f"gradients averaged over the ranks {once}: {format_size(ranks['allreduce_bytes_per_step'])} a step, "
-            f"{format_size(ranks['sent_bytes_per_step_per_rank'])} sent by each rank (ring all-reduce) at "
+            f"{format_size(ranks['sent_bytes_per_step_per_rank'])} sent by each rank ({how}) at "
             f"{ranks['allreduce_bus_bw'] / 1e9:.2f} GB/s bus bandwidth ({ranks['allreduce_bw_source']}): "
             f"{ranks['allreduce_s'] * 1e3:.1f} ms added to the predicted step{exchange}")
 

@@ -41,6 +41,7 @@ sharded params.
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from contextlib import nullcontext
@@ -51,6 +52,10 @@ import torch.distributed as dist
 
 from tightfit.errors import UsageError
 from tightfit.parallel.replicas import Replicated
+
+
+STRICT_DELAY_S = 0.01
+"""Strict mode: the most the exchange thread waits before each unit's broadcast (TIGHTFIT_STRICT_MOVER)."""
 
 
 def owners(sizes: list[tuple[str, int]], ranks: int) -> dict[str, int]:
@@ -157,10 +162,16 @@ class UnitOwners:
     def _run(self, units: list, arrivals: dict) -> None:
         """The exchange thread: unit by unit in the engine's order (every rank's), the owner's compute copy once its
         step is done, broadcast; each arrival written and its unit released to the forward."""
+        from tightfit.offload.runtime.movers import strict_from_env, strict_seed
+
+        # The strict mode's random delays (the test suite's): arrivals late, so the forward waits for them
+        late = random.Random(strict_seed() + 3 + self.rank) if strict_from_env() else None
         t0 = time.perf_counter()
         try:
             with self.collective("the exchange of the stepped units' values"):
                 for unit, r in units:
+                    if late is not None:
+                        time.sleep(late.uniform(0.0, STRICT_DELAY_S))
                     started = time.perf_counter()
                     values = self._buffer[:unit.spec.numel]
                     if r == self.rank:

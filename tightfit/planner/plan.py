@@ -288,8 +288,10 @@ class Plan:
                 f"{pr.allreduce_s * 1e3:.1f} ms added to the step ({where})")
         if pr.exchange_s:  # [Note: optimizer states sharded by unit] in parallel/sharded_optimizer.py
             stepped = sum(1 for u in self.profile.units if u.stepped and u.trainable)
+            held = "master, moments and gradients" if any(not u.keeps_grads for u in self.profile.units) else \
+                "master and moments"
             line += (f"; this rank steps {stepped} of the {sum(1 for u in self.profile.units if u.trainable)} units "
-                     f"and holds their master and moments alone, the new values broadcast beside the next forward: "
+                     f"and holds their {held} alone, the new values broadcast beside the next forward: "
                      f"{format_size(exchange_bytes(self.profile, sh))}, {pr.exchange_s * 1e3:.1f} ms added")
         return line
 
