@@ -107,7 +107,11 @@ def test_plan_from_config_offload():
     cfg.parallel.strategy = "ddp"
     assert plan_from_config(cfg.parallel, 4, "host").engine and plan_from_config(cfg.parallel, 4, "nvme").engine
     assert not plan_from_config(cfg.parallel, 4, "auto").engine
-    cfg.parallel.strategy = "zero2"
+    for stage in ("zero1", "zero2"):  # the engine on every rank, each unit's optimizer states on one
+        cfg.parallel.strategy = stage
+        plan = plan_from_config(cfg.parallel, 4, "nvme")
+        assert plan.engine and plan.dp_mode == stage and plan_from_config(cfg.parallel, 4, "host").engine
+    cfg.parallel.strategy, cfg.parallel.tp = "dp_tp", 2  # the engine is for pure data parallelism
     with pytest.raises(UsageError, match="--offload host.*--strategy ddp"):
         plan_from_config(cfg.parallel, 4, "host")
     cfg.parallel.strategy = "auto"

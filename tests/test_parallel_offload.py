@@ -141,6 +141,16 @@ def test_four_ranks_with_the_engine_train_as_one_process(tiny_args, tmp_path, pl
     _close(four, one)
 
 
+@pytest.mark.slow
+def test_four_ranks_of_zero2_train_as_four_replicas(tiny_args, tmp_path):
+    """4 ranks of zero2 with the engine (a model of 4 blocks: 5 units for 4 owners) against 4 replicas: the same
+    losses to the last bit (the sums, the norms and the steps are the same ops on the same bits)."""
+    four = ["--n-layer", "4", "--grad-accum", "1", "--offload", "host"]
+    _, replicas = _train(tiny_args, tmp_path / "ddp", *four, "--strategy", "ddp", ranks=4)
+    _, zero2 = _train(tiny_args, tmp_path / "zero2", *four, "--strategy", "zero2", ranks=4)
+    assert zero2 == replicas
+
+
 def test_small_gradients_are_averaged_in_buckets_large_ones_alone():
     """One all-reduce per bucket (DDP's 25 MiB), not per gradient: each call is a round of messages."""
     import torch
