@@ -135,3 +135,29 @@ def test_the_heap_is_capped_at_two_arenas_unless_the_user_set_it(monkeypatch):
     assert malloc_arenas.limit_arenas() is False  # the user's own, read by glibc at start
     monkeypatch.delenv("MALLOC_ARENA_MAX")
     assert malloc_arenas.limit_arenas() is True  # glibc (Linux): mallopt took it
+
+
+def test_a_gather_stopped_early_still_receives_what_the_owners_send(monkeypatch):
+    """Rank 0's side of a checkpoint's gather: each other owner's unit received once, in the engine's order; closed
+    early (the save failed) or dropped before it started, it receives the rest, so no owner is left in its send."""
+    from types import SimpleNamespace
+
+    from tightfit.parallel import sharded_optimizer as so
+
+    received = []
+    monkeypatch.setattr(so, "_receive", lambda unit, src, with_optim, group: received.append((unit.name, src)) or [])
+    monkeypatch.setattr("tightfit.train.checkpoint_swap.unit_groups",
+                        lambda engine, unit, with_optim, hand_over: iter([(unit.name, [])]))
+    units = [SimpleNamespace(name=n) for n in ("root", "blocks.0", "blocks.1", "blocks.2")]
+    engine = SimpleNamespace(units={u.name: u for u in units})
+    owned = list(zip(units, (0, 1, 0, 1)))
+    assert [name for name, _ in so.Gathered(engine, owned, True, False, None)] == [u.name for u in units]
+    assert received == [("blocks.0", 1), ("blocks.2", 1)]
+    received.clear()
+    gathered = so.Gathered(engine, owned, True, False, None)
+    assert next(gathered)[0] == "root" and next(gathered)[0] == "blocks.0"
+    gathered.close()  # the save stopped after two units
+    assert received == [("blocks.0", 1), ("blocks.2", 1)]
+    received.clear()
+    so.Gathered(engine, owned, True, False, None)  # never started, dropped
+    assert received == [("blocks.0", 1), ("blocks.2", 1)]

@@ -192,6 +192,10 @@ class Replicated(OneProcess):
                 super().export_hf(folder, meta_model, check_finite, merge_lora)
             except Exception as e:  # noqa: BLE001 - raised below, after every rank has heard of it
                 failed = e
+        self._export_voted(failed)
+
+    def _export_voted(self, failed: Exception | None) -> None:
+        """Every rank learns whether rank 0's export failed; all raise if it did (rank 0 what failed)."""
         if self.world.any_rank(failed is not None, "the vote after rank 0 exported the Hugging Face folder"):
             raise failed if failed is not None else self.world.raised_everywhere(
                 UsageError(f"rank {self.world.rank}: stopping: rank 0 could not export the Hugging Face folder"))

@@ -205,6 +205,7 @@ class ShardedOptimizer(Replicated):
         self.strategy = strategy
         self.engine = find_engine(inner.model)
         self.shard = UnitOwners(self.engine, owner, averager, group, strategy, world.collective)
+        self._export_gather: Gathered | None = None  # rank 0's gather of an export in progress
         self.gather_group = group if dist.get_backend(group) == "gloo" else gather_group
 
     def _units(self):
@@ -254,21 +255,29 @@ class ShardedOptimizer(Replicated):
 
         self.shard.join()
         quiesce(self.engine)
-        gathered = self._gathered(True, False)
-        try:
-            for _, items in gathered:
-                yield from items
-        finally:
-            gathered.close()
+        self._export_gather = gathered = self._gathered(True, False)
+        for _, items in gathered:
+            yield from items
 
     def export_hf(self, folder, meta_model, check_finite: bool = False, merge_lora: bool = False) -> None:
-        if not self.world.is_main:
-            from tightfit.offload.model_state.state_io import quiesce
+        from tightfit.offload.model_state.state_io import quiesce
+        from tightfit.train.trainee import OneProcess
 
+        failed = None
+        if self.world.is_main:  # the whole model's values: its own units' from its tiers, the others' sent
+            try:
+                OneProcess.export_hf(self, folder, meta_model, check_finite, merge_lora)
+            except Exception as e:  # noqa: BLE001 - raised in the vote, after every rank has heard of it
+                failed = e
+            finally:  # an export stopped early (a non-finite weight) still takes what the other ranks send
+                if self._export_gather is not None:
+                    self._export_gather.close()
+                    self._export_gather = None
+        else:
             self.shard.join()
             quiesce(self.engine)
             self._send_owned(True, False)
-        super().export_hf(folder, meta_model, check_finite, merge_lora)
+        self._export_voted(failed)
 
     def _gathered(self, with_optim: bool, hand_over: bool) -> "Gathered":
         return Gathered(self.engine, list(self._units()), with_optim, hand_over, self.gather_group)
@@ -303,18 +312,8 @@ class Gathered:
     def __init__(self, engine, owned: list, with_optim: bool, hand_over: bool, group) -> None:
         self.with_optim, self.group = with_optim, group
         self._pending = [(u, r) for u, r in owned if r != 0]  # still to receive, in order
-        self._items = self._run(engine, {u.name: r for u, r in owned}, hand_over)
-
-    def _run(self, engine, owner: dict, hand_over: bool):
-        from tightfit.train.checkpoint_swap import unit_groups
-
-        for unit in engine.units.values():
-            r = owner.get(unit.name, 0)
-            if r == 0:
-                yield from unit_groups(engine, unit, self.with_optim, hand_over)
-            else:
-                self._pending.pop(0)
-                yield unit.name, _receive(unit, r, self.with_optim, self.group)
+        # The generator holds the pending list, not this object, so that dropping this object drains at once
+        self._items = _gather(engine, {u.name: r for u, r in owned}, with_optim, hand_over, group, self._pending)
 
     def __iter__(self):
         return self
@@ -330,6 +329,19 @@ class Gathered:
 
     def __del__(self) -> None:
         self.close()
+
+
+def _gather(engine, owner: dict, with_optim: bool, hand_over: bool, group, pending: list):
+    """`Gathered`'s items: rank 0's own units from its tiers, the others' received (each popped from `pending`)."""
+    from tightfit.train.checkpoint_swap import unit_groups
+
+    for unit in engine.units.values():
+        r = owner.get(unit.name, 0)
+        if r == 0:
+            yield from unit_groups(engine, unit, with_optim, hand_over)
+        else:
+            pending.pop(0)
+            yield unit.name, _receive(unit, r, with_optim, group)
 
 
 def _send(engine, unit, with_optim: bool, group) -> None:

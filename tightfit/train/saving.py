@@ -48,6 +48,10 @@ class Saver:
                                                **self.fields())
             except UsageError as e:
                 failed = e
+            finally:  # a gather stopped early still takes what the other ranks send (parallel/sharded_optimizer.py)
+                close = getattr(groups, "close", None)
+                if close is not None:
+                    close()
         if last:
             self.trainee.close()
         if self.world.size > 1:  # every rank learns now whether the main rank's write failed
