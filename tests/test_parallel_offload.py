@@ -262,7 +262,9 @@ def test_the_plan_of_every_rank(tmp_path, capsys):
 def test_gloo_averages_go_through_a_kept_flat_buffer():
     """On gloo a unit's gradients are averaged through one flat buffer of the averager's own, kept and reused (a
     coalesced gloo call flattens into a new buffer each time, and those left the heap 90-100 MiB fuller at a 13 M
-    model's peak: benchmarks/RESULTS.md batch AK), with the coalesced call's results bit for bit."""
+    model's peak: benchmarks/RESULTS.md batch AK), with the coalesced call's results bit for bit. Under zero2 the
+    same buffer reduces a unit's gradients to its owner alone, and a clip's norms are summed over the ranks, each
+    counted once."""
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                            str(free_port()), str(ROOT / "tests" / "averager_worker.py")], env=rank_env(), cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
@@ -270,5 +272,7 @@ def test_gloo_averages_go_through_a_kept_flat_buffer():
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["flat"] and got["mean"] and got["bitwise_as_coalesced"] and got["shapes"], got
     assert got["kept"] == 1 and got["reused"], got  # one buffer, the second call's too
-    assert got["bytes"] == 2 * (64 * 48 + 48 + 3 * 5 * 7) * 4, got
+    assert got["bytes"] == 3 * (64 * 48 + 48 + 3 * 5 * 7) * 4, got  # two averages and a reduce
+    assert got["reduced_to_owner"], got  # zero2: the owner has the mean, bit for bit; the other's untouched
+    assert got["norms"] == [3.0, 4.0, 5.0], got  # each rank's own norms summed, a unit every rank holds once
 

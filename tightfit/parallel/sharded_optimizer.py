@@ -1,4 +1,4 @@
-"""ZeRO-1 over the offload engine: `--strategy zero1 --offload host|nvme` on several ranks.
+"""ZeRO-1 and ZeRO-2 over the offload engine: `--strategy zero1|zero2 --offload host|nvme` on several ranks.
 
 [Note: optimizer states sharded by unit] The replicas of parallel/replicas.py each hold every state of the whole
 model: at 16 bytes a parameter of fp32 master, gradients and moments, a 70B model is 1.1 TB per rank whatever the
@@ -6,18 +6,21 @@ number of ranks. Here each trainable unit (a block, the root) has one owner amon
 (`owners`: largest first to the least loaded rank), and only its owner holds its fp32 master and Adam moments
 (where the compute copy is not itself the fp32 master) and steps it; every other rank plans, allocates and keeps
 neither (`Placement.stepped_elsewhere`; the memory model's `UnitSize.stepped`), so master and moments cost each rank
-1/N of the model's, on whichever tier its own plan puts them. What stays whole on every rank: the compute params
-(each rank runs the whole forward and backward, as in ZeRO-1 and -2) and the gradients, averaged over the group as
-they leave the device exactly as the replicas average them (so the global norm a clip needs is every rank's own,
-bit for bit alike, with no collective of its own).
+1/N of the model's, on whichever tier its own plan puts them. Under zero1 the gradients stay whole on every rank,
+averaged as the replicas average them (so the global norm a clip needs is every rank's own, bit for bit alike);
+under zero2 each unit's gradients are reduced to its owner as they leave the device and the others keep none
+(`Placement.grads_elsewhere`, `UnitSize.keeps_grads`), and the clip's per-parameter norms are summed over the ranks
+(`UnitOwners.norms_over_ranks`: one rank holds each, the others zeros, so the sum is each norm bit for bit). The
+compute params stay whole on every rank: each runs the whole forward and backward, as in DeepSpeed's ZeRO-1/2.
 
-After the optimizer step (`opt.step()` queues this rank's units on the engine's step thread), `exchange` hands every
-rank the new values: unit by unit, in the engine's unit order (the same on every rank), the owner waits for its
-unit's step, reads its compute copy (the fp32 master cast by its step, or the fp32 params themselves) and broadcasts
-it over a process group of the exchange's own; every other rank writes it into its tiers as the unit's compute copy
-(`OffloadEngine.write_params`), the only copy it keeps of another rank's unit. So every rank holds the values the
-replicas would, bit for bit, and the exchange moves the compute dtype's bytes (2 a parameter in bf16). DeepSpeed's ZeRO-1/2 all-gather the updated partitions the
-same way; the unit is the partition here because it is what the engine steps and moves.
+After the optimizer step (`opt.step()` queues this rank's units on the engine's step thread), the exchange hands
+every rank the new values: unit by unit, in the engine's unit order (the same on every rank), the owner waits for
+its unit's step, reads its compute copy (the fp32 master cast by its step, or the fp32 params themselves) and
+broadcasts it over a process group of the exchange's own; every other rank writes it into its tiers as the unit's
+compute copy (`OffloadEngine.write_params`), the only copy it keeps of another rank's unit. So every rank holds the
+values the replicas would, bit for bit, and the exchange moves the compute dtype's bytes (2 a parameter in bf16).
+DeepSpeed's ZeRO-1/2 all-gather the updated partitions the same way; the unit is the partition here because it is
+what the engine steps and moves.
 
 [Note: the exchange under the next forward] The exchange runs on a thread of its own (`UnitOwners.start`), beside
 the next forward, as the units' own steps run on the step thread: before it starts, each unit another rank steps is
@@ -30,13 +33,12 @@ Deadlock-free: the exchange thread waits only for this rank's steps (which finis
 grants]) and for the peers' exchange threads, which wait for the same; never for a forward.
 
 Checkpoints stay the one-process format, written by rank 0: its own units' states from its tiers, the others' sent
-to it unit by unit (`_gathered`, `_send_owned`), so one process, another world size, or the replicas resume them;
+to it unit by unit (`Gathered`, `_send_owned`), so one process, another world size, or the replicas resume them;
 on resume each rank reads every unit's values and only its own units' moments (state_io.import_state).
 
 Cost, against the replicas: each rank steps 1/N of the units, and the exchange broadcasts the compute dtype's bytes
-of every parameter a step, beside the next forward (the plan prices both: planner/averaging.py
-`exchange_time`). Not built: ZeRO-2's reduce to the owner (each rank still holds every unit's gradients) and ZeRO-3's
-sharded params.
+of every parameter a step, beside the next forward (the plan prices it: planner/averaging.py `exchange_time`). Not
+built: ZeRO-3's sharded params (docs/PARALLEL.md says where it would go from here).
 """
 
 from __future__ import annotations
@@ -113,12 +115,19 @@ class UnitOwners:
             if r is not None:
                 yield unit, r
 
-    def norms_over_ranks(self, norms: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Every rank's list of per-parameter gradient norms, each rank holding those of its own units and zeros for
-        the others' (ZeRO-2): their sum over the ranks, where exactly one term is not zero, is every norm bit for
-        bit, so every rank clips by the coefficient the replicas would."""
+    def norms_over_ranks(self, norms: list[torch.Tensor], units: list) -> list[torch.Tensor]:
+        """Every rank's list of per-parameter gradient norms (`units[k]`: the unit of `norms[k]`), each rank holding
+        those of its own units and zeros for the others' (ZeRO-2): their sum over the ranks, where exactly one term is
+        not zero, is every norm bit for bit, so every rank clips by the coefficient the replicas would. A unit no
+        rank owns alone (every rank holds its gradients) counts rank 0's norm only."""
         self.join()  # the exchange's group is the norms'
-        stacked = torch.stack([n.to(self.wire, torch.float32) for n in norms])
+        mine = {}
+        for u in units:
+            if u.name not in mine:
+                r = owner_of(u.name, self.owner)
+                mine[u.name] = r == self.rank or (r is None and self.rank == 0)
+        stacked = torch.stack([n.to(self.wire, torch.float32) if mine[u.name] else torch.zeros((), device=self.wire)
+                               for n, u in zip(norms, units)])
         with self.collective("the gradient norms' exchange"):
             dist.all_reduce(stacked, group=self.group)
         return list(stacked.unbind())

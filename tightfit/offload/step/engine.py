@@ -191,7 +191,7 @@ class OffloadEngine:
         self.norms = NormPolicy()  # when the gradient worker takes norms: [Note: norms when asked]
         # ZeRO-2 over the engine (parallel/sharded_optimizer.py): the ranks' norms, each rank's own units' only, made
         # every rank's whole list; None otherwise.
-        self.norms_over_ranks: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
+        self.norms_over_ranks: Callable[[list[torch.Tensor], list[OffloadUnit]], list[torch.Tensor]] | None = None
         self._early_submitted = 0  # units stepped during the running step's backward (`submit_early_step`)
         self._grads_charged: dict[str, int] = {}  # device bytes of this backward's param.grads, per unit
         self._warned_autocast = False
@@ -656,8 +656,11 @@ class OffloadEngine:
         self.norms.on_ask()
         for unit in self.units.values():
             self.timers.add("host_grad_bytes", norms_on_demand(unit, self.cache, self.pool))
-        norms = [u.grad_norms[i] for u, i in self._param_order if u.has_grad[i]]
-        return self.norms_over_ranks(norms) if self.norms_over_ranks is not None and norms else norms
+        held = [(u, i) for u, i in self._param_order if u.has_grad[i]]
+        norms = [u.grad_norms[i] for u, i in held]
+        if self.norms_over_ranks is not None and norms:
+            norms = self.norms_over_ranks(norms, [u for u, _ in held])
+        return norms
 
     def step_order(self) -> list[OffloadUnit]:
         """Units in the order the optimizer steps them: backward order (their gradients are ready first)."""
