@@ -22,12 +22,13 @@ from parallel_launch import ROOT, free_port, rank_env
 STEPS = 10
 
 
-def _train(tiny_args, out, *extra: str, ranks: int = 1) -> tuple[subprocess.CompletedProcess, dict[int, float]]:
+def _train(tiny_args, out, *extra: str, ranks: int = 1, env: dict | None = None
+           ) -> tuple[subprocess.CompletedProcess, dict[int, float]]:
     args = [a if a != tiny_args[tiny_args.index("--out-dir") + 1] else str(out) for a in tiny_args]
     launch = ["--nproc-per-node", str(ranks), "--master-port", str(free_port())] if ranks > 1 else []
     proc = subprocess.run([sys.executable, "-m", "tightfit.cli", "train", *args, "--steps", str(STEPS),
                            "--log-interval", "1", "--eval-interval", str(STEPS), *launch, *extra],
-                          env=rank_env(), cwd=ROOT, capture_output=True, text=True, timeout=240)
+                          env=rank_env(**(env or {})), cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     losses = {r["step"]: r["loss"] for r in _metrics(out) if r["kind"] == "train"}  # full precision
     assert len(losses) == STEPS, proc.stdout[-2000:]
@@ -163,6 +164,18 @@ def test_a_zero2_run_exports_one_hugging_face_folder(tiny_args, tmp_path):
         assert torch.equal(p.detach(), saved[f"model.{name}"]), name
     first = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "llama")
     assert not torch.equal(first.model.layers[1].mlp.up_proj.weight, loaded.model.layers[1].mlp.up_proj.weight)
+
+
+@pytest.mark.slow
+def test_zero2_on_the_gpu_shaped_device_trains_as_the_replicas(tiny_args, tmp_path):
+    """The GPU's code path on the CPU (`TIGHTFIT_CPU_DEVICE=separate`: device memory apart, page-locked host tier,
+    gradients shipped off the device), bf16, 2 ranks: zero2's losses are the replicas' to the last bit."""
+    flags = ["--n-layer", "4", "--grad-accum", "2", "--offload", "host", "--precision", "bf16", "--accumulation",
+             "micro"]
+    gpu = {"TIGHTFIT_CPU_DEVICE": "separate"}
+    _, replicas = _train(tiny_args, tmp_path / "ddp", *flags, "--strategy", "ddp", ranks=2, env=gpu)
+    _, zero2 = _train(tiny_args, tmp_path / "zero2", *flags, "--strategy", "zero2", ranks=2, env=gpu)
+    assert zero2 == replicas
 
 
 @pytest.mark.slow
