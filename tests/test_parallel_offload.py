@@ -270,6 +270,16 @@ def test_the_plan_of_every_rank(tmp_path, capsys):
     assert main(["plan", *common, "--nproc-per-node", "2", "--strategy", "ddp", "--offload", "nvme"]) == 0
     text = capsys.readouterr().out
     assert "2 ranks, strategy ddp, the offload engine on each" in text and "ms added to the predicted step" in text
+    # zero2: rank 0's plan holds only its own units' master, moments and gradients; the ranks' shares add up to the
+    # model's; the reduce sends half a ring all-reduce's bytes, the exchange every parameter's fp32 value once
+    assert main(["plan", *common, "--nproc-per-node", "2", "--strategy", "zero2", "--offload", "nvme", "--json"]) == 0
+    zero2 = json.loads(capsys.readouterr().out)
+    shares = zero2["ranks"]["stepped_parameters_per_rank"]
+    assert sum(shares) == parameters and min(shares) > 0
+    assert zero2["ranks"]["sent_bytes_per_step_per_rank"] == zero2["ranks"]["allreduce_bytes_per_step"] // 2
+    assert zero2["ranks"]["exchange_bytes_per_step"] == parameters * 4
+    assert zero2["placement"]["grads_elsewhere"] and zero2["placement"]["stepped_elsewhere"]
+    assert zero2["prediction"]["peak"]["nvme"] < got["prediction"]["peak"]["nvme"]
 
 
 def test_gloo_averages_go_through_a_kept_flat_buffer():

@@ -298,13 +298,17 @@ def rank_plan(cfg, hw=None) -> tuple[object, dict]:
     cuda = hw.cuda if hw is not None else torch.cuda.is_available()
     averaging = assumed(ranks, p.interconnect, cuda and cfg.train.device != "cpu", p.nproc_per_node)
     strategy = p.strategy if p.strategy in ("zero1", "zero2") else "ddp"
+    shares = None  # the parameters each rank steps
     if strategy != "ddp":  # rank 0's units; every rank steps a share as alike as the units allow
         from dataclasses import replace
 
+        from tightfit.offload.step.units import find_units
         from tightfit.parallel.sharded_optimizer import shard_setup
 
-        averaging = replace(averaging, stepped_elsewhere=shard_setup(model, 0, ranks, strategy)[1],
-                            grads_elsewhere=strategy == "zero2")
+        owner, elsewhere = shard_setup(model, 0, ranks, strategy)
+        averaging = replace(averaging, stepped_elsewhere=elsewhere, grads_elsewhere=strategy == "zero2")
+        trainable = {s.name: s.train_numel for s in find_units(model)}
+        shares = [sum(trainable[name] for name, r in owner.items() if r == k) for k in range(ranks)]
     plan = make_plan(model, mine, hw, what_if=hw is not None, averaging=averaging)
     averaged = allreduce_bytes(plan.profile, plan.shape)
     return plan, {"ranks": ranks, "strategy": strategy, "engine": True, "cpu_mem_per_rank": mine.memory.cpu_mem,
@@ -316,6 +320,7 @@ def rank_plan(cfg, hw=None) -> tuple[object, dict]:
                   "allreduce_bw_source": averaging.source, "allreduce_s": plan.prediction.allreduce_s,
                   "order": "unit" if plan.shape.unit_major else "micro",
                   "exchange_bytes_per_step": exchange_bytes(plan.profile, plan.shape),
+                  "stepped_parameters_per_rank": shares,
                   "exchange_s": plan.prediction.exchange_s}
 
 
@@ -336,6 +341,11 @@ def rank_plan_text(plan, ranks: dict) -> str:
         f"\nthe stepped units' new values broadcast by their ranks beside the next forward: "
         f"{format_size(ranks['exchange_bytes_per_step'])}, {ranks['exchange_s'] * 1e3:.1f} ms added to the step")
     how = "reduced to each unit's rank" if ranks["strategy"] == "zero2" else "ring all-reduce"
+    if ranks["stepped_parameters_per_rank"]:  # rank 0's plan above; another rank may step more
+        shares = ranks["stepped_parameters_per_rank"]
+        held = "master, moments and gradients" if ranks["strategy"] == "zero2" else "master and moments"
+        exchange += (f"\nparameters each rank steps and holds the {held} of: " + " / ".join(f"{n:,}" for n in shares)
+                     + f" (rank 0's is {shares[0] / max(shares):.0%} of the largest)")
     return (f"{ranks['ranks']} ranks, strategy {ranks['strategy']}, the offload engine on each: {whose}, for "
             f"{host} of host memory{disk}\n{plan.table()}\n"
             f"gradients averaged over the ranks {once}: {format_size(ranks['allreduce_bytes_per_step'])} a step, "
