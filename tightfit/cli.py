@@ -100,7 +100,7 @@ def _cmd_plan(cfg: Config, as_json: bool, hardware: str | None = None) -> int:
         from tightfit.parallel.plan import plan_from_config
 
         if plan_from_config(cfg.parallel, _world_size(cfg), cfg.memory.offload).engine:  # the engine on each rank
-            from tightfit.parallel.replicas import rank_plan, rank_plan_text
+            from tightfit.parallel.rank_plan import rank_plan, rank_plan_text
 
             plan, ranks = rank_plan(cfg, hw)
             print(json.dumps({**json.loads(plan.to_json()), "ranks": ranks}, indent=2) if as_json

@@ -16,7 +16,7 @@ bandwidth is measured in the run's group before it plans, or assumed for `tightf
 Nothing here is measured on a GPU yet.
 
 [Note: a node's ranks share it] The ranks on one node each plan for their share of its host memory and swap disk
-(parallel/replicas.py, `rank_config`), and they also share what moves the bytes: one swap disk's bandwidth, and on
+(parallel/rank_plan.py, `rank_config`), and they also share what moves the bytes: one swap disk's bandwidth, and on
 a GPU machine the CPU cores that step AdamW and make the host passes, and the host memory they stream. Each rank's
 step is priced at its share (`node_share`: the disk's rates, and on a GPU the CPU optimizer's and the host passes'
 rates, divided by the node's ranks); a GPU's own link to the host and its compute are its own. On a CPU-only
