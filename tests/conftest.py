@@ -36,3 +36,18 @@ def corpus(tmp_path_factory) -> Path:
 def tiny_args(corpus, tmp_path) -> list[str]:
     """Flags for a run of a few seconds on CPU."""
     return ["--data", str(corpus), "--out-dir", str(tmp_path / "run"), *TINY]
+
+
+@pytest.fixture
+def llama_folder(tmp_path) -> Path:
+    """A tiny random Llama (2 layers, width 32, vocab 256, untied head) saved as a Hugging Face folder."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=64,
+                                   tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+    folder = tmp_path / "llama"
+    transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
+    return folder

@@ -161,22 +161,17 @@ def test_the_summary_reports_the_engines_peaks_as_they_stood_before_the_hand_ove
 
 
 def test_an_export_comes_before_the_hand_over_and_refuses_a_non_finite_weight(tiny_args, tmp_path, capsys,
-                                                                               monkeypatch):
+                                                                               monkeypatch, llama_folder):
     """--export-hf writes its folder from the states before the last save takes the swap over (so the room check
     counts the hand-over with it too); a NaN weight stops the run as the save would have, with no export."""
     transformers = pytest.importorskip("transformers")
     from tightfit.train import memory
 
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=64,
-                                   tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
     i = tiny_args.index("--out-dir")
 
     def run(name, *extra):
         args = tiny_args[: i + 1] + [str(tmp_path / name)] + tiny_args[i + 2:]
-        return main(["train", *args, "--steps", "2", "--model", f"hf:{tmp_path / 'llama'}", "--offload", "nvme",
+        return main(["train", *args, "--steps", "2", "--model", f"hf:{llama_folder}", "--offload", "nvme",
                      "--nvme", str(tmp_path / "swap"), "--export-hf", str(tmp_path / f"{name}-hf"), *extra])
 
     assert run("good") == 0

@@ -142,7 +142,7 @@ def test_four_ranks_with_the_engine_train_as_one_process(tiny_args, tmp_path, pl
     _close(four, one)
 
 
-def test_a_zero2_run_exports_one_hugging_face_folder(tiny_args, tmp_path):
+def test_a_zero2_run_exports_one_hugging_face_folder(tiny_args, tmp_path, llama_folder):
     """`--export-hf` from 2 zero2 ranks: rank 0 writes one folder from its own units' values and the others' sent to
     it; it loads in transformers and holds the trained weights, the run's last checkpoint's bit for bit."""
     transformers = pytest.importorskip("transformers")
@@ -150,19 +150,14 @@ def test_a_zero2_run_exports_one_hugging_face_folder(tiny_args, tmp_path):
 
     from tightfit.train.checkpoint import read_all
 
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=64,
-                                   tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
     export = tmp_path / "export"
-    _train(tiny_args, tmp_path / "two", "--model", f"hf:{tmp_path / 'llama'}", "--grad-accum", "2", "--strategy",
+    _train(tiny_args, tmp_path / "two", "--model", f"hf:{llama_folder}", "--grad-accum", "2", "--strategy",
            "zero2", "--offload", "host", "--export-hf", str(export), ranks=2)
     saved = read_all(tmp_path / "two")
     loaded = transformers.AutoModelForCausalLM.from_pretrained(export)
     for name, p in loaded.named_parameters():
         assert torch.equal(p.detach(), saved[f"model.{name}"]), name
-    first = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "llama")
+    first = transformers.AutoModelForCausalLM.from_pretrained(llama_folder)
     assert not torch.equal(first.model.layers[1].mlp.up_proj.weight, loaded.model.layers[1].mlp.up_proj.weight)
 
 

@@ -11,17 +11,6 @@ from tightfit.cli import main
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture
-def llama_folder(tmp_path):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=64,
-                                   tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
-    folder = tmp_path / "llama"
-    transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
-    return folder
-
-
 def _run(tiny_args, out_dir, *extra):
     i = tiny_args.index("--out-dir")
     args = tiny_args[: i + 1] + [str(out_dir)] + tiny_args[i + 2:]
