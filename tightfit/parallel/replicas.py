@@ -69,8 +69,10 @@ class GradientAverager:
 
     def __call__(self, grads: list[torch.Tensor], unit: str | None = None) -> Callable[[], None]:
         dst = self.owner_of(unit) if self.owner_of is not None and unit is not None else None
-        if dst is not None or (self.through_flat and len({g.dtype for g in grads}) == 1):
-            return self._through_flat(grads, dst)
+        dtypes = {g.dtype for g in grads}
+        if dst is not None or (self.through_flat and len(dtypes) == 1):
+            # a ZeRO-2 reduce of mixed dtypes goes through fp32, which holds every bf16/fp16 value exactly
+            return self._through_flat(grads, dtypes.pop() if len(dtypes) == 1 else torch.float32, dst)
         pending = []  # (work, its gradients): each bucket's all-reduces as one coalesced call, in place
         for bucket in buckets(grads):
             with _coalescing_manager(group=self.group, async_ops=True) as calls:
@@ -89,11 +91,10 @@ class GradientAverager:
 
         return averaged
 
-    def _through_flat(self, grads: list[torch.Tensor], dst: int | None = None) -> Callable[[], None]:
-        """One flat buffer's all-reduce, or (`dst`: ZeRO-2) its reduce to rank `dst`, which alone copies the mean
-        back (the others' gradients are dropped after it). The flat's dtype is the gradients' (a ZeRO-2 reduce of
-        mixed dtypes goes through fp32, which holds every bf16/fp16 value exactly)."""
-        dtype = grads[0].dtype if len({g.dtype for g in grads}) == 1 else torch.float32
+    def _through_flat(self, grads: list[torch.Tensor], dtype: torch.dtype, dst: int | None = None
+                      ) -> Callable[[], None]:
+        """One flat buffer of `dtype`'s all-reduce, or (`dst`: ZeRO-2) its reduce to rank `dst`, which alone copies
+        the mean back (the others' gradients are dropped after it)."""
         n = sum(g.numel() for g in grads)
         buffer = self._take(n, dtype, grads[0].device)
         flat = buffer[:n]
@@ -154,6 +155,9 @@ class Replicated(OneProcess):
     gradients' average. `swap`: the rank's swap folder (None without NVMe), removed at `close` if tightfit `made` it
     and it is empty."""
 
+    strategy = "ddp"
+    """`--strategy`, as the run's lines and summary name it."""
+
     def __init__(self, inner: OneProcess, world, averager: GradientAverager, swap: Path | None, made: bool) -> None:
         super().__init__(inner.mem, inner.device, inner.dtype)
         self.world, self.averager, self.swap, self.made = world, averager, swap, made
@@ -162,8 +166,12 @@ class Replicated(OneProcess):
     def describe(self) -> str:
         swap = f"; swap files in {self.swap} on rank 0, {RANK_FOLDER.format(1)}... beside it on the others" \
             if self.swap is not None else ""
-        return (f"tightfit: {self.world.size} ranks, strategy ddp, the offload engine on each (rank 0's plan below; "
-                f"gradients averaged as they leave the device{swap})\n{super().describe()}")
+        return (f"tightfit: {self.world.size} ranks, strategy {self.strategy}, the offload engine on each "
+                f"({self.arrangement()}{swap})\n{super().describe()}")
+
+    def arrangement(self) -> str:
+        """What the ranks share and how, for the run's first line."""
+        return "rank 0's plan below; gradients averaged as they leave the device"
 
     def global_loss(self, local: torch.Tensor) -> float:
         t = local.detach().to(torch.float64).reshape(1).cpu()
@@ -219,7 +227,7 @@ class Replicated(OneProcess):
         return record
 
     def summary_fields(self) -> dict:
-        return {"strategy": "ddp", "mesh": [1, self.world.size, 1], "ranks": self.world.size, "engine": True}
+        return {"strategy": self.strategy, "mesh": [1, self.world.size, 1], "ranks": self.world.size, "engine": True}
 
     def close(self) -> None:
         super().close()

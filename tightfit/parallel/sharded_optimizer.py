@@ -86,9 +86,10 @@ class UnitOwners:
     """Makes `engine` one rank of a group whose optimizer states are sharded by unit (`owner`: block name -> rank),
     the engine wrapped with `Placement.stepped_elsewhere` (and, for "zero2", `grads_elsewhere`) as `shard_setup`
     says and its gradients averaged by `averager` (replicas.average_over_ranks). `group`: the exchange's and the
-    norms' process group. A loop calls `exchange()` after each `opt.step()`; `tightfit train` does
-    (`ShardedOptimizer`), and so can a user's own loop. `collective(what)`: a context naming the collective calls
-    inside it (the run's World labels them for a lost peer's message)."""
+    norms' process group. A loop calls `start()` after each `opt.step()` and `join()` before its own next
+    collective on `group`; `tightfit train` does (`ShardedOptimizer`), and so can a user's own loop.
+    `collective(what)`: a context naming the collective calls inside it (the run's World labels them for a lost
+    peer's message)."""
 
     def __init__(self, engine, owner: dict[str, int], averager, group, strategy: str = "zero1",
                  collective: Callable[[str], ContextManager] = lambda what: nullcontext()) -> None:
@@ -99,6 +100,10 @@ class UnitOwners:
         # tensors only).
         self.wire = torch.device("cpu") if dist.get_backend(group) == "gloo" else \
             torch.device("cuda", torch.cuda.current_device())
+        # (unit, owner) of every unit one rank steps for all, in the engine's unit order (every rank's)
+        self.units = [(u, r) for u in engine.units.values()
+                      if u.trainable and (r := owner_of(u.name, owner)) is not None]
+        self._norms_here: dict[str, bool] = {}  # unit name -> this rank adds its norms to the clip's sum
         if strategy == "zero2":  # each unit's gradients to its owner alone; the norms a clip needs from every rank
             averager.owner_of = lambda name: owner_of(name, owner)
             engine.norms_over_ranks = self.norms_over_ranks
@@ -108,35 +113,26 @@ class UnitOwners:
         self._error: BaseException | None = None
         self._buffer: torch.Tensor | None = None  # the exchange's host buffer (its largest unit's values)
 
-    def units(self):
-        """(unit, owner) of every unit one rank steps for all, in the engine's unit order."""
-        for unit in self.engine.units.values():
-            r = owner_of(unit.name, self.owner) if unit.trainable else None
-            if r is not None:
-                yield unit, r
-
     def norms_over_ranks(self, norms: list[torch.Tensor], units: list) -> list[torch.Tensor]:
         """Every rank's list of per-parameter gradient norms (`units[k]`: the unit of `norms[k]`), each rank holding
         those of its own units and zeros for the others' (ZeRO-2): their sum over the ranks, where exactly one term is
         not zero, is every norm bit for bit, so every rank clips by the coefficient the replicas would. A unit no
         rank owns alone (every rank holds its gradients) counts rank 0's norm only."""
         self.join()  # the exchange's group is the norms'
-        mine = {}
-        for u in units:
-            if u.name not in mine:
-                r = owner_of(u.name, self.owner)
-                mine[u.name] = r == self.rank or (r is None and self.rank == 0)
-        stacked = torch.stack([n.to(self.wire, torch.float32) if mine[u.name] else torch.zeros((), device=self.wire)
-                               for n, u in zip(norms, units)])
+        stacked = torch.stack([n.to(self.wire, torch.float32) if self._adds_norms(u.name)
+                               else torch.zeros((), device=self.wire) for n, u in zip(norms, units)])
         with self.collective("the gradient norms' exchange"):
             dist.all_reduce(stacked, group=self.group)
         return list(stacked.unbind())
 
-    def exchange(self) -> None:
-        """Every unit's new values from its owner to every other rank, now ([Note: optimizer states sharded by
-        unit])."""
-        self.start()
-        self.join()
+    def _adds_norms(self, name: str) -> bool:
+        """Does this rank add unit `name`'s gradient norms to the clip's sum? Its own units', and rank 0 those of a
+        unit every rank holds (remembered: asked every step)."""
+        here = self._norms_here.get(name)
+        if here is None:
+            r = owner_of(name, self.owner)
+            here = self._norms_here[name] = r == self.rank or (r is None and self.rank == 0)
+        return here
 
     def start(self) -> None:
         """Start the exchange of the step just queued (after `opt.step()`) on a thread of its own, and return: each
@@ -145,7 +141,7 @@ class UnitOwners:
         from concurrent.futures import Future
 
         self.join()
-        units = list(self.units())
+        units = self.units
         if self._buffer is None and units:  # kept from step to step: one unit's values at a time pass through it
             from tightfit.offload.runtime.aligned import aligned_empty
 
@@ -206,8 +202,8 @@ class ShardedOptimizer(Replicated):
     `tightfit train`'s trainee for `--strategy zero1|zero2` with the offload engine. `group`: the exchange's process
     group; `gather_group`: a gloo group for the checkpoints' gathers where `group` is NCCL's."""
 
-    def __init__(self, inner, world, averager, swap, made, owner: dict[str, int], group,
-                 strategy: str = "zero1", gather_group=None) -> None:
+    def __init__(self, inner, world, averager, swap, made, owner: dict[str, int], group, strategy: str,
+                 gather_group) -> None:
         super().__init__(inner, world, averager, swap, made)
         from tightfit.offload.step.engine import find_engine
 
@@ -215,22 +211,14 @@ class ShardedOptimizer(Replicated):
         self.engine = find_engine(inner.model)
         self.shard = UnitOwners(self.engine, owner, averager, group, strategy, world.collective)
         self._export_gather: Gathered | None = None  # rank 0's gather of an export in progress
-        self.gather_group = group if dist.get_backend(group) == "gloo" else gather_group
+        self.gather_group = gather_group
 
-    def _units(self):
-        return self.shard.units()
-
-    def describe(self) -> str:
-        mine = sum(1 for _, r in self._units() if r == self.world.rank)
-        text = super().describe().replace("strategy ddp, the offload engine on each",
-                                          f"strategy {self.strategy}, the offload engine on each")
+    def arrangement(self) -> str:
+        mine = sum(1 for _, r in self.shard.units if r == self.world.rank)
         held = "master and moments" if self.strategy == "zero1" else "master, moments and gradients"
-        text = text.replace("(rank 0's plan below;", f"(each rank steps its own units, {mine} of them on rank 0, "
-                                                     f"and holds their {held} alone; rank 0's plan below;", 1)
-        if self.strategy == "zero2":
-            text = text.replace("gradients averaged as they leave the device",
-                                "each unit's gradients reduced to its rank as they leave the device", 1)
-        return text
+        grads = ("gradients averaged" if self.strategy == "zero1" else "each unit's gradients reduced to its rank")
+        return (f"each rank steps its own units, {mine} of them on rank 0, and holds their {held} alone; rank 0's "
+                f"plan below; {grads} as they leave the device")
 
     def clip_and_step(self, max_norm: float) -> float | None:
         norm = super().clip_and_step(max_norm)
@@ -247,11 +235,15 @@ class ShardedOptimizer(Replicated):
 
     # ---- checkpoints and exports: rank 0 writes, the owners send ------------------------------------------------
 
-    def checkpoint_groups(self, hand_over: bool = False):
+    def _settled(self) -> None:
+        """Before a gather: the exchange done (the gathers' group may be its own) and every state at rest."""
         from tightfit.offload.model_state.state_io import quiesce
 
-        self.shard.join()  # the gathers' group may be the exchange's
+        self.shard.join()
         quiesce(self.engine)
+
+    def checkpoint_groups(self, hand_over: bool = False):
+        self._settled()
         if self.world.is_main:
             return self._gathered(True, hand_over)
         self._send_owned(True, hand_over)
@@ -260,16 +252,12 @@ class ShardedOptimizer(Replicated):
     def export_tensors(self):
         """On rank 0, every unit's values and state, the other owners' sent to it (rank 0 alone calls this, from
         `export_hf`: `_send_owned` is its other ranks' side)."""
-        from tightfit.offload.model_state.state_io import quiesce
-
-        self.shard.join()
-        quiesce(self.engine)
+        self._settled()
         self._export_gather = gathered = self._gathered(True, False)
         for _, items in gathered:
             yield from items
 
     def export_hf(self, folder, meta_model, check_finite: bool = False, merge_lora: bool = False) -> None:
-        from tightfit.offload.model_state.state_io import quiesce
         from tightfit.train.trainee import OneProcess
 
         failed = None
@@ -283,19 +271,18 @@ class ShardedOptimizer(Replicated):
                     self._export_gather.close()
                     self._export_gather = None
         else:
-            self.shard.join()
-            quiesce(self.engine)
+            self._settled()
             self._send_owned(True, False)
         self._export_voted(failed)
 
     def _gathered(self, with_optim: bool, hand_over: bool) -> "Gathered":
-        return Gathered(self.engine, list(self._units()), with_optim, hand_over, self.gather_group)
+        return Gathered(self.engine, self.shard.units, with_optim, hand_over, self.gather_group)
 
     def _send_owned(self, with_optim: bool, hand_over: bool) -> None:
         """Another rank's side of `_gathered`: its units' values and state to rank 0, in the engine's order."""
         from tightfit.train.checkpoint_swap import drop_swap
 
-        for unit, r in self._units():
+        for unit, r in self.shard.units:
             if r == self.world.rank:
                 _send(self.engine, unit, with_optim, self.gather_group)
                 if hand_over:
@@ -307,9 +294,6 @@ class ShardedOptimizer(Replicated):
             counters["exchange_bytes"] = float(self.shard.bytes)
             counters["exchange_s"] = self.shard.seconds
         return counters
-
-    def summary_fields(self) -> dict:
-        return {**super().summary_fields(), "strategy": self.strategy}
 
 
 class Gathered:

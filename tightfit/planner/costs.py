@@ -215,22 +215,26 @@ class Prediction:
         return 0 if cuda else int(HEAP_FREE_AT_PEAK * self.breakdown.get("device", {}).get("activations", 0))
 
 
+def unit_size(u: UnitProfile) -> mm.UnitSize:
+    """The memory model's view of one of the profile's units (the engine's flat size, padding included)."""
+    return mm.UnitSize(u.name, u.numel, u.trainable, u.stepped, u.keeps_grads)
+
+
 def unit_sizes(profile: ModelProfile) -> list[mm.UnitSize]:
-    """The memory model's view of the profile's units (the engine's flat sizes, padding included)."""
-    return [mm.UnitSize(u.name, u.numel, u.trainable, u.stepped, u.keeps_grads) for u in profile.units]
+    """The memory model's view of the profile's units."""
+    return [unit_size(u) for u in profile.units]
 
 
 def state_bytes(u: UnitProfile, state: State, placement: Placement, shape: TrainShape) -> int:
     """Bytes `state` of unit `u` occupies on its tier ([Note: bytes per state] in memory_model.py)."""
-    return mm.state_bytes(mm.UnitSize(u.name, u.numel, u.trainable, u.stepped, u.keeps_grads), state, placement.of(u.name),
+    return mm.state_bytes(unit_size(u), state, placement.of(u.name),
                           shape.compute_bytes, casts_on_device(u, placement, shape))
 
 
 def casts_on_device(u: UnitProfile, placement: Placement, shape: TrainShape) -> bool:
     """Does a fetch of `u` upload its fp32 master for the device to cast? ([Note: the device casts the master] in
     offload/step/unit.py)"""
-    return mm.casts_on_device(mm.UnitSize(u.name, u.numel, u.trainable, u.stepped, u.keeps_grads), placement.of(u.name),
-                              shape.compute_bytes,
+    return mm.casts_on_device(unit_size(u), placement.of(u.name), shape.compute_bytes,
                               placement.cast_on_device)
 
 

@@ -276,7 +276,7 @@ class Plan:
     def averaging_line(self) -> str:
         """One rank of replicas: what averaging the gradients over the group costs its step (and where the ranks'
         optimizer states are sharded by unit, exchanging the new values)."""
-        from tightfit.planner.averaging import allreduce_bytes, exchange_bytes
+        from tightfit.planner.averaging import allreduce_bytes, exchange_bytes, shards_optimizer
 
         sh, pr = self.shape, self.prediction
         if not self.hardware.cuda:
@@ -286,7 +286,7 @@ class Plan:
         line = (f"gradients averaged over {sh.ranks} ranks: {format_size(allreduce_bytes(self.profile, sh))} a step "
                 f"at {sh.allreduce_bw / 1e9:.2f} GB/s bus bandwidth ({sh.allreduce_source}): "
                 f"{pr.allreduce_s * 1e3:.1f} ms added to the step ({where})")
-        if pr.exchange_s:  # [Note: optimizer states sharded by unit] in parallel/sharded_optimizer.py
+        if shards_optimizer(self.profile):  # [Note: optimizer states sharded by unit] in parallel/sharded_optimizer.py
             stepped = sum(1 for u in self.profile.units if u.stepped and u.trainable)
             held = "master, moments and gradients" if any(not u.keeps_grads for u in self.profile.units) else \
                 "master and moments"

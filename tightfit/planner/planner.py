@@ -60,9 +60,9 @@ def make_plan(model: nn.Module, cfg, hardware: HardwareProfile | None = None, na
         shape = replace(shape, ranks=averaging.ranks, allreduce_bw=averaging.bus_bw,
                         allreduce_on_link=averaging.on_link, allreduce_source=averaging.source,
                         node_ranks=averaging.node_ranks)
-    elsewhere = sorted(getattr(averaging, "stepped_elsewhere", ()) or ())
+    elsewhere = sorted(averaging.stepped_elsewhere) if averaging is not None else []
+    grads_elsewhere = bool(elsewhere) and averaging.grads_elsewhere
     if elsewhere:  # [Note: optimizer states sharded by unit] in parallel/sharded_optimizer.py
-        grads_elsewhere = bool(getattr(averaging, "grads_elsewhere", False))
         profile = replace(profile, units=[replace(u, stepped=u.name not in elsewhere,
                                                   keeps_grads=not grads_elsewhere or u.name not in elsewhere)
                                           for u in profile.units])
@@ -87,7 +87,7 @@ def make_plan(model: nn.Module, cfg, hardware: HardwareProfile | None = None, na
             res = fixed(profile, hw, budgets, shape, Tier(mode), cfg.memory.checkpointing,
                         names.set("offload", mode), names)
         placement = res.placement if not elsewhere else replace(
-            res.placement, stepped_elsewhere=elsewhere, grads_elsewhere=any(not u.keeps_grads for u in profile.units))
+            res.placement, stepped_elsewhere=elsewhere, grads_elsewhere=grads_elsewhere)
         return Plan(placement, res.prediction, {"device": budgets.device, "host": budgets.host,
                                                     "nvme": budgets.nvme if budgets.nvme_dir else None},
                     budgets.source, res.reasons, mode, shape, res.profile, hw, budgets.shared)

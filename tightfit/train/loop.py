@@ -194,9 +194,6 @@ def run(cfg: Config, world: World, *, quiet: bool = False, stopper: GracefulStop
     from tightfit.models.build import build_model, hf_path
     from tightfit.models.tokenizer import get_tokenizer, tokenizer_folder
 
-    from tightfit.utils.malloc_arenas import limit_arenas
-
-    limit_arenas()  # before the engine's threads: [Note: one heap for the engine's threads]
     t = cfg.train
     say = (lambda s: None) if quiet or not world.is_main else (lambda s: print(s, flush=True))
     _use_threads(t.threads, say)

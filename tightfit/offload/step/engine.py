@@ -255,9 +255,7 @@ class OffloadEngine:
         which alone clears `stepping`)."""
         if after_step:
             self.wait_step(unit)
-        if unit.refresh is not None:  # a resident unit's new compute params on their way up
-            self.mover.wait(unit.refresh)
-            unit.refresh = None
+        self.residency.wait_refresh(unit)
         if out is None:
             out = torch.empty(unit.spec.numel, dtype=self.compute_dtype)
         unit.read_params(out)

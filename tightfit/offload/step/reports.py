@@ -7,6 +7,7 @@ are these functions.
 
 from __future__ import annotations
 
+from tightfit.offload.memory_model import state_bytes
 from tightfit.offload.placement import State, Tier
 from tightfit.offload.step.unit import PARAMS, OffloadUnit
 
@@ -62,10 +63,10 @@ def memory_report(engine) -> dict:
 
 def unit_report(unit: OffloadUnit) -> dict:
     """One unit's elements, and each state's tier, where it is now and its bytes."""
+    c = unit.compute_dtype.itemsize
     sizes = {State.PARAMS: unit.compute_bytes,
              State.MASTER: 0 if unit.master_entry == PARAMS else 4 * unit.master_numel,
-             State.GRADS: 4 * unit.spec.train_numel if unit.keeps_grads else 0,
-             State.OPTIM: 8 * unit.spec.train_numel if unit.steps_here else 0}
+             **{s: state_bytes(unit.size, s, unit.placement, c) for s in (State.GRADS, State.OPTIM)}}
     return {"numel": unit.spec.numel, "trainable_numel": unit.spec.train_numel,
             "states": {s.value: {"tier": unit.placement.tier(s).value, "where": unit.where[s].value,
                                  "bytes": sizes[s]} for s in State}}

@@ -57,12 +57,16 @@ class Residency:
             self.meter.settle(wait=True, phase=self.phase())
         return self.meter.fits(nbytes)
 
+    def wait_refresh(self, unit: OffloadUnit) -> None:
+        """A resident unit's new compute params from its last step, on their way up, are there."""
+        if unit.refresh is not None:
+            self.mover.wait(unit.refresh)
+            unit.refresh = None
+
     def materialise(self, unit: OffloadUnit) -> None:
         """The unit computes now: its params on the device, waiting for the fetch in flight or fetching now."""
         self.active.add(unit.name)
-        if unit.refresh is not None:  # the last step's new compute params are on their way
-            self.mover.wait(unit.refresh)
-            unit.refresh = None
+        self.wait_refresh(unit)
         state = unit.params_state
         if state in (ParamsState.RESIDENT, ParamsState.READY):
             return
