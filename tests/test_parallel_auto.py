@@ -99,11 +99,11 @@ def test_parse_strategy():
 
 def test_plan_from_config_offload():
     cfg = Config()
-    cfg.parallel.strategy = "zero3"
-    assert plan_from_config(cfg.parallel, 4, "host").cpu_offload
+    cfg.parallel.strategy = "zero3"  # the engine on every rank (params_exchange.py), not FSDP2's CPU offload
+    for offload in ("host", "nvme"):
+        plan = plan_from_config(cfg.parallel, 4, offload)
+        assert plan.engine and not plan.cpu_offload
     assert not plan_from_config(cfg.parallel, 4, "auto").cpu_offload
-    with pytest.raises(UsageError, match="--offload nvme.*--strategy ddp"):
-        plan_from_config(cfg.parallel, 4, "nvme")
     cfg.parallel.strategy = "ddp"
     assert plan_from_config(cfg.parallel, 4, "host").engine and plan_from_config(cfg.parallel, 4, "nvme").engine
     assert not plan_from_config(cfg.parallel, 4, "auto").engine
@@ -112,7 +112,7 @@ def test_plan_from_config_offload():
         plan = plan_from_config(cfg.parallel, 4, "nvme")
         assert plan.engine and plan.dp_mode == stage and plan_from_config(cfg.parallel, 4, "host").engine
     cfg.parallel.strategy, cfg.parallel.tp = "dp_tp", 2  # the engine is for pure data parallelism
-    with pytest.raises(UsageError, match="--offload host.*--strategy ddp"):
+    with pytest.raises(UsageError, match="--offload host.*--strategy ddp, zero1, zero2 or zero3"):
         plan_from_config(cfg.parallel, 4, "host")
     cfg.parallel.strategy = "auto"
     with pytest.raises(UsageError, match="auto"):
@@ -166,18 +166,29 @@ def test_what_if_report():
         what_if(cfg)
 
 
-def test_what_if_takes_offload_as_the_run_does():
-    """`--strategy zero3 --offload host` is FSDP2's CPU offload in a run, and so in the what-if (it was planned as
-    zero3 on the GPUs alone): nothing of the states on the GPU, and the host memory it takes per rank and node."""
+def test_what_if_takes_offload_as_the_run_does(monkeypatch):
+    """FSDP2's CPU offload (`--strategy auto`'s choice where even ZeRO-3's shards do not fit the GPUs) is planned
+    with nothing of the states on the GPU and the host memory it takes per rank and node; `--strategy zero3
+    --offload host|nvme` is the offload engine on every rank in a run (parallel/params_exchange.py), which the
+    what-if leaves to `tightfit plan`'s per-rank plan, in one line."""
+    import tightfit.parallel.whatif as whatif_module
+    from tightfit.parallel.plan import ParallelPlan, plan_from_config
+
     cfg = Config()
     cfg.parallel.nproc_per_node, cfg.parallel.strategy = 8, "zero3"
-    cfg.memory.gpu_mem, cfg.memory.offload = "80GiB", "host"
+    cfg.memory.gpu_mem = "80GiB"
+    for offload in ("host", "nvme"):
+        assert plan_from_config(cfg.parallel, 8, offload).engine
+        cfg.memory.offload = offload
+        with pytest.raises(UsageError, match="a rank's plan"):
+            what_if(cfg)
+    cfg.parallel.strategy, cfg.memory.offload = "auto", "auto"
+    offloaded = ParallelPlan(ParallelDims(dp=8), "zero3", cpu_offload=True)
+    chosen = whatif_module.StrategyChoice("zero3", offloaded.dims, "test", "test", offloaded)
+    monkeypatch.setattr(whatif_module, "choose_strategy", lambda *a, **k: chosen)
     report = what_if(cfg)
     d = report.to_dict()
     assert d["cpu_offload"] and d["memory_per_gpu"]["weights"] == d["memory_per_gpu"]["optim"] == 0
     per_node = report.profile.n_params / 8 * 16 * 8
     note = next(n for n in d["notes"] if n.startswith("host memory for the offloaded shards"))
     assert format_size(int(report.profile.n_params / 8 * 16)) in note and format_size(int(per_node)) in note
-    cfg.memory.offload = "nvme"
-    with pytest.raises(UsageError, match="--offload nvme with several processes"):
-        what_if(cfg)

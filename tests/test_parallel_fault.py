@@ -40,12 +40,13 @@ def _wait_for(proc_out_path, text: str, timeout: float) -> None:
 
 
 @pytest.mark.parametrize("engine", [None, pytest.param("ddp", marks=pytest.mark.slow),
-                                    pytest.param("zero2", marks=pytest.mark.slow)],
-                         ids=["ddp", "ddp-engine-nvme", "zero2-engine-nvme"])
+                                    pytest.param("zero2", marks=pytest.mark.slow),
+                                    pytest.param("zero3", marks=pytest.mark.slow)],
+                         ids=["ddp", "ddp-engine-nvme", "zero2-engine-nvme", "zero3-engine-nvme"])
 def test_killed_rank_without_torchrun(tiny_args, tmp_path, engine):
     """With the engine on every rank the survivor waits for the dead peer in a gradient average, on a copy thread,
-    or (zero2) in the exchange of the stepped units' values, on the exchange's thread, and says so in the same
-    line."""
+    or (zero2) in the exchange of the stepped units' values, (zero3) of a use's parameters, on the exchange's thread,
+    and says so in the same line."""
     extra = ["--offload", "nvme", "--nvme", str(tmp_path / "swap"), "--strategy", engine] if engine else []
     procs, logs = start_ranks(_train_args(tiny_args) + extra, tmp_path)
     try:

@@ -97,13 +97,16 @@ def test_the_engine_on_every_rank_trains_as_one_process(tiny_args, tmp_path, tie
 
 @pytest.mark.parametrize("strategy,tier,order", [pytest.param("zero1", "nvme", "micro", marks=pytest.mark.slow),
                                                  pytest.param("zero2", "host", "unit", marks=pytest.mark.slow),
-                                                 ("zero2", "nvme", "micro")])
-def test_zero1_and_zero2_with_the_engine_shard_the_optimizer_states(tiny_args, tmp_path, plain, strategy, tier, order):
-    """2 ranks, `--strategy zero1|zero2`, every state on each rank's host memory or NVMe, clipped at 1.0: the losses
-    of one process of plain PyTorch on the same sequences (as the replicas'); each rank steps its own units and holds
-    their master and moments (zero2: and gradients) alone, so the two ranks together hold less than two replicas'
-    (16 bytes a parameter each), as each rank's plan said; each unit's new values cross once a step (4 bytes a
-    parameter); the checkpoint, gathered to rank 0, is the one-process format (one process resumes it)."""
+                                                 ("zero2", "nvme", "micro"), ("zero3", "nvme", "unit"),
+                                                 pytest.param("zero3", "host", "micro", marks=pytest.mark.slow)])
+def test_zero1_zero2_zero3_with_the_engine_shard_the_states(tiny_args, tmp_path, plain, strategy, tier, order):
+    """2 ranks, `--strategy zero1|zero2|zero3`, every state on each rank's host memory or NVMe, clipped at 1.0: the
+    losses of one process of plain PyTorch on the same sequences (as the replicas'); each rank steps its own units and
+    holds their master and moments (zero2: and gradients; zero3: and parameters) alone, so the two ranks together
+    hold less than two replicas' (16 bytes a parameter each), as each rank's plan said; each unit's new values cross
+    once a step (4 bytes a parameter), or under zero3 its params for each use (the root's forward, each block's
+    forward and backward, per pass); the checkpoint, gathered to rank 0, is the one-process format (one process
+    resumes it)."""
     swap = tmp_path / "swap"
     extra = ["--nvme", str(swap)] if tier == "nvme" else []
     proc, two = _train(tiny_args, tmp_path / "two", "--grad-accum", "2", "--strategy", strategy, "--offload", tier,
@@ -112,14 +115,19 @@ def test_zero1_and_zero2_with_the_engine_shard_the_optimizer_states(tiny_args, t
     assert f"strategy {strategy}, the offload engine on each" in proc.stdout
     parameters = int(re.search(r"training ([\d,]+) parameters", proc.stdout)[1].replace(",", ""))
     engine = [r for r in _metrics(tmp_path / "two") if r["kind"] == "train"][-1]["engine"]
-    assert engine["exchange_bytes"] == 4 * parameters
+    if strategy == "zero3":  # each pass: every parameter in forward, all but the root's again in backward
+        passes = 2 if order == "micro" else 1
+        assert 4 * parameters * passes < engine["exchange_bytes"] < 8 * parameters * passes, engine
+    else:
+        assert engine["exchange_bytes"] == 4 * parameters
     plan = next(r for r in _metrics(tmp_path / "two") if r["kind"] == "plan_vs_measured")
     held = [rank["nvme_peak" if tier == "nvme" else "host_peak"] for rank in plan["ranks"]]
     # the disk holds what the plan said; host memory at most that (the staging pool's share of it as it was used)
     assert all(d["measured"] == d["predicted"] if tier == "nvme" else d["measured"] <= d["predicted"] for d in held)
     replica = 16 * parameters  # fp32 params (their own master), gradients and two moments
-    # 4 + 4 + 8 / 2 of 16 bytes (zero1), 4 + (4 + 8) / 2 (zero2); the host tier's staging on top
-    share = 0.65 if strategy == "zero2" and tier == "nvme" else 0.8
+    # 4 + 4 + 8 / 2 of 16 bytes (zero1), 4 + (4 + 8) / 2 (zero2), (4 + 4 + 8) / 2 (zero3); the host tier's staging
+    # and the exchange's buffers on top
+    share = {"zero1": 0.8, "zero2": 0.65 if tier == "nvme" else 0.8, "zero3": 0.55 if tier == "nvme" else 0.8}[strategy]
     assert sum(d["measured"] for d in held) < share * 2 * replica, (held, replica)
     for rank in plan["ranks"]:
         rss = rank["rss_peak"]
@@ -218,11 +226,12 @@ def _train_to(tiny_args, out, ranks: int, extra: list[str], steps: int) -> None:
     assert f"--stop-at {steps} reached" in proc.stdout
 
 
-@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow), "zero1"])
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow), pytest.param(
+    "zero1", marks=pytest.mark.slow), "zero3"])
 def test_one_process_checkpoint_resumes_on_two_ranks_with_the_engine(tiny_args, tmp_path, plain, strategy):
     """1 -> 2: one process (every state on host, 4 micro-batches) stopped at step 4, resumed by 2 ranks each with its
-    engine on NVMe (2 micro-batches each; with zero1 each rank reads the moments of its own units alone): the losses
-    of one uninterrupted plain run."""
+    engine on NVMe (2 micro-batches each; with zero1 each rank reads the moments of its own units alone, with zero3
+    also the params): the losses of one uninterrupted plain run."""
     _resumed_across(tiny_args, tmp_path, (1, ["--grad-accum", "4", "--offload", "host"]),
                     (2, ["--grad-accum", "2", "--strategy", strategy, "--offload", "nvme", "--nvme",
                          str(tmp_path / "swap")]), plain)
@@ -275,6 +284,15 @@ def test_the_plan_of_every_rank(tmp_path, capsys):
     assert zero2["ranks"]["exchange_bytes_per_step"] == parameters * 4
     assert zero2["placement"]["grads_elsewhere"] and zero2["placement"]["stepped_elsewhere"]
     assert zero2["prediction"]["peak"]["nvme"] < got["prediction"]["peak"]["nvme"]
+    # zero3: rank 0 holds the params of its own units alone too, and each use's params are broadcast
+    assert main(["plan", *common, "--nproc-per-node", "2", "--strategy", "zero3", "--offload", "nvme", "--json"]) == 0
+    zero3 = json.loads(capsys.readouterr().out)
+    assert zero3["placement"]["exchanged"] and zero3["prediction"]["peak"]["nvme"] < zero2["prediction"]["peak"]["nvme"]
+    assert zero3["ranks"]["exchange_bytes_per_step"] > zero2["ranks"]["exchange_bytes_per_step"]
+    assert main(["plan", *common, "--nproc-per-node", "2", "--strategy", "zero3", "--offload", "nvme"]) == 0
+    text = capsys.readouterr().out
+    assert "holds their parameters, master, moments and gradients alone" in text
+    assert "each use's parameters broadcast by their rank beside the compute" in text
 
 
 def test_gloo_averages_go_through_a_kept_flat_buffer():

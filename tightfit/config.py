@@ -140,9 +140,9 @@ class ParallelConfig:
     master_port: int = _f(29500, "port of the rank-0 node")
     strategy: str = _f("auto", "scale-out strategy: auto, or tokens dp|ddp|zero1|zero2|zero3, pp, tp joined by '_' "
                                 "(e.g. ddp, zero3, tp, pp, dp_tp, dp_pp, pp_tp, dp_pp_tp, zero1_pp_tp); with "
-                                "--offload host|nvme, ddp, zero1 and zero2 run the offload engine on each rank "
-                                "(zero1: each rank holds the optimizer states of its own units; zero2: and their "
-                                "gradients)")
+                                "--offload host|nvme, ddp, zero1, zero2 and zero3 run the offload engine on each "
+                                "rank (zero1: each rank holds the optimizer states of its own units; zero2: and "
+                                "their gradients; zero3: and their parameters, sent for each use)")
     interconnect: str = _f("auto", "interconnect between the GPUs, for what-if planning (its assumed bandwidth); "
                                    "in a run of the engine on each rank, pcie: its all-reduce shares the offload's "
                                    "lanes",

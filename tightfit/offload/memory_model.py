@@ -94,6 +94,12 @@ class UnitSize:
     keeps_grads: bool = True
     """Its gradients are summed here. False (a unit another rank steps, under ZeRO-2): they are reduced to that
     rank as they leave the device and dropped; nothing of them lands here."""
+    holds_params: bool = True
+    """Its compute params are kept here. False (a unit another rank steps, under ZeRO-3): that rank holds them and
+    sends them for each use ([Note: parameters sent for each use] in tightfit/parallel/params_exchange.py)."""
+    exchanged: bool = False
+    """Every use of its params (on each rank, its owner's too) comes through the exchange's buffers, not a fetch from
+    its tier: no fetch staging of its own (ZeRO-3, a unit one rank owns)."""
 
     @property
     def is_root(self) -> bool:
@@ -134,7 +140,7 @@ def state_bytes(u: UnitSize, state: State, up: UnitPlacement, c: int, casts: boo
     """Bytes `state` of unit `u` occupies on its tier (c: bytes per compute element; `casts`: `casts_on_device`, no
     compute copy at rest)."""
     if state is State.PARAMS:
-        return 0 if casts else u.numel * c
+        return 0 if casts or not u.holds_params else u.numel * c
     if state is State.MASTER:  # frozen, or stepped by another rank: no master
         return 0 if (c == 4 and up.master == up.params) or not u.stepped else u.trainable * 4
     if state is State.GRADS:
@@ -145,6 +151,28 @@ def state_bytes(u: UnitSize, state: State, up: UnitPlacement, c: int, casts: boo
 def params_bytes(u: UnitSize, c: int) -> int:
     """A materialised unit's flat buffer on the device."""
     return u.numel * c
+
+
+def streams(u: UnitSize, p: Placement) -> bool:
+    """Are the unit's params brought to the device for each use (not resident there)? Those of a unit another rank
+    holds always are."""
+    return p.of(u.name).params != Tier.DEVICE or not u.holds_params
+
+
+EXCHANGE_AHEAD = 2
+"""Uses of exchanged units (ZeRO-3) each rank's exchange requests ahead of the one computing: the same on every rank,
+as the broadcasts' order must be ([Note: parameters sent for each use] in tightfit/parallel/params_exchange.py)."""
+EXCHANGE_SLOTS = EXCHANGE_AHEAD + 2
+"""Host buffers of the exchange for the blocks, each the largest exchanged block's compute params: the uses requested
+ahead, the one computing and one whose copy to the device is finishing. The root, used once a forward phase, has
+one buffer of its own size."""
+
+
+def exchange_buffer_bytes(units: list[UnitSize], c: int) -> int:
+    """Host bytes of the exchange's buffers (0 where no unit is exchanged)."""
+    roots, blocks = _split([u for u in units if u.exchanged])
+    return (EXCHANGE_SLOTS * max((params_bytes(u, c) for u in blocks), default=0)
+            + sum(params_bytes(u, c) for u in roots))
 
 
 def autograd_grad_bytes(u: UnitSize, c: int, sums: bool = False) -> int:
@@ -184,7 +212,7 @@ def unit_jobs(u: UnitSize, up: UnitPlacement, c: int, separate: bool) -> dict[st
       master, gradients and moments all on the device runs there."""
     n, big = u.trainable, u.numel
     jobs: dict[str, dict[str, tuple[int, int]]] = {}
-    if up.params == Tier.NVME:
+    if up.params == Tier.NVME and not u.exchanged:
         jobs["fetch"] = {"params": (big, c)}
     if not n:
         return jobs
@@ -372,9 +400,9 @@ def device_parts(units: list[UnitSize], p: Placement, c: int, phase: str = "back
     on the device] in step/unit.py)."""
     depth = p.prefetch_depth if depth is None else depth
     roots, blocks = _split(units)
-    streamed = [u for u in blocks if p.of(u.name).params != Tier.DEVICE]
+    streamed = [u for u in blocks if streams(u, p)]
     block = max((params_bytes(u, c) for u in streamed), default=0)
-    root = sum(params_bytes(u, c) for u in roots if p.of(u.name).params != Tier.DEVICE)
+    root = sum(params_bytes(u, c) for u in roots if streams(u, p))
     slots = {"forward": depth + 1, "backward": depth + 2, "backward end": depth + 2, "step": 0}[phase]
     parts = {"states": tier_states(units, p, c)[Tier.DEVICE],
              "window": (root + min(slots, len(streamed)) * block) if phase != "step" else 0,
@@ -457,6 +485,7 @@ def step_memory(units: list[UnitSize], p: Placement, c: int, cuda: bool, act: Ac
     late = act.peak if act.at_root_end is None else min(act.peak, act.at_root_end)
     convert = conversion_bytes(units, p, c) if cuda else 0
     upload = upload_conversion_bytes(units, p, c) if cuda else 0
+    exchange = exchange_buffer_bytes(units, c)
     for phase in PHASES:
         dev = device_parts(units, p, c, phase, sums=sums)
         if phase == "backward":  # the root's last gradient is not there yet
@@ -469,6 +498,8 @@ def step_memory(units: list[UnitSize], p: Placement, c: int, cuda: bool, act: Ac
         if upload and phase != "step":
             dev["param conversion"] = upload
         host = {"states": states[Tier.HOST], "buffers": pool}
+        if exchange:
+            host["exchange"] = exchange
         if act.host_saved:
             host["boundaries"] = act.host_saved
         out[phase] = {"device": dev, "host": host, "nvme": {"states": states[Tier.NVME]}}

@@ -80,6 +80,12 @@ def _group_of(block: str, names) -> str | None:
     return None
 
 
+def _named(unit: str, names: set[str]) -> bool:
+    """Is `unit` one of `names`, in a group among them, or a part (a tile) of one of them?"""
+    return (unit in names or _group_of(unit, names) is not None
+            or any(unit.startswith(name + ".") for name in names))
+
+
 _RETIRED = ("nvme_threads", "nvme_chunk_bytes", "staging_buffers")
 """Fields older plan files carry and `from_dict` skips: the disk's tuning is the probe's now ([Note: disk tuning] in
 nvme/tuning.py), and staging buffers were never read."""
@@ -125,10 +131,15 @@ class Placement:
     """Units another rank steps ([Note: optimizer states sharded by unit] in tightfit/parallel/sharded_optimizer.py):
     this process holds no fp32 master (beyond fp32 params that are their own) and no moments for them, averages
     their gradients like any other's (or, with `grads_elsewhere`, reduces them to their rank and keeps none), and is
-    sent their new values after each step. Block names; a group or a tile of one of them is stepped elsewhere too."""
+    sent their new values after each step (or, where they are `exchanged`, for each use). Block names; a group or a
+    tile of one of them is stepped elsewhere too."""
     grads_elsewhere: bool = False
     """ZeRO-2: the gradients of the units stepped elsewhere are reduced to the rank that steps them as they leave the
     device; none of them lands here."""
+    exchanged: list[str] = field(default_factory=list)
+    """ZeRO-3: the units one rank owns (block names; their groups and tiles too). Each use of their params on every
+    rank comes from that rank, sent for that use ([Note: parameters sent for each use] in
+    tightfit/parallel/params_exchange.py); a unit stepped elsewhere then keeps no params here either."""
 
     def of(self, unit: str) -> UnitPlacement:
         """The tiers of `unit`, or of the group that contains it ("blocks.2" is in "blocks.0-3")."""
@@ -143,9 +154,15 @@ class Placement:
         by unit])"""
         if not self.stepped_elsewhere:
             return True
-        elsewhere = set(self.stepped_elsewhere)
-        return not (unit in elsewhere or _group_of(unit, elsewhere) is not None
-                    or any(unit.startswith(name + ".") for name in elsewhere))
+        return not _named(unit, set(self.stepped_elsewhere))
+
+    def is_exchanged(self, unit: str) -> bool:
+        """Do `unit`'s params come through the exchange for each use (ZeRO-3)?"""
+        return bool(self.exchanged) and _named(unit, set(self.exchanged))
+
+    def holds_params(self, unit: str) -> bool:
+        """Does this process keep `unit`'s compute params? (All but, under ZeRO-3, another rank's units'.)"""
+        return not self.is_exchanged(unit) or self.steps_here(unit)
 
     def keeps_grads(self, unit: str) -> bool:
         """Are `unit`'s gradients summed in this process? (All but, under ZeRO-2, another rank's units'.)"""
@@ -175,13 +192,14 @@ class Placement:
 
         units = {n: self.units[o] for n in names if (o := owner(n)) is not None}
         return replace(self, units=units, checkpoint_units=[u for u in self.checkpoint_units if u in names],
-                       stepped_elsewhere=[n for n in names if not self.steps_here(n)])
+                       stepped_elsewhere=[n for n in names if not self.steps_here(n)],
+                       exchanged=[n for n in names if self.is_exchanged(n)])
 
     def for_groups(self, groups: dict[str, list[str]]) -> "Placement":
         """This placement re-expressed for coarser units: `groups` maps a unit name to the names of the blocks it
         joins, which share their tiers and checkpointing (units.py keeps blocks apart that do not)."""
         units, checkpointed = dict(self.units), set(self.checkpoint_units)
-        elsewhere = set(self.stepped_elsewhere)
+        elsewhere, exchanged = set(self.stepped_elsewhere), set(self.exchanged)
         for name, members in groups.items():
             if members == [name]:
                 continue
@@ -192,11 +210,15 @@ class Placement:
                 checkpointed.add(name)
             if first in elsewhere:
                 elsewhere.add(name)
+            if first in exchanged:
+                exchanged.add(name)
             for m in members:
                 units.pop(m, None)
                 checkpointed.discard(m)
                 elsewhere.discard(m)
-        return replace(self, units=units, checkpoint_units=sorted(checkpointed), stepped_elsewhere=sorted(elsewhere))
+                exchanged.discard(m)
+        return replace(self, units=units, checkpoint_units=sorted(checkpointed), stepped_elsewhere=sorted(elsewhere),
+                       exchanged=sorted(exchanged))
 
     def to_dict(self) -> dict:
         d = asdict(self)

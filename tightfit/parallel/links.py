@@ -60,6 +60,9 @@ class Averaging:
     sharded by unit] in parallel/sharded_optimizer.py): this rank's plan holds no master or moments for them."""
     grads_elsewhere: bool = False
     """ZeRO-2: nor their gradients, reduced to the rank that steps them."""
+    exchanged: frozenset = frozenset()
+    """ZeRO-3: the units one rank owns, whose params it alone holds and sends for each use ([Note: parameters sent
+    for each use] in parallel/params_exchange.py): this rank's plan holds no params of the others'."""
 
 
 def assumed(ranks: int, interconnect: str | None, cuda: bool, node_ranks: int = 1) -> Averaging:

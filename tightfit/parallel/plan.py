@@ -36,9 +36,10 @@ class ParallelPlan:
     pp_microbatches: int = 4
     """Micro-batches per step; the bubble is (pp-1)/(m+pp-1)."""
     engine: bool = False
-    """DDP, ZeRO-1 and ZeRO-2 only: every rank holds the whole model through its own offload engine, each state on
-    that rank's tiers as the planner places it, gradients averaged over dp as they leave the device (replicas.py);
-    with zero1 each unit's master and moments on one rank alone, with zero2 its gradients too (sharded_optimizer.py)."""
+    """Pure data parallelism only: every rank runs its own offload engine, each state on that rank's tiers as the
+    planner places it, gradients averaged over dp as they leave the device (replicas.py); with zero1 each unit's
+    master and moments on one rank alone, with zero2 its gradients too (sharded_optimizer.py), with zero3 its
+    compute params too, sent for each use (params_exchange.py)."""
 
     def __post_init__(self) -> None:
         if self.dp_mode not in DP_MODES:
@@ -49,9 +50,9 @@ class ParallelPlan:
             raise UsageError("--pp-microbatches: must be a positive integer")
         if self.cpu_offload and self.dp_mode != "zero3":
             raise UsageError("CPU offload of sharded states needs --strategy zero3")
-        if self.engine and (self.dp_mode == "zero3" or self.dims.pp > 1 or self.dims.tp > 1):
-            raise UsageError("the offload engine on every rank is for pure data parallelism: --strategy ddp, zero1 "
-                             "or zero2")
+        if self.engine and (self.cpu_offload or self.dims.pp > 1 or self.dims.tp > 1):
+            raise UsageError("the offload engine on every rank is for pure data parallelism: --strategy ddp, zero1, "
+                             "zero2 or zero3")
         if self.pp_schedule == "1f1b" and 1 < self.dims.pp > self.pp_microbatches:
             raise UsageError(f"--pp-microbatches {self.pp_microbatches}: 1F1B needs at least one micro-batch per "
                              f"stage ({self.dims.pp}); raise it or use --pp-schedule gpipe")
@@ -126,24 +127,19 @@ def parse_strategy(strategy: str, world_size: int, tp: int = 0, pp: int = 0, pp_
 def plan_from_config(pcfg, world_size: int, offload: str = "auto") -> ParallelPlan:
     """The plan for a `tightfit.config.ParallelConfig` section (strategy 'auto' must be resolved before).
 
-    `offload` is `--offload`: `host` or `nvme` with `ddp` puts the offload engine on every rank (each state on that
-    rank's host memory or NVMe as its plan says: replicas.py); `host` with `zero3` keeps the shards in host memory
-    (FSDP2 CPUOffloadPolicy). `auto` keeps torch's DDP and FSDP2 as they are.
+    `offload` is `--offload`: `host` or `nvme` with pure data parallelism puts the offload engine on every rank (each
+    state on that rank's host memory or NVMe as its plan says: replicas.py; zero1/zero2/zero3 shard the states by
+    unit: sharded_optimizer.py, params_exchange.py). `auto` keeps torch's DDP and FSDP2 as they are (FSDP2's
+    CPUOffloadPolicy where `--strategy auto` chooses it).
     """
     from dataclasses import replace
 
     if pcfg.strategy == "auto":
         raise UsageError("--strategy auto: resolve it with tightfit.parallel.auto.choose_strategy first")
     plan = parse_strategy(pcfg.strategy, world_size, pcfg.tp, pcfg.pp, pcfg.pp_schedule, pcfg.pp_microbatches)
-    if offload in ("host", "nvme") and plan.dp_mode != "zero3" and plan.dims.pp == plan.dims.tp == 1:
+    if offload in ("host", "nvme") and plan.dims.pp == plan.dims.tp == 1:
         return replace(plan, engine=True)
-    if offload == "host":
-        if plan.dp_mode != "zero3":
-            raise UsageError(f"--offload host with several processes: --strategy ddp (the offload engine on every "
-                             f"rank), zero1/zero2 (the engine on every rank, the optimizer states and gradients sharded) or zero3 (FSDP2 "
-                             f"keeps the shards in host memory), got --strategy {pcfg.strategy}")
-        plan = replace(plan, cpu_offload=True)
-    elif offload == "nvme":
-        raise UsageError(f"--offload nvme with several processes: --strategy ddp, zero1 or zero2 (the offload engine on "
-                         f"every rank, each with its own swap folder), got --strategy {pcfg.strategy}")
+    if offload in ("host", "nvme"):
+        raise UsageError(f"--offload {offload} with several processes: --strategy ddp, zero1, zero2 or zero3 (the "
+                         f"offload engine on every rank, each with its own tiers), got --strategy {pcfg.strategy}")
     return plan

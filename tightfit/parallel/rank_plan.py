@@ -62,7 +62,7 @@ def rank_plan(cfg, hw=None) -> tuple[object, dict]:
     model = build_meta_model(mine)
     cuda = hw.cuda if hw is not None else torch.cuda.is_available()
     averaging = assumed(ranks, p.interconnect, cuda and cfg.train.device != "cpu", p.nproc_per_node)
-    strategy = p.strategy if p.strategy in ("zero1", "zero2") else "ddp"
+    strategy = p.strategy if p.strategy in ("zero1", "zero2", "zero3") else "ddp"
     shares = None  # the parameters each rank steps
     if strategy != "ddp":  # rank 0's units; every rank steps a share as alike as the units allow
         from dataclasses import replace
@@ -71,15 +71,16 @@ def rank_plan(cfg, hw=None) -> tuple[object, dict]:
         from tightfit.parallel.sharded_optimizer import shard_setup
 
         owner, elsewhere = shard_setup(model, 0, ranks, strategy)
-        averaging = replace(averaging, stepped_elsewhere=elsewhere, grads_elsewhere=strategy == "zero2")
+        averaging = replace(averaging, stepped_elsewhere=elsewhere, grads_elsewhere=strategy != "zero1",
+                            exchanged=frozenset(owner) if strategy == "zero3" else frozenset())
         trainable = {s.name: s.train_numel for s in find_units(model)}
         shares = [sum(trainable[name] for name, r in owner.items() if r == k) for k in range(ranks)]
     plan = make_plan(model, mine, hw, what_if=hw is not None, averaging=averaging)
     averaged = allreduce_bytes(plan.profile, plan.shape)
     return plan, {"ranks": ranks, "strategy": strategy, "engine": True, "cpu_mem_per_rank": mine.memory.cpu_mem,
                   "nvme_per_rank": mine.memory.nvme, "allreduce_bytes_per_step": averaged,
-                  # a ring all-reduce sends 2(n-1)/n of its bytes, zero2's reduce to each unit's rank (n-1)/n
-                  "sent_bytes_per_step_per_rank": int((1 if strategy == "zero2" else 2) * (ranks - 1) / ranks
+                  # a ring all-reduce sends 2(n-1)/n of its bytes, zero2/3's reduce to each unit's rank (n-1)/n
+                  "sent_bytes_per_step_per_rank": int((1 if strategy in ("zero2", "zero3") else 2) * (ranks - 1) / ranks
                                                       * averaged),
                   "allreduce_times_per_step": plan.shape.passes, "allreduce_bus_bw": averaging.bus_bw,
                   "allreduce_bw_source": averaging.source, "allreduce_s": plan.prediction.allreduce_s,
@@ -99,16 +100,19 @@ def rank_plan_text(plan, ranks: dict) -> str:
         disk = f", {format_size(parse_size(size))} of the swap disk in {path}/{RANK_FOLDER.format(0)}..."
     once = "once a step (unit-major order)" if ranks["order"] == "unit" else \
         f"once per micro-batch ({ranks['allreduce_times_per_step']} a step, micro-batch-major order)"
+    from tightfit.planner.plan import sharded_states
+
+    held = sharded_states(plan.profile)
     whose = "every rank's plan is this one" if ranks["strategy"] == "ddp" else \
-        ("rank 0's plan (each rank steps its own units and holds their " +
-         ("master, moments and gradients" if ranks["strategy"] == "zero2" else "master and moments") + " alone)")
+        f"rank 0's plan (each rank steps its own units and holds their {held} alone)"
+    sent = ("each use's parameters broadcast by their rank beside the compute" if ranks["strategy"] == "zero3" else
+            "the stepped units' new values broadcast by their ranks beside the next forward")
     exchange = "" if not ranks["exchange_bytes_per_step"] else (
-        f"\nthe stepped units' new values broadcast by their ranks beside the next forward: "
-        f"{format_size(ranks['exchange_bytes_per_step'])}, {ranks['exchange_s'] * 1e3:.1f} ms added to the step")
-    how = "reduced to each unit's rank" if ranks["strategy"] == "zero2" else "ring all-reduce"
+        f"\n{sent}: {format_size(ranks['exchange_bytes_per_step'])} a step, {ranks['exchange_s'] * 1e3:.1f} ms added "
+        "to the step")
+    how = "reduced to each unit's rank" if ranks["strategy"] in ("zero2", "zero3") else "ring all-reduce"
     if ranks["stepped_parameters_per_rank"]:  # rank 0's plan above; another rank may step more
         shares = ranks["stepped_parameters_per_rank"]
-        held = "master, moments and gradients" if ranks["strategy"] == "zero2" else "master and moments"
         exchange += (f"\nparameters each rank steps and holds the {held} of: " + " / ".join(f"{n:,}" for n in shares)
                      + f" (rank 0's is {shares[0] / max(shares):.0%} of the largest)")
     return (f"{ranks['ranks']} ranks, strategy {ranks['strategy']}, the offload engine on each: {whose}, for "

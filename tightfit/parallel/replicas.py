@@ -262,7 +262,8 @@ def replicate(model: torch.nn.Module, cfg, world, device: torch.device, dtype: t
               planned: Callable | None, say: Callable[[str], None], sharding: str | None = None) -> Replicated:
     """This rank's replica: `model` held by its own engine as its plan says, its gradients averaged over `world`.
     `sharding`: "zero1", each unit's master and moments on one rank alone; "zero2", and its gradients reduced to that
-    rank (parallel/sharded_optimizer.py)."""
+    rank (parallel/sharded_optimizer.py); "zero3", and its compute params held there, sent for each use
+    (parallel/params_exchange.py)."""
     from tightfit.offload.step.engine import find_engine
     from tightfit.parallel.links import measured
     from tightfit.parallel.rank_plan import local_ranks, rank_config
@@ -291,7 +292,10 @@ def replicate(model: torch.nn.Module, cfg, world, device: torch.device, dtype: t
         # the gathers' (point to point between host tensors): gloo, also where the run's backend is NCCL
         gathers = exchange if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         owner, elsewhere = shard_setup(model, world.rank, world.size, sharding)
-        averaging = replace(averaging, stepped_elsewhere=elsewhere, grads_elsewhere=sharding == "zero2")
+        averaging = replace(averaging, stepped_elsewhere=elsewhere, grads_elsewhere=sharding in ("zero2", "zero3"),
+                            exchanged=frozenset(owner) if sharding == "zero3" else frozenset())
+        # ZeRO-3: the parameters' exchange, beside the other collectives, on a group of its own
+        params_group = dist.new_group(backend=dist.get_backend()) if sharding == "zero3" else None
     if refused is None:
         try:
             inner = one_process(model, mine, device, dtype, resume, planned if world.is_main else None, say,
@@ -306,6 +310,10 @@ def replicate(model: torch.nn.Module, cfg, world, device: torch.device, dtype: t
         remove_rank_folder(swap, made)
         raise setup_refused(world.rank, refused)
     averager = average_over_ranks(find_engine(inner.model), group)
+    if sharding == "zero3":
+        from tightfit.parallel.params_exchange import exchange_params
+
+        exchange_params(find_engine(inner.model), owner, params_group, world.collective)
     if sharding:
         from tightfit.parallel.sharded_optimizer import ShardedOptimizer
 

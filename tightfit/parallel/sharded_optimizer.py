@@ -37,8 +37,9 @@ to it unit by unit (`Gathered`, `_send_owned`), so one process, another world si
 on resume each rank reads every unit's values and only its own units' moments (state_io.import_state).
 
 Cost, against the replicas: each rank steps 1/N of the units, and the exchange broadcasts the compute dtype's bytes
-of every parameter a step, beside the next forward (the plan prices it: planner/averaging.py `exchange_time`). Not
-built: ZeRO-3's sharded params (docs/PARALLEL.md says where it would go from here).
+of every parameter a step, beside the next forward (the plan prices it: planner/averaging.py `exchange_time`). ZeRO-3
+shards the compute params too and sends them for each use instead (params_exchange.py), with these owners, zero2's
+gradients and norms, and these gathers.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ class UnitOwners:
         self.units = [(u, r) for u in engine.units.values()
                       if u.trainable and (r := owner_of(u.name, owner)) is not None]
         self._norms_here: dict[str, bool] = {}  # unit name -> this rank adds its norms to the clip's sum
-        if strategy == "zero2":  # each unit's gradients to its owner alone; the norms a clip needs from every rank
+        if strategy in ("zero2", "zero3"):  # each unit's gradients to its owner alone; the norms from every rank
             averager.owner_of = lambda name: owner_of(name, owner)
             engine.norms_over_ranks = self.norms_over_ranks
         self.bytes = 0  # compute-dtype values sent or received in the exchanges started
@@ -215,14 +216,16 @@ class ShardedOptimizer(Replicated):
 
     def arrangement(self) -> str:
         mine = sum(1 for _, r in self.shard.units if r == self.world.rank)
-        held = "master and moments" if self.strategy == "zero1" else "master, moments and gradients"
+        held = {"zero1": "master and moments", "zero2": "master, moments and gradients",
+                "zero3": "parameters, master, moments and gradients"}[self.strategy]
         grads = ("gradients averaged" if self.strategy == "zero1" else "each unit's gradients reduced to its rank")
         return (f"each rank steps its own units, {mine} of them on rank 0, and holds their {held} alone; rank 0's "
                 f"plan below; {grads} as they leave the device")
 
     def clip_and_step(self, max_norm: float) -> float | None:
         norm = super().clip_and_step(max_norm)
-        self.shard.start()
+        if self.strategy != "zero3":  # zero3's owners send the new values as each use asks for them
+            self.shard.start()
         return norm
 
     def close(self) -> None:
@@ -291,8 +294,9 @@ class ShardedOptimizer(Replicated):
     def engine_counters(self):
         counters = super().engine_counters()
         if counters is not None:
-            counters["exchange_bytes"] = float(self.shard.bytes)
-            counters["exchange_s"] = self.shard.seconds
+            params = self.engine.exchange  # zero3's exchange of each use's params, else the new values' a step
+            counters["exchange_bytes"] = float(params.bytes if params is not None else self.shard.bytes)
+            counters["exchange_s"] = params.seconds if params is not None else self.shard.seconds
         return counters
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tightfit.errors import UsageError
 from tightfit.parallel.activation_checkpoint import wanted
 from tightfit.parallel.auto import StrategyChoice, choose_strategy
 from tightfit.parallel.costs import Hardware, ModelProfile, comm_per_step, memory_per_gpu
@@ -108,8 +109,11 @@ def what_if(cfg, model: torch.nn.Module | None = None, log=None) -> WhatIfReport
                                    cfg.train.micro_batch, mixed)
     if cfg.parallel.strategy == "auto":
         choice = choose_strategy(hw, prof, log=log)
-    else:  # as the run takes it: `--offload host` with zero3 keeps the shards in host memory
+    else:  # as the run takes it
         plan = plan_from_config(cfg.parallel, hw.world_size, cfg.memory.offload)
+        if plan.engine:  # `tightfit plan` plans each rank's engine instead (parallel/rank_plan.py)
+            raise UsageError(f"--offload {cfg.memory.offload} --strategy {cfg.parallel.strategy}: the offload engine "
+                             "on every rank; `tightfit plan` with these flags prints a rank's plan")
         choice = StrategyChoice(cfg.parallel.strategy, plan.dims, "given by --strategy",
                                 f"given by --strategy {cfg.parallel.strategy}", plan)
     memory = comm = None

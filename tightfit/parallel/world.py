@@ -82,5 +82,5 @@ class GroupWorld(World):
         plan = resolve_plan(cfg, self.size, model, say)
         if plan.engine:
             return replicate(model, cfg, self, device, dtype, resume, planned, say,
-                             sharding=plan.dp_mode if plan.dp_mode in ("zero1", "zero2") else None)
+                             sharding=plan.dp_mode if plan.dp_mode != "ddp" else None)
         return shard(model, cfg, self, plan, dtype, resume, say)

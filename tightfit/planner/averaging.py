@@ -82,11 +82,21 @@ def shards_optimizer(profile: ModelProfile) -> bool:
     return any(not u.stepped for u in profile.units)
 
 
+def sends_params(profile: ModelProfile) -> bool:
+    """Are the units' params held by their owners and sent for each use (ZeRO-3, [Note: parameters sent for each
+    use] in parallel/params_exchange.py)?"""
+    return any(u.exchanged for u in profile.units)
+
+
 def exchange_bytes(profile: ModelProfile, shape: TrainShape) -> int:
-    """Bytes each step's exchange of new values moves where the ranks' optimizer states are sharded by unit: every
-    unit's compute-dtype values, broadcast by the rank that stepped it (0 otherwise)."""
+    """Bytes each step's exchange moves where the ranks' optimizer states are sharded by unit: every unit's
+    compute-dtype values, broadcast by the rank that stepped it (0 otherwise); under ZeRO-3 for each use, in every
+    pass's forward and (but the root, kept on the device from its forward to its gradients) backward."""
     if shape.ranks < 2 or not shards_optimizer(profile):
         return 0
+    if sends_params(profile):
+        return sum(shape.compute_bytes * u.numel * (1 if u.name == ROOT_UNIT else 2)
+                   for u in profile.units if u.exchanged) * shape.passes
     return sum(shape.compute_bytes * u.numel for u in profile.units if u.trainable)
 
 

@@ -73,6 +73,7 @@ from tightfit.planner.averaging import (
     allreduce_buffer_bytes,
     allreduce_in_step,
     exchange_time,
+    sends_params,
     node_share,
 )
 from tightfit.planner.hardware import HardwareProfile
@@ -217,7 +218,7 @@ class Prediction:
 
 def unit_size(u: UnitProfile) -> mm.UnitSize:
     """The memory model's view of one of the profile's units (the engine's flat size, padding included)."""
-    return mm.UnitSize(u.name, u.numel, u.trainable, u.stepped, u.keeps_grads)
+    return mm.UnitSize(u.name, u.numel, u.trainable, u.stepped, u.keeps_grads, u.holds_params, u.exchanged)
 
 
 def unit_sizes(profile: ModelProfile) -> list[mm.UnitSize]:
@@ -335,7 +336,8 @@ def host_pass_rate(hw: HardwareProfile) -> float:
 
 def stream_unit_bytes(profile: ModelProfile, placement: Placement, shape: TrainShape) -> int:
     """Bytes of the largest fetch of a unit whose parameters are streamed (`fetch_bytes`; 0 when none is)."""
-    sizes = [fetch_bytes(u, placement, shape) for u in profile.units if placement.of(u.name).params != Tier.DEVICE]
+    sizes = [fetch_bytes(u, placement, shape) for u in profile.units
+             if placement.of(u.name).params != Tier.DEVICE or not u.holds_params]
     return max(sizes, default=0)
 
 
@@ -463,9 +465,9 @@ def traffic(profile: ModelProfile, placement: Placement, shape: TrainShape) -> d
         up = placement.of(u.name)
         p = u.numel * shape.compute_bytes
         uses = fetches_per_micro(u.name, last_fetched) * a
-        if up.params != Tier.DEVICE:
+        if up.params != Tier.DEVICE or not u.holds_params:
             t["h2d"] += uses * fetch_bytes(u, placement, shape)
-            if up.params == Tier.NVME:
+            if up.params == Tier.NVME and u.holds_params:  # ZeRO-3: its owner reads it once for every rank
                 t["nvme_read"] += uses * p
         g = u.trainable * 4
         if up.grads != Tier.DEVICE and u.keeps_grads:  # another rank's (ZeRO-2) are reduced to it on the device
@@ -475,6 +477,8 @@ def traffic(profile: ModelProfile, placement: Placement, shape: TrainShape) -> d
                 t["nvme_read"] += (a - 1) * g
                 t["nvme_read_opt"] += g if u.stepped else 0
         if not u.stepped:  # its new values come from the rank that steps it, written to its params' tier
+            if not u.holds_params:  # ZeRO-3: or sent for each use, kept nowhere here
+                continue
             if up.params == Tier.DEVICE:
                 t["h2d_opt"] += p
             elif up.params == Tier.NVME:
@@ -741,8 +745,13 @@ def step_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, 
         # NCCL's exchange beside the next forward ([Note: the exchange under the next forward] in
         # parallel/sharded_optimizer.py): what the forward's compute does not hide
         forward = sum(work_time(u.fwd, hw) for u in profile.units) * (a if shape.unit_major else 1)
-        pred.exchange_s = max(0.0, exchange_time(profile, shape) - forward)
-        phase_b = pred.optim_exposed_s + dev_opt / hw.device_adam_rate + pred.exchange_s
+        if sends_params(profile):  # ZeRO-3: each use's params beside the compute, as fetches are
+            pred.exchange_s = max(0.0, exchange_time(profile, shape) - phase_a)
+            phase_a += pred.exchange_s
+        else:
+            pred.exchange_s = max(0.0, exchange_time(profile, shape) - forward)
+        phase_b = pred.optim_exposed_s + dev_opt / hw.device_adam_rate + (
+            0.0 if sends_params(profile) else pred.exchange_s)
         pred.optim_after_s = cpu_step
         opt += step_passes
         pred.passes_s = backward_passes + step_passes
@@ -753,7 +762,11 @@ def step_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, 
         phase_a = max(compute + h2d + d2h + reduce, disk_a)
         pred.allreduce_s = reduce
         pred.exchange_s = exchange_time(profile, shape)  # gloo on the cores the forward computes on
-        phase_b = max(opt + h2d_b, disk_b) + pred.exchange_s
+        if sends_params(profile):  # ZeRO-3: each use's params, on the cores forward and backward compute on
+            phase_a += pred.exchange_s
+            phase_b = max(opt + h2d_b, disk_b)
+        else:
+            phase_b = max(opt + h2d_b, disk_b) + pred.exchange_s
         terms = {"compute": compute, "host<->device": h2d + d2h, "nvme": disk_a, "all-reduce": reduce}
     pred.compute_s, pred.copy_s, pred.nvme_s, pred.optim_s = compute, h2d + d2h + h2d_b, disk_a + disk_b, opt
     pred.host_s = host

@@ -76,6 +76,11 @@ class UnitProfile:
     sharded by unit] in tightfit/parallel/sharded_optimizer.py)."""
     keeps_grads: bool = True
     """Its gradients are summed on this rank; False (ZeRO-2, another rank's unit): reduced to that rank, none kept."""
+    holds_params: bool = True
+    """Its compute params are kept on this rank; False (ZeRO-3, another rank's unit): that rank sends them for each
+    use ([Note: parameters sent for each use] in tightfit/parallel/params_exchange.py)."""
+    exchanged: bool = False
+    """ZeRO-3, a unit one rank owns: every use of its params on this rank comes through the exchange."""
 
     @property
     def stepped_numel(self) -> int:
@@ -164,7 +169,8 @@ class ModelProfile:
                 sum(q.act_saved for q in parts), sum(q.act_input for q in parts), fwd, bwd,
                 all(q.checkpointable for q in parts), linears,
                 max(q.act_recompute or q.act_saved for q in parts), all(q.stepped for q in parts),
-                all(q.keeps_grads for q in parts)))
+                all(q.keeps_grads for q in parts), all(q.holds_params for q in parts),
+                any(q.exchanged for q in parts)))
         return replace(self, units=units)
 
     def with_micro_batch(self, micro_batch: int) -> "ModelProfile":

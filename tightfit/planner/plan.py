@@ -287,11 +287,14 @@ class Plan:
                 f"at {sh.allreduce_bw / 1e9:.2f} GB/s bus bandwidth ({sh.allreduce_source}): "
                 f"{pr.allreduce_s * 1e3:.1f} ms added to the step ({where})")
         if shards_optimizer(self.profile):  # [Note: optimizer states sharded by unit] in parallel/sharded_optimizer.py
+            from tightfit.planner.averaging import sends_params
+
             stepped = sum(1 for u in self.profile.units if u.stepped and u.trainable)
-            held = "master, moments and gradients" if any(not u.keeps_grads for u in self.profile.units) else \
-                "master and moments"
+            held = sharded_states(self.profile)
+            sent = ("each use's parameters broadcast by their rank beside the compute" if sends_params(self.profile)
+                    else "the new values broadcast beside the next forward")
             line += (f"; this rank steps {stepped} of the {sum(1 for u in self.profile.units if u.trainable)} units "
-                     f"and holds their {held} alone, the new values broadcast beside the next forward: "
+                     f"and holds their {held} alone, {sent}: "
                      f"{format_size(exchange_bytes(self.profile, sh))}, {pr.exchange_s * 1e3:.1f} ms added")
         return line
 
@@ -333,3 +336,12 @@ def states_by_tier(placement: Placement, profile: ModelProfile) -> str:
             t = placement.of(u.name).tier(s).value
             counts[t] = counts.get(t, 0) + 1
     return ", ".join(f"{n} on {t}" for t, n in counts.items())
+
+
+def sharded_states(profile) -> str:
+    """The states a rank holds alone of the units it steps, where the ranks shard them by unit (zero1/2/3)."""
+    if any(u.exchanged for u in profile.units):
+        return "parameters, master, moments and gradients"
+    if any(not u.keeps_grads for u in profile.units):
+        return "master, moments and gradients"
+    return "master and moments"

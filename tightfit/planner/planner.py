@@ -62,9 +62,13 @@ def make_plan(model: nn.Module, cfg, hardware: HardwareProfile | None = None, na
                         node_ranks=averaging.node_ranks)
     elsewhere = sorted(averaging.stepped_elsewhere) if averaging is not None else []
     grads_elsewhere = bool(elsewhere) and averaging.grads_elsewhere
+    exchanged = sorted(averaging.exchanged) if averaging is not None else []
     if elsewhere:  # [Note: optimizer states sharded by unit] in parallel/sharded_optimizer.py
         profile = replace(profile, units=[replace(u, stepped=u.name not in elsewhere,
-                                                  keeps_grads=not grads_elsewhere or u.name not in elsewhere)
+                                                  keeps_grads=not grads_elsewhere or u.name not in elsewhere,
+                                                  # ZeRO-3: [Note: parameters sent for each use]
+                                                  holds_params=u.name not in exchanged or u.name not in elsewhere,
+                                                  exchanged=u.name in exchanged)
                                           for u in profile.units])
     mode = cfg.memory.offload
     accumulation = _accumulation(cfg, profile, names)
@@ -87,7 +91,7 @@ def make_plan(model: nn.Module, cfg, hardware: HardwareProfile | None = None, na
             res = fixed(profile, hw, budgets, shape, Tier(mode), cfg.memory.checkpointing,
                         names.set("offload", mode), names)
         placement = res.placement if not elsewhere else replace(
-            res.placement, stepped_elsewhere=elsewhere, grads_elsewhere=grads_elsewhere)
+            res.placement, stepped_elsewhere=elsewhere, grads_elsewhere=grads_elsewhere, exchanged=exchanged)
         return Plan(placement, res.prediction, {"device": budgets.device, "host": budgets.host,
                                                     "nvme": budgets.nvme if budgets.nvme_dir else None},
                     budgets.source, res.reasons, mode, shape, res.profile, hw, budgets.shared)

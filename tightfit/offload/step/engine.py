@@ -125,7 +125,9 @@ class OffloadEngine:
         self.device = device
         self.meta_init = replace_meta_params(model)
         specs = find_units(model, units, min_bytes=placement.min_unit_bytes,
-                           group_key=lambda path, p=placement: (p.of(path), p.checkpoints(path), p.steps_here(path)))
+                           # blocks one rank owns stay apart (ZeRO-3): each has its owner
+                           group_key=lambda path, p=placement: (p.of(path), p.checkpoints(path), p.steps_here(path),
+                                                                p.is_exchanged(path) and path))
         names = {s.name for s in specs} | {path for s in specs for path, _ in s.members}
         for name in [*placement.units, *placement.checkpoint_units]:
             if name not in names:
@@ -149,7 +151,8 @@ class OffloadEngine:
         self.units: dict[str, OffloadUnit] = {
             s.name: OffloadUnit(s, placement.of(s.name), self.stores, compute_dtype, device, self.separate,
                                 placement.cast_on_device, placement.steps_here(s.name),
-                                placement.keeps_grads(s.name))
+                                placement.keeps_grads(s.name), placement.holds_params(s.name),
+                                placement.is_exchanged(s.name))
             for s in specs}
         try:
             check_budgets(self.units, placement, self.separate)
@@ -201,6 +204,9 @@ class OffloadEngine:
         self.pass_: UnitMajorPass | None = None
         self.boundaries = None  # a unit-major executor's BoundaryStore (step/boundaries.py), while it has one
         self.on_close: list = []  # callables run first by `close` (module_state.attach's removal)
+        # ZeRO-3 over the engine: where the exchanged units' params come from for each use
+        # (tightfit/parallel/params_exchange.py, `attach_exchange`); None otherwise.
+        self.exchange = None
 
         try:
             for unit in self.units.values():
@@ -320,10 +326,17 @@ class OffloadEngine:
 
     def materialise(self, unit: OffloadUnit) -> None:
         """The unit computes now (a hook's event): its params on the device, after its last step."""
+        if unit.exchanged and self.exchange is not None:
+            self.exchange.visit(unit)  # a use of its params, sent by its owner ([Note: parameters sent for each use])
         if unit.stepping is not None:
             self.wait_step(unit)
             self.mover.order_compute()  # and after the step's writes into device memory, as a GPU's stream orders
         self.residency.materialise(unit)
+
+    def attach_exchange(self, exchange) -> None:
+        """From now on the exchanged units' params come from `exchange` for each use (ZeRO-3,
+        tightfit/parallel/params_exchange.py), closed with the engine."""
+        self.exchange = self.residency.exchange = exchange
 
     def release(self, unit: OffloadUnit) -> None:
         self.residency.release(unit)
@@ -376,6 +389,8 @@ class OffloadEngine:
         self.phase = StepPhase.FORWARD
         self._t_step = time.perf_counter()
         self.scheduler.begin(StepPhase.FORWARD)
+        if self.exchange is not None:
+            self.exchange.begin(StepPhase.FORWARD)
         root = self.units[ROOT_UNIT]
         root.life.on(Event.FORWARD_START)
         self.mover.order_compute()  # the last step's writes into device memory first (a GPU's stream order)
@@ -427,6 +442,8 @@ class OffloadEngine:
         self._charge_grads(root)  # the root's grads (the head's) come first and stay longest
         self._t_bwd = time.perf_counter()
         self.scheduler.begin(StepPhase.BACKWARD)
+        if self.exchange is not None:
+            self.exchange.begin(StepPhase.BACKWARD)
         if self.step_follows:  # the root's master and moments load under the whole backward
             self._issue(self.scheduler.preloads_ahead([ROOT_UNIT], 0))
         if self.pass_ is None:  # a pass's backward is many graph tasks: the executor ends it (`end_pass`)

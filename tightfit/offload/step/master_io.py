@@ -51,6 +51,8 @@ def initialise(unit: OffloadUnit, stores: dict[Tier, TierStore], meta_init: bool
 def write_master(unit: OffloadUnit, master: torch.Tensor, compute_dtype: torch.dtype) -> None:
     """Store fp32 master values (a host tensor of the unit's flat size) and the compute params cast from them.
     A separate master keeps only the trainable prefix ([Note: frozen parameters] in unit.py)."""
+    if not unit.holds_params:  # its owner holds and sends them (ZeRO-3): nothing of it is kept here
+        return
     if unit.master_entry == MASTER:
         if unit.master_numel:
             unit.store[State.MASTER].save(unit.name, MASTER, master[:unit.master_numel]).result()
@@ -70,6 +72,7 @@ def write_params(unit: OffloadUnit, params: torch.Tensor) -> None:
 
 def read_master(unit: OffloadUnit, compute_dtype: torch.dtype) -> torch.Tensor:
     """The unit's fp32 master values as a new host tensor."""
+    assert unit.holds_params, unit.name  # another rank's (ZeRO-3): its owner reads them
     out = aligned_empty(unit.spec.numel, torch.float32)
     if unit.master_entry == MASTER and unit.master_numel < unit.spec.numel:  # frozen tail: the compute copy
         params = aligned_empty(unit.spec.numel, compute_dtype)

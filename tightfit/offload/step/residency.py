@@ -47,6 +47,7 @@ class Residency:
         self.keeps_master = keeps_master
         self.phase = phase
         self.active: set[str] = set()  # units materialised because they compute now (not mere prefetches)
+        self.exchange = None  # ZeRO-3: where exchanged units' params come from (OffloadEngine.attach_exchange)
 
     def make_room(self, keep: OffloadUnit, nbytes: int) -> bool:
         """Evict idle units, then wait for gradients still being packed, until `nbytes` fit; whether they do."""
@@ -104,6 +105,13 @@ class Residency:
         """Start the unit's params towards the device: from a copy the host cache holds, else from their tier through
         the fetch job's staging buffer ([Note: jobs and grants]). firm: the unit computes now, wait for the buffer;
         else (a prefetch) only if the pool has room now. Whether it started."""
+        if unit.exchanged and self.exchange is not None:  # sent by its owner for this use (params_exchange.py)
+            source = self.exchange.source(unit, wait=firm)
+            if source is None:
+                return False
+            unit.start_fetch(self.mover, source=source)
+            self.exchange.reading(unit, unit.fetch)
+            return True
         held = self.cache.take(unit.name, PARAMS, unit.version) if unit.master_entry == PARAMS else None
         if held is not None and held.prefix is not None:  # part of the params only: not for a fetch
             held.release()

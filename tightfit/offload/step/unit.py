@@ -103,7 +103,8 @@ class OffloadUnit:
 
     def __init__(self, spec: UnitSpec, placement: UnitPlacement, stores: dict[Tier, TierStore],
                  compute_dtype: torch.dtype, device: torch.device, separate: bool,
-                 cast_on_device: bool = False, steps_here: bool = True, keeps_grads: bool = True) -> None:
+                 cast_on_device: bool = False, steps_here: bool = True, keeps_grads: bool = True,
+                 holds_params: bool = True, exchanged: bool = False) -> None:
         self.spec = spec
         self.name = spec.name
         self.placement = placement
@@ -119,10 +120,14 @@ class OffloadUnit:
         self.steps_here = steps_here
         # False (ZeRO-2): its gradients are reduced to the rank that steps it as they leave the device, none lands here
         self.keeps_grads = keeps_grads
-        self.size = UnitSize(self.name, spec.numel, spec.train_numel, steps_here, keeps_grads)
+        # False (ZeRO-3): its owner holds its compute params and sends them for each use; `exchanged`: every use of
+        # them, on every rank, comes through the exchange ([Note: parameters sent for each use] in
+        # tightfit/parallel/params_exchange.py)
+        self.holds_params, self.exchanged = holds_params, exchanged
+        self.size = UnitSize(self.name, spec.numel, spec.train_numel, steps_here, keeps_grads, holds_params, exchanged)
         # [Note: the device casts the master]: no compute copy at rest, the master uploaded and cast by the device.
         self.casts_on_device = casts_on_device(self.size, placement, compute_dtype.itemsize, cast_on_device)
-        self.resident = placement.params == Tier.DEVICE
+        self.resident = placement.params == Tier.DEVICE and holds_params
         self.life = Lifecycle(self.name, self.resident)
         # States the CPU works on in place (no pool buffer): [Note: jobs and grants] in host_memory.py.
         self.in_place = {s: host_addressable(placement.tier(s), separate) for s in State}
@@ -168,7 +173,7 @@ class OffloadUnit:
         """What each tier must allocate for this unit: entry -> (numel, dtype)."""
         n, nt = self.spec.numel, self.spec.train_numel
         out: dict[Tier, dict[str, tuple[int, torch.dtype]]] = {}
-        if not self.casts_on_device:
+        if not self.casts_on_device and self.holds_params:
             out.setdefault(self.placement.params, {})[PARAMS] = (n, self.compute_dtype)
         if self.master_entry == MASTER and nt and self.steps_here:
             out.setdefault(self.placement.master, {})[MASTER] = (nt, torch.float32)
