@@ -26,6 +26,7 @@ import argparse
 import ctypes
 import gc
 import json
+import os
 import resource
 import shutil
 import statistics
@@ -511,7 +512,9 @@ def gpt2(args) -> dict:
         owner, elsewhere = shard_setup(model, rank, world, args.shard)
     tightfit.wrap(model, Placement.everywhere(Tier.NVME, nvme_dir=str(folder), prefetch_depth=args.prefetch,
                                              stepped_elsewhere=sorted(elsewhere),
-                                             grads_elsewhere=args.shard == "zero2"), device="cpu")
+                                             grads_elsewhere=args.shard in ("zero2", "zero3"),
+                                             exchanged=sorted(owner) if args.shard == "zero3" else []),
+                  device="cpu")
     opt = AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     print("tightfit, every state on NVMe:")
     engine = engine_of(model)
@@ -524,7 +527,12 @@ def gpt2(args) -> dict:
             from tightfit.parallel.sharded_optimizer import UnitOwners
 
             owners = UnitOwners(engine, owner, averager, torch.distributed.new_group(backend="gloo"), args.shard)
-            after_step = owners.start  # the exchange beside the next forward
+            if args.shard == "zero3":  # each use's params from their rank (parallel/params_exchange.py)
+                from tightfit.parallel.params_exchange import exchange_params
+
+                exchange_params(engine, owner, torch.distributed.new_group(backend="gloo"))
+            else:
+                after_step = owners.start  # the exchange beside the next forward
     times = _gpt2_steps(model, opt, 1, early=True, rank=rank, world=world, after_step=after_step)
     engine.reset_timings()
     phases: list = []
@@ -573,9 +581,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--early", action="store_true", help="memory: step units during backward (step_during_backward)")
     ap.add_argument("--prefetch", type=int, default=2)
-    ap.add_argument("--shard", choices=["none", "zero1", "zero2"], default="none",
-                    help="gpt2 under torchrun: replicas (none), or each rank the optimizer states (zero1) and "
-                         "gradients (zero2) of its own units")
+    ap.add_argument("--shard", choices=["none", "zero1", "zero2", "zero3"], default="none",
+                    help="gpt2 under torchrun: replicas (none), or each rank the optimizer states (zero1), "
+                         "gradients (zero2) and parameters (zero3) of its own units")
     ap.add_argument("--malloc", choices=["trim", "glibc"], default="trim",
                     help="gpt2, overlap: 'trim' pins glibc's mmap threshold (freed buffers go back to the OS at once, "
                          "lower RSS, a page fault per page on every re-allocation); 'glibc' keeps glibc's adaptive "
@@ -600,6 +608,9 @@ def main() -> None:
     out["wall_s"] = time.time() - t0
     if out.get("rank", 0) == 0:  # several ranks (gpt2 under torchrun): rank 0 reports for all
         print(json.dumps(out, indent=2))
+    if "rank" in out:  # gloo's threads of the groups left may abort the interpreter's teardown (parallel/mesh.py)
+        sys.stdout.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -150,9 +150,12 @@ def test_four_ranks_with_the_engine_train_as_one_process(tiny_args, tmp_path, pl
     _close(four, one)
 
 
-def test_a_zero2_run_exports_one_hugging_face_folder(tiny_args, tmp_path, llama_folder):
-    """`--export-hf` from 2 zero2 ranks: rank 0 writes one folder from its own units' values and the others' sent to
-    it; it loads in transformers and holds the trained weights, the run's last checkpoint's bit for bit."""
+@pytest.mark.parametrize("strategy", [pytest.param("zero2", marks=pytest.mark.slow), "zero3"])
+def test_a_sharded_run_exports_one_hugging_face_folder(tiny_args, tmp_path, llama_folder, strategy):
+    """`--export-hf` from 2 zero2 or zero3 ranks, every state on NVMe: rank 0 writes one folder from its own units'
+    values (read as tensors, not as the copy of its swap files a checkpoint makes of an fp32 unit on NVMe) and the
+    others' sent to it; it loads in transformers and holds the trained weights, the run's last checkpoint's bit for
+    bit."""
     transformers = pytest.importorskip("transformers")
     import torch
 
@@ -160,7 +163,7 @@ def test_a_zero2_run_exports_one_hugging_face_folder(tiny_args, tmp_path, llama_
 
     export = tmp_path / "export"
     _train(tiny_args, tmp_path / "two", "--model", f"hf:{llama_folder}", "--grad-accum", "2", "--strategy",
-           "zero2", "--offload", "host", "--export-hf", str(export), ranks=2)
+           strategy, "--offload", "nvme", "--nvme", str(tmp_path / "swap"), "--export-hf", str(export), ranks=2)
     saved = read_all(tmp_path / "two")
     loaded = transformers.AutoModelForCausalLM.from_pretrained(export)
     for name, p in loaded.named_parameters():

@@ -35,7 +35,10 @@ not events, and each is silent:
   device ([Note: gradients averaged as they leave] in tightfit/parallel/replicas.py); `_wrap_model` hands
   accelerate a `Replica` so it does not wrap it again. accelerate still deals each rank its share of every batch,
   so the step is DDP's. Each rank writes its RNG state (`rng_state_<rank>.safetensors`, as Trainer does); rank 0
-  writes the rest.
+  writes the rest. With `sharding="zero3"` each rank keeps only its own units' states, parameters included (the
+  owners of tightfit/parallel/sharded_optimizer.py; each use's parameters sent by their rank,
+  tightfit/parallel/params_exchange.py): the checkpoints are the same files, rank 0 writing what every owner sends
+  it, and every rank reads its own units back from them.
 """
 
 from __future__ import annotations
@@ -91,11 +94,13 @@ class TightfitTrainer(transformers.Trainer):
     compute_dtype: the dtype forward/backward compute in (fp32 master weights are kept); with
         `TrainingArguments(bf16=True)` it defaults to torch.bfloat16, else float32. Only used with `placement`.
     units: which modules are units (see `tightfit.wrap`); only used with `placement`.
+    sharding: under several processes, "zero3": each rank holds the parameters, master, gradients and moments of its
+        own units alone, on its tiers as `placement` says (module docstring); None: every rank the whole model.
     """
 
     def __init__(self, model: torch.nn.Module | None = None, args: transformers.TrainingArguments | None = None,
                  *more, placement: Placement | None = None, compute_dtype: torch.dtype | None = None,
-                 units=None, **kwargs) -> None:
+                 units=None, sharding: str | None = None, **kwargs) -> None:
         if model is None:
             raise UsageError("TightfitTrainer: pass model=...; model_init is not supported (the model is wrapped "
                              "once, before training)")
@@ -108,6 +113,19 @@ class TightfitTrainer(transformers.Trainer):
             raise UsageError("TightfitTrainer: TrainingArguments(fp16=True) unscales param.grad, which a wrapped "
                              "model does not have; use bf16=True, or compute_dtype=torch.float16 without fp16")
         wrapped = find_engine(model) is not None
+        owner = None
+        if sharding is not None:
+            if sharding != "zero3":
+                raise UsageError(f"TightfitTrainer(sharding={sharding!r}): use 'zero3' (each rank its own units' "
+                                 "states) or None (every rank the whole model)")
+            if placement is None or wrapped:
+                raise UsageError("TightfitTrainer(sharding='zero3'): pass the unwrapped model and placement=...; "
+                                 "the trainer wraps each rank's share")
+            if _is_peft(model):
+                raise UsageError("TightfitTrainer(sharding='zero3'): a peft model trains its adapters alone; leave "
+                                 "sharding unset (every rank holds the frozen base once, in the compute dtype)")
+            if args.world_size > 1:
+                placement, owner = _rank_share(model, placement, args)
         if placement is not None:
             if wrapped:
                 raise UsageError("TightfitTrainer: the model is already wrapped; drop placement=... (or pass the "
@@ -125,10 +143,13 @@ class TightfitTrainer(transformers.Trainer):
         super().__init__(model, args, *more, **kwargs)
         if self.optimizer is not None:
             tightfit_optimizer(self.optimizer)  # refuse a torch optimizer now, not after a silent epoch
+        self._sharded = None  # zero3's owners and gathers (`_Sharded`)
         if args.world_size > 1 and engine.shipper.reduce is None:
             from tightfit.parallel.replicas import average_over_ranks
 
-            average_over_ranks(engine)
+            averager = average_over_ranks(engine)
+            if owner is not None:
+                self._sharded = _Sharded(engine, owner, averager)
 
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         """Over several processes: the model in a `Replica`, which accelerate leaves unwrapped (no DDP: the engine
@@ -180,6 +201,15 @@ class TightfitTrainer(transformers.Trainer):
 
     # ---- checkpoints ---------------------------------------------------------------------------------------
 
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Under `sharding`, every rank takes part: rank 0 writes the model, the other owners send it their units."""
+        if self._sharded is None:
+            return super().save_model(output_dir, _internal_call)
+        if self._sharded.writes:
+            self._save(output_dir if output_dir is not None else self.args.output_dir)
+        else:
+            self._sharded.send(with_optim=False)
+
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """Save the model as `from_pretrained` (or peft's `PeftModel.from_pretrained`) reads it, streamed from the
         tiers; the training arguments as JSON (Trainer pickles them)."""
@@ -199,7 +229,11 @@ class TightfitTrainer(transformers.Trainer):
         elif isinstance(self.model, transformers.PreTrainedModel):
             from tightfit.models.hf_save import save_hf_model
 
-            save_hf_model(self.model, out)
+            if self._sharded is not None:  # every unit's fp32 values, the other owners' sent to this rank
+                save_hf_model(self.model, out, dtype=torch.float32, strip_prefix="model.",
+                              tensors=self._sharded.gathered(with_optim=False))
+            else:
+                save_hf_model(self.model, out)
         else:
             raise UsageError(f"TightfitTrainer: cannot save a {type(self.model).__name__}; the model must be a "
                              "transformers PreTrainedModel or a peft PeftModel")
@@ -208,9 +242,13 @@ class TightfitTrainer(transformers.Trainer):
         _write_json(out / TRAINING_ARGS_FILE, json.loads(self.args.to_json_string()))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self._sharded is not None and not self._sharded.writes:
+            self._sharded.send(with_optim=True)
+            return
         if not self.args.should_save:
             return
-        save_optimizer(self.model, tightfit_optimizer(self.optimizer), Path(output_dir) / OPTIMIZER_FILE)
+        tensors = self._sharded.gathered(with_optim=True) if self._sharded is not None else None
+        save_optimizer(self.model, tightfit_optimizer(self.optimizer), Path(output_dir) / OPTIMIZER_FILE, tensors)
         _write_json(Path(output_dir) / SCHEDULER_FILE, _scheduler_state(self.lr_scheduler))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
@@ -253,6 +291,55 @@ class TightfitTrainer(transformers.Trainer):
             fill_wrapped(self.model, HFCheckpoint.open(resume_from_checkpoint))
             return
         super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+
+def _rank_share(model: torch.nn.Module, placement: Placement, args) -> tuple[Placement, dict[str, int]]:
+    """(`placement` for this rank's share under ZeRO-3, every unit's owner)."""
+    from dataclasses import replace
+
+    from tightfit.parallel.sharded_optimizer import shard_setup
+
+    owner, elsewhere = shard_setup(model, args.process_index, args.world_size, "zero3")
+    return replace(placement, stepped_elsewhere=sorted(elsewhere), grads_elsewhere=True,
+                   exchanged=sorted(owner)), owner
+
+
+class _Sharded:
+    """ZeRO-3 under TightfitTrainer: the clip's norms summed over the owners, each use's parameters sent by their
+    rank, and the checkpoints' gathers to rank 0 (groups of their own, made alike on every rank)."""
+
+    def __init__(self, engine, owner: dict[str, int], averager) -> None:
+        import torch.distributed as dist
+
+        from tightfit.parallel.params_exchange import exchange_params
+        from tightfit.parallel.sharded_optimizer import UnitOwners
+
+        self.engine = engine
+        self.writes = dist.get_rank() == 0
+        self.owners = UnitOwners(engine, owner, averager, dist.new_group(backend=dist.get_backend()), "zero3")
+        exchange_params(engine, owner, dist.new_group(backend=dist.get_backend()))
+        self.gathers = dist.new_group(backend="gloo")  # point to point between host tensors
+
+    def gathered(self, with_optim: bool):
+        """Rank 0: every unit's (key, tensor) as `export_state` names them, the other owners' received."""
+        from tightfit.offload.model_state.state_io import quiesce
+        from tightfit.parallel.sharded_optimizer import Gathered
+
+        quiesce(self.engine)
+        for _, items in Gathered(self.engine, self.owners.units, with_optim, False, self.gathers, pieces=True):
+            yield from items
+
+    def send(self, with_optim: bool) -> None:
+        """Another rank's side of `gathered`: its own units, in the engine's order."""
+        import torch.distributed as dist
+
+        from tightfit.offload.model_state.state_io import quiesce
+        from tightfit.parallel.sharded_optimizer import _send
+
+        quiesce(self.engine)
+        for unit, r in self.owners.units:
+            if r == dist.get_rank():
+                _send(self.engine, unit, with_optim, self.gathers)
 
 
 class Replica(torch.nn.Module):

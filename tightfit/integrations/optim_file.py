@@ -35,12 +35,13 @@ def _group_names(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[lis
     return [[name_of.get(id(p), "?") for p in group["params"]] for group in opt.param_groups]
 
 
-def save_optimizer(model: torch.nn.Module, opt: torch.optim.Optimizer, path: Path) -> Path:
-    """Write `opt`'s state over `model` (wrapped or plain) to `path`, atomically."""
+def save_optimizer(model: torch.nn.Module, opt: torch.optim.Optimizer, path: Path, tensors=None) -> Path:
+    """Write `opt`'s state over `model` (wrapped or plain) to `path`, atomically. `tensors`: the (key, tensor) pairs
+    `export_state(..., trainable_only=True)` yields, from elsewhere (the ranks' gather of a sharded model)."""
     groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": names}
               for group, names in zip(opt.param_groups, _group_names(model, opt))]
     with StreamingWriter(path, flag="output_dir") as w:
-        for key, t in export_state(model, opt, trainable_only=True):
+        for key, t in tensors if tensors is not None else export_state(model, opt, trainable_only=True):
             w.add(key, t)
         return w.close({"format": FORMAT, "param_groups": json.dumps(groups)})
 

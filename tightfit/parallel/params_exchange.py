@@ -151,7 +151,9 @@ class ParamsExchange:
         use.reader = transfer
 
     def close(self) -> None:
-        """Stop the thread once what was requested is done (every rank requested the same)."""
+        """Stop the thread once what was requested is done (every rank requested the same); what was asked ahead
+        and not used gives its buffer back first, so a request behind it does not wait for one forever."""
+        self._drop_ahead()
         self._requests.put(None)
         self._thread.join()
 

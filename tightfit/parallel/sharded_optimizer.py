@@ -256,7 +256,7 @@ class ShardedOptimizer(Replicated):
         """On rank 0, every unit's values and state, the other owners' sent to it (rank 0 alone calls this, from
         `export_hf`: `_send_owned` is its other ranks' side)."""
         self._settled()
-        self._export_gather = gathered = self._gathered(True, False)
+        self._export_gather = gathered = self._gathered(True, False, pieces=True)  # tensors, not swap copies
         for _, items in gathered:
             yield from items
 
@@ -278,8 +278,8 @@ class ShardedOptimizer(Replicated):
             self._send_owned(True, False)
         self._export_voted(failed)
 
-    def _gathered(self, with_optim: bool, hand_over: bool) -> "Gathered":
-        return Gathered(self.engine, self.shard.units, with_optim, hand_over, self.gather_group)
+    def _gathered(self, with_optim: bool, hand_over: bool, pieces: bool = False) -> "Gathered":
+        return Gathered(self.engine, self.shard.units, with_optim, hand_over, self.gather_group, pieces)
 
     def _send_owned(self, with_optim: bool, hand_over: bool) -> None:
         """Another rank's side of `_gathered`: its units' values and state to rank 0, in the engine's order."""
@@ -306,11 +306,12 @@ class Gathered:
     the end (the save or the export failed, or never started), it still receives what the owners send, so that no
     rank is left waiting in a send."""
 
-    def __init__(self, engine, owned: list, with_optim: bool, hand_over: bool, group) -> None:
+    def __init__(self, engine, owned: list, with_optim: bool, hand_over: bool, group, pieces: bool = False) -> None:
         self.with_optim, self.group = with_optim, group
         self._pending = [(u, r) for u, r in owned if r != 0]  # still to receive, in order
         # The generator holds the pending list, not this object, so that dropping this object drains at once
-        self._items = _gather(engine, {u.name: r for u, r in owned}, with_optim, hand_over, group, self._pending)
+        self._items = _gather(engine, {u.name: r for u, r in owned}, with_optim, hand_over, group, self._pending,
+                              pieces)
 
     def __iter__(self):
         return self
@@ -328,13 +329,19 @@ class Gathered:
         self.close()
 
 
-def _gather(engine, owner: dict, with_optim: bool, hand_over: bool, group, pending: list):
-    """`Gathered`'s items: rank 0's own units from its tiers, the others' received (each popped from `pending`)."""
+def _gather(engine, owner: dict, with_optim: bool, hand_over: bool, group, pending: list, pieces: bool):
+    """`Gathered`'s items: rank 0's own units from its tiers, the others' received (each popped from `pending`).
+    `pieces`: rank 0's own as (unit, [(key, tensor)]) pieces too, never as a copy of its swap files (what a writer of
+    tensors, not of checkpoint shards, takes)."""
+    from tightfit.offload.model_state.state_io import export_pieces
     from tightfit.train.checkpoint_swap import unit_groups
 
     for unit in engine.units.values():
         r = owner.get(unit.name, 0)
-        if r == 0:
+        if r == 0 and pieces:
+            for piece in export_pieces(engine, unit, with_optim):
+                yield unit.name, piece
+        elif r == 0:
             yield from unit_groups(engine, unit, with_optim, hand_over)
         else:
             pending.pop(0)

@@ -206,7 +206,7 @@ def _export_wrapped(engine: OffloadEngine, with_optim: bool, trainable_only: boo
 def _import_wrapped(engine: OffloadEngine, with_optim: bool, get, trainable_only: bool = False):
     engine.zero_grad()
     for unit in engine.units.values():
-        if trainable_only and not unit.trainable:
+        if trainable_only and not unit.trainable or not unit.holds_params:  # ZeRO-3: its owner reads it
             continue
         if trainable_only:  # frozen slots keep their values: start from the current ones
             engine.wait_writes()
