@@ -109,6 +109,8 @@ def test_zero1_zero2_zero3_with_the_engine_shard_the_states(tiny_args, tmp_path,
     resumes it)."""
     swap = tmp_path / "swap"
     extra = ["--nvme", str(swap)] if tier == "nvme" else []
+    if strategy == "zero3":  # 2 held-out batches to one rank, 1 to the other: every rank still runs 2 forwards
+        extra += ["--eval-batches", "3"]
     proc, two = _train(tiny_args, tmp_path / "two", "--grad-accum", "2", "--strategy", strategy, "--offload", tier,
                        "--accumulation", order, *extra, ranks=2)
     _close(two, plain)
@@ -185,13 +187,17 @@ def test_zero2_on_the_gpu_shaped_device_trains_as_the_replicas(tiny_args, tmp_pa
 
 
 @pytest.mark.slow
-def test_four_ranks_of_zero2_train_as_four_replicas(tiny_args, tmp_path):
-    """4 ranks of zero2 with the engine (a model of 4 blocks: 5 units for 4 owners) against 4 replicas: the same
-    losses to the last bit (the sums, the norms and the steps are the same ops on the same bits)."""
+def test_four_ranks_of_zero2_and_zero3_train_as_four_replicas(tiny_args, tmp_path):
+    """4 ranks of zero2 and of zero3 with the engine (a model of 4 blocks: 5 units for 4 owners) against 4 replicas:
+    the same losses to the last bit (the sums, the norms and the steps are the same ops on the same bits; zero3's
+    parameters are their owner's, sent for each use)."""
     four = ["--n-layer", "4", "--grad-accum", "1", "--offload", "host"]
     _, replicas = _train(tiny_args, tmp_path / "ddp", *four, "--strategy", "ddp", ranks=4)
     _, zero2 = _train(tiny_args, tmp_path / "zero2", *four, "--strategy", "zero2", ranks=4)
     assert zero2 == replicas
+    _, zero3 = _train(tiny_args, tmp_path / "zero3", *four[:-1], "nvme", "--nvme", str(tmp_path / "swap"),
+                      "--strategy", "zero3", ranks=4)
+    assert zero3 == replicas
 
 
 def test_small_gradients_are_averaged_in_buckets_large_ones_alone():
@@ -242,12 +248,17 @@ def test_one_process_checkpoint_resumes_on_two_ranks_with_the_engine(tiny_args, 
 
 @pytest.mark.slow
 def test_two_rank_checkpoint_resumes_on_four_and_on_one(tiny_args, tmp_path, plain):
-    """2 -> 4 (plain DDP) and 2 -> 1 (the engine in one process), from DDP and from zero1 with the engine."""
+    """2 -> 4 (plain DDP) and 2 -> 1 (the engine in one process), from DDP and from zero1 with the engine; 2 -> 4
+    from zero3 onto the engine's replicas (the model's 3 units are too few for 4 zero3 ranks: 1 -> 2 onto zero3 is
+    in `make test`)."""
     two = (2, ["--grad-accum", "2", "--strategy", "ddp"])
     _resumed_across(tiny_args, tmp_path / "a", two, (4, ["--grad-accum", "1", "--strategy", "ddp"]), plain)
     _resumed_across(tiny_args, tmp_path / "b", two, (1, ["--grad-accum", "4", "--offload", "host"]), plain)
     zero1 = (2, ["--grad-accum", "2", "--strategy", "zero1", "--offload", "host"])
     _resumed_across(tiny_args, tmp_path / "c", zero1, (1, ["--grad-accum", "4", "--offload", "host"]), plain)
+    zero3 = (2, ["--grad-accum", "2", "--strategy", "zero3", "--offload", "nvme", "--nvme", str(tmp_path / "s2")])
+    _resumed_across(tiny_args, tmp_path / "d", zero3, (4, ["--grad-accum", "1", "--strategy", "ddp", "--offload",
+                                                          "nvme", "--nvme", str(tmp_path / "s4")]), plain)
 
 
 def test_the_plan_of_every_rank(tmp_path, capsys):

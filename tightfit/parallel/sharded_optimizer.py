@@ -222,6 +222,21 @@ class ShardedOptimizer(Replicated):
         return (f"each rank steps its own units, {mine} of them on rank 0, and holds their {held} alone; rank 0's "
                 f"plan below; {grads} as they leave the device")
 
+    def evaluate(self, batches) -> float:
+        """As the replicas, each rank its round-robin share; under zero3 every rank runs as many forwards (each use's
+        parameters are a broadcast every rank joins): a rank with a shorter share runs the first batch again, weight
+        0."""
+        if self.strategy != "zero3":
+            return super().evaluate(batches)
+        from tightfit.train.trainee import OneProcess
+
+        mine = batches[self.world.rank::self.world.size]
+        forwards = -(-len(batches) // self.world.size)
+        losses = [OneProcess.evaluate(self, [b]) for b in mine + batches[:1] * (forwards - len(mine))]
+        t = torch.tensor([sum(losses[:len(mine)]), float(len(mine))], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t[0] / t[1])
+
     def clip_and_step(self, max_norm: float) -> float | None:
         norm = super().clip_and_step(max_norm)
         if self.strategy != "zero3":  # zero3's owners send the new values as each use asks for them
