@@ -55,7 +55,8 @@ def test_another_ranks_unit_holds_nothing_and_streams_through_the_exchange():
     assert "exchange" not in mm.step_memory(plain, Placement.everywhere(Tier.HOST), 2, cuda=False).phases["step"]["host"]
 
 
-@pytest.mark.parametrize("tier,env", [("nvme", {}), ("host", {"TIGHTFIT_CPU_DEVICE": "separate"})])
+@pytest.mark.parametrize("tier,env", [("nvme", {}), pytest.param("host", {"TIGHTFIT_CPU_DEVICE": "separate"},
+                                                                   marks=pytest.mark.slow)])
 def test_two_ranks_send_each_use_and_train_as_plain_pytorch(tmp_path, monkeypatch, tier, env):
     """2 gloo ranks of the engine with ZeRO-3, clipped, the blocks called in an order that changes every other step
     and a no-grad evaluation in yet another order between steps (the strict mover's late copies and the exchange's
