@@ -55,7 +55,8 @@ def _metrics(out) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("tier,order", [pytest.param("host", "micro", marks=pytest.mark.slow), ("nvme", "unit")])
+@pytest.mark.parametrize("tier,order", [pytest.param("host", "micro", marks=pytest.mark.slow),
+                                        pytest.param("nvme", "unit", marks=pytest.mark.slow)])
 def test_the_engine_on_every_rank_trains_as_one_process(tiny_args, tmp_path, tier, order, plain):
     """2 ranks, each with the whole model through its engine (every state on host, or on NVMe in a swap folder of its
     own), clipped at 1.0: the losses of one process of plain PyTorch on the same sequences; the gradients cross the
@@ -97,7 +98,8 @@ def test_the_engine_on_every_rank_trains_as_one_process(tiny_args, tmp_path, tie
 
 @pytest.mark.parametrize("strategy,tier,order", [pytest.param("zero1", "nvme", "micro", marks=pytest.mark.slow),
                                                  pytest.param("zero2", "host", "unit", marks=pytest.mark.slow),
-                                                 ("zero2", "nvme", "micro"), ("zero3", "nvme", "unit"),
+                                                 pytest.param("zero2", "nvme", "micro", marks=pytest.mark.slow),
+                                                 ("zero3", "nvme", "unit"),
                                                  pytest.param("zero3", "host", "micro", marks=pytest.mark.slow)])
 def test_zero1_zero2_zero3_with_the_engine_shard_the_states(tiny_args, tmp_path, plain, strategy, tier, order):
     """2 ranks, `--strategy zero1|zero2|zero3`, every state on each rank's host memory or NVMe, clipped at 1.0: the
