@@ -331,15 +331,11 @@ class _Sharded:
 
     def send(self, with_optim: bool) -> None:
         """Another rank's side of `gathered`: its own units, in the engine's order."""
-        import torch.distributed as dist
-
         from tightfit.offload.model_state.state_io import quiesce
-        from tightfit.parallel.sharded_optimizer import _send
+        from tightfit.parallel.sharded_optimizer import send_owned
 
         quiesce(self.engine)
-        for unit, r in self.owners.units:
-            if r == dist.get_rank():
-                _send(self.engine, unit, with_optim, self.gathers)
+        send_owned(self.engine, self.owners.units, self.owners.rank, with_optim, self.gathers)
 
 
 class Replica(torch.nn.Module):

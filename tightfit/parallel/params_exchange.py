@@ -58,6 +58,11 @@ class _Use:
         self.reader = None  # a copy to the device reading `slot` (the mover's Transfer)
         self.given_back = False
 
+    @property
+    def values(self) -> torch.Tensor:
+        """The unit's params for this use (a view of `slot`); raises the exchange's error."""
+        return self.future.result()
+
 
 class ParamsExchange:
     """The exchange of one rank's engine: `engine.exchange`, asked by its `materialise` and `Residency`. `owner`:
@@ -130,25 +135,18 @@ class ParamsExchange:
             self._requested = max(self._requested, pos + 1)
             self._request_ahead(pos + 1)
 
-    def source(self, unit, wait: bool) -> torch.Tensor | None:
-        """The host buffer a fetch of `unit` copies from: its use computing, else its next use requested; waited for
-        (`wait`), or None when not here yet (a prefetch comes back later)."""
+    def source(self, unit, wait: bool) -> _Use | None:
+        """The use a fetch of `unit` copies from (its `values`): the use computing, else its next use requested;
+        waited for (`wait`), or None when not here yet (a prefetch comes back later). The fetch sets its `reader`."""
         use = self._current if self._current is not None and self._current.unit is unit else None
         if use is None:
             use = self._ahead[unit.name][0] if self._ahead[unit.name] else None
-        if use is None:
+        if use is None or not (wait or use.future.done()):
             return None
         if not use.future.done():
-            if not wait:
-                return None
             with self.collective(f"the exchange of {unit.name}'s parameters (ZeRO-3)"):
                 use.future.result()
-        return use.future.result()
-
-    def reading(self, unit, transfer) -> None:
-        """The fetch just started for `unit` reads the buffer `source` gave: it goes back after that copy."""
-        use = self._current if self._current is not None and self._current.unit is unit else self._ahead[unit.name][0]
-        use.reader = transfer
+        return use
 
     def close(self) -> None:
         """Stop the thread once what was requested is done (every rank requested the same); what was asked ahead

@@ -181,8 +181,12 @@ class Replicated(OneProcess):
     def evaluate(self, batches) -> float:
         """Each rank its round-robin share (a replica needs no peer to run a forward), then one weighted mean."""
         mine = batches[self.world.rank::self.world.size]
-        local = super().evaluate(mine) * len(mine) if mine else 0.0
-        t = torch.tensor([local, float(len(mine))], dtype=torch.float64)
+        return self._mean_over_ranks(super().evaluate(mine) * len(mine) if mine else 0.0, len(mine))
+
+    @staticmethod
+    def _mean_over_ranks(total: float, count: int) -> float:
+        """Every rank's sum of batch losses over every rank's count of batches (one all-reduce)."""
+        t = torch.tensor([total, float(count)], dtype=torch.float64)
         dist.all_reduce(t)
         return float(t[0] / t[1])
 

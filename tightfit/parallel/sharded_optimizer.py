@@ -233,9 +233,7 @@ class ShardedOptimizer(Replicated):
         mine = batches[self.world.rank::self.world.size]
         forwards = -(-len(batches) // self.world.size)
         losses = [OneProcess.evaluate(self, [b]) for b in mine + batches[:1] * (forwards - len(mine))]
-        t = torch.tensor([sum(losses[:len(mine)]), float(len(mine))], dtype=torch.float64)
-        dist.all_reduce(t)
-        return float(t[0] / t[1])
+        return self._mean_over_ranks(sum(losses[:len(mine)]), len(mine))
 
     def clip_and_step(self, max_norm: float) -> float | None:
         norm = super().clip_and_step(max_norm)
@@ -297,14 +295,7 @@ class ShardedOptimizer(Replicated):
         return Gathered(self.engine, self.shard.units, with_optim, hand_over, self.gather_group, pieces)
 
     def _send_owned(self, with_optim: bool, hand_over: bool) -> None:
-        """Another rank's side of `_gathered`: its units' values and state to rank 0, in the engine's order."""
-        from tightfit.train.checkpoint_swap import drop_swap
-
-        for unit, r in self.shard.units:
-            if r == self.world.rank:
-                _send(self.engine, unit, with_optim, self.gather_group)
-                if hand_over:
-                    drop_swap(unit)
+        send_owned(self.engine, self.shard.units, self.world.rank, with_optim, self.gather_group, hand_over)
 
     def engine_counters(self):
         counters = super().engine_counters()
@@ -361,6 +352,18 @@ def _gather(engine, owner: dict, with_optim: bool, hand_over: bool, group, pendi
         else:
             pending.pop(0)
             yield unit.name, _receive(unit, r, with_optim, group)
+
+
+def send_owned(engine, owned: list, rank: int, with_optim: bool, group, hand_over: bool = False) -> None:
+    """Another rank's side of a `Gathered`: its own units' values and state (`owned`: every (unit, owner) in the
+    engine's order) to rank 0; `hand_over`: each unit's swap files dropped once sent (the run's last save)."""
+    from tightfit.train.checkpoint_swap import drop_swap
+
+    for unit, r in owned:
+        if r == rank:
+            _send(engine, unit, with_optim, group)
+            if hand_over:
+                drop_swap(unit)
 
 
 def _send(engine, unit, with_optim: bool, group) -> None:

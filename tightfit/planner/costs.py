@@ -172,9 +172,9 @@ class Prediction:
     """Of phase A, the gradients' average over the ranks: all of its time on a CPU-only machine, the part the
     backward does not hide on a GPU ([Note: the gradients' average in the step] in planner/averaging.py)."""
     exchange_s: float = 0.0
-    """Of the exchange of new values where the ranks' optimizer states are sharded by unit (`exchange_time` in
-    planner/averaging.py), what adds to the step: all of it on a CPU-only machine (gloo on the forward's cores),
-    what the next forward's compute does not hide on a GPU."""
+    """Of the exchange where the ranks' states are sharded by unit (`exchange_time` in planner/averaging.py: zero1/2's
+    new values after the step, zero3's params for each use), what adds to the step: all of it on a CPU-only machine
+    (gloo on the compute's cores), on a GPU what the compute beside it does not hide."""
     phase_a_s: float = 0.0
     """Phase A: the forward and backward of every micro-batch, with the streams that overlap them."""
     step_s: float = 0.0
@@ -742,16 +742,17 @@ def step_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, 
         whole = cpu_opt / hw.cpu_adam_rate + step_passes + (sum(last_gradient_pass(u, placement, hw, shape)
                                                                  for u in profile.units) if early else 0.0)
         pred.optim_exposed_s = optimizer_under_forward(profile, placement, hw, shape, after, whole)
-        # NCCL's exchange beside the next forward ([Note: the exchange under the next forward] in
-        # parallel/sharded_optimizer.py): what the forward's compute does not hide
-        forward = sum(work_time(u.fwd, hw) for u in profile.units) * (a if shape.unit_major else 1)
-        if sends_params(profile):  # ZeRO-3: each use's params beside the compute, as fetches are
+        # NCCL's exchange: ZeRO-3's each use's params beside the compute, as fetches are (in phase A); zero1/zero2's
+        # new values beside the next forward ([Note: the exchange under the next forward] in
+        # parallel/sharded_optimizer.py): what that compute does not hide
+        exchange_b = 0.0
+        if sends_params(profile):
             pred.exchange_s = max(0.0, exchange_time(profile, shape) - phase_a)
             phase_a += pred.exchange_s
         else:
-            pred.exchange_s = max(0.0, exchange_time(profile, shape) - forward)
-        phase_b = pred.optim_exposed_s + dev_opt / hw.device_adam_rate + (
-            0.0 if sends_params(profile) else pred.exchange_s)
+            forward = sum(work_time(u.fwd, hw) for u in profile.units) * (a if shape.unit_major else 1)
+            pred.exchange_s = exchange_b = max(0.0, exchange_time(profile, shape) - forward)
+        phase_b = pred.optim_exposed_s + dev_opt / hw.device_adam_rate + exchange_b
         pred.optim_after_s = cpu_step
         opt += step_passes
         pred.passes_s = backward_passes + step_passes
@@ -761,12 +762,10 @@ def step_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, 
         # One set of cores: compute and memcpy serialise; the disk threads wait on DMA and overlap.
         phase_a = max(compute + h2d + d2h + reduce, disk_a)
         pred.allreduce_s = reduce
-        pred.exchange_s = exchange_time(profile, shape)  # gloo on the cores the forward computes on
-        if sends_params(profile):  # ZeRO-3: each use's params, on the cores forward and backward compute on
-            phase_a += pred.exchange_s
-            phase_b = max(opt + h2d_b, disk_b)
-        else:
-            phase_b = max(opt + h2d_b, disk_b) + pred.exchange_s
+        # gloo on the cores that compute: ZeRO-3's beside forward and backward, zero1/2's beside the next forward
+        pred.exchange_s = exchange_time(profile, shape)
+        phase_a += pred.exchange_s if sends_params(profile) else 0.0
+        phase_b = max(opt + h2d_b, disk_b) + (0.0 if sends_params(profile) else pred.exchange_s)
         terms = {"compute": compute, "host<->device": h2d + d2h, "nvme": disk_a, "all-reduce": reduce}
     pred.compute_s, pred.copy_s, pred.nvme_s, pred.optim_s = compute, h2d + d2h + h2d_b, disk_a + disk_b, opt
     pred.host_s = host

@@ -106,11 +106,11 @@ class Residency:
         the fetch job's staging buffer ([Note: jobs and grants]). firm: the unit computes now, wait for the buffer;
         else (a prefetch) only if the pool has room now. Whether it started."""
         if unit.exchanged and self.exchange is not None:  # sent by its owner for this use (params_exchange.py)
-            source = self.exchange.source(unit, wait=firm)
-            if source is None:
+            use = self.exchange.source(unit, wait=firm)
+            if use is None:
                 return False
-            unit.start_fetch(self.mover, source=source)
-            self.exchange.reading(unit, unit.fetch)
+            unit.start_fetch(self.mover, source=use.values)
+            use.reader = unit.fetch  # the use's buffer goes back once this copy is done
             return True
         held = self.cache.take(unit.name, PARAMS, unit.version) if unit.master_entry == PARAMS else None
         if held is not None and held.prefix is not None:  # part of the params only: not for a fetch
