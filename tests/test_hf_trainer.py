@@ -146,6 +146,11 @@ def test_refusals(tmp_path):
                         placement=tightfit.Placement.everywhere("host"))
     with pytest.raises(UsageError, match="fp16=True"):
         TightfitTrainer(model=model, args=args(tmp_path / "f", fp16=True), train_dataset=data)
+    with pytest.raises(UsageError, match=r"sharding='zero4'\): use 'zero1', 'zero2' or 'zero3'"):
+        TightfitTrainer(model=llama(), args=args(tmp_path / "g"), train_dataset=data, sharding="zero4",
+                        placement=tightfit.Placement.everywhere("host"))
+    with pytest.raises(UsageError, match=r"sharding='zero2'\): pass the unwrapped model"):
+        TightfitTrainer(model=model, args=args(tmp_path / "h"), train_dataset=data, sharding="zero2")
     with pytest.raises(UsageError, match="optim='adamw_torch_fused'"):
         TightfitTrainer(model=model, args=args(tmp_path / "d", optim="sgd"), train_dataset=data).train()
     stock_ckpt = tmp_path / "stock"

@@ -65,3 +65,15 @@ def test_zero3_ranks_match_stock_trainer_under_ddp_and_resume(tmp_path, stock):
 
     full = transformers.AutoModelForCausalLM.from_pretrained(saved)  # one folder from_pretrained reads
     assert sum(p.numel() for p in full.parameters()) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", ["zero1", "zero2"])
+def test_zero1_and_zero2_ranks_match_stock_trainer_under_ddp_and_resume(tmp_path, stock, sharding):
+    """`TightfitTrainer(sharding="zero1"|"zero2")`: each rank steps its own units (zero2: their gradients reduced to
+    it), the new values broadcast after each optimizer step: the stock Trainer's losses, clipped norms and learning
+    rates under DDP, and its checkpoint resumes on 2 ranks as the unbroken run."""
+    ours = _ranks(sharding, tmp_path / sharding, "save")
+    _close(ours, stock)
+    resumed = [h for h in _ranks(sharding, tmp_path / sharding, "resume") if h[0] > 3]
+    _close(resumed, [h for h in ours if h[0] > 3])

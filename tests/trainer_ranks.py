@@ -1,9 +1,9 @@
 """One rank of a 2-process Trainer run (tests/test_hf_trainer_ranks.py starts it under torchrun): a stock
 `transformers.Trainer` (accelerate wraps the model in DDP) or a `TightfitTrainer` (every state on this rank's own
-NVMe folder, the engine averaging the gradients; zero3: each rank its own units' states alone). Rank 0 writes
-Trainer's log history as JSON.
+NVMe folder, the engine averaging the gradients; zero1/zero2/zero3: each rank its own units' states alone). Rank 0
+writes Trainer's log history as JSON.
 
-argv: stock|ours|zero3 OUT [resume|save]
+argv: stock|ours|zero1|zero2|zero3 OUT [resume|save]
 """
 
 from __future__ import annotations
@@ -33,13 +33,18 @@ else:
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else int(__import__("os").environ["RANK"])
     placement = tightfit.Placement.everywhere("nvme", nvme_dir=str(out / f"swap-{rank}"))
     trainer = TightfitTrainer(model=llama(), args=args(out, **kw), train_dataset=dataset(), placement=placement,
-                              sharding="zero3" if kind == "zero3" else None)
+                              sharding=kind if kind.startswith("zero") else None)
 trainer.train(resume_from_checkpoint=str(out / "checkpoint-3") if mode == "resume" else None)
-if kind == "zero3":  # this rank keeps nothing of the other rank's units, and all of its own
+if kind.startswith("zero"):  # of the other rank's units, this rank keeps what its strategy says, and all of its own
     from tightfit.offload.step.engine import find_engine
 
     units = find_engine(trainer.model).units.values()
-    assert any(not u.holds_params and not u.entries() for u in units) and any(u.holds_params for u in units)
+    elsewhere = [u for u in units if not u.steps_here]
+    assert elsewhere and any(u.steps_here for u in units)
+    if kind == "zero3":
+        assert all(not u.holds_params and not u.entries() for u in elsewhere)
+    else:  # the parameters, without master or moments; zero2 without gradients either
+        assert all(u.holds_params and u.keeps_grads == (kind == "zero1") for u in elsewhere)
 if trainer.args.process_index == 0:
     (out / f"log{'-' + mode if mode else ''}.json").write_text(json.dumps(trainer.state.log_history))
 # Leave as tightfit's ranks do ([Note: leaving the process group] in tightfit/parallel/mesh.py): gloo's threads can

@@ -35,10 +35,12 @@ not events, and each is silent:
   device ([Note: gradients averaged as they leave] in tightfit/parallel/replicas.py); `_wrap_model` hands
   accelerate a `Replica` so it does not wrap it again. accelerate still deals each rank its share of every batch,
   so the step is DDP's. Each rank writes its RNG state (`rng_state_<rank>.safetensors`, as Trainer does); rank 0
-  writes the rest. With `sharding="zero3"` each rank keeps only its own units' states, parameters included (the
-  owners of tightfit/parallel/sharded_optimizer.py; each use's parameters sent by their rank,
-  tightfit/parallel/params_exchange.py): the checkpoints are the same files, rank 0 writing what every owner sends
-  it, and every rank reads its own units back from them.
+  writes the rest. With `sharding` each unit has one owner among the ranks (tightfit/parallel/sharded_optimizer.py),
+  which alone keeps its master and moments ("zero1"), and its gradients too, reduced to it ("zero2"), and its
+  parameters too, each use's sent by their rank ("zero3", tightfit/parallel/params_exchange.py); under zero1/zero2
+  the owners broadcast the new values after each optimizer step, beside the next forward (a post-step hook on the
+  optimizer). The checkpoints are the same files, rank 0 writing what every owner sends it, and every rank reads its
+  own units back from them.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ SCHEDULER_FILE = "scheduler.json"
 TRAINING_ARGS_FILE = "training_args.json"
 # TrainingArguments(optim=...) values tightfit.optim.AdamW serves with the same math (fused is what it runs).
 _ADAMW = ("adamw_torch", "adamw_torch_fused")
+SHARDINGS = ("zero1", "zero2", "zero3")
 
 
 def _is_peft(model: torch.nn.Module) -> bool:
@@ -94,8 +97,9 @@ class TightfitTrainer(transformers.Trainer):
     compute_dtype: the dtype forward/backward compute in (fp32 master weights are kept); with
         `TrainingArguments(bf16=True)` it defaults to torch.bfloat16, else float32. Only used with `placement`.
     units: which modules are units (see `tightfit.wrap`); only used with `placement`.
-    sharding: under several processes, "zero3": each rank holds the parameters, master, gradients and moments of its
-        own units alone, on its tiers as `placement` says (module docstring); None: every rank the whole model.
+    sharding: under several processes, "zero1" | "zero2" | "zero3": each rank holds the master and moments (zero1),
+        and the gradients (zero2), and the parameters (zero3) of its own units alone, on its tiers as `placement`
+        says (module docstring); None: every rank the whole model.
     """
 
     def __init__(self, model: torch.nn.Module | None = None, args: transformers.TrainingArguments | None = None,
@@ -115,17 +119,17 @@ class TightfitTrainer(transformers.Trainer):
         wrapped = find_engine(model) is not None
         owner = None
         if sharding is not None:
-            if sharding != "zero3":
-                raise UsageError(f"TightfitTrainer(sharding={sharding!r}): use 'zero3' (each rank its own units' "
-                                 "states) or None (every rank the whole model)")
+            if sharding not in SHARDINGS:
+                raise UsageError(f"TightfitTrainer(sharding={sharding!r}): use 'zero1', 'zero2' or 'zero3' (each rank "
+                                 "its own units' states) or None (every rank the whole model)")
             if placement is None or wrapped:
-                raise UsageError("TightfitTrainer(sharding='zero3'): pass the unwrapped model and placement=...; "
-                                 "the trainer wraps each rank's share")
+                raise UsageError(f"TightfitTrainer(sharding={sharding!r}): pass the unwrapped model and "
+                                 "placement=...; the trainer wraps each rank's share")
             if _is_peft(model):
-                raise UsageError("TightfitTrainer(sharding='zero3'): a peft model trains its adapters alone; leave "
-                                 "sharding unset (every rank holds the frozen base once, in the compute dtype)")
+                raise UsageError(f"TightfitTrainer(sharding={sharding!r}): a peft model trains its adapters alone; "
+                                 "leave sharding unset (every rank holds the frozen base once, in the compute dtype)")
             if args.world_size > 1:
-                placement, owner = _rank_share(model, placement, args)
+                placement, owner = _rank_share(model, placement, args, sharding)
         if placement is not None:
             if wrapped:
                 raise UsageError("TightfitTrainer: the model is already wrapped; drop placement=... (or pass the "
@@ -143,13 +147,15 @@ class TightfitTrainer(transformers.Trainer):
         super().__init__(model, args, *more, **kwargs)
         if self.optimizer is not None:
             tightfit_optimizer(self.optimizer)  # refuse a torch optimizer now, not after a silent epoch
-        self._sharded = None  # zero3's owners and gathers (`_Sharded`)
+        self._sharded = None  # the owners, their exchange and the checkpoints' gathers (`_Sharded`)
         if args.world_size > 1 and engine.shipper.reduce is None:
             from tightfit.parallel.replicas import average_over_ranks
 
             averager = average_over_ranks(engine)
             if owner is not None:
-                self._sharded = _Sharded(engine, owner, averager)
+                self._sharded = _Sharded(engine, owner, averager, sharding)
+                if self.optimizer is not None:
+                    self._sharded.follow(tightfit_optimizer(self.optimizer))
 
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         """Over several processes: the model in a `Replica`, which accelerate leaves unwrapped (no DDP: the engine
@@ -177,7 +183,19 @@ class TightfitTrainer(transformers.Trainer):
             else:
                 self.optimizer_cls_and_kwargs = (AdamW, {"lr": self.args.learning_rate, "eps": self.args.adam_epsilon,
                                                          "betas": (self.args.adam_beta1, self.args.adam_beta2)})
-        return super().create_optimizer(model)
+        opt = super().create_optimizer(model)
+        if self._sharded is not None:
+            self._sharded.follow(tightfit_optimizer(opt))
+        return opt
+
+    def train(self, *args, **kwargs):
+        """Trainer's; under zero1/zero2 the owners' last exchange is joined before it returns (the process may end
+        its process group next)."""
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if self._sharded is not None:
+                self._sharded.join()
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """Trainer's step; before the backward of a step's last micro-batch, each unit's master and moments start
@@ -293,38 +311,56 @@ class TightfitTrainer(transformers.Trainer):
         super()._load_from_checkpoint(resume_from_checkpoint, model)
 
 
-def _rank_share(model: torch.nn.Module, placement: Placement, args) -> tuple[Placement, dict[str, int]]:
-    """(`placement` for this rank's share under ZeRO-3, every unit's owner)."""
+def _rank_share(model: torch.nn.Module, placement: Placement, args, sharding: str
+                ) -> tuple[Placement, dict[str, int]]:
+    """(`placement` for this rank's share under `sharding`, every unit's owner)."""
     from dataclasses import replace
 
     from tightfit.parallel.sharded_optimizer import shard_setup
 
-    owner, elsewhere = shard_setup(model, args.process_index, args.world_size, "zero3")
-    return replace(placement, stepped_elsewhere=sorted(elsewhere), grads_elsewhere=True,
-                   exchanged=sorted(owner)), owner
+    owner, elsewhere = shard_setup(model, args.process_index, args.world_size, sharding)
+    share = replace(placement, stepped_elsewhere=sorted(elsewhere), grads_elsewhere=sharding != "zero1")
+    return (replace(share, exchanged=sorted(owner)) if sharding == "zero3" else share), owner
 
 
 class _Sharded:
-    """ZeRO-3 under TightfitTrainer: the clip's norms summed over the owners, each use's parameters sent by their
-    rank, and the checkpoints' gathers to rank 0 (groups of their own, made alike on every rank)."""
+    """ZeRO-1/2/3 under TightfitTrainer: the clip's norms summed over the owners (zero2, zero3), the new values sent
+    by their owners after each step (zero1, zero2) or each use's parameters sent by their rank (zero3), and the
+    checkpoints' gathers to rank 0 (groups of their own, made alike on every rank)."""
 
-    def __init__(self, engine, owner: dict[str, int], averager) -> None:
+    def __init__(self, engine, owner: dict[str, int], averager, sharding: str) -> None:
         import torch.distributed as dist
 
         from tightfit.parallel.params_exchange import exchange_params
         from tightfit.parallel.sharded_optimizer import UnitOwners
 
         self.engine = engine
+        self.sharding = sharding
         self.writes = dist.get_rank() == 0
-        self.owners = UnitOwners(engine, owner, averager, dist.new_group(backend=dist.get_backend()), "zero3")
-        exchange_params(engine, owner, dist.new_group(backend=dist.get_backend()))
+        self.owners = UnitOwners(engine, owner, averager, dist.new_group(backend=dist.get_backend()), sharding)
+        if sharding == "zero3":
+            exchange_params(engine, owner, dist.new_group(backend=dist.get_backend()))
         self.gathers = dist.new_group(backend="gloo")  # point to point between host tensors
+        self._followed: set[int] = set()  # the optimizers whose steps start an exchange
+
+    def follow(self, opt: AdamW) -> None:
+        """Under zero1/zero2, each step of `opt` starts the owners' exchange of the new values (`UnitOwners.start`,
+        as `tightfit train` does after `opt.step()`); zero3 sends parameters as each use asks for them."""
+        if self.sharding == "zero3" or id(opt) in self._followed:
+            return
+        self._followed.add(id(opt))
+        opt.register_step_post_hook(lambda *_: self.owners.start())
+
+    def join(self) -> None:
+        """The exchange in flight is done (its error raised here)."""
+        self.owners.join()
 
     def gathered(self, with_optim: bool):
         """Rank 0: every unit's (key, tensor) as `export_state` names them, the other owners' received."""
         from tightfit.offload.model_state.state_io import quiesce
         from tightfit.parallel.sharded_optimizer import Gathered
 
+        self.join()
         quiesce(self.engine)
         for _, items in Gathered(self.engine, self.owners.units, with_optim, False, self.gathers, pieces=True):
             yield from items
@@ -334,6 +370,7 @@ class _Sharded:
         from tightfit.offload.model_state.state_io import quiesce
         from tightfit.parallel.sharded_optimizer import send_owned
 
+        self.join()
         quiesce(self.engine)
         send_owned(self.engine, self.owners.units, self.owners.rank, with_optim, self.gathers)
 
