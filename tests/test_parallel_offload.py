@@ -311,6 +311,29 @@ def test_the_plan_of_every_rank(tmp_path, capsys):
     assert "each use's parameters broadcast by their rank beside the compute" in text
 
 
+def test_zero3_broadcasts_on_a_gpu_cross_the_link_through_the_device(tmp_path, capsys):
+    """On NCCL each use's parameters go up from the owner's exchange buffer and come down into every rank's before
+    the use's fetch uploads them: those copies are in the GPU plan's traffic; on PCIe the broadcasts share the lanes
+    of the copies and the average, so phase A holds them (the compute hides them on NVLink)."""
+    from tightfit.cli import main
+
+    common = ["--n-layer", "4", "--n-embd", "1024", "--n-head", "8", "--seq-len", "64", "--micro-batch", "1",
+              "--hardware", "h200", "--gpu-mem", "2GiB", "--cpu-mem", "8GiB", "--nproc-per-node", "4"]
+    got = {}
+    for strategy, link in (("zero2", "pcie"), ("zero3", "pcie"), ("zero3", "nvlink")):
+        assert main(["plan", *common, "--strategy", strategy, "--offload", "host", "--interconnect", link,
+                     "--json"]) == 0
+        got[strategy, link] = json.loads(capsys.readouterr().out)
+    z2, z3, nv = got["zero2", "pcie"], got["zero3", "pcie"], got["zero3", "nvlink"]
+    sent = z3["ranks"]["exchange_bytes_per_step"]
+    assert sent > 0
+    assert z3["prediction"]["traffic"]["d2h"] >= z2["prediction"]["traffic"]["d2h"] + sent  # every rank's downloads
+    p = z3["prediction"]
+    bus = z3["ranks"]["allreduce_bus_bw"]
+    assert p["exchange_s"] > 0 and p["phase_a_s"] >= p["copy_s"] + sent / bus  # the link's stream holds them
+    assert nv["prediction"]["exchange_s"] < p["exchange_s"] and nv["prediction"]["step_s"] < p["step_s"]
+
+
 def test_gloo_averages_go_through_a_kept_flat_buffer():
     """On gloo a unit's gradients are averaged through one flat buffer of the averager's own, kept and reused (a
     coalesced gloo call flattens into a new buffer each time, and those left the heap 90-100 MiB fuller at a 13 M

@@ -72,6 +72,7 @@ from tightfit.offload.placement import ROOT_UNIT, Placement, State, Tier
 from tightfit.planner.averaging import (
     allreduce_buffer_bytes,
     allreduce_in_step,
+    exchange_bytes,
     exchange_time,
     sends_params,
     node_share,
@@ -642,6 +643,17 @@ def optimizer_under_forward(profile: ModelProfile, placement: Placement, hw: Har
     return exposed
 
 
+def exchange_copies(tr: dict[str, float], profile: ModelProfile, shape: TrainShape) -> dict[str, float]:
+    """`tr` with ZeRO-3's copies through the device on a GPU: NCCL carries device tensors, so for each use of a unit's
+    parameters its owner uploads them from its exchange buffer and every rank copies the broadcast down into its own
+    ([Note: parameters sent for each use] in parallel/params_exchange.py), before the use's fetch (in `traffic`)
+    uploads them again: this rank's share of the uploads (one use in `ranks` is its own), every download."""
+    if not sends_params(profile):
+        return tr
+    sent = exchange_bytes(profile, shape)
+    return {**tr, "h2d": tr["h2d"] + sent / shape.ranks, "d2h": tr["d2h"] + sent}
+
+
 def link_time(tr: dict[str, float], hw: HardwareProfile) -> float:
     """Seconds phase A's host<->device copies (`traffic`) take on a GPU: each direction at its own rate, and both
     at once share the link, no less than all the bytes at the rate both together reach (`duplex_bw`)."""
@@ -707,6 +719,8 @@ def step_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, 
     hw = node_share(hw, shape.node_ranks)
     compute, kernels, host = compute_time(profile, placement, hw, shape)
     tr = traffic(profile, placement, shape)
+    if hw.cuda:
+        tr = exchange_copies(tr, profile, shape)
     pred.traffic = {k: v for k, v in tr.items()}
     h2d = tr["h2d"] / hw.h2d_bw
     d2h = tr["d2h"] / hw.d2h_bw
@@ -724,15 +738,21 @@ def step_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, 
     reduce, tail = allreduce_in_step(profile, shape, hw.cuda)
     if hw.cuda:
         alone = link_time(tr, hw)
-        link = alone + (reduce if shape.allreduce_on_link else 0.0)
+        # ZeRO-3's broadcasts cross the links as the average does where they are the copies' lanes (PCIe)
+        sent = exchange_time(profile, shape) if sends_params(profile) else 0.0
+        link = alone + ((reduce + sent) if shape.allreduce_on_link else 0.0)
         backward_passes, step_passes = (b / host_pass_rate(hw) for b in host_pass_bytes(profile, placement, shape))
         early = steps_under_backward(profile, shape)
         # The last micro-batch's passes follow its gradients' arrivals: stepping under backward they queue with the
         # steps ([Note: one memory under backward]), otherwise phase A ends no earlier than they do. Phase A's
         # stream of passes holds the earlier micro-batches'.
         last_passes = sum(last_gradient_pass(u, placement, hw, shape) for u in profile.units)
-        phase_a = max(compute, link, disk_a, backward_passes - last_passes, reduce) + tail
-        pred.allreduce_s = phase_a - max(compute, alone, disk_a, backward_passes - last_passes)
+        floor = max(compute, alone, disk_a, backward_passes - last_passes)
+        averaged = max(floor, link - sent, reduce) + tail  # phase A with the average, without the broadcasts
+        phase_a = max(floor, link, reduce) + tail
+        pred.allreduce_s = averaged - floor
+        if sent and shape.allreduce_on_link:  # the broadcasts in the link's stream: what they added to phase A
+            pred.exchange_s = phase_a - averaged
         cpu_step = cpu_opt / hw.cpu_adam_rate + step_passes
         if early:
             cpu_step = cpu_step_after_backward(profile, placement, hw, shape, phase_a)
@@ -742,14 +762,14 @@ def step_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, 
         whole = cpu_opt / hw.cpu_adam_rate + step_passes + (sum(last_gradient_pass(u, placement, hw, shape)
                                                                  for u in profile.units) if early else 0.0)
         pred.optim_exposed_s = optimizer_under_forward(profile, placement, hw, shape, after, whole)
-        # NCCL's exchange: ZeRO-3's each use's params beside the compute, as fetches are (in phase A); zero1/zero2's
-        # new values beside the next forward ([Note: the exchange under the next forward] in
+        # NCCL's exchange: ZeRO-3's each use's params beside the compute, as fetches are (in phase A; on PCIe in the
+        # link's stream, above); zero1/zero2's new values beside the next forward ([Note: the exchange under the next forward] in
         # parallel/sharded_optimizer.py): what that compute does not hide
         exchange_b = 0.0
-        if sends_params(profile):
-            pred.exchange_s = max(0.0, exchange_time(profile, shape) - phase_a)
+        if sent and not shape.allreduce_on_link:  # their own lanes (NVLink): what the compute does not hide
+            pred.exchange_s = max(0.0, sent - phase_a)
             phase_a += pred.exchange_s
-        else:
+        elif not sent:
             forward = sum(work_time(u.fwd, hw) for u in profile.units) * (a if shape.unit_major else 1)
             pred.exchange_s = exchange_b = max(0.0, exchange_time(profile, shape) - forward)
         phase_b = pred.optim_exposed_s + dev_opt / hw.device_adam_rate + exchange_b
