@@ -88,6 +88,13 @@ def main() -> None:
             evaluated = model(x[:2], order[::-1])
             assert torch.allclose(evaluated, plain(x[:2], order[::-1]), rtol=1e-5), step
     uses, broadcasts = exchange.uses, exchange.broadcasts
+    # a device apart from host memory (the GPU's code path) crosses through a wire of its own, as NCCL's device
+    # tensors do, charged to the device meter ([Note: the wire's device buffer] in tightfit/parallel/wire.py)
+    wire = exchange.wire.buffer
+    assert (wire is not None) == engine.separate, (wire, engine.separate)
+    if wire is not None:
+        assert wire.numel() == max(engine.units[n].spec.numel for n in owner)
+        assert engine.device_peak >= wire.numel() * wire.element_size()
     engine.close()
     assert worst <= 1e-5, worst
     # every use of an exchanged unit crossed: root once a forward, each block in forward and backward, and in the

@@ -327,7 +327,10 @@ def test_zero3_broadcasts_on_a_gpu_cross_the_link_through_the_device(tmp_path, c
     z2, z3, nv = got["zero2", "pcie"], got["zero3", "pcie"], got["zero3", "nvlink"]
     sent = z3["ranks"]["exchange_bytes_per_step"]
     assert sent > 0
-    assert z3["prediction"]["traffic"]["d2h"] >= z2["prediction"]["traffic"]["d2h"] + sent  # every rank's downloads
+    assert z3["prediction"]["traffic"]["d2h"] >= z2["prediction"]["traffic"]["d2h"] + sent * 3 / 4  # the others'
+    for plan in (z2, z3):  # the wire: the largest unit either sends, on the device for the whole run
+        wire = plan["prediction"]["breakdown"]["device"]["exchange wire"]
+        assert wire == max(u["numel"] for u in plan["profile"]["units"]) * 2, plan["prediction"]["breakdown"]["device"]
     p = z3["prediction"]
     bus = z3["ranks"]["allreduce_bus_bw"]
     assert p["exchange_s"] > 0 and p["phase_a_s"] >= p["copy_s"] + sent / bus  # the link's stream holds them

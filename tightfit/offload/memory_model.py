@@ -175,6 +175,19 @@ def exchange_buffer_bytes(units: list[UnitSize], c: int) -> int:
             + sum(params_bytes(u, c) for u in roots))
 
 
+def exchange_wire_bytes(units: list[UnitSize], c: int) -> int:
+    """Device bytes of the exchange's wire on a GPU ([Note: the wire's device buffer] in tightfit/parallel/wire.py):
+    the largest unit it sends, the exchanged units' (ZeRO-3) or, where other ranks step units (ZeRO-1/2), every
+    trainable unit's; 0 where the ranks exchange nothing."""
+    if any(u.exchanged for u in units):
+        sent = [u for u in units if u.exchanged]
+    elif any(not u.stepped for u in units):
+        sent = [u for u in units if u.trainable]
+    else:
+        return 0
+    return max(params_bytes(u, c) for u in sent)
+
+
 def autograd_grad_bytes(u: UnitSize, c: int, sums: bool = False) -> int:
     """The `param.grad`s autograd makes for the unit in one backward (compute dtype), until shipped; `sums`: with
     the fp32 sums a unit-major pass folds them into where the compute dtype is narrower (step/unit.py)."""
@@ -486,6 +499,7 @@ def step_memory(units: list[UnitSize], p: Placement, c: int, cuda: bool, act: Ac
     convert = conversion_bytes(units, p, c) if cuda else 0
     upload = upload_conversion_bytes(units, p, c) if cuda else 0
     exchange = exchange_buffer_bytes(units, c)
+    wire = exchange_wire_bytes(units, c) if (cuda if separate is None else separate) else 0
     for phase in PHASES:
         dev = device_parts(units, p, c, phase, sums=sums)
         if phase == "backward":  # the root's last gradient is not there yet
@@ -497,6 +511,8 @@ def step_memory(units: list[UnitSize], p: Placement, c: int, cuda: bool, act: Ac
             dev["grad conversion"] = convert
         if upload and phase != "step":
             dev["param conversion"] = upload
+        if wire:
+            dev["exchange wire"] = wire  # allocated with the exchange, for the whole run
         host = {"states": states[Tier.HOST], "buffers": pool}
         if exchange:
             host["exchange"] = exchange

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from tightfit.offload.memory_model import EXCHANGE_AHEAD, EXCHANGE_SLOTS
 from tightfit.parallel.sharded_optimizer import STRICT_DELAY_S, owner_of
+from tightfit.parallel.wire import Wire
 
 
 class _Use:
@@ -78,8 +79,7 @@ class ParamsExchange:
         self.owner = {u.name: r for u in engine.units.values()
                       if u.exchanged and (r := owner_of(u.name, owner)) is not None}
         cuda = engine.device.type == "cuda"
-        self.wire = torch.device("cpu") if dist.get_backend(group) == "gloo" else \
-            torch.device("cuda", torch.cuda.current_device())
+        self.wire = Wire(engine, group, max((engine.units[n].spec.numel for n in self.owner), default=0))
         # Free buffers: the root's one (used once a forward phase), the blocks' EXCHANGE_SLOTS of the largest
         # block; page-locked on a GPU, which copies from them
         self._free: dict[bool, queue.Queue] = {True: queue.Queue(), False: queue.Queue()}  # is root -> its buffers
@@ -220,10 +220,7 @@ class ParamsExchange:
                     if write is not None:
                         write.result()
                     self.engine.read_params(unit, values, after_step=False)
-                wire = values if self.wire.type == "cpu" else values.to(self.wire)
-                dist.broadcast(wire, src=use.src, group=self.group)
-                if wire is not values:
-                    values.copy_(wire)
+                self.wire.broadcast(values, use.src)
                 self.seconds += time.perf_counter() - started
                 self.bytes += values.numel() * values.element_size()
                 self.broadcasts += 1

@@ -55,6 +55,7 @@ import torch.distributed as dist
 
 from tightfit.errors import UsageError
 from tightfit.parallel.replicas import Replicated
+from tightfit.parallel.wire import Wire
 
 
 STRICT_DELAY_S = 0.01
@@ -97,13 +98,14 @@ class UnitOwners:
         self.engine, self.owner, self.group, self.strategy = engine, owner, group, strategy
         self.rank = dist.get_rank(group)
         self.collective = collective
-        # Where the exchange's and the norms' tensors are: the host on gloo, the GPU on NCCL (which carries device
-        # tensors only).
-        self.wire = torch.device("cpu") if dist.get_backend(group) == "gloo" else \
-            torch.device("cuda", torch.cuda.current_device())
         # (unit, owner) of every unit one rank steps for all, in the engine's unit order (every rank's)
         self.units = [(u, r) for u in engine.units.values()
                       if u.trainable and (r := owner_of(u.name, owner)) is not None]
+        # The new values' way across ([Note: the wire's device buffer] in wire.py; ZeRO-3 sends each use's through
+        # its own exchange instead); the norms' tensors are where the wire is: the host on gloo, the GPU on NCCL
+        self.exchange_wire = Wire(engine, group, max((u.spec.numel for u, _ in self.units), default=0)
+                                  if strategy != "zero3" else 0)
+        self.wire = self.exchange_wire.device
         self._norms_here: dict[str, bool] = {}  # unit name -> this rank adds its norms to the clip's sum
         if strategy in ("zero2", "zero3"):  # each unit's gradients to its owner alone; the norms from every rank
             averager.owner_of = lambda name: owner_of(name, owner)
@@ -185,10 +187,9 @@ class UnitOwners:
                         if step is not None:
                             step.result()
                         self.engine.read_params(unit, values, after_step=False)
-                    wire = values.to(self.wire)
-                    dist.broadcast(wire, src=r, group=self.group)
+                    self.exchange_wire.broadcast(values, r)
                     if r != self.rank:
-                        self.engine.write_params(unit, wire.cpu())
+                        self.engine.write_params(unit, values)
                         arrivals.pop(unit.name).set_result(started)
         except BaseException as e:  # noqa: BLE001 - the forward waiting on a unit raises it; so does `join`
             self._error = e

@@ -645,13 +645,13 @@ def optimizer_under_forward(profile: ModelProfile, placement: Placement, hw: Har
 
 def exchange_copies(tr: dict[str, float], profile: ModelProfile, shape: TrainShape) -> dict[str, float]:
     """`tr` with ZeRO-3's copies through the device on a GPU: NCCL carries device tensors, so for each use of a unit's
-    parameters its owner uploads them from its exchange buffer and every rank copies the broadcast down into its own
-    ([Note: parameters sent for each use] in parallel/params_exchange.py), before the use's fetch (in `traffic`)
-    uploads them again: this rank's share of the uploads (one use in `ranks` is its own), every download."""
+    parameters its owner uploads them from its exchange buffer and every other rank copies the broadcast down into
+    its own ([Note: the wire's device buffer] in parallel/wire.py), before the use's fetch (in `traffic`) uploads
+    them again: a rank owns one use in `ranks` (its upload) and receives the others (their downloads)."""
     if not sends_params(profile):
         return tr
     sent = exchange_bytes(profile, shape)
-    return {**tr, "h2d": tr["h2d"] + sent / shape.ranks, "d2h": tr["d2h"] + sent}
+    return {**tr, "h2d": tr["h2d"] + sent / shape.ranks, "d2h": tr["d2h"] + sent * (shape.ranks - 1) / shape.ranks}
 
 
 def link_time(tr: dict[str, float], hw: HardwareProfile) -> float:
