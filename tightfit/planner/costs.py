@@ -763,8 +763,8 @@ def step_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, 
                                                                  for u in profile.units) if early else 0.0)
         pred.optim_exposed_s = optimizer_under_forward(profile, placement, hw, shape, after, whole)
         # NCCL's exchange: ZeRO-3's each use's params beside the compute, as fetches are (in phase A; on PCIe in the
-        # link's stream, above); zero1/zero2's new values beside the next forward ([Note: the exchange under the next forward] in
-        # parallel/sharded_optimizer.py): what that compute does not hide
+        # link's stream, above); zero1/zero2's new values beside the next forward ([Note: the exchange under the
+        # next forward] in parallel/sharded_optimizer.py): what that compute does not hide
         exchange_b = 0.0
         if sent and not shape.allreduce_on_link:  # their own lanes (NVLink): what the compute does not hide
             pred.exchange_s = max(0.0, sent - phase_a)
