@@ -341,14 +341,14 @@ class _Sharded:
         if sharding == "zero3":
             exchange_params(engine, owner, dist.new_group(backend=dist.get_backend()))
         self.gathers = dist.new_group(backend="gloo")  # point to point between host tensors
-        self._followed: set[int] = set()  # the optimizers whose steps start an exchange
+        self._followed = None  # the optimizer whose steps start an exchange
 
     def follow(self, opt: AdamW) -> None:
         """Under zero1/zero2, each step of `opt` starts the owners' exchange of the new values (`UnitOwners.start`,
         as `tightfit train` does after `opt.step()`); zero3 sends parameters as each use asks for them."""
-        if self.sharding == "zero3" or id(opt) in self._followed:
+        if self.sharding == "zero3" or opt is self._followed:
             return
-        self._followed.add(id(opt))
+        self._followed = opt
         opt.register_step_post_hook(lambda *_: self.owners.start())
 
     def join(self) -> None:

@@ -103,9 +103,8 @@ class UnitOwners:
                       if u.trainable and (r := owner_of(u.name, owner)) is not None]
         # The new values' way across ([Note: the wire's device buffer] in wire.py; ZeRO-3 sends each use's through
         # its own exchange instead); the norms' tensors are where the wire is: the host on gloo, the GPU on NCCL
-        self.exchange_wire = Wire(engine, group, max((u.spec.numel for u, _ in self.units), default=0)
-                                  if strategy != "zero3" else 0)
-        self.wire = self.exchange_wire.device
+        self.wire = Wire(engine, group, max((u.spec.numel for u, _ in self.units), default=0)
+                         if strategy != "zero3" else 0)
         self._norms_here: dict[str, bool] = {}  # unit name -> this rank adds its norms to the clip's sum
         if strategy in ("zero2", "zero3"):  # each unit's gradients to its owner alone; the norms from every rank
             averager.owner_of = lambda name: owner_of(name, owner)
@@ -122,8 +121,8 @@ class UnitOwners:
         not zero, is every norm bit for bit, so every rank clips by the coefficient the replicas would. A unit no
         rank owns alone (every rank holds its gradients) counts rank 0's norm only."""
         self.join()  # the exchange's group is the norms'
-        stacked = torch.stack([n.to(self.wire, torch.float32) if self._adds_norms(u.name)
-                               else torch.zeros((), device=self.wire) for n, u in zip(norms, units)])
+        stacked = torch.stack([n.to(self.wire.device, torch.float32) if self._adds_norms(u.name)
+                               else torch.zeros((), device=self.wire.device) for n, u in zip(norms, units)])
         with self.collective("the gradient norms' exchange"):
             dist.all_reduce(stacked, group=self.group)
         return list(stacked.unbind())
@@ -187,7 +186,7 @@ class UnitOwners:
                         if step is not None:
                             step.result()
                         self.engine.read_params(unit, values, after_step=False)
-                    self.exchange_wire.broadcast(values, r)
+                    self.wire.broadcast(values, r)
                     if r != self.rank:
                         self.engine.write_params(unit, values)
                         arrivals.pop(unit.name).set_result(started)
