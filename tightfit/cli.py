@@ -135,10 +135,8 @@ def _reported_to_launcher(e: UsageError) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     from tightfit.utils.malloc_arenas import limit_arenas
-    from tightfit.utils.omp_spin import shorten_omp_spin
 
     limit_arenas()  # before any thread: [Note: one heap for the engine's threads]
-    shorten_omp_spin()  # before torch loads OpenMP: [Note: OpenMP's idle spin]
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     try:
