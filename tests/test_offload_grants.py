@@ -119,6 +119,7 @@ def test_a_step_after_backward_takes_the_gradient_workers_cores(tmp_path, monkey
     from tightfit.offload.step import engine as engine_module
     from tightfit.offload.step.optimizer import StepRunner
 
+    monkeypatch.setenv("TIGHTFIT_CPU_DEVICE", "separate")  # a GPU's path: every step on the step thread
     monkeypatch.setattr(engine_module, "thread_budget", lambda total, cuda: {"grads": 1, "step": 1, "alone": 2})
     decided, ran = [], []
     real_done, real_step = engine_module.OffloadEngine._grads_done, StepRunner.step_one

@@ -166,3 +166,56 @@ def test_reads_between_steps_wait_for_the_queued_steps(tmp_path):
         assert all(torch.equal(got[k], ref[k]) for k in got), read
         assert not [t for t in threading.enumerate() if t.name == "tightfit-step" and not t.daemon]
         engine_of(model).close()
+
+
+def test_a_forward_runs_a_step_that_has_not_started_itself(monkeypatch):
+    """[Note: a step run by the thread that waits for it]: with the step thread held busy, each forward reaches units
+    whose queued steps have not started and runs them on its own thread instead of waiting; the losses, norms and
+    weights are torch's. Without it the forward waits until the hold times out and the step thread runs them."""
+    clips = [1.0, 0.5, 50.0, 1.0]
+    ref = _run(None, clips, LRS[:4])
+    ran_on: dict[str, set[str]] = {}
+    real = step_optimizer.StepRunner.step_one
+
+    def recorded(self, unit, groups, scales):
+        ran_on.setdefault(unit.name, set()).add(threading.current_thread().name)
+        return real(self, unit, groups, scales)
+
+    monkeypatch.setattr(step_optimizer.StepRunner, "step_one", recorded)
+    monkeypatch.setenv("TIGHTFIT_CPU_DEVICE", "shared")  # the CPU's own path (the suite runs the GPU's by default)
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    tightfit.wrap(model, Placement.everywhere(Tier.HOST), device="cpu")
+    engine = engine_of(model)
+    assert not engine.separate
+    opt = AdamW(model.parameters(), lr=LRS[0], weight_decay=0.1)
+    losses, norms, held = [], [], []
+    for step, (clip, lr) in enumerate(zip(clips, LRS)):
+        for group in opt.param_groups:
+            group["lr"] = lr
+        loss = loss_of(model, *batch(step))  # the forward: runs the last step's queued steps where they wait
+        losses.append(loss.item())
+        opt.preload_during_backward()
+        loss.backward()
+        norms.append(float(opt.clip_grad_norm_(clip)))
+        if step > 0:
+            for hold in held:  # the step thread free again: the steps still queued run there
+                hold.set()
+            engine.wait_steps()
+        hold, holding = threading.Event(), threading.Event()
+        engine.step_worker.submit("hold", lambda hold=hold, holding=holding: holding.set() or hold.wait(5))
+        assert holding.wait(10)  # the step thread is busy with the hold: the steps queued next cannot start there
+        held.append(hold)
+        opt.step()
+        opt.zero_grad()
+        if step == len(clips) - 1:
+            with torch.no_grad():
+                loss_of(model, *batch(step + 1))  # the last steps' forward, the hold still on
+            hold.set()
+    engine.wait_steps()
+    assert losses == ref[0] and norms == ref[1]
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    assert all(torch.equal(weights[k], ref[2][k]) for k in ref[2])
+    main = threading.current_thread().name
+    assert all(main in threads for threads in ran_on.values()), ran_on
+    engine.close()

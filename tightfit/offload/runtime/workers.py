@@ -125,6 +125,16 @@ class StepThread:
         with self._cv:
             return not self._queue and not self._running
 
+    def take(self, unit: str):
+        """The queued step of `unit`, taken off the queue for the caller to run: (fn, future), or None when it has
+        started (or is not queued). Whoever takes it runs `fn(True)` and settles `future`."""
+        with self._cv:
+            for job in self._queue:
+                if job[2] == unit:
+                    self._queue.remove(job)
+                    return job[3], job[4]
+        return None
+
     def upcoming(self, n: int) -> list[str]:
         """The units of the next `n` queued steps, in the order they will run."""
         with self._cv:

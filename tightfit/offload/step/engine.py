@@ -183,7 +183,7 @@ class OffloadEngine:
                                        land_fp32=placement.land_grads_fp32)
         self.stepper = StepRunner(self.pool, self.cache, self.mover, self.writes, self.scheduler, self.timers,
                                   device, self.separate)
-        self.steps = StepQueue(self.step_worker, self.writes, self.timers, self._before_step)
+        self.steps = StepQueue(self.step_worker, self.writes, self.timers, self._before_step, self._steps_here)
         self.residency = Residency(self.units, self.meter, self.mover, self.pool, self.cache, self.timers,
                                    placement.device_budget, self._keeps_master, lambda: self.phase)
         self.phase = StepPhase.IDLE
@@ -537,6 +537,11 @@ class OffloadEngine:
         names = self.step_worker.upcoming(self.placement.prefetch_depth)
         self.scheduler.issue(self.scheduler.preloads_ahead(names, 0),
                              {MoveKind.PRELOAD: lambda name: self.stepper.preload(self.units[name])})
+
+    def _steps_here(self, unit: OffloadUnit) -> bool:
+        """May the thread waiting for the unit's step run it? On a CPU device whose memory is the host's, a step
+        that needs no buffer of the pool ([Note: a step run by the thread that waits for it] in step_queue.py)."""
+        return self.device.type == "cpu" and not self.separate and not unit.jobs.get("step")
 
     def wait_step(self, unit: OffloadUnit) -> None:
         """The unit's last optimizer step is done ([Note: steps under the next forward] in step_queue.py)."""
