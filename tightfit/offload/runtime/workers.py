@@ -125,14 +125,14 @@ class StepThread:
         with self._cv:
             return not self._queue and not self._running
 
-    def take(self, unit: str):
-        """The queued step of `unit`, taken off the queue for the caller to run: (fn, future), or None when it has
-        started (or is not queued). Whoever takes it runs `fn(True)` and settles `future`."""
+    def take(self, future: Future):
+        """The queued step whose Future `submit` returned as `future`, taken off the queue for the caller to run:
+        its fn, or None when it has started. Whoever takes it runs `fn(True)` and settles `future`."""
         with self._cv:
             for job in self._queue:
-                if job[2] == unit:
+                if job[4] is future:
                     self._queue.remove(job)
-                    return job[3], job[4]
+                    return job[3]
         return None
 
     def upcoming(self, n: int) -> list[str]:

@@ -86,14 +86,13 @@ class StepQueue:
             return
         if not f.done():
             t0 = time.perf_counter()
-            job = self.worker.take(unit.name) if self.runs_here(unit) else None
-            if job is not None:  # not started: run here ([Note: a step run by the thread that waits for it])
-                run, future = job
-                if future.set_running_or_notify_cancel():
-                    try:
-                        future.set_result(run(True))
-                    except BaseException as e:  # noqa: BLE001 - raised below, as a step thread's error would be
-                        future.set_exception(e)
+            # Not started: run here ([Note: a step run by the thread that waits for it])
+            run = self.worker.take(f) if self.runs_here(unit) else None
+            if run is not None and f.set_running_or_notify_cancel():
+                try:
+                    f.set_result(run(True))
+                except BaseException as e:  # noqa: BLE001 - raised below, as a step thread's error would be
+                    f.set_exception(e)
             with contextlib.suppress(BaseException):
                 f.result()
             t1 = time.perf_counter()
