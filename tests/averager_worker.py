@@ -44,8 +44,8 @@ dist.all_reduce(ok, op=dist.ReduceOp.MIN)
 # a module no block contains) counted once
 from tightfit.parallel.sharded_optimizer import UnitOwners  # noqa: E402
 
-owners = UnitOwners(SimpleNamespace(units={}, separate=False), {"root": 0, "blocks.0": 1}, SimpleNamespace(owner_of=None), group,
-                    "zero2")
+owners = UnitOwners(SimpleNamespace(units={}, separate=False), {"root": 0, "blocks.0": 1},
+                    SimpleNamespace(owner_of=None), group, "zero2")
 held = [SimpleNamespace(name=n) for n in ("root", "blocks.0", "lm_head.tiles.0")]
 local = [torch.tensor(3.0), torch.tensor(0.0), torch.tensor(5.0)] if rank == 0 else \
     [torch.tensor(0.0), torch.tensor(4.0), torch.tensor(5.0)]
