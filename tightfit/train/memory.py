@@ -380,9 +380,10 @@ def cap_device_memory(device: torch.device, gpu_mem: int) -> float | None:
     planner/budgets.py) are what the GPU gives this process."""
     if device.type != "cuda":
         return None
-    total = torch.cuda.get_device_properties(device).total_memory
+    index = torch.cuda.current_device() if device.index is None else device.index  # torch wants an index here
+    total = torch.cuda.get_device_properties(index).total_memory
     fraction = min(1.0, gpu_mem / total)
-    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
     return fraction
 
 
