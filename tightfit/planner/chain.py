@@ -55,7 +55,10 @@ class ChainCheck:
             return self.problem
         if not self.entries:
             return "the model has no units besides its root"
-        owner: dict[int, int] = {}  # id(node) -> the segment that reached it
+        # node -> the segment that reached it. Keyed by the node object, not id(node): holding each node keeps its
+        # Python object alive, so a later access returns that object; before torch 2.12 an object nobody held died
+        # and a new node's could take its address (its id), two segments then seeming to meet.
+        owner: dict[object, int] = {}
         stops = [set(edges) for _, edges in self.entries]
         starts = [[loss.grad_fn] if loss.grad_fn is not None else []]
         for s in range(len(self.entries) - 1, -1, -1):
@@ -67,11 +70,11 @@ class ChainCheck:
             todo = [n for n in roots if n is not None]
             while todo:
                 node = todo.pop()
-                if id(node) in owner:
-                    if owner[id(node)] != s:
-                        return self._join(s, owner[id(node)])
+                if node in owner:
+                    if owner[node] != s:
+                        return self._join(s, owner[node])
                     continue
-                owner[id(node)] = s
+                owner[node] = s
                 for nxt, nr in node.next_functions:
                     if nxt is None or (nxt, nr) in mine:
                         continue
