@@ -24,10 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -47,6 +49,39 @@ def _params(config: dict) -> int:
     h, f, n, v = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"], config["vocab_size"]
     kv = h * config["num_key_value_heads"] // config["num_attention_heads"]
     return 2 * v * h + h + n * (2 * h * h + 2 * h * kv + 3 * h * f + 2 * h)
+
+
+def _log_path(args, part: str) -> Path:
+    """Where a part's whole output goes: beside --json-out (gpu_check.sh packs that folder), else a temp folder."""
+    folder = Path(args.json_out).parent if args.json_out else Path(tempfile.mkdtemp(prefix="tightfit-big-"))
+    return folder / f"bench_gpu_big_{part}.log"
+
+
+def _run_logged(cmd: list[str], timeout: float, log: Path) -> tuple[int | None, str]:
+    """Run `cmd` with its output written to `log` as it comes, each line stamped with the seconds since the start;
+    returns its exit status (None when it ran out of `timeout`) and the log's last 3000 characters.
+
+    Why: a run that stalls before printing anything (set-up is minutes for a 7B) must still say where it stalled.
+    On the timeout the child gets SIGABRT, which Python's faulthandler (PYTHONFAULTHANDLER) answers with every
+    thread's stack, then it is killed."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
+    t0 = time.time()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
+        timer = threading.Timer(timeout, lambda: proc.send_signal(signal.SIGABRT))
+        timer.start()
+        try:
+            for line in proc.stdout:
+                f.write(f"[{time.time() - t0:7.1f}s] {line}")
+                f.flush()
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        finally:
+            timer.cancel()
+    timed_out = time.time() - t0 >= timeout
+    return (None if timed_out else proc.returncode), log.read_text(errors="replace")[-3000:]
 
 
 def run_7b(args, out: dict) -> None:
@@ -69,13 +104,12 @@ def run_7b(args, out: dict) -> None:
     r = out["7b"] = {"config": config, "params": _params(config), "command": " ".join(cmd[2:]),
                      "tokens_per_step": args.accum * seq}
     t0 = time.time()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_7b, cwd=ROOT)
-        r["exit_status"], r["wall_s"] = proc.returncode, time.time() - t0
-        r["log_tail"] = (proc.stdout + proc.stderr)[-3000:]
-    except subprocess.TimeoutExpired as e:
-        r["error"] = f"timed out after {args.timeout_7b} s"
-        r["log_tail"] = ((e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace"))[-3000:]
+    status, r["log_tail"] = _run_logged(cmd, args.timeout_7b, _log_path(args, "7b"))
+    r["wall_s"] = time.time() - t0
+    if status is None:
+        r["error"] = f"timed out after {args.timeout_7b} s (every thread's stack at the end of its log)"
+    else:
+        r["exit_status"] = status
     metrics = run / "metrics.jsonl"
     if metrics.exists():
         records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
@@ -119,13 +153,13 @@ def run_host(args, out: dict) -> None:
         cmd = [sys.executable, str(bench), *shape, "--sides", sides, "--host-accum", str(accum), "--clip", "1.0",
                "--json-out", str(path)]
         r = out[name] = {"command": " ".join(cmd[1:])}
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_host, cwd=ROOT)
-            r["exit_status"] = proc.returncode
-            if proc.returncode:
-                r["log_tail"] = (proc.stdout + proc.stderr)[-2000:]
-        except subprocess.TimeoutExpired:
-            r["error"] = f"timed out after {args.timeout_host} s"
+        status, tail = _run_logged(cmd, args.timeout_host, _log_path(args, name))
+        if status is None:
+            r["error"], r["log_tail"] = f"timed out after {args.timeout_host} s", tail
+        else:
+            r["exit_status"] = status
+            if status:
+                r["log_tail"] = tail
         if path.exists():
             r.update(json.loads(path.read_text()))
     plain = out.get("host_32k", {}).get("plain-uncapped", {})

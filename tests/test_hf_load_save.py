@@ -230,3 +230,22 @@ def test_wrapped_frozen_parameters_have_no_grad_or_optimizer_state(tmp_path):
     assert torch.equal(back.lm_head.weight, ref.lm_head.weight)  # frozen: bit-identical after training
     assert torch.equal(back.model.embed_tokens.weight, ref.model.embed_tokens.weight)
     assert not torch.equal(back.model.layers[0].mlp.up_proj.weight, ref.model.layers[0].mlp.up_proj.weight)
+
+
+def test_train_says_its_setup_before_the_plan(tmp_path, capsys):
+    """A 7B run spends minutes before its first step (the probe on a new machine, the plan, filling 100 GiB of
+    tiers); `tightfit train` says each phase as it starts, so a stalled set-up shows where it stalled."""
+    from tightfit.cli import main
+
+    config = llama_config(False)
+    config.vocab_size = 256  # the default corpus's byte tokens
+    config.save_pretrained(tmp_path / "cfg")
+    rc = main(["train", "--model", f"hf:{tmp_path / 'cfg'}", "--offload", "host", "--steps", "1", "--micro-batch",
+               "1", "--seq-len", "16", "--eval-interval", "1", "--eval-batches", "1", "--keep-checkpoints", "0",
+               "--out-dir", str(tmp_path / "run")])
+    assert rc == 0
+    lines = capsys.readouterr().out.splitlines()
+    setup = [i for i, line in enumerate(lines) if line.startswith("setup: ")]
+    said = [lines[i] for i in setup]
+    assert said[0].startswith("setup: planning ") and "planned in" in said[1] and "filling the tiers" in said[2]
+    assert setup[-1] < next(i for i, line in enumerate(lines) if line.startswith("plan ("))

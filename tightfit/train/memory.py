@@ -7,6 +7,7 @@ the loop never tests which one it has.
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from typing import Callable, Iterator, Protocol
 
@@ -388,7 +389,8 @@ def cap_device_memory(device: torch.device, gpu_mem: int) -> float | None:
 
 
 def setup_memory(model: nn.Module, cfg: Config, device: torch.device, dtype: torch.dtype,
-                 planned: Callable | None = None, autocast: bool = True, averaging=None) -> MemorySetup:
+                 planned: Callable | None = None, autocast: bool = True, averaging=None,
+                 say: Callable[[str], None] | None = None) -> MemorySetup:
     """Pick how the run holds its model: plain PyTorch (--offload none), or the offload engine with the plan.
     `planned(plan)` runs once the plan is made, before the engine allocates anything (a check that can refuse the
     run while that is cheap). `autocast`: whether the loop's forward runs under `torch.autocast` (`tightfit
@@ -401,14 +403,25 @@ def setup_memory(model: nn.Module, cfg: Config, device: torch.device, dtype: tor
         return PlainMemory(model, cfg, device, dtype)
     from tightfit.config import parse_nvme
     from tightfit.planner import make_plan
+    from tightfit.planner.hardware import load_cached
     from tightfit.planner.probe import load_or_probe
 
+    # What takes long before the first step (the probe on a new machine, tracing and placing a large model, pinning
+    # its host tiers) is said as it starts: a 7B run's set-up is minutes, and silence would look like a hang.
+    say = say or (lambda line: None)
+    t0 = time.perf_counter()
+    if load_cached() is None:
+        say("setup: measuring this machine once (about 30 s; cached for the runs after)")
     # The plan's floor is this process's, measured now (the probe's is a fresh process without the data set).
     hw = load_or_probe(parse_nvme(cfg.memory.nvme)[0] if cfg.memory.nvme else None)
     hw = replace(hw, runtime_rss=max(hw.runtime_rss, process_floor(model, device, dtype)))
+    t1 = time.perf_counter()
+    say(f"setup: planning {sum(p.numel() for p in model.parameters()):,} parameters")
     plan = make_plan(model, cfg, hw, autocast=autocast, averaging=averaging)
     if planned is not None:
         planned(plan)
+    t2 = time.perf_counter()
+    say(f"setup: planned in {t2 - t1:.0f} s (the machine's profile {t1 - t0:.0f} s); building the tiers")
     return OffloadMemory(model, cfg, device, dtype, plan)
 
 

@@ -173,12 +173,13 @@ def one_process(model: torch.nn.Module, cfg, device: torch.device, dtype: torch.
     # offload mode's before).
     shapes = {n: p.shape for n, p in model.named_parameters()}  # as built, before the engine holds them
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        mem = setup_memory(model, cfg, device, dtype, planned=planned, averaging=averaging)
+        mem = setup_memory(model, cfg, device, dtype, planned=planned, averaging=averaging, say=say)
     trainee = OneProcess(mem, device, dtype)
     try:
         if resume is not None:
             trainee.mem.import_state(resume.get)
         elif streams_weights(cfg):  # built on the meta device
+            say(f"setup: filling the tiers from {hf_path(cfg.model.model)} one unit at a time")
             from tightfit.models.hf_load import HFCheckpoint
             from tightfit.models.hf_wrap import checkpoint_values
 
