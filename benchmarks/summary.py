@@ -26,9 +26,18 @@ BEGIN, END = "<!-- summary:begin (benchmarks/summary.py writes this block) -->",
 IMAGES = ROOT / "docs" / "img"
 
 
-def gpu_runs() -> list[tuple[str, dict]]:
-    """(run, figures) of the GPU runs of the newest date (older ones measured code changed since), oldest first;
-    a run without figures.json gives what its train-metrics.jsonl holds."""
+def _fsdp(d: dict) -> bool:
+    return bool(d.get("fsdp", {}).get("tokens_per_s_ratio"))
+
+
+def _planned(d: dict) -> bool:
+    return bool((d.get("train") or {}).get("plan_vs_measured"))
+
+
+def gpu_runs(has=lambda d: True) -> list[tuple[str, dict]]:
+    """(run, figures) of the GPU runs that measured what `has` asks for, of the newest such date (older ones
+    measured code changed since), oldest first; a run without figures.json gives what its train-metrics.jsonl
+    holds. Per question: a run that did not measure the FSDP2 comparison leaves the last one that did."""
     out = []
     for folder in sorted(p for p in (HERE / "gpu-runs").iterdir() if p.is_dir()):
         d = json.loads((folder / "figures.json").read_text()) if (folder / "figures.json").is_file() else {}
@@ -38,7 +47,7 @@ def gpu_runs() -> list[tuple[str, dict]]:
                 record = json.loads(line)
                 if record.get("kind") == "plan_vs_measured":
                     d.setdefault("train", {})["plan_vs_measured"] = record
-        if d:
+        if d and has(d):
             out.append((folder.name, d))
     newest = max((name[:10] for name, _ in out), default="")
     return [(name, d) for name, d in out if name[:10] == newest]
@@ -132,7 +141,6 @@ def tokenize_table() -> list[str]:
 
 
 def block() -> str:
-    runs = gpu_runs()
     parts = [
         BEGIN, "",
         "## Summary: the latest figure for each question",
@@ -142,13 +150,13 @@ def block() -> str:
         "",
         "### How fast against FSDP2's CPU offload (a lent H200; 1.2 B GPT, bf16, `GPU_CHECK_STAGES=fsdp make "
         "gpu-check`)",
-        "", *fsdp_table(runs), "",
+        "", *fsdp_table(gpu_runs(_fsdp)), "",
         "![tightfit against FSDP2's CPU offload](../docs/img/fsdp2.png)", "",
         "### How fast against DeepSpeed ZeRO-3 with every state on NVMe", "", *deepspeed_table(),
         "![tightfit against DeepSpeed ZeRO-3 on NVMe](../docs/img/deepspeed.png)", "",
         "### Several ranks with the offload engine", "", *ddp_table(),
         "### Fine-tuning records: tokenizing", "", *tokenize_table(),
-        "### The plan against the run (lent H200)", "", *plan_table(runs), "",
+        "### The plan against the run (lent H200)", "", *plan_table(gpu_runs(_planned)), "",
         "![predicted against measured](../docs/img/plan_vs_measured.png)", "",
         END,
     ]
@@ -163,7 +171,7 @@ def plots() -> list[Path]:
 
     IMAGES.mkdir(parents=True, exist_ok=True)
     written = []
-    runs = [(n, d["fsdp"]) for n, d in gpu_runs() if d.get("fsdp", {}).get("tokens_per_s_ratio")]
+    runs = [(n, d["fsdp"]) for n, d in gpu_runs(_fsdp)]
     if runs:
         fig, ax = plt.subplots(figsize=(7, 3.2))
         sides = [("fsdp2", "FSDP2 CPU offload"), ("tightfit", "tightfit, its plan"),
@@ -198,7 +206,7 @@ def plots() -> list[Path]:
         fig.savefig(written[-1], dpi=110)
         plt.close(fig)
     points = []
-    for n, d in gpu_runs():
+    for n, d in gpu_runs(_planned):
         pvm = (d.get("train") or {}).get("plan_vs_measured")
         if pvm and pvm["measured"].get("device_peak"):
             points.append((n, pvm["predicted"], pvm["measured"]))
