@@ -38,7 +38,9 @@
 #                 trained by `tightfit train` (meta-device build, states placed by the plan for this machine's GPU,
 #                 RAM and the swap folder's disk; bf16, clipping, 32k tokens a step; up to 200 s), then the 1.1B
 #                 Llama with every state on the host at 32k and 128k tokens a step against plain PyTorch (45 s each;
-#                 not run on a GPU yet: the limits are estimates)
+#                 on 2026-11-29 the 7B took 142 s for 4 steps in micro-batch-major order, ~88 s of it set-up, the
+#                 probe cached; the host sides not run yet). Each part's output: bench_gpu_big_<part>.log in parts,
+#                 stamped, with every thread's stack where a part ran out of its time
 # GPU_CHECK_STAGES="tests fsdp" runs some of them (a stage run again replaces only its own results, so stages run
 # one call at a time end in the same report); GPU_CHECK_OUT changes the folder. Exit status 0 when every stage ran
 # and passed. GPU_CHECK_SMOKE=1 checks this script itself on a machine without a GPU: any torch will do, the tests
