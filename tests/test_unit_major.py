@@ -279,6 +279,8 @@ def test_a_model_whose_units_are_no_chain_is_planned_micro_batch_major_or_refuse
     plan_for = _plan_for_test
     plan = plan_for(_Blocks(_skip), accumulation="auto", grad_accum=4)
     assert not plan.shape.unit_major
+    assert plan.reasons[0].startswith("accumulation: micro-batch-major") and "do not form a chain" in plan.reasons[0]
+    assert "accumulation:" in plan.summary()  # said wherever the plan is printed
     with pytest.raises(UsageError, match=r"--accumulation unit: .*do not form a chain .*--accumulation micro"):
         plan_for(_Blocks(_skip), accumulation="unit", grad_accum=4)
     assert plan_for(_Blocks(_chain), accumulation="unit", grad_accum=4).shape.unit_major

@@ -97,6 +97,8 @@ def make_plan(model: nn.Module, cfg, hardware: HardwareProfile | None = None, na
                     budgets.source, res.reasons, mode, shape, res.profile, hw, budgets.shared)
 
     plan = place(hardware)
+    if accumulation is None and (why := _why_not_unit_major(cfg, profile)):
+        plan.reasons.insert(0, why)
     swap = plan.prediction.peak.get("nvme", 0)
     if swap and (at_volume := hardware.at_disk_volume(swap)) is not hardware:
         plan = place(at_volume)  # the disk's rates over the volume this run keeps there ([Note: sustained bandwidth])
@@ -145,6 +147,22 @@ def _accumulation(cfg, profile, names: Naming) -> str | None:
                              f"form a chain; use {names.set('accumulation', 'micro')}")
         return None
     return asked
+
+
+def _why_not_unit_major(cfg, profile) -> str:
+    """Why an offloaded run of several micro-batches, its order left to the planner, runs micro-batch-major when
+    the model is the reason ("" otherwise): each micro-batch's gradients then leave the device, which a user of a
+    large model must be able to see (the H200's torch once made every Llama's check fail, silently)."""
+    if cfg.memory.accumulation != "auto" or cfg.train.grad_accum == 1 or cfg.memory.offload == "none":
+        return ""
+    if profile.chain:
+        why = f"this model's units do not form a chain ({profile.chain})"
+    elif profile.chain is None:
+        why = "the planner could not trace this model to tell whether its units form a chain"
+    else:
+        return ""
+    return (f"accumulation: micro-batch-major, each micro-batch's gradients leaving the device: {why}, which "
+            "unit-major order needs")
 
 
 def _boundaries(cfg, accumulation: str | None, names: Naming) -> str:
