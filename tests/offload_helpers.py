@@ -25,10 +25,10 @@ def hf_gpt2() -> torch.nn.Module:
     return GPT2LMHeadModel(cfg)
 
 
-def hf_llama() -> torch.nn.Module:
+def hf_llama(layers: int = 2) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ, use_cache=False,
                       bos_token_id=0, eos_token_id=0)
     return LlamaForCausalLM(cfg)
