@@ -170,6 +170,25 @@ def test_unit_major_block_inputs_wait_in_host_memory_where_the_device_cannot_hol
         tightfit.plan(gpt(meta=True), micro_batch=2, seq_len=32, grad_accum=2, boundaries="host", hardware=GPU)
 
 
+def test_a_unit_major_candidate_that_does_not_fit_costs_one_search(monkeypatch):
+    """Where unit-major order does not fit and micro-batch-major does, the plan is micro-batch-major at once: the
+    smallest change that would make the rejected candidate fit (dozens of searches: minutes for a 7B of 16
+    micro-batches, and a `tightfit train` silent meanwhile) is worked out only for a plan the user gets."""
+    import tightfit.planner.suggest as suggest
+
+    calls = []
+    real = suggest.suggest
+    monkeypatch.setattr(suggest, "suggest", lambda *a, **k: calls.append(1) or real(*a, **k))
+    kw = dict(gpu_mem="400MiB", cpu_mem="16GiB", micro_batch=4, seq_len=512, grad_accum=16, hardware=GPU)
+    plan = tightfit.plan(gpt(n_layer=8, n_embd=512, seq=512, meta=True), accumulation="auto", boundaries="device",
+                         **kw)
+    assert not plan.shape.unit_major and not calls
+    with pytest.raises(UsageError, match="--gpu-mem|gpu_mem"):  # asked for: the user gets the smallest change
+        tightfit.plan(gpt(n_layer=8, n_embd=512, seq=512, meta=True), accumulation="unit", boundaries="device",
+                      **kw)
+    assert calls
+
+
 def test_a_plan_for_a_user_loop_keeps_gradient_sums_on_the_device_where_there_is_room():
     """Micro-batch-major order with params, master and moments offloaded: the gradients are what the device keeps
     first (summed there, they leave once a step instead of once a micro-batch), and the plan says so."""

@@ -78,12 +78,13 @@ def make_plan(model: nn.Module, cfg, hardware: HardwareProfile | None = None, na
     def place(hw: HardwareProfile) -> Plan:
         if accumulation is None:
             return place_shape(hw, shape)
-        return choose_accumulation(lambda s: place_shape(hw, s), shape, accumulation == "unit", names,
+        return choose_accumulation(lambda s, explain=True: place_shape(hw, s, explain), shape,
+                                   accumulation == "unit", names,
                                    boundaries if boundaries != "auto" or hw.cuda else "device")
 
-    def place_shape(hw: HardwareProfile, shape: TrainShape) -> Plan:
+    def place_shape(hw: HardwareProfile, shape: TrainShape, explain: bool = True) -> Plan:
         if mode == "auto":
-            res = search(profile, hw, budgets, shape, cfg.memory.checkpointing, names)
+            res = search(profile, hw, budgets, shape, cfg.memory.checkpointing, names, explain)
         elif mode == "none":
             res = fixed(profile, hw, budgets, shape, Tier.DEVICE, cfg.memory.checkpointing,
                         f"{names.set('offload', 'none')} (plain PyTorch)", names)
@@ -190,15 +191,16 @@ def choose_accumulation(place, shape: TrainShape, forced: bool, names: Naming, b
     m = shape.grad_accum
     unit = None
     for on_host in {"device": (False,), "host": (True,), "auto": (False, True)}[boundaries]:
+        last = on_host == (boundaries != "device")  # the last candidate: its failure is the user's when forced
         try:
-            unit = place(replace(shape, unit_major=True, boundaries_on_host=on_host))
+            unit = place(replace(shape, unit_major=True, boundaries_on_host=on_host), forced and last)
             if unit.placement.tiled_linears:  # tiles share their input: not a chain (unit_major.py)
                 if forced:
                     raise UsageError(f"{names.set('accumulation', 'unit')}: the plan tiles layers, whose tiles "
                                      f"share their input; use {names.set('accumulation', 'micro')}")
                 unit = None
         except UsageError:
-            if forced and on_host == (boundaries != "device"):
+            if forced and last:
                 raise
             unit = None
         if unit is not None:

@@ -157,12 +157,17 @@ def _finish(p: Placement, profile: ModelProfile, hw: HardwareProfile, b: Budgets
 
 
 def search(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainShape,
-           checkpointing: str = "auto", names: Naming = CLI) -> SearchResult:
+           checkpointing: str = "auto", names: Naming = CLI, explain: bool = True) -> SearchResult:
     """The fastest placement the budgets allow (see the module docstring for the order of decisions). Raises
-    `Infeasible` with the smallest change that fits, each figure found by planning again with it."""
+    `Infeasible` with the smallest change that fits, each figure found by planning again with it; with `explain`
+    false (a candidate whose failure the caller catches, such as unit-major order beside micro-batch-major) only
+    with what is short: the smallest change costs dozens of searches (minutes for a 7B of 16 micro-batches)."""
     try:
         return search_fastest(profile, hw, b, shape, checkpointing)
     except _NoFit as nf:
+        if not explain:
+            tier, need, have = nf.bad
+            raise Infeasible(f"needs {format_size(need)} {tier} memory, {format_size(have)} available") from None
         from tightfit.planner.suggest import suggest
 
         raise Infeasible(suggest(nf, profile, hw, b, shape, checkpointing, names)) from None
