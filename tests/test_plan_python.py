@@ -189,6 +189,22 @@ def test_a_unit_major_candidate_that_does_not_fit_costs_one_search(monkeypatch):
     assert calls
 
 
+def test_every_state_on_host_still_checkpoints_what_unit_major_order_cannot_hold():
+    """`--offload host` places the states; the activations of every micro-batch at once, which unit-major order
+    keeps, are the plan's to fit: it checkpoints the blocks where they would not fit the device, and where even
+    then they do not, it runs micro-batch-major. (It had planned 70.6 GiB on a 22 GiB device for the 1.1B Llama
+    of `make gpu-check`, with only a warning.)"""
+    kw = dict(cpu_mem="16GiB", micro_batch=4, seq_len=512, grad_accum=16, hardware=GPU, offload="host",
+              accumulation="auto")
+    roomy = tightfit.plan(gpt(n_layer=8, n_embd=512, seq=512, meta=True), gpu_mem="600MiB", **kw)
+    assert roomy.shape.unit_major and len(roomy.placement.checkpoint_units) == 8
+    assert any(r.startswith("activation checkpointing of 8 unit(s)") for r in roomy.reasons)
+    tight = tightfit.plan(gpt(n_layer=8, n_embd=512, seq=512, meta=True), gpu_mem="300MiB", **kw)
+    assert not tight.shape.unit_major
+    for plan in (roomy, tight):
+        assert not any(r.startswith("warning: device needs") for r in plan.reasons), plan.reasons
+
+
 def test_a_plan_for_a_user_loop_keeps_gradient_sums_on_the_device_where_there_is_room():
     """Micro-batch-major order with params, master and moments offloaded: the gradients are what the device keeps
     first (summed there, they leave once a step instead of once a micro-batch), and the plan says so."""

@@ -110,10 +110,34 @@ def _items(profile: ModelProfile, shape: TrainShape, ck: set[str]) -> list[tuple
 
 def fixed(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainShape, tier: Tier,
           checkpointing: str, label: str, names: Naming = CLI) -> SearchResult:
-    """Every state on one tier (--offload device|host|nvme|none): predicted, budgets reported, not enforced."""
+    """Every state on one tier (--offload device|host|nvme|none): predicted, budgets reported, not enforced. The
+    tier is the user's; checkpointing is still the plan's under "auto": every block checkpointed where the
+    activations alone would take the device past its budget and checkpointing brings it within (unit-major order's
+    activations of every micro-batch at once, which no user placed)."""
     if tier == Tier.NVME and not b.nvme_dir:
         raise UsageError(f"{names.set('offload', 'nvme')}: needs a swap folder, add {names.set('nvme', 'PATH[:SIZE]')}")
-    ck = [u.name for u in profile.units if u.checkpointable] if checkpointing == "on" else []
+    every = [u.name for u in profile.units if u.checkpointable]
+    res = _fixed(profile, hw, b, shape, tier, every if checkpointing == "on" else [], label)
+    if checkpointing == "auto" and every and _over_device(res.prediction, b):
+        ck = _fixed(profile, hw, b, shape, tier, every, label)
+        if not _over_device(ck.prediction, b):
+            act = res.prediction.breakdown["device"]["activations"]
+            ck.reasons.insert(1, f"activation checkpointing of {len(every)} unit(s): their activations "
+                                 f"({format_size(act)}) do not fit the device beside the rest")
+            res = ck
+    for t, need, have in violations(res.prediction, b):
+        res.reasons.append(f"warning: {t} needs {format_size(need)}, budget {format_size(have)}: this run may not "
+                           "fit")
+    return res
+
+
+def _over_device(pred, b: Budgets) -> bool:
+    return any(t == "device" or b.shared for t, _, _ in violations(pred, b))
+
+
+def _fixed(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainShape, tier: Tier,
+           ck: list[str], label: str) -> SearchResult:
+    """`fixed`'s plan with the units `ck` checkpointed."""
     p = Placement.everywhere(tier, checkpoint_units=ck, nvme_dir=b.nvme_dir)
     p = _finish(p, profile, hw, b, shape)
     pred = predict(profile, p, hw, shape)
@@ -132,9 +156,6 @@ def fixed(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainSh
         cast = SearchResult(engine_budgets(cp, cpred), cpred, profile, reasons)
         if _fastest_then_smallest(res, cast, hw) is cast:
             res = _say_cast(cast, res)
-    for t, need, have in violations(res.prediction, b):
-        res.reasons.append(f"warning: {t} needs {format_size(need)}, budget {format_size(have)}: this run may not "
-                           "fit")
     return res
 
 
