@@ -602,6 +602,15 @@ def test_the_host_floor_counts_the_engine_per_unit_and_per_step():
     units = len(streaming.profile.units)
     assert all(streaming.placement.of(u.name).params == Tier.HOST for u in streaming.profile.units)
     assert streaming.prediction.host_s - device_path.prediction.host_s == pytest.approx(units * 5e-4, rel=1e-6)
+    # With 4 micro-batches the hooks run for each, the streaming once a pass: every micro-batch in micro-batch-major
+    # order, once in unit-major order (one fetch and one gradient hand-off per unit a step).
+    from tightfit.planner.costs import TrainShape, engine_host_time
+
+    hw = replace(engine, stream_overhead_s=5e-4)
+    for unit_major, passes in ((False, 4), (True, 1)):
+        shape = TrainShape(compute_bytes=4, grad_accum=4, tokens_per_micro=8, unit_major=unit_major)
+        assert engine_host_time(streaming.profile, streaming.placement, hw, shape) == pytest.approx(
+            4 * units * 1e-3 + passes * units * 5e-4 + 2e-3, rel=1e-9)
 
 
 def test_on_a_gpu_the_host_issues_while_the_kernels_run():

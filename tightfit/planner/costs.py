@@ -423,18 +423,31 @@ def kernel_time(w: Work, hw: HardwareProfile) -> float:
 
 def unit_host_time(hw: HardwareProfile, shape: TrainShape, streamed: bool) -> float:
     """The engine's host time for one unit and micro-batch, forward and backward ([Note: the host floor]): more for
-    a unit whose parameters stream; none without the engine."""
+    a unit whose parameters stream (in micro-batch-major order, where each micro-batch streams it; see
+    `engine_host_time` for unit-major order); none without the engine."""
     if not shape.engine:
         return 0.0
     return hw.unit_overhead_s + (hw.stream_overhead_s if streamed else 0.0)
 
 
-def engine_host_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, shape: TrainShape) -> float:
-    """The engine's own host time per step ([Note: the host floor]): each unit's per micro-batch, and the step's."""
+def unit_pass_host_time(hw: HardwareProfile, shape: TrainShape, streamed: bool) -> float:
+    """The engine's host time for one unit in one pass (forward and backward; [Note: the host floor]): its hooks
+    for each micro-batch the pass runs (every one in unit-major order, one in micro-batch-major order), and for a
+    streamed unit what streaming it costs beyond (`stream_overhead_s`: its fetch and release, its gradients' hand-off
+    to the host), which comes with each crossing of the link: once a pass."""
     if not shape.engine:
         return 0.0
-    per_micro = sum(unit_host_time(hw, shape, placement.of(u.name).params != Tier.DEVICE) for u in profile.units)
-    return shape.grad_accum * per_micro + hw.step_overhead_s
+    micro = shape.grad_accum // shape.passes
+    return micro * hw.unit_overhead_s + (hw.stream_overhead_s if streamed else 0.0)
+
+
+def engine_host_time(profile: ModelProfile, placement: Placement, hw: HardwareProfile, shape: TrainShape) -> float:
+    """The engine's own host time per step ([Note: the host floor]): each unit's per pass, and the step's."""
+    if not shape.engine:
+        return 0.0
+    per_pass = sum(unit_pass_host_time(hw, shape, placement.of(u.name).params != Tier.DEVICE)
+                   for u in profile.units)
+    return shape.passes * per_pass + hw.step_overhead_s
 
 
 def kept_for_backward(profile: ModelProfile, placement: Placement) -> set[str]:

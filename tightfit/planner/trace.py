@@ -32,8 +32,8 @@ from tightfit.planner.costs import (
     last_gradient_pass,
     micro_pass_bytes,
     steps_under_backward,
-    unit_host_time,
     unit_pass_bytes,
+    unit_pass_host_time,
     work_time,
 )
 from tightfit.planner.plan import TIERS, Plan
@@ -94,8 +94,8 @@ def simulate(plan: Plan) -> Timeline:
     grads_ready: dict[str, float] = {}  # unit -> its gradients of the last micro-batch complete on their tier
     landed: dict[str, float] = {}  # unit -> its gradients of the last micro-batch on the host, before their sum
 
-    def hooks(u) -> float:  # the engine's host time for the unit, half in each pass
-        return unit_host_time(hw, shape, u.name in streamed) / 2
+    def hooks(u) -> float:  # the engine's host time for the unit in a pass, half in each direction
+        return unit_pass_host_time(hw, shape, u.name in streamed) / 2
 
     # Unit-major order (offload/step/unit_major.py): one pass, each unit computing every micro-batch with its params
     # fetched once and its gradients leaving once; micro-batch-major order: one pass per micro-batch.
@@ -112,7 +112,7 @@ def simulate(plan: Plan) -> Timeline:
                     slot = sim.run("nvme read", f"read {u.name} params", pbytes / hw.nvme_read_bw, slot)
                 ready = sim.run("host->device", f"fetch {u.name}", moved / hw.h2d_bw, slot)
                 sim.change(ready, "device", pbytes)
-            end = sim.run("compute", f"fwd {u.name}", scale * (work_time(u.fwd, hw) + hooks(u)), ready)
+            end = sim.run("compute", f"fwd {u.name}", scale * work_time(u.fwd, hw) + hooks(u), ready)
             saved = scale * (u.act_input if u.name in ck else u.act_saved)
             sim.change(end, "device", saved)
             if u.name in streamed and u.name not in kept:
@@ -133,7 +133,7 @@ def simulate(plan: Plan) -> Timeline:
             if u.name in ck:
                 ready = sim.run("compute", f"recompute {u.name}", scale * work_time(u.fwd, hw), ready)
                 sim.change(ready, "device", u.act_saved - u.act_input)
-            end = sim.run("compute", f"bwd {u.name}", scale * (work_time(u.bwd, hw) + hooks(u)), ready)
+            end = sim.run("compute", f"bwd {u.name}", scale * work_time(u.bwd, hw) + hooks(u), ready)
             sim.change(end, "device", -u.act_saved - (scale - 1) * (u.act_input if u.name in ck else u.act_saved))
             if u.name in streamed:
                 sim.change(end, "device", -pbytes)
