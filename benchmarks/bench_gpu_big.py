@@ -110,6 +110,11 @@ def run_7b(args, out: dict) -> None:
         r["error"] = f"timed out after {args.timeout_7b} s (every thread's stack at the end of its log)"
     else:
         r["exit_status"] = status
+    log = _log_path(args, "7b").read_text(errors="replace")
+    # The plan's accumulation order, as its reasons say it (unit- or micro-batch-major, and why).
+    said = next((line.split("accumulation: ", 1)[1] for line in log.splitlines() if "accumulation: " in line), None)
+    if said is not None:
+        r["accumulation"] = said.strip()
     metrics = run / "metrics.jsonl"
     if metrics.exists():
         records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]

@@ -321,7 +321,8 @@ def _big_lines(b: dict | None) -> list[str]:
                   f"{r['median_step_s']:.2f} s (median after the first), {r['tokens_per_s']:,.0f} tokens/s, "
                   f"{r['tflops']:.0f} TFLOPS (6 x N x tokens/s), MFU {100 * r['mfu']:.1f}% of 989 TFLOP/s; CUDA "
                   f"peak allocated {_gib(peak)}; the plan's step {pe.get('step_s', 0):+.0%}, device peak "
-                  f"{pe.get('device_peak', 0):+.0%}, RSS {pe.get('rss_peak', 0):+.0%} off the measured.",
+                  f"{pe.get('device_peak', 0):+.0%}, RSS {pe.get('rss_peak', 0):+.0%} off the measured; "
+                  f"accumulation: {r.get('accumulation', 'not said')}.",
                   "", "Engine per step: " + ", ".join(
                       f"{k} {v / 1e9:.2f} GB" if k.endswith("bytes") else f"{k} {v:.3g}" for k, v in eng.items()),
                   ""]
