@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from tightfit.errors import UsageError
 from tightfit.offload.placement import Tier
-from tightfit.planner.budgets import budgets_from, violations
+from tightfit.planner.budgets import budgets_from, device_ok, violations
 from tightfit.planner.costs import TrainShape
 from tightfit.planner.hardware import HardwareProfile, current
 from tightfit.planner.model_profile import DTYPE_BYTES, profile_model
@@ -91,11 +91,10 @@ def make_plan(model: nn.Module, cfg, hardware: HardwareProfile | None = None, na
         else:
             res = fixed(profile, hw, budgets, shape, Tier(mode), cfg.memory.checkpointing,
                         names.set("offload", mode), names)
-        over = [v for v in violations(res.prediction, budgets) if v[0] == "device" or budgets.shared]
-        if mode != "auto" and shape.unit_major and not explain and over:
+        if mode != "auto" and shape.unit_major and not explain and not device_ok(res.prediction, budgets):
             # The user placed the states, not every micro-batch's activations at once: a unit-major candidate
             # past the device's budget is not the plan (choose_accumulation tries the next, or micro-batch-major).
-            tier, need, have = over[0]
+            tier, need, have = violations(res.prediction, budgets)[0]
             raise UsageError(f"unit-major order needs {format_size(need)} {tier} memory, {format_size(have)} "
                              "available")
         placement = res.placement if not elsewhere else replace(

@@ -118,9 +118,9 @@ def fixed(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainSh
         raise UsageError(f"{names.set('offload', 'nvme')}: needs a swap folder, add {names.set('nvme', 'PATH[:SIZE]')}")
     every = [u.name for u in profile.units if u.checkpointable]
     res = _fixed(profile, hw, b, shape, tier, every if checkpointing == "on" else [], label)
-    if checkpointing == "auto" and every and _over_device(res.prediction, b):
+    if checkpointing == "auto" and every and not _device_ok(res.prediction, b):
         ck = _fixed(profile, hw, b, shape, tier, every, label)
-        if not _over_device(ck.prediction, b):
+        if _device_ok(ck.prediction, b):
             act = res.prediction.breakdown["device"]["activations"]
             ck.reasons.insert(1, f"activation checkpointing of {len(every)} unit(s): their activations "
                                  f"({format_size(act)}) do not fit the device beside the rest")
@@ -129,10 +129,6 @@ def fixed(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainSh
         res.reasons.append(f"warning: {t} needs {format_size(need)}, budget {format_size(have)}: this run may not "
                            "fit")
     return res
-
-
-def _over_device(pred, b: Budgets) -> bool:
-    return any(t == "device" or b.shared for t, _, _ in violations(pred, b))
 
 
 def _fixed(profile: ModelProfile, hw: HardwareProfile, b: Budgets, shape: TrainShape, tier: Tier,
