@@ -59,20 +59,28 @@ def _log_path(args, part: str) -> Path:
 
 def _run_logged(cmd: list[str], timeout: float, log: Path) -> tuple[int | None, str]:
     """Run `cmd` with its output written to `log` as it comes, each line stamped with the seconds since the start;
-    returns its exit status (None when it ran out of `timeout`) and the log's last 3000 characters.
+    returns its exit status (None when it ran out of `timeout`) and the log.
 
     Why: a run that stalls before printing anything (set-up is minutes for a 7B) must still say where it stalled.
     On the timeout the child gets SIGABRT, which Python's faulthandler (PYTHONFAULTHANDLER) answers with every
     thread's stack, then it is killed."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
     t0 = time.time()
+    lines: list[str] = []
+    fired = threading.Event()
+
+    def stop() -> None:
+        fired.set()
+        proc.send_signal(signal.SIGABRT)
+
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
-        timer = threading.Timer(timeout, lambda: proc.send_signal(signal.SIGABRT))
+        timer = threading.Timer(timeout, stop)
         timer.start()
         try:
             for line in proc.stdout:
-                f.write(f"[{time.time() - t0:7.1f}s] {line}")
+                lines.append(f"[{time.time() - t0:7.1f}s] {line}")
+                f.write(lines[-1])
                 f.flush()
             proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
@@ -80,8 +88,7 @@ def _run_logged(cmd: list[str], timeout: float, log: Path) -> tuple[int | None, 
             proc.wait()
         finally:
             timer.cancel()
-    timed_out = time.time() - t0 >= timeout
-    return (None if timed_out else proc.returncode), log.read_text(errors="replace")[-3000:]
+    return (None if fired.is_set() else proc.returncode), "".join(lines)
 
 
 def run_7b(args, out: dict) -> None:
@@ -104,13 +111,12 @@ def run_7b(args, out: dict) -> None:
     r = out["7b"] = {"config": config, "params": _params(config), "command": " ".join(cmd[2:]),
                      "tokens_per_step": args.accum * seq}
     t0 = time.time()
-    status, r["log_tail"] = _run_logged(cmd, args.timeout_7b, _log_path(args, "7b"))
-    r["wall_s"] = time.time() - t0
+    status, log = _run_logged(cmd, args.timeout_7b, _log_path(args, "7b"))
+    r["wall_s"], r["log_tail"] = time.time() - t0, log[-3000:]
     if status is None:
         r["error"] = f"timed out after {args.timeout_7b} s (every thread's stack at the end of its log)"
     else:
         r["exit_status"] = status
-    log = _log_path(args, "7b").read_text(errors="replace")
     # The plan's accumulation order, as its reasons say it (unit- or micro-batch-major, and why).
     said = next((line.split("accumulation: ", 1)[1] for line in log.splitlines() if "accumulation: " in line), None)
     if said is not None:
@@ -158,7 +164,8 @@ def run_host(args, out: dict) -> None:
         cmd = [sys.executable, str(bench), *shape, "--sides", sides, "--host-accum", str(accum), "--clip", "1.0",
                "--json-out", str(path)]
         r = out[name] = {"command": " ".join(cmd[1:])}
-        status, tail = _run_logged(cmd, args.timeout_host, _log_path(args, name))
+        status, log = _run_logged(cmd, args.timeout_host, _log_path(args, name))
+        tail = log[-3000:]
         if status is None:
             r["error"], r["log_tail"] = f"timed out after {args.timeout_host} s", tail
         else:
