@@ -30,6 +30,7 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -618,10 +619,13 @@ def _refresh_here(hw: HardwareProfile) -> HardwareProfile:
                    measured_at=time.time())
 
 
-def load_or_probe(folder: str | None = None) -> HardwareProfile:
-    """The cached profile of this machine, measured now if there is none; capacities re-read live."""
+def load_or_probe(folder: str | None = None, before_probe: Callable[[], None] | None = None) -> HardwareProfile:
+    """The cached profile of this machine, measured now if there is none (`before_probe()` first: a caller says
+    so); capacities re-read live."""
     hw = load_cached()
-    if hw is None:  # quick and silent: the sustained disk figures are `tightfit probe --nvme DIR`'s
+    if hw is None:  # quick: the sustained disk figures are `tightfit probe --nvme DIR`'s
+        if before_probe is not None:
+            before_probe()
         hw = probe_apart(folder)
     return current(hw, folder)
 

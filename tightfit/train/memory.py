@@ -403,17 +403,15 @@ def setup_memory(model: nn.Module, cfg: Config, device: torch.device, dtype: tor
         return PlainMemory(model, cfg, device, dtype)
     from tightfit.config import parse_nvme
     from tightfit.planner import make_plan
-    from tightfit.planner.hardware import load_cached
     from tightfit.planner.probe import load_or_probe
 
     # What takes long before the first step (the probe on a new machine, tracing and placing a large model, pinning
     # its host tiers) is said as it starts: a 7B run's set-up is minutes, and silence would look like a hang.
     say = say or (lambda line: None)
     t0 = time.perf_counter()
-    if load_cached() is None:
-        say("setup: measuring this machine once (about 30 s; cached for the runs after)")
     # The plan's floor is this process's, measured now (the probe's is a fresh process without the data set).
-    hw = load_or_probe(parse_nvme(cfg.memory.nvme)[0] if cfg.memory.nvme else None)
+    hw = load_or_probe(parse_nvme(cfg.memory.nvme)[0] if cfg.memory.nvme else None,
+                       lambda: say("setup: measuring this machine once (about 30 s; cached for the runs after)"))
     hw = replace(hw, runtime_rss=max(hw.runtime_rss, process_floor(model, device, dtype)))
     t1 = time.perf_counter()
     say(f"setup: planning {sum(p.numel() for p in model.parameters()):,} parameters")
