@@ -199,7 +199,9 @@ def test_every_state_on_host_still_checkpoints_what_unit_major_order_cannot_hold
     roomy = tightfit.plan(gpt(n_layer=8, n_embd=512, seq=512, meta=True), gpu_mem="600MiB", **kw)
     assert roomy.shape.unit_major and len(roomy.placement.checkpoint_units) == 8
     assert any(r.startswith("activation checkpointing of 8 unit(s)") for r in roomy.reasons)
-    tight = tightfit.plan(gpt(n_layer=8, n_embd=512, seq=512, meta=True), gpu_mem="300MiB", **kw)
+    # 300 MiB held unit-major order too once each micro-batch's tail (head, logits, loss) runs its backward at once
+    # ([Note: the tail per micro-batch] in offload/step/unit_major.py); 200 MiB does not.
+    tight = tightfit.plan(gpt(n_layer=8, n_embd=512, seq=512, meta=True), gpu_mem="200MiB", **kw)
     assert not tight.shape.unit_major
     for plan in (roomy, tight):
         assert not any(r.startswith("warning: device needs") for r in plan.reasons), plan.reasons

@@ -157,7 +157,8 @@ def test_block_inputs_leave_the_device_in_forward_and_come_back_two_at_a_time(na
     """Between the forwards and the backward no block input is alive on the device (each was copied to host memory
     as the checkpoint saved it, and nothing else holds it: the cut keeps autograd edges and holders, not tensors);
     without the host they all are. In backward at most two are back at once. The host holds one buffer per block
-    and micro-batch, kept for the next step; the link carries each once each way."""
+    and micro-batch, kept for the next step; the link carries each once each way. (Counted as the blocks' backward
+    starts: each micro-batch's tail has run its backward as its forward ended, [Note: the tail per micro-batch].)"""
     from tightfit.offload.step import unit_major
 
     m, alive = 4, {}
@@ -183,16 +184,21 @@ def test_block_inputs_leave_the_device_in_forward_and_come_back_two_at_a_time(na
             monkeypatch.setattr(runner.store, "unpack", lambda saved: (unpack(saved), held.append(
                 runner.store.device_held()))[0])
 
-        def before_backward():
+        blocks_backward = runner._backward
+
+        def counted(*args):
             if on_host:
                 for saved in list(runner.store._saved.values()):
                     saved.down.done.result()  # the copies off the device (late, under the strict mover)
             gc.collect()
-            alive[on_host] = sum(not torch.UntypedStorage._expired(w) for w in storages)
-            opt.preload_during_backward()
+            alive[on_host] = sum(not torch.UntypedStorage._expired(w) for w in storages[:-m])  # not the tails' cuts
+            blocks_backward(*args)
 
+        monkeypatch.setattr(runner, "_backward", counted)
         for step in range(2):
-            runner.run([lambda i=i: loss_of(model, *batch(i)) / m for i in range(m)], before_backward=before_backward)
+            storages.clear()
+            runner.run([lambda i=i: loss_of(model, *batch(i)) / m for i in range(m)],
+                       before_backward=opt.preload_during_backward)
             opt.clip_grad_norm_(1.0)
             opt.step()
             opt.zero_grad()
@@ -327,3 +333,72 @@ def test_a_failing_micro_batch_stops_the_others_and_the_next_step_runs():
     assert not [t for t in threading.enumerate() if t.name.startswith("tightfit-micro-batch")]
     engine_of(model).close()
     del opt
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_each_micro_batch_runs_its_tail_backward_before_the_next_computes_its_tail(name):
+    """[Note: the tail per micro-batch]: the head's gradient of micro-batch m arrives before micro-batch m + 1's head
+    runs, so the device holds one micro-batch's logits, not M; the last block's backward still waits for every
+    micro-batch's tail. Without the tail's cut every head ran before the first gradient (4 forwards, then 4)."""
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    head = model.head if name == "gpt" else model.lm_head
+    last_block = model.blocks[-1] if name == "gpt" else model.model.layers[-1]
+    tightfit.wrap(model, Placement.everywhere(Tier.HOST), device="cpu")
+    events = []
+    head.register_forward_hook(lambda *a: events.append("head"))
+    head.weight.register_post_accumulate_grad_hook(lambda p: events.append("head grad"))
+    first_block_param = next(last_block.parameters())
+    first_block_param.register_post_accumulate_grad_hook(lambda p: events.append("last block grad"))
+    runner, m = UnitMajor(model), 4
+    opt = AdamW(model.parameters(), lr=1e-2)
+    scheduler = engine_of(model).scheduler
+    begin = scheduler.begin
+    scheduler.begin = lambda phase: (events.append(phase.name), begin(phase))[1]
+    runner.run([lambda i=i: loss_of(model, *batch(i)) / m for i in range(m)],
+               before_backward=opt.preload_during_backward)
+    # One backward phase, from the first tail's backward on, though later forwards end within it (engine.py,
+    # on_root_forward_end): the engine does not fall idle and start its backward again.
+    assert events == ["FORWARD", "head", "BACKWARD", "head grad"] + ["head", "head grad"] * (m - 1) + \
+        ["last block grad"] * m
+    engine_of(model).close()
+
+
+class _MidRoot(nn.Module):
+    """A root module with parameters called between two blocks: the model has no tail to cut."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 16)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+        self.mid = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 64)
+
+    def forward(self, x):
+        h = self.blocks[1](self.mid(self.blocks[0](self.emb(x))))
+        return self.head(h).float().logsumexp(-1).mean()
+
+
+def test_a_root_module_between_units_is_said_by_the_planner_and_refused_at_run_time():
+    says = profile_model(_MidRoot(), 2, 8).chain
+    assert "mid (a module of the root with parameters of its own) runs between two units" in says
+    model = _MidRoot()
+    tightfit.wrap(model, Placement.everywhere(Tier.HOST), device="cpu")
+    runner = UnitMajor(model)
+    x = torch.randint(0, 64, (2, 8))
+    with pytest.raises(UsageError, match="the model's tail cannot be cut; use --accumulation micro"):
+        runner.run([lambda: model(x), lambda: model(x)])
+    assert not [t for t in threading.enumerate() if t.name.startswith("tightfit-micro-batch")]
+    engine_of(model).close()
+
+
+def test_the_plan_holds_one_micro_batchs_tail():
+    """The trace measures the tail (the root's saves from its final norm on); in unit-major order the plan holds M
+    micro-batches of everything else, one tail, and M gradients of the tail's input."""
+    from tightfit.planner.costs import activations
+
+    p = profile_model(tiny_gpt(), 2, 16)
+    root = p.units[0]
+    assert 0 < p.tail_saved <= root.act_saved and p.tail_input == 2 * 16 * tiny_gpt().config.n_embd * 4
+    one, eight = activations(p, set(), 1), activations(p, set(), 8)
+    assert eight.saved == 8 * one.saved - 7 * p.tail_saved + 8 * p.tail_input

@@ -8,6 +8,11 @@ walks the graph backwards from the loss, segment by segment, each walk stopping 
 opening its segment. A node reached from two segments, a tensor entering two units, or a walk that reaches the
 tensors of an earlier unit than its own is a join: the answer is then why not, in one line, which the plan prints.
 
+The model's tail (the code after its last unit: a language model's final norm, head and loss) is cut too, at the
+first module outside the units holding parameters of its own that runs after a unit ([Note: the tail per
+micro-batch] in offload/step/unit_major.py): `enter_tail` records it as one more entry, so its segment is checked
+apart from the last unit's like any other, and a unit entered after it means the model has no tail to cut.
+
 The walk follows autograd's edges `(node, output index)`: a tensor that entered a unit stops a walk only through
 the output it is, so an op whose one output entered a unit and another went on beside it is seen as the join it is.
 """
@@ -26,10 +31,23 @@ class ChainCheck:
         self.entries: list[tuple[str, list[tuple[object, int]]]] = []  # (unit, its inputs' (grad_fn, output index))
         self._seen: dict[tuple[object, int], str] = {}  # an input's edge -> the unit it entered
         self.problem = ""
+        self.tail = ""  # the module that starts the model's tail, once entered
+
+    def enter_tail(self, path: str, args, kwargs) -> bool:
+        """Module `path` of the root, which holds parameters of its own, runs: after a unit and for the first time
+        since, it starts the model's tail, recorded as an entry (True); else nothing (False)."""
+        if not self.entries or self.tail:
+            return False
+        self.tail = path
+        self.enter(f"the model's tail ({path})", args, kwargs)
+        return True
 
     def enter(self, unit: str, args, kwargs) -> None:
         """Record what enters `unit`: by autograd edge, not by tensor (holding the tensors would keep activations
         alive that the trace measures the life of)."""
+        if self.tail and not unit.startswith("the model's tail") and not self.problem:
+            self.problem = (f"{self.tail} (a module of the root with parameters of its own) runs between two units, "
+                            f"before {unit}, so the model's tail cannot be cut")
         edges = []
         for t in tree_leaves((args, kwargs)):
             if not (isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None):
@@ -48,7 +66,7 @@ class ChainCheck:
         try:
             return self._verdict(loss)
         finally:
-            self.entries, self._seen = [], {}
+            self.entries, self._seen, self.tail = [], {}, ""
 
     def _verdict(self, loss: torch.Tensor) -> str:
         if self.problem:

@@ -261,12 +261,16 @@ def activations(profile: ModelProfile, checkpointed: set[str], micro_batches: in
                 boundaries_on_host: bool = False) -> mm.Activations:
     """Activations from the trace of one micro-batch: saved until backward (a checkpointed unit keeps its input),
     and the backward peak (+ the largest checkpointed unit's recomputation + the transient beyond what is saved).
-    `micro_batches` > 1 (unit-major order): every micro-batch's are saved at once; the recomputation and the
-    transient are one micro-batch's, which backward runs one at a time. `boundaries_on_host`: the checkpointed
+    `micro_batches` > 1 (unit-major order): every micro-batch's are saved at once but the tail's, which runs its
+    backward as its forward ends and leaves the gradient of the last unit's output instead ([Note: the tail per
+    micro-batch] in offload/step/unit_major.py); the recomputation and the transient are one micro-batch's, which
+    backward runs one at a time. `boundaries_on_host`: the checkpointed
     units' inputs wait in host memory ([Note: boundaries on the host] in offload/step/boundaries.py); the device
     holds a unit's M outputs and the inputs it has yet to compute (M + 1), or the backward's window."""
     ck = [u for u in profile.units if u.name in checkpointed and u.checkpointable]
     kept = micro_batches * sum(u.act_saved for u in profile.units if u not in ck)
+    if micro_batches > 1 and profile.tail_saved:
+        kept += micro_batches * profile.tail_input - (micro_batches - 1) * profile.tail_saved
     inputs = sum(u.act_input for u in ck)
     host = 0
     if boundaries_on_host and ck:

@@ -32,7 +32,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tightfit.offload.placement import ROOT_UNIT
-from tightfit.offload.step.units import find_units
+from tightfit.offload.step.units import find_units, root_modules
 from tightfit.planner.autocast_trace import MetaAutocast
 from tightfit.planner.chain import ChainCheck
 from tightfit.planner.work import Work, count_op, matmul_key
@@ -131,6 +131,13 @@ class ModelProfile:
     chain: str | None = None
     """"" when the units form a chain (unit-major accumulation can run them: planner/chain.py), else why not; None
     when unknown (a formula profile, a plan file written before it was traced)."""
+    tail_saved: int = 0
+    """Of the root's `act_saved`, the bytes its tail saves (the code after the last unit, from the first module of
+    the root with parameters of its own: a final norm, the head, the loss), which in unit-major order wait for no
+    other micro-batch ([Note: the tail per micro-batch] in offload/step/unit_major.py). 0: no tail is cut (or not
+    known)."""
+    tail_input: int = 0
+    """Bytes of the tensor entering the tail (the last unit's output) for one micro-batch; 0 as `tail_saved`."""
 
     @property
     def act_transient(self) -> int:
@@ -183,7 +190,7 @@ class ModelProfile:
                  for u in self.units]
         end = None if self.act_at_root_end is None else int(self.act_at_root_end * f)
         return replace(self, units=units, micro_batch=micro_batch, act_peak=int(self.act_peak * f),
-                       act_at_root_end=end)
+                       act_at_root_end=end, tail_saved=int(self.tail_saved * f), tail_input=int(self.tail_input * f))
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelProfile":
@@ -397,25 +404,35 @@ def profile_model(model: nn.Module, micro_batch: int, seq_len: int, compute_dtyp
     units = {n: UnitProfile(n, numel[n], trainable[n], (linears.get(n) or [None])[0], 0, 0,
                             checkpointable=n != ROOT_UNIT, linears=linears.get(n, [])) for n in order}
     autocast = compute_dtype != "fp32" and autocast is not False  # an fp32 step has no casts to make
-    chain = ChainCheck()
+    chain, tail = ChainCheck(), _Tail()
     try:
         act_peak, root_grads, act_end = _trace(model, unit_mods, units, micro_batch, seq_len, _DTYPES[compute_dtype],
-                                               cuda, _DTYPES[compute_dtype] if autocast else None, chain)
+                                               cuda, _DTYPES[compute_dtype] if autocast else None, chain, tail)
         measured, note, chain_says = True, "", chain.problem
     except Exception as e:  # a model the generic step cannot drive: fall back to a formula, and say so
         act_peak, root_grads, act_end = _formula(units, micro_batch, seq_len, DTYPE_BYTES[compute_dtype]), None, None
         measured, note = False, f"meta trace failed ({type(e).__name__}: {e}); activations and work estimated"
-        chain_says = None
+        chain_says, tail = None, _Tail()
     return ModelProfile(list(units.values()), compute_dtype, micro_batch, seq_len, act_peak, measured, note,
                         root_grads, act_end, max((p.numel() for p in model.parameters()), default=0), autocast,
-                        chain_says)
+                        chain_says, tail.saved if chain_says == "" else 0, tail.input if chain_says == "" else 0)
+
+
+class _Tail:
+    """What the trace saw of the model's tail ([Note: the tail per micro-batch] in offload/step/unit_major.py): the
+    bytes saved in forward from its first module on, and the bytes entering it."""
+
+    def __init__(self) -> None:
+        self.on, self.saved, self.input = False, 0, 0
 
 
 def _trace(model, unit_mods, units, micro_batch, seq_len, dtype, cuda,
-           autocast: torch.dtype | None = None, chain: ChainCheck | None = None) -> tuple[int, int, int]:
+           autocast: torch.dtype | None = None, chain: ChainCheck | None = None,
+           tail: _Tail | None = None) -> tuple[int, int, int]:
     """Trace one micro-step, its forward under autocast to `autocast` where given (autocast_trace.py); returns
     `_Tracer.peaks()` and fills each unit's saved bytes and work. `chain`: records what enters each unit and, after
-    forward, whether the units form a chain (its `problem`: "" if they do)."""
+    forward, whether the units form a chain (its `problem`: "" if they do). `tail`: filled with the tail's bytes."""
+    tail = tail if tail is not None else _Tail()
     tracer = _Tracer()
     params = {n: torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype, device="meta")
               .requires_grad_(p.requires_grad) for n, p in model.named_parameters()}
@@ -438,10 +455,14 @@ def _trace(model, unit_mods, units, micro_batch, seq_len, dtype, cuda,
 
     saved: dict[str, dict[int, int]] = {n: {} for n in units}
 
+    tail_keys: set = set()
+
     def pack(t):
         key = _storage_key(t)
         if key not in tracer.ignore and tracer.phase == "fwd":
             saved[tracer.unit].setdefault(key, t.untyped_storage().nbytes())
+            if tail.on and tracer.unit == ROOT_UNIT:
+                tail_keys.add(key)
         return t
 
     handles = []
@@ -455,6 +476,14 @@ def _trace(model, unit_mods, units, micro_batch, seq_len, dtype, cuda,
 
         handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(mod.register_forward_hook(lambda m, a, o: setattr(tracer, "unit", ROOT_UNIT)))
+    for path, mod in root_modules(model, list(unit_mods)):
+        def tail_pre(m, args, kwargs, path=path):
+            if chain is not None and chain.enter_tail(path, args, kwargs):
+                tail.on = True
+                x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+                tail.input = x.numel() * x.element_size() if x is not None else 0
+
+        handles.append(mod.register_forward_pre_hook(tail_pre, with_kwargs=True))
     ids = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
     run = _loss_fn(model, _vocab(model))
     try:
@@ -470,6 +499,7 @@ def _trace(model, unit_mods, units, micro_batch, seq_len, dtype, cuda,
     finally:
         for h in handles:
             h.remove()
+    tail.saved = sum(saved[ROOT_UNIT][k] for k in tail_keys)
     for name, u in units.items():
         u.act_saved = sum(saved[name].values())
         u.fwd = tracer.work.get((name, "fwd"), Work())

@@ -403,7 +403,8 @@ class OffloadEngine:
             if self.pass_.roots_open > 0:
                 return  # ... and ends with the last
         self.scheduler.end(StepPhase.FORWARD)
-        self.phase = StepPhase.IDLE
+        if self.phase is not StepPhase.BACKWARD:  # a pass's tails start its backward before the last forward ends
+            self.phase = StepPhase.IDLE  # ([Note: the tail per micro-batch] in unit_major.py)
         root = self.units[ROOT_UNIT]
         if torch.is_grad_enabled():
             root.life.on(Event.FORWARD_END)

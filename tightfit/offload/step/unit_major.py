@@ -15,10 +15,14 @@ How, with the model's own forward code (any model whose units form a chain, [Not
 - The cut. The same hook replaces each input of the unit that needs a gradient (a non-leaf tensor) by a tensor of its
   own, detached from the graph that made it, whose gradient backward leaves in a holder (`_Boundary`): each
   micro-batch's graph becomes a chain of segments, segment s from the input of the unit met s-th (segment 0 from
-  the model's inputs) to the next unit's input (the last: to the loss). The cut keeps the holder and the autograd
+  the model's inputs) to the next unit's input (the last unit's: to the model's tail, below). The cut keeps the holder and the autograd
   edge of the tensor it replaced, not the tensors themselves: a boundary's memory is the device's only while
   something computes with it or saves it ([Note: boundaries on the host] in boundaries.py moves the saved ones).
-- Backward. Segment by segment from the loss back, within a segment micro-batch by micro-batch in order:
+- The tail. The model's code after its last unit (a language model's final norm, head and loss) is cut from the
+  last unit's segment the same way, at the first module outside the units holding parameters of its own that the
+  micro-batch calls after a unit (`root_modules`), and runs its backward as soon as its micro-batch's forward has
+  returned the loss, before the next micro-batch computes its tail ([Note: the tail per micro-batch]).
+- Backward. Segment by segment from the last unit's back, within a segment micro-batch by micro-batch in order:
   `torch.autograd.backward` of the segment's outputs (the edges cut at the next unit) with the gradients the next
   segment left in the holders. Each parameter receives its micro-batches' gradients in micro-batch
   order, as micro-batch-major order adds them: the same sums, bitwise in fp32. (A parameter two segments use, an
@@ -33,6 +37,21 @@ a tensor cut twice (`UsageError`); the planner checks the whole condition on the
 (`is_chain`) and plans micro-batch-major order for a model that fails it, saying why. Randomness in forward (dropout)
 draws from the generators in the order kernels run, which is not micro-batch-major order: the same distribution,
 other masks.
+
+[Note: the tail per micro-batch] Everything a micro-batch's forward saves waits for its backward in unit-major
+order, M micro-batches at once. Most of it is the units' (and, checkpointed, only their inputs), but a language
+model's tail saves its logits and their softmax in fp32: at a 32,000-word vocabulary 0.75 GB a micro-batch of
+2 x 2048 tokens, 24 GB for 32 of them, more than everything else a checkpointed 1.1B model saves. So the tail does
+not wait: each micro-batch stops at the tail's first module (after every micro-batch has computed the last unit),
+then in micro-batch order each computes its tail and loss and runs the tail's backward at once (the caller's
+`before_backward` first, once), leaving the gradient of the last unit's outputs in the cut's holders. The device
+holds one micro-batch's tail, and M of those gradients (one unit output each). Each root parameter receives its
+micro-batches' gradients in micro-batch order, as before: the results do not change. The engine is in its backward
+phase from the first tail's backward while the later micro-batches still finish their forwards (engine.py,
+`on_root_forward_end`). A model that calls such a module again between two units has no tail to cut: the unit's
+hook refuses it in one line, and the planner's trace says so before a run (planner/chain.py). A model whose tail
+calls no module of its own (a loss on the last unit's output alone) keeps the tail in the last segment, its backward
+with the rest.
 
 Threads: the micro-batch threads live as long as the executor (`close`, also run by the engine's close); each runs
 its forward with the grad mode and intra-op thread count of the thread that called `run`. Only one of them runs at
@@ -54,6 +73,7 @@ from torch.utils._pytree import tree_map
 from tightfit.errors import UsageError
 from tightfit.offload.runtime.workers import set_own_threads
 from tightfit.offload.step.boundaries import BoundaryStore
+from tightfit.offload.step.units import root_modules
 
 _local = threading.local()  # .micro: the _MicroBatch whose forward this thread runs (None elsewhere)
 
@@ -148,6 +168,7 @@ class _MicroBatch:
     cuts: list[_Cut | None] = field(default_factory=list)  # one per entry of `units`, freed after its backward
     cut: "_Seen" = field(default_factory=lambda: _Seen())  # the tensors cut so far (refused a second time)
     boundaries: dict = field(default_factory=dict)  # id -> (weakref, cut index) of the inputs of the unit it computes
+    tail: _Cut | None = None  # the cut at the model's tail ([Note: the tail per micro-batch]), until its backward
     loss: torch.Tensor | None = None
     error: BaseException | None = None
     finished: bool = False
@@ -180,13 +201,15 @@ class _MicroBatch:
             self.finished = True
             self.baton.hand(None, wait=False)
 
-    def arrive(self, unit: str) -> None:
-        """This thread's forward reached `unit`: the turn goes back to the executor until it is this one's again."""
+    def arrive(self, unit: str | None) -> None:
+        """This thread's forward reached `unit` (None: the model's tail): the turn goes back to the executor until it
+        is this one's again."""
         self.boundaries.clear()  # the last unit's inputs are computed: what is saved from now on is not them
         self.baton.hand(None, me=self)
         if self.abort:
             raise _Aborted()
-        self.units.append(unit)
+        if unit is not None:
+            self.units.append(unit)
 
     def _packer(self, store: BoundaryStore):
         """The saved-tensor pack hook of this micro-batch's forward: a boundary of the unit it computes goes to the
@@ -227,69 +250,109 @@ class UnitMajor:
             e = self.engine
             self.store = e.boundaries = BoundaryStore(e.mover, e.pool.allocator, e.device)
         self._handles = []
+        paths = []
         for unit in self.engine.units.values():
             if not unit.spec.is_root:
+                paths += [path for path, _ in unit.spec.members]
                 self._handles.append(unit.spec.modules[0].register_forward_pre_hook(
                     self._hook(unit.name), with_kwargs=True, prepend=True))
+        for path, module in root_modules(model, paths):
+            self._handles.append(module.register_forward_pre_hook(self._tail_hook(path), with_kwargs=True,
+                                                                  prepend=True))
         self.engine.on_close.append(self.close)
+
+    def _micro(self) -> "_MicroBatch | None":
+        """The micro-batch whose forward this thread runs for this executor, or None."""
+        micro = getattr(_local, "micro", None)
+        return micro if micro is not None and micro.baton is self._baton else None
 
     def _hook(self, unit: str):
         def cut(module, args, kwargs):
-            micro = getattr(_local, "micro", None)
-            if micro is None or micro.baton is not self._baton:
+            micro = self._micro()
+            if micro is None:
                 return None  # a forward this executor does not run
+            if micro.tail is not None:
+                raise UsageError(f"unit-major accumulation: {unit!r} runs after a module of the model's root that "
+                                 "holds parameters was called after another unit, so the model's tail cannot be "
+                                 "cut; use --accumulation micro (micro-batch-major order)")
             micro.arrive(unit)
-            edges, holders = [], []
-            index = len(micro.cuts)
-
-            def cut_of(t):
-                if not (isinstance(t, torch.Tensor) and t.requires_grad and not t.is_leaf):
-                    return t  # a parameter or a constant: no graph to cut
-                if t in micro.cut:
-                    raise UsageError(f"unit-major accumulation: a tensor enters {unit!r} that already entered another "
-                                     "unit of this micro-batch, so the units do not form a chain; use "
-                                     "--accumulation micro (micro-batch-major order)")
-                micro.cut.add(t)
-                holder = _Holder()
-                x = _Boundary.apply(self._anchor, t.detach(), holder)
-                edges.append(torch.autograd.graph.get_gradient_edge(t) if EDGES else t)
-                holders.append(holder)
-                micro.boundaries[id(x)] = (weakref.ref(x), index)
-                return x
-
-            args, kwargs = tree_map(cut_of, (args, kwargs))
-            micro.cuts.append(_Cut(edges, holders))
+            args, kwargs, done = self._cut(micro, unit, args, kwargs, boundaries=True)
+            micro.cuts.append(done)
             return args, kwargs
 
         return cut
 
+    def _tail_hook(self, path: str):
+        def cut(module, args, kwargs):
+            micro = self._micro()
+            if micro is None or not micro.units or micro.tail is not None:
+                return None  # not this executor's, before the first unit (an embedding), or within the tail
+            micro.arrive(None)
+            args, kwargs, micro.tail = self._cut(micro, path, args, kwargs, boundaries=False)
+            return args, kwargs
+
+        return cut
+
+    def _cut(self, micro: _MicroBatch, where: str, args, kwargs, boundaries: bool):
+        """Replace each input of `where` that has a graph (a non-leaf tensor needing a gradient) by a tensor of its
+        own ([Note: a chain of units]); `boundaries`: the unit's saved inputs may wait on the host."""
+        edges, holders = [], []
+        index = len(micro.cuts)
+
+        def cut_of(t):
+            if not (isinstance(t, torch.Tensor) and t.requires_grad and not t.is_leaf):
+                return t  # a parameter or a constant: no graph to cut
+            if t in micro.cut:
+                raise UsageError(f"unit-major accumulation: a tensor enters {where!r} that already entered another "
+                                 "unit of this micro-batch, so the units do not form a chain; use "
+                                 "--accumulation micro (micro-batch-major order)")
+            micro.cut.add(t)
+            holder = _Holder()
+            x = _Boundary.apply(self._anchor, t.detach(), holder)
+            edges.append(torch.autograd.graph.get_gradient_edge(t) if EDGES else t)
+            holders.append(holder)
+            if boundaries:
+                micro.boundaries[id(x)] = (weakref.ref(x), index)
+            return x
+
+        args, kwargs = tree_map(cut_of, (args, kwargs))
+        return args, kwargs, _Cut(edges, holders)
+
     def run(self, forwards: list[Callable[[], torch.Tensor]], backward: Callable = lambda loss: loss,
             before_backward: Callable[[], None] | None = None) -> list[torch.Tensor]:
         """Forward and backward of each micro-batch (`forwards[m]()` returns its loss), unit by unit. `backward(loss)`:
-        the tensor to differentiate (a scaled loss); `before_backward()` runs between the two (a loop declares its
-        step there). Returns the losses, in micro-batch order."""
+        the tensor to differentiate (a scaled loss); `before_backward()` runs once before the first backward (a loop
+        declares its step there). Returns the losses, in micro-batch order."""
         micro = [_MicroBatch(m, self._baton) for m in range(len(forwards))]
+        declared = []
+
+        def declare() -> None:
+            if not declared:
+                declared.append(True)
+                if before_backward is not None:
+                    before_backward()
+
         self.engine.begin_pass(len(micro))
         try:
             grad, threads = torch.is_grad_enabled(), torch.get_num_threads()
             for mb, fn in zip(micro, forwards):
                 mb.start(fn, grad, threads, self.engine.device, self.store)
-            self._forward(micro)
+            self._forward(micro, backward, declare)
             for mb in micro:
                 mb.thread.join()  # its OpenMP pool goes with it ([Note: one OpenMP pool per thread])
-            if before_backward is not None:
-                before_backward()
+            declare()
             self._backward(micro, backward)
             return [mb.loss for mb in micro]
         finally:
             for mb in micro:
-                mb.cuts, mb.cut, mb.boundaries = [], _Seen(), {}
+                mb.cuts, mb.cut, mb.boundaries, mb.tail = [], _Seen(), {}, None
             if self.store is not None:
                 self.store.clear()
             self.engine.end_pass()
 
-    def _forward(self, micro: list[_MicroBatch]) -> None:
-        """Round-robin turns until every forward has finished; a failure stops the others and is raised."""
+    def _forward(self, micro: list[_MicroBatch], backward: Callable, declare: Callable[[], None]) -> None:
+        """Round-robin turns until every forward has finished, each micro-batch's tail backward as soon as its
+        forward has ([Note: the tail per micro-batch]); a failure stops the others and is raised."""
         live = list(micro)
         while live:
             for mb in live:
@@ -297,6 +360,13 @@ class UnitMajor:
                 if mb.error is not None:
                     self._abort(micro)
                     raise mb.error
+                if mb.finished and mb.tail is not None and mb.loss is not None and mb.loss.requires_grad:
+                    try:
+                        declare()
+                        torch.autograd.backward(backward(mb.loss))
+                    except BaseException:
+                        self._abort(micro)
+                        raise
             live = [mb for mb in live if not mb.finished]
         first = micro[0].units
         for mb in micro[1:]:
@@ -313,9 +383,11 @@ class UnitMajor:
                 self._baton.hand(mb)
 
     def _backward(self, micro: list[_MicroBatch], backward: Callable) -> None:
-        """Segment by segment from the loss back; in each, micro-batch by micro-batch. The backward of segment s
-        recomputes (or reads what was saved of) unit s - 1, whose input is boundary (s - 1, micro-batch): with
-        boundaries on the host, the next one in this order comes back while this one computes."""
+        """Segment by segment from the last unit's back; in each, micro-batch by micro-batch. The last unit's segment
+        starts from the gradients its tail's backward left ([Note: the tail per micro-batch]), or from the loss where
+        the tail was not cut. The backward of segment s recomputes (or reads what was saved of) unit s - 1, whose
+        input is boundary (s - 1, micro-batch): with boundaries on the host, the next one in this order comes back
+        while this one computes."""
         segments = len(micro[0].units)
         order = [(s, mb) for s in range(segments, -1, -1) for mb in micro]
         for k, (s, mb) in enumerate(order):
@@ -323,11 +395,14 @@ class UnitMajor:
                 for s2, mb2 in order[k:k + 2]:
                     if s2 > 0:
                         self.store.prefetch((s2 - 1, mb2.index))
-            if s == segments:
+            if s == segments and mb.tail is None:
                 if mb.loss.requires_grad:
                     torch.autograd.backward(backward(mb.loss))
             else:
-                cut, mb.cuts[s] = mb.cuts[s], None  # its holders' gradients go with it
+                if s == segments:
+                    cut, mb.tail = mb.tail, None
+                else:
+                    cut, mb.cuts[s] = mb.cuts[s], None  # its holders' gradients go with it
                 pairs = [(e, h.grad) for e, h in zip(cut.edges, cut.holders) if h.grad is not None]
                 if pairs:
                     torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs])

@@ -238,3 +238,14 @@ def unit_names(model: nn.Module, units: UnitPolicy = None, *, min_unit_bytes: in
     `checkpoint_units` take. Exported as `tightfit.units`. Works on a model on the meta device (nothing is
     allocated). `min_unit_bytes`: as `Placement.min_unit_bytes`, the grouped names ("layers.0-3")."""
     return [s.name for s in find_units(model, units, min_bytes=min_unit_bytes)]
+
+
+def root_modules(model: nn.Module, unit_paths: Sequence[str]) -> list[tuple[str, nn.Module]]:
+    """(path, module) of every module outside the units at `unit_paths` that holds parameters of its own: the root
+    unit's embedding, final norm and head. The first of them a micro-batch calls after a unit starts the model's
+    tail ([Note: the tail per micro-batch] in unit_major.py); the planner's trace finds it the same way."""
+    def in_unit(path: str) -> bool:
+        return any(path == u or path.startswith(u + ".") for u in unit_paths)
+
+    return [(path, m) for path, m in model.named_modules()
+            if not in_unit(path) and any(p is not None for p in m._parameters.values())]
