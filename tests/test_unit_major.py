@@ -292,15 +292,19 @@ def test_a_model_whose_units_are_no_chain_is_planned_micro_batch_major_or_refuse
     assert plan_for(_Blocks(_chain), accumulation="unit", grad_accum=4).shape.unit_major
 
 
-def test_a_tensor_entering_two_units_is_refused_at_run_time():
-    model = _Blocks(_shared)
+def _refused_at_run_time(model: nn.Module, match: str) -> None:
+    """Two micro-batches of `model` in unit-major order raise `match`, and no micro-batch thread is left."""
     tightfit.wrap(model, Placement.everywhere(Tier.HOST), device="cpu")
     runner = UnitMajor(model)
     x = torch.randint(0, 64, (2, 8))
-    with pytest.raises(UsageError, match="already entered another unit"):
+    with pytest.raises(UsageError, match=match):
         runner.run([lambda: model(x), lambda: model(x)])
     assert not [t for t in threading.enumerate() if t.name.startswith("tightfit-micro-batch")]
     engine_of(model).close()
+
+
+def test_a_tensor_entering_two_units_is_refused_at_run_time():
+    _refused_at_run_time(_Blocks(_shared), "already entered another unit")
 
 
 def test_a_new_tensor_at_a_freed_cut_tensors_address_is_not_taken_for_it():
@@ -382,14 +386,7 @@ class _MidRoot(nn.Module):
 def test_a_root_module_between_units_is_said_by_the_planner_and_refused_at_run_time():
     says = profile_model(_MidRoot(), 2, 8).chain
     assert "mid (a module of the root with parameters of its own) runs between two units" in says
-    model = _MidRoot()
-    tightfit.wrap(model, Placement.everywhere(Tier.HOST), device="cpu")
-    runner = UnitMajor(model)
-    x = torch.randint(0, 64, (2, 8))
-    with pytest.raises(UsageError, match="the model's tail cannot be cut; use --accumulation micro"):
-        runner.run([lambda: model(x), lambda: model(x)])
-    assert not [t for t in threading.enumerate() if t.name.startswith("tightfit-micro-batch")]
-    engine_of(model).close()
+    _refused_at_run_time(_MidRoot(), "the model's tail cannot be cut; use --accumulation micro")
 
 
 def test_the_plan_holds_one_micro_batchs_tail():

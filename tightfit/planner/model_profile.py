@@ -423,7 +423,13 @@ class _Tail:
     bytes saved in forward from its first module on, and the bytes entering it."""
 
     def __init__(self) -> None:
-        self.on, self.saved, self.input = False, 0, 0
+        self.saved, self.input = 0, 0
+
+
+def _input_bytes(args) -> int:
+    """Bytes of a module call's first tensor argument (0 without one)."""
+    x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    return x.numel() * x.element_size() if x is not None else 0
 
 
 def _trace(model, unit_mods, units, micro_batch, seq_len, dtype, cuda,
@@ -461,7 +467,7 @@ def _trace(model, unit_mods, units, micro_batch, seq_len, dtype, cuda,
         key = _storage_key(t)
         if key not in tracer.ignore and tracer.phase == "fwd":
             saved[tracer.unit].setdefault(key, t.untyped_storage().nbytes())
-            if tail.on and tracer.unit == ROOT_UNIT:
+            if chain is not None and chain.tail and tracer.unit == ROOT_UNIT:  # saved by the tail
                 tail_keys.add(key)
         return t
 
@@ -469,8 +475,7 @@ def _trace(model, unit_mods, units, micro_batch, seq_len, dtype, cuda,
     for name, mod in unit_mods.items():
         def pre(m, args, kwargs, name=name):
             tracer.unit = name
-            x = next((a for a in args if isinstance(a, torch.Tensor)), None)
-            units[name].act_input = x.numel() * x.element_size() if x is not None else 0
+            units[name].act_input = _input_bytes(args)
             if chain is not None:
                 chain.enter(name, args, kwargs)
 
@@ -479,9 +484,7 @@ def _trace(model, unit_mods, units, micro_batch, seq_len, dtype, cuda,
     for path, mod in root_modules(model, list(unit_mods)):
         def tail_pre(m, args, kwargs, path=path):
             if chain is not None and chain.enter_tail(path, args, kwargs):
-                tail.on = True
-                x = next((a for a in args if isinstance(a, torch.Tensor)), None)
-                tail.input = x.numel() * x.element_size() if x is not None else 0
+                tail.input = _input_bytes(args)
 
         handles.append(mod.register_forward_pre_hook(tail_pre, with_kwargs=True))
     ids = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")

@@ -165,10 +165,10 @@ class _MicroBatch:
     index: int
     baton: _Baton
     units: list[str] = field(default_factory=list)  # the units whose pre-hook it met, in order
-    cuts: list[_Cut | None] = field(default_factory=list)  # one per entry of `units`, freed after its backward
+    cuts: list[_Cut | None] = field(default_factory=list)  # one per entry of `units`, then the tail's; freed after
+    # their backward
     cut: "_Seen" = field(default_factory=lambda: _Seen())  # the tensors cut so far (refused a second time)
     boundaries: dict = field(default_factory=dict)  # id -> (weakref, cut index) of the inputs of the unit it computes
-    tail: _Cut | None = None  # the cut at the model's tail ([Note: the tail per micro-batch]), until its backward
     loss: torch.Tensor | None = None
     error: BaseException | None = None
     finished: bool = False
@@ -210,6 +210,11 @@ class _MicroBatch:
             raise _Aborted()
         if unit is not None:
             self.units.append(unit)
+
+    @property
+    def has_tail(self) -> bool:
+        """Has this forward's tail been cut? Its cut follows the units' in `cuts`."""
+        return len(self.cuts) > len(self.units)
 
     def _packer(self, store: BoundaryStore):
         """The saved-tensor pack hook of this micro-batch's forward: a boundary of the unit it computes goes to the
@@ -271,7 +276,7 @@ class UnitMajor:
             micro = self._micro()
             if micro is None:
                 return None  # a forward this executor does not run
-            if micro.tail is not None:
+            if micro.has_tail:
                 raise UsageError(f"unit-major accumulation: {unit!r} runs after a module of the model's root that "
                                  "holds parameters was called after another unit, so the model's tail cannot be "
                                  "cut; use --accumulation micro (micro-batch-major order)")
@@ -285,10 +290,11 @@ class UnitMajor:
     def _tail_hook(self, path: str):
         def cut(module, args, kwargs):
             micro = self._micro()
-            if micro is None or not micro.units or micro.tail is not None:
+            if micro is None or not micro.units or micro.has_tail:
                 return None  # not this executor's, before the first unit (an embedding), or within the tail
             micro.arrive(None)
-            args, kwargs, micro.tail = self._cut(micro, path, args, kwargs, boundaries=False)
+            args, kwargs, done = self._cut(micro, path, args, kwargs, boundaries=False)
+            micro.cuts.append(done)
             return args, kwargs
 
         return cut
@@ -345,7 +351,7 @@ class UnitMajor:
             return [mb.loss for mb in micro]
         finally:
             for mb in micro:
-                mb.cuts, mb.cut, mb.boundaries, mb.tail = [], _Seen(), {}, None
+                mb.cuts, mb.cut, mb.boundaries = [], _Seen(), {}
             if self.store is not None:
                 self.store.clear()
             self.engine.end_pass()
@@ -360,7 +366,7 @@ class UnitMajor:
                 if mb.error is not None:
                     self._abort(micro)
                     raise mb.error
-                if mb.finished and mb.tail is not None and mb.loss is not None and mb.loss.requires_grad:
+                if mb.finished and mb.has_tail and mb.loss is not None and mb.loss.requires_grad:
                     try:
                         declare()
                         torch.autograd.backward(backward(mb.loss))
@@ -395,14 +401,11 @@ class UnitMajor:
                 for s2, mb2 in order[k:k + 2]:
                     if s2 > 0:
                         self.store.prefetch((s2 - 1, mb2.index))
-            if s == segments and mb.tail is None:
+            if s == len(mb.cuts):  # the last unit's segment, the tail not cut: from the loss
                 if mb.loss.requires_grad:
                     torch.autograd.backward(backward(mb.loss))
             else:
-                if s == segments:
-                    cut, mb.tail = mb.tail, None
-                else:
-                    cut, mb.cuts[s] = mb.cuts[s], None  # its holders' gradients go with it
+                cut, mb.cuts[s] = mb.cuts[s], None  # its holders' gradients go with it
                 pairs = [(e, h.grad) for e, h in zip(cut.edges, cut.holders) if h.grad is not None]
                 if pairs:
                     torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs])
