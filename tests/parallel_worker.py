@@ -97,6 +97,7 @@ def resume(pm, opt, kind, plan, mesh, env, ac: bool = False):
     dist.broadcast_object_list(full, src=0)
     full = full[0]
     assert any(k.startswith("optim.") for k in full), "no optimizer moments gathered"
+    getattr(opt, "close", lambda: None)()  # shard_states.py's thread and hooks
     model = build_model(kind)
     with torch.no_grad():
         for n, p in model.named_parameters():

@@ -18,6 +18,7 @@ this rank's share of the batch, `clip_grad_norm_` and `global_loss` do the two r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,8 @@ class ParallelModel:
     """The pipeline schedule when pp > 1."""
     hf: bool = False
     """A Hugging Face model (called with input_ids=..., use_cache=False; returns an output object)."""
+    settle: Callable[[], None] = lambda: None
+    """Waits for the optimizer's steps still running on the shards (shard_states.py) before they are read whole."""
 
     @property
     def pp_rank(self) -> int:
@@ -199,6 +202,7 @@ class ParallelModel:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's parameters, un-sharded (every rank of a pp stage gets the stage's weights). Collective."""
+        self.settle()
         out = {}
         for name, p in self.module.named_parameters():
             t = p.detach()
@@ -231,10 +235,23 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: DeviceMesh, device: 
     return ParallelModel(module, plan, mesh, schedule, hf=hasattr(getattr(model, "config", None), "model_type"))
 
 
-def make_optimizer(pm: ParallelModel, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.95), eps: float = 1e-8):
-    """AdamW with decay on matrices only (biases, norms exempt); ZeRO-1 shards its states over dp."""
+def make_optimizer(pm: ParallelModel, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.95), eps: float = 1e-8,
+                   moments_folder=None):
+    """AdamW with decay on matrices only (biases, norms exempt); ZeRO-1 shards its states over dp. Under FSDP2's CPU
+    offload, `ShardStatesAdamW` (shard_states.py): each unit's moments in host memory, or in `moments_folder` (this
+    rank's swap folder) when given, each unit stepped under the next forward."""
     decay = [p for p in pm.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in pm.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if pm.plan.cpu_offload and pm.plan.dims.pp == 1:
+        from tightfit.offload.placement import Tier
+        from tightfit.offload.tiers.stores import DiskStore, MemoryStore
+        from tightfit.parallel.shard_states import ShardStatesAdamW, fsdp_units
+
+        store = DiskStore(str(moments_folder)) if moments_folder is not None else MemoryStore(
+            Tier.HOST, torch.device("cpu"))
+        opt = ShardStatesAdamW(groups, fsdp_units(pm.module), store, lr=lr, betas=betas, eps=eps)
+        pm.settle = opt.wait
+        return opt
     zero1 = pm.mesh["dp"].get_group() if pm.plan.dp_mode == "zero1" and pm.plan.dims.dp > 1 else None
     return build_optimizer(groups, zero1_group=zero1, lr=lr, betas=betas, eps=eps)

@@ -64,6 +64,7 @@ def _local_moments(pm, opt) -> dict[str, dict[str, torch.Tensor]]:
 
 def gather_full_state(pm, opt) -> dict[str, torch.Tensor] | None:
     """Every weight and AdamW moment, whole, on global rank 0 (None elsewhere). Collective over all ranks."""
+    pm.settle()
     zero, alias = _zero(opt)
     moments = _local_moments(pm, opt)
     full: dict[str, torch.Tensor] = {}

@@ -1,0 +1,131 @@
+"""torchrun worker for tests/test_shard_states.py: FSDP2 ZeRO-3 stepped by ShardStatesAdamW against the same FSDP2
+shards stepped by `torch.optim.AdamW(fused=True)`, bit for bit.
+
+Each rank builds the reference GPT twice from one seed, shards both with `fully_shard` (parallel/data_parallel.py's
+apply_zero), trains both on the same batches with the same clip (the global norm over both ranks), one stepped by
+torch's optimizer after the backward and one by ShardStatesAdamW (moments in host memory or in a swap folder of the
+rank's own), and compares every local shard and moment exactly at the end: between steps only the forward's pre-hook
+waits for them. With `resume` the ShardStatesAdamW
+side is rebuilt halfway from a gathered checkpoint (tightfit/parallel/state.py) and must go on bit for bit.
+Rank 0 prints `CASE <tier> OK exposed=<s> files=<n>` (the seconds forwards waited for a step; the swap files seen
+while training, none left after `close`); a mismatch raises.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tightfit.models.gpt import GPT, GPTConfig
+from tightfit.offload.placement import Tier
+from tightfit.offload.tiers.stores import DiskStore, MemoryStore
+from tightfit.parallel.data_parallel import apply_zero
+from tightfit.parallel.mesh import build_mesh, init_distributed, leave_process
+from tightfit.parallel.plan import parse_strategy
+from tightfit.parallel.shard_states import ShardStatesAdamW, fsdp_units
+from tightfit.parallel.state import gather_full_state, load_moments
+from tightfit.parallel.tensor_parallel import distribute_like
+
+STEPS, B, T, VOCAB, LR, WD, CLIP = 6, 8, 16, 64, 3e-3, 0.1, 0.5
+
+
+def build(mesh):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=VOCAB, block_size=T, n_layer=3, n_head=4, n_embd=32, bias=False))
+    return apply_zero(model, mesh, 3)
+
+
+def groups(model):
+    return [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": WD},
+            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def store_for(tier: str, folder: Path):
+    return MemoryStore(Tier.HOST, torch.device("cpu")) if tier == "host" else DiskStore(str(folder))
+
+
+def train_step(model, opt, x, y) -> None:
+    loss = model(x, y)
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, 2.0).full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(list(model.parameters()), CLIP, norm)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def compare(step: int, ref, ref_opt, mine, opt) -> None:
+    opt.wait()
+    for (name, a), b in zip(ref.named_parameters(), mine.parameters()):
+        assert torch.equal(a.to_local(), b.to_local()), f"step {step}: {name} differs"
+        st = opt.state.get(b)
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(ref_opt.state[a][k].to_local(), st[k].to_local()), f"step {step}: {name}.{k} differs"
+        assert float(ref_opt.state[a]["step"]) == float(st["step"]), f"step {step}: {name}.step differs"
+
+
+def run(tier: str, resume: bool, root: Path) -> str:
+    rank = dist.get_rank()
+    mesh = build_mesh(parse_strategy("zero3", dist.get_world_size()).dims, torch.device("cpu"))["dp"]
+    ref, mine = build(mesh), build(mesh)
+    ref_opt = torch.optim.AdamW(groups(ref), lr=LR, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    folder = root / f"{tier}-rank{rank}"
+    opt = ShardStatesAdamW(groups(mine), fsdp_units(mine), store_for(tier, folder), lr=LR, betas=(0.9, 0.95))
+    files = 0
+    g = torch.Generator().manual_seed(7)
+    for s in range(STEPS):
+        if resume and s == STEPS // 2:
+            full = [gather_full_state(_Pm(mine, opt), opt)]
+            dist.broadcast_object_list(full, src=0)
+            opt.close()
+            mine = build(mesh)
+            with torch.no_grad():  # the checkpoint's weights, sliced like each shard
+                for n, p in mine.named_parameters():
+                    p.to_local().copy_(distribute_like(full[0][f"model.{n}"], p).to_local())
+            opt = ShardStatesAdamW(groups(mine), fsdp_units(mine), store_for(tier, root / f"{tier}-again-rank{rank}"),
+                                   lr=LR, betas=(0.9, 0.95))
+            assert load_moments(_Pm(mine, opt), opt, full[0].__getitem__) > 0
+        x = torch.randint(0, VOCAB, (B, T + 1), generator=g)
+        xs, ys = x[:, :-1].chunk(dist.get_world_size())[rank], x[:, 1:].chunk(dist.get_world_size())[rank]
+        train_step(ref, ref_opt, xs, ys)
+        train_step(mine, opt, xs, ys)
+        if tier == "nvme":
+            files = max(files, len(list(folder.rglob("*.safetensors"))) if folder.exists() else 0)
+    # Compared once at the end: between steps nothing waits but the forward's own pre-hook.
+    compare(STEPS, ref, ref_opt, mine, opt)
+    exposed = opt.counters()["optimizer_exposed_s"]
+    opt.close()
+    left = len(list(root.rglob("*.safetensors")))
+    assert left == 0, f"{left} swap files left after close"
+    return f"CASE {tier}{':resume' if resume else ''} OK exposed={exposed:.4f} files={files}"
+
+
+class _Pm:
+    """What state.py asks of a ParallelModel: its module, the plan's pp degree, the optimizer's settle."""
+
+    def __init__(self, module, opt) -> None:
+        self.module, self.settle = module, opt.wait
+        self.plan = parse_strategy("zero3", dist.get_world_size())
+
+
+def main() -> None:
+    env = init_distributed()
+    root = Path(tempfile.mkdtemp(prefix="shard-states-"))
+    try:
+        for case in sys.argv[1:]:
+            tier, _, opt = case.partition(":")
+            line = run(tier, opt == "resume", root)
+            if env.rank == 0:
+                print(f"[rank 0] {line}", flush=True)
+    except BaseException as e:  # noqa: BLE001 - the test reads the line
+        print(f"[rank {env.rank}] FAIL {type(e).__name__}: {e}", flush=True)
+        leave_process(1)
+    leave_process(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,312 @@
+"""AdamW over FSDP2's shards: each unit's moments in this rank's host memory or its own NVMe folder, each unit stepped
+on a thread of its own under the next forward.
+
+Why: under ZeRO-3 FSDP2 (`fully_shard`) owns what it does best — each parameter's dim-0 shard on this rank, the
+all-gather before a unit computes, the reduce-scatter of its gradients, their streams — and this optimizer holds the
+rest of the rank's training state: the AdamW moments of its local shards (8 of the 16 bytes a parameter), on the tier
+given (the one-process engine's stores, offload/tiers/stores.py: host memory, or one safetensors file per unit in the
+rank's swap folder). torch's AdamW over FSDP2's CPU offload steps the whole model after the backward while the GPU
+waits; here `step()` queues the units in the order the next forward needs them and returns, and a unit's forward
+waits only for its own step.
+
+[Note: steps under the next forward, on FSDP2's shards]
+- A unit's step reads its local shards' gradients and writes its local parameter shards in place. FSDP2 reads those
+  shards next in that unit's all-gather, which runs in FSDP2's forward pre-hook; ours is registered in front of it
+  (`prepend`), after `fully_shard`, and waits for the unit's step. Nothing else reads a unit's shards in between:
+  the loop's next calls are `zero_grad` (it drops `.grad`; the job holds its own references) and the next forward.
+  A checkpoint's gather, an export and `state` reads call `wait()` first.
+- The hyperparameters (the schedule's learning rate) are read at `step()`: the loop may set the next step's before
+  the thread reaches a unit.
+- The step thread waits only for the disk (its own loads, and the save of the buffer it is about to reuse), never for
+  the thread that queued it: no interleaving can deadlock. Under TIGHTFIT_STRICT_MOVER=1 each unit starts after a
+  random pause, so the CPU suite sees a forward arrive before the step it needs, as a GPU's would.
+- The same kernel as `torch.optim.AdamW(fused=True)` (`_fused_adamw_`, step counts advanced first) on the local
+  shards, one parameter group at a time: a shard's update is the one torch's optimizer makes of it.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from concurrent.futures import Future
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from tightfit.offload.placement import Tier
+from tightfit.offload.runtime.movers import strict_from_env, strict_seed
+from tightfit.offload.runtime.workers import Worker
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+STRICT_DELAY_S = 0.01
+"""Strict mode: the most the step thread waits before each unit's step (TIGHTFIT_STRICT_MOVER)."""
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def fsdp_units(model: nn.Module) -> list[tuple[str, nn.Module, list[nn.Parameter]]]:
+    """(name, module, its trainable parameters) of each module `fully_shard` made a unit, in the order a forward
+    gathers them (the root's first: its pre-forward gathers its own parameters before any block's). A parameter
+    belongs to the innermost unit around it, as FSDP2 groups it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    found = [(name or "root", m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if not found:
+        return [("root", model, [p for p in model.parameters() if p.requires_grad])]
+    claimed: set[int] = set()
+    params: dict[str, list[nn.Parameter]] = {}
+    for name, m in reversed(found):  # innermost first
+        mine = [p for p in m.parameters() if p.requires_grad and id(p) not in claimed]
+        claimed.update(id(p) for p in mine)
+        params[name] = mine
+    return [(name, m, params[name]) for name, m in found]
+
+
+class _Unit:
+    """One unit's parameters, its moments' layout in the flat entries `MOMENTS` of its store, its queued step."""
+
+    def __init__(self, name: str, module: nn.Module, params: list[nn.Parameter]) -> None:
+        self.name, self.module, self.params = name, module, params
+        self.offsets, n = [], 0
+        for p in params:
+            self.offsets.append(n)
+            n += _local(p).numel()
+        self.numel = n
+        self.pending: Future | None = None  # its last queued step
+        self.fresh = True  # moments never written: zeros, nothing to read
+
+    def views(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        local = _local(self.params[i])
+        return flat[self.offsets[i]:self.offsets[i] + local.numel()].view(local.shape)
+
+
+class ShardStatesAdamW:
+    """AdamW over `param_groups` (FSDP2's sharded parameters, or plain ones; each group a dict with "params" and any of
+    lr, betas, eps, weight_decay), the moments of each of `units` in `store` (a MemoryStore of host memory, or a
+    DiskStore of this rank's swap folder), stepped under the next forward. It answers what the training loop and
+    tightfit/parallel/state.py ask of an optimizer: `param_groups`, `step`, `zero_grad`, `state`."""
+
+    def __init__(self, param_groups: list[dict], units: list[tuple[str, nn.Module, list[nn.Parameter]]], store,
+                 lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2) -> None:
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        self.param_groups = [{**defaults, **g, "params": list(g["params"])} for g in param_groups if g["params"]]
+        self.store = store
+        self.units = [_Unit(*u) for u in units if u[2]]
+        self._group_of = {id(p): k for k, g in enumerate(self.param_groups) for p in g["params"]}
+        self._unit_of: dict[int, tuple[_Unit, int]] = {}
+        for u in self.units:
+            store.allocate(u.name, {m: (u.numel, torch.float32) for m in MOMENTS}, lock=())
+            for i, p in enumerate(u.params):
+                self._unit_of[id(p)] = (u, i)
+        unstepped = [p for g in self.param_groups for p in g["params"] if id(p) not in self._unit_of]
+        if unstepped:
+            raise ValueError(f"{len(unstepped)} parameters belong to no unit")
+        self._steps: dict[int, torch.Tensor] = {}
+        self.on_disk = store.tier == Tier.NVME
+        largest = max((u.numel for u in self.units), default=0)
+        # Two units' moments at a time on the disk's side: one stepping, the next loading.
+        self._slots = [{m: torch.zeros(largest, dtype=torch.float32) for m in MOMENTS} for _ in range(2)] \
+            if self.on_disk else []
+        self._slot_saves: list[list[Future]] = [[], []]
+        strict = strict_from_env()
+        self._late = random.Random(strict_seed()) if strict else None
+        self._worker = Worker("tightfit-shard-steps", threads=1)
+        self._timers = {"optimizer_s": 0.0, "optimizer_exposed_s": 0.0, "nvme_read_bytes": 0, "nvme_write_bytes": 0}
+        self._lock = threading.Lock()
+        self._hooks = [u.module.register_forward_pre_hook(self._before_forward(u), prepend=True) for u in self.units]
+        self.state = _TieredState(self)
+
+    # ---- the loop's calls ----------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Queue every unit with gradients, in forward order; returns at once ([Note: steps under the next forward,
+        on FSDP2's shards])."""
+        if closure is not None:
+            raise ValueError("ShardStatesAdamW takes no closure")
+        hyper = [(g["lr"], *g["betas"], g["eps"], g["weight_decay"]) for g in self.param_groups]
+        work = []
+        for u in self.units:
+            grads = [None if p.grad is None else _local(p.grad) for p in u.params]
+            if any(g is not None for g in grads):
+                work.append((u, grads))
+        if not work:
+            return None
+        futures = {u.name: Future() for u, _ in work}
+        for u, _ in work:
+            u.pending = futures[u.name]
+        self._worker.submit(self._run, work, hyper, futures)
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients (a queued step holds its own references to those it reads)."""
+        for g in self.param_groups:
+            for p in g["params"]:
+                p.grad = None
+
+    def wait(self) -> None:
+        """Every queued step done (its errors raised here)."""
+        for u in self.units:
+            if u.pending is not None:
+                u.pending.result()
+
+    def counters(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._timers)
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            for h in self._hooks:
+                h.remove()
+            self._worker.shutdown()
+            self.store.close()
+
+    # ---- checkpoints: the moments as the one-process format names them -------------------------------------------
+
+    def read_moments(self, u: _Unit) -> dict[str, torch.Tensor]:
+        if u.fresh:
+            return {m: torch.zeros(u.numel, dtype=torch.float32) for m in MOMENTS}
+        if not self.on_disk:
+            return {m: self.store.tensor(u.name, m) for m in MOMENTS}
+        out = {m: torch.empty(u.numel, dtype=torch.float32) for m in MOMENTS}
+        for f in [self.store.load(u.name, m, out[m]) for m in MOMENTS]:
+            f.result()
+        return out
+
+    def write_moments(self, u: _Unit, values: dict[str, torch.Tensor]) -> None:
+        for f in [self.store.save(u.name, m, values[m]) for m in MOMENTS]:
+            f.result()
+        u.fresh = False
+
+    # ---- the step thread ----------------------------------------------------------------------------------------
+
+    def _before_forward(self, u: _Unit):
+        def wait_for_step(module, args):
+            fut = u.pending
+            if fut is None or fut.done():
+                if fut is not None:
+                    fut.result()
+                return None
+            t0 = time.perf_counter()
+            fut.result()
+            with self._lock:
+                self._timers["optimizer_exposed_s"] += time.perf_counter() - t0
+            return None
+        return wait_for_step
+
+    def _run(self, work, hyper, futures: dict[str, Future]) -> None:
+        loads = [self._load(work[0][0], 0)] if self.on_disk else []
+        for k, (u, grads) in enumerate(work):
+            try:
+                if self.on_disk and k + 1 < len(work):
+                    loads.append(self._load(work[k + 1][0], (k + 1) % 2))
+                if self._late is not None:
+                    time.sleep(self._late.uniform(0.0, STRICT_DELAY_S))
+                t0 = time.perf_counter()
+                if self.on_disk:
+                    for f in loads[k]:
+                        f.result()
+                    flat = {m: self._slots[k % 2][m][:u.numel] for m in MOMENTS}
+                else:
+                    flat = {m: self.store.tensor(u.name, m) for m in MOMENTS}
+                self._step_unit(u, grads, flat, hyper)
+                if self.on_disk:
+                    self._slot_saves[k % 2] = [self.store.save(u.name, m, flat[m]) for m in MOMENTS]
+                    with self._lock:
+                        self._timers["nvme_write_bytes"] += 8 * u.numel
+                u.fresh = False
+                with self._lock:
+                    self._timers["optimizer_s"] += time.perf_counter() - t0
+                futures[u.name].set_result(None)
+            except BaseException as e:  # noqa: BLE001 - every waiting forward hears of it
+                for v, _ in work[k:]:
+                    if not futures[v.name].done():
+                        futures[v.name].set_exception(e)
+                return
+        for saves in self._slot_saves:  # the last units' moments on the disk before anyone reads them
+            for f in saves:
+                f.result()
+
+    def _load(self, u: _Unit, slot: int) -> list[Future]:
+        """Start reading `u`'s moments into buffer `slot`, once that buffer's last save is done (zeros for moments
+        never written)."""
+        for f in self._slot_saves[slot]:
+            f.result()
+        self._slot_saves[slot] = []
+        buf = self._slots[slot]
+        if u.fresh:
+            for m in MOMENTS:
+                buf[m][:u.numel].zero_()
+            return []
+        with self._lock:
+            self._timers["nvme_read_bytes"] += 8 * u.numel
+        return [self.store.load(u.name, m, buf[m][:u.numel]) for m in MOMENTS]
+
+    def _step_unit(self, u: _Unit, grads: list[torch.Tensor | None], flat: dict[str, torch.Tensor],
+                   hyper: list[tuple]) -> None:
+        by_group: dict[int, list[int]] = {}
+        for i, g in enumerate(grads):
+            if g is not None and g.numel():
+                by_group.setdefault(self._group_of[id(u.params[i])], []).append(i)
+        for k, idx in by_group.items():
+            lr, beta1, beta2, eps, wd = hyper[k]
+            params = [_local(u.params[i]) for i in idx]
+            steps = [self._step_count(u.params[i], params[j].device) for j, i in enumerate(idx)]
+            torch._foreach_add_(steps, 1)
+            torch._fused_adamw_(params, [grads[i] for i in idx], [u.views(flat["exp_avg"], i) for i in idx],
+                                [u.views(flat["exp_avg_sq"], i) for i in idx], [], steps, amsgrad=False, lr=lr,
+                                beta1=beta1, beta2=beta2, weight_decay=wd, eps=eps, maximize=False)
+
+    def _step_count(self, p: nn.Parameter, device: torch.device) -> torch.Tensor:
+        t = self._steps.get(id(p))
+        if t is None:
+            t = self._steps[id(p)] = torch.zeros((), dtype=torch.float32, device=device)
+        return t
+
+
+class _TieredState:
+    """`optimizer.state` as tightfit/parallel/state.py reads and writes it: param -> {exp_avg, exp_avg_sq, step},
+    the moments as DTensors sharded like the parameter (or plain tensors), read from and written to their tier."""
+
+    def __init__(self, opt: ShardStatesAdamW) -> None:
+        self.opt = opt
+
+    def get(self, p, default=None):
+        self.opt.wait()
+        hit = self.opt._unit_of.get(id(p))
+        if hit is None or id(p) not in self.opt._steps:
+            return default
+        u, i = hit
+        flat = self.opt.read_moments(u)
+        out = {"step": self.opt._steps[id(p)].clone()}
+        for m in MOMENTS:
+            v = u.views(flat[m], i).clone()
+            if isinstance(p, DTensor):
+                v = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+            out[m] = v
+        return out
+
+    def __setitem__(self, p, value: dict) -> None:
+        self.opt.wait()
+        u, i = self.opt._unit_of[id(p)]
+        flat = {m: t.clone() for m, t in self.opt.read_moments(u).items()}
+        for m in MOMENTS:
+            u.views(flat[m], i).copy_(_local(value[m]).to("cpu", torch.float32))
+        self.opt.write_moments(u, flat)
+        self.opt._steps[id(p)] = torch.as_tensor(value["step"], dtype=torch.float32).reshape(()).clone().to(
+            _local(p).device)
+
+    def __getitem__(self, p):
+        v = self.get(p)
+        if v is None:
+            raise KeyError(p)
+        return v
+
+    def __contains__(self, p) -> bool:
+        return self.get(p) is not None
