@@ -104,6 +104,41 @@ def run(tier: str, resume: bool, root: Path) -> str:
     return f"CASE {tier}{':resume' if resume else ''} OK exposed={exposed:.4f} files={files}"
 
 
+def run_trainee(root: Path) -> str:
+    """`tightfit train`'s parallel transform (trainee.shard) for a plan with FSDP2's CPU offload and `--nvme`: the
+    moments in the rank's own swap folder, the loop's calls (accumulate, clip_and_step, the checkpoint's gather),
+    the folder gone after `close`."""
+    from tightfit.config import Config
+    from tightfit.parallel.plan import ParallelDims, ParallelPlan
+    from tightfit.parallel.replicas import RANK_FOLDER
+    from tightfit.parallel.trainee import shard
+    from tightfit.parallel.world import GroupWorld
+
+    cfg = Config()
+    cfg.memory.nvme = str(root / "swap")
+    cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head, cfg.train.seq_len = 2, 32, 4, T
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=VOCAB, block_size=T, n_layer=2, n_head=4, n_embd=32, bias=False))
+    plan = ParallelPlan(ParallelDims(dp=dist.get_world_size()), "zero3", cpu_offload=True)
+    world = GroupWorld(init_distributed())
+    sharded = shard(model, cfg, world, plan, torch.float32, None, lambda line: None)
+    assert isinstance(sharded.optimizer, ShardStatesAdamW), type(sharded.optimizer)
+    folder = root / "swap" / RANK_FOLDER.format(dist.get_rank())
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x = torch.randint(0, VOCAB, (2, T + 1), generator=g)
+        sharded.accumulate([(x[:, :-1], x[:, 1:])])
+        sharded.clip_and_step(1.0)
+    files = len(list(folder.rglob("*.safetensors")))
+    assert files == 3, f"{files} swap files in {folder}: one a unit (root, 2 blocks)"
+    groups_ = sharded.checkpoint_groups()
+    assert dist.get_rank() != 0 or groups_, "rank 0 gathered nothing"
+    counters = sharded.engine_counters()
+    sharded.close()
+    assert not folder.exists(), f"{folder} left after close"
+    return f"CASE trainee OK files={files} written={counters['nvme_write_bytes']:.0f}"
+
+
 class _Pm:
     """What state.py asks of a ParallelModel: its module, the plan's pp degree, the optimizer's settle."""
 
@@ -118,7 +153,7 @@ def main() -> None:
     try:
         for case in sys.argv[1:]:
             tier, _, opt = case.partition(":")
-            line = run(tier, opt == "resume", root)
+            line = run_trainee(root) if case == "trainee" else run(tier, opt == "resume", root)
             if env.rank == 0:
                 print(f"[rank 0] {line}", flush=True)
     except BaseException as e:  # noqa: BLE001 - the test reads the line

@@ -3,7 +3,9 @@ moment and step count equal to `torch.optim.AdamW(fused=True)` on the same shard
 moments in host memory or in the rank's own swap files, clipped by the global norm, the steps running on their own
 thread under the next forward (the strict mode's delays make forwards arrive first: without the pre-hook that
 orders FSDP2's all-gather after the unit's step, the weights differ); resumed from a gathered checkpoint halfway, the
-same bits again; no swap file left after `close`."""
+same bits again; no swap file left after `close`. And `tightfit train`'s parallel transform (trainee.shard) with
+FSDP2's CPU offload and `--nvme`: the moments in the rank's own swap folder, a file a unit, the folder removed after
+`close`."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from parallel_launch import ROOT, free_port, rank_env
 
 
 def test_shard_states_equal_torch_fused_adamw_on_fsdp2_shards():
-    cases = ["host", "nvme", "host:resume", "nvme:resume"]
+    cases = ["host", "nvme", "host:resume", "nvme:resume", "trainee"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
            "--max-restarts=0", "--monitor-interval=1", str(ROOT / "tests" / "shard_states_worker.py"), *cases]
     proc = subprocess.run(cmd, env=rank_env(TIGHTFIT_STRICT_MOVER="1"), cwd=ROOT, capture_output=True, text=True,
@@ -23,6 +25,79 @@ def test_shard_states_equal_torch_fused_adamw_on_fsdp2_shards():
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and " FAIL " not in out, out[-3000:]
     lines = {m.group(1): m for m in re.finditer(r"CASE (\S+) OK exposed=([\d.]+) files=(\d+)", out)}
-    assert sorted(lines) == sorted(cases), out[-3000:]
+    assert sorted(lines) == sorted(cases[:-1]) and "CASE trainee OK" in out, out[-3000:]
     assert float(lines["host"].group(2)) > 0, "no forward waited for a step: the pre-hook was not exercised"
     assert int(lines["nvme"].group(3)) == 4 and int(lines["host"].group(3)) == 0  # a file per unit: root, 3 blocks
+
+
+# ---- one process: the optimizer alone over a plain module (one unit) -------------------------------------------
+
+from concurrent.futures import Future  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tightfit.offload.placement import Tier  # noqa: E402
+from tightfit.offload.runtime.futures import done_future  # noqa: E402
+from tightfit.offload.tiers.stores import MemoryStore  # noqa: E402
+from tightfit.parallel.shard_states import ShardStatesAdamW, fsdp_units  # noqa: E402
+
+
+class _FlakyDisk(MemoryStore):
+    """A disk tier kept in memory whose writes fail from the `fail_from`-th on, as a full or dying disk's do."""
+
+    tier = Tier.NVME
+
+    def __init__(self, fail_from: int) -> None:
+        super().__init__(Tier.NVME, torch.device("cpu"))
+        self.tier, self.saves, self.fail_from = Tier.NVME, 0, fail_from
+
+    def save(self, unit, entry, src, *, start=None):
+        self.saves += 1
+        if self.saves >= self.fail_from:
+            bad = Future()  # as the NVMe store's writes fail: on their future
+            bad.set_exception(OSError(28, "No space left on device"))
+            return bad
+        super().save(unit, entry, src, start=start)
+        return done_future()
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+
+
+def _train(model, opt, steps: int) -> None:
+    g = torch.Generator().manual_seed(5)
+    for _ in range(steps):
+        x = torch.randn(6, 8, generator=g)
+        model(x).square().mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("disk", [False, True])
+def test_one_unit_equals_torch_fused_adamw_bitwise(disk):
+    ref, mine = _model(), _model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    store = _FlakyDisk(fail_from=10**9) if disk else MemoryStore(Tier.HOST, torch.device("cpu"))
+    opt = ShardStatesAdamW([{"params": list(mine.parameters())}], fsdp_units(mine), store, lr=1e-2)
+    _train(ref, ref_opt, 5)
+    _train(mine, opt, 5)
+    opt.wait()
+    for a, b in zip(ref.parameters(), mine.parameters()):
+        assert torch.equal(a, b)
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(ref_opt.state[a][k], opt.state.get(b)[k])
+    opt.close()
+
+
+def test_a_failed_write_of_the_moments_is_raised_not_read_back_stale():
+    model = _model()
+    opt = ShardStatesAdamW([{"params": list(model.parameters())}], fsdp_units(model), _FlakyDisk(fail_from=3),
+                           lr=1e-2)
+    _train(model, opt, 1)  # saves 1 and 2: the first step's moments
+    with pytest.raises(OSError, match="No space left"):
+        _train(model, opt, 2)  # the second step's saves fail; the next forward or `wait` hears of it
+        opt.wait()

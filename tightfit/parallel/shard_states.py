@@ -106,6 +106,7 @@ class ShardStatesAdamW:
         if unstepped:
             raise ValueError(f"{len(unstepped)} parameters belong to no unit")
         self._steps: dict[int, torch.Tensor] = {}
+        self._job: Future | None = None  # the step thread's last job: its units, then their last saves
         self.on_disk = store.tier == Tier.NVME
         largest = max((u.numel for u in self.units), default=0)
         # Two units' moments at a time on the disk's side: one stepping, the next loading.
@@ -139,7 +140,7 @@ class ShardStatesAdamW:
         futures = {u.name: Future() for u, _ in work}
         for u, _ in work:
             u.pending = futures[u.name]
-        self._worker.submit(self._run, work, hyper, futures)
+        self._job = self._worker.submit(self._run, work, hyper, futures)
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -149,10 +150,13 @@ class ShardStatesAdamW:
                 p.grad = None
 
     def wait(self) -> None:
-        """Every queued step done (its errors raised here)."""
+        """Every queued step done and its moments written (its errors raised here: a save that failed is not left
+        to be read back stale)."""
         for u in self.units:
             if u.pending is not None:
                 u.pending.result()
+        if self._job is not None:
+            self._job.result()
 
     def counters(self) -> dict[str, float]:
         with self._lock:
@@ -201,9 +205,11 @@ class ShardStatesAdamW:
         return wait_for_step
 
     def _run(self, work, hyper, futures: dict[str, Future]) -> None:
-        loads = [self._load(work[0][0], 0)] if self.on_disk else []
-        for k, (u, grads) in enumerate(work):
-            try:
+        """Step `work`'s units in order, the next unit's moments loading while one steps. Every unit's future is
+        completed, with the error where one occurs (a forward waiting for it raises instead of waiting forever)."""
+        try:
+            loads = [self._load(work[0][0], 0)] if self.on_disk else []
+            for k, (u, grads) in enumerate(work):
                 if self.on_disk and k + 1 < len(work):
                     loads.append(self._load(work[k + 1][0], (k + 1) % 2))
                 if self._late is not None:
@@ -224,18 +230,18 @@ class ShardStatesAdamW:
                 with self._lock:
                     self._timers["optimizer_s"] += time.perf_counter() - t0
                 futures[u.name].set_result(None)
-            except BaseException as e:  # noqa: BLE001 - every waiting forward hears of it
-                for v, _ in work[k:]:
-                    if not futures[v.name].done():
-                        futures[v.name].set_exception(e)
-                return
-        for saves in self._slot_saves:  # the last units' moments on the disk before anyone reads them
-            for f in saves:
-                f.result()
+            for saves in self._slot_saves:  # the last units' moments on the disk before anyone reads them
+                for f in saves:
+                    f.result()
+        except BaseException as e:  # noqa: BLE001 - every waiting forward hears of it
+            for fut in futures.values():
+                if not fut.done():
+                    fut.set_exception(e)
+            raise
 
     def _load(self, u: _Unit, slot: int) -> list[Future]:
         """Start reading `u`'s moments into buffer `slot`, once that buffer's last save is done (zeros for moments
-        never written)."""
+        never written). A save that failed fails every later step here: the disk holds stale moments."""
         for f in self._slot_saves[slot]:
             f.result()
         self._slot_saves[slot] = []

@@ -33,6 +33,7 @@ class Sharded:
     def __init__(self, pm, optimizer, world, device: torch.device, dtype: torch.dtype,
                  shapes: list[tuple[str, tuple[int, ...]]]) -> None:
         self.pm, self.optimizer, self.world, self.device, self.dtype = pm, optimizer, world, device, dtype
+        self.swap: tuple | None = None  # (this rank's swap folder, whether tightfit made it): shard()'s
         self.model = pm.module
         self.shapes = shapes  # the whole model's (name, shape), before sharding: the checkpoint's signature
         self.autocast = autocast_for(device, dtype)
@@ -124,7 +125,9 @@ class Sharded:
         return {"rss": _rss_high_water()}
 
     def engine_counters(self):
-        return None
+        """The optimizer's seconds and disk bytes where it keeps the shards' moments itself (shard_states.py)."""
+        counters = getattr(self.optimizer, "counters", None)
+        return counters() if counters is not None else None
 
     def compare_with_plan(self, step_seconds: float) -> str | None:
         return None
@@ -136,7 +139,15 @@ class Sharded:
         return {"strategy": self.pm.plan.name, "mesh": list(self.pm.plan.dims.shape()), "ranks": self.world.size}
 
     def close(self) -> None:
-        """Nothing beyond the model: the process group is the caller's (run.py)."""
+        """The optimizer's thread and swap files (shard_states.py), and the rank's swap folder if tightfit made it;
+        the process group is the caller's (run.py)."""
+        close = getattr(self.optimizer, "close", None)
+        if close is not None:
+            close()
+        if self.swap is not None:
+            from tightfit.parallel.replicas import remove_rank_folder
+
+            remove_rank_folder(*self.swap)
 
 
 def shard(model: torch.nn.Module, cfg, world, plan, dtype: torch.dtype, resume, say: Callable[[str], None]) -> Sharded:
@@ -159,7 +170,18 @@ def shard(model: torch.nn.Module, cfg, world, plan, dtype: torch.dtype, resume, 
     pm = parallelize(model, plan, build_mesh(plan.dims, device), device, checkpoint=recompute)
     if recompute:
         say(f"activation checkpointing: every block recomputes its forward in backward ({why})")
-    optimizer = make_optimizer(pm, lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2))
+    swap, made = None, False
+    if plan.cpu_offload and cfg.memory.nvme:  # FSDP2's CPU offload: the moments in this rank's own swap folder
+        from tightfit.parallel.rank_plan import rank_config
+        from tightfit.parallel.replicas import make_rank_folder
+
+        swap = rank_config(cfg, world.rank)[1]
+        made = make_rank_folder(swap)
+        say(f"each unit's AdamW moments in {swap} (this rank's swap folder), stepped under the next forward")
+    optimizer = make_optimizer(pm, lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2),
+                               moments_folder=swap)
     if resume is not None and not load_moments(pm, optimizer, resume.get):
         say("notice: the checkpoint holds no optimizer moments; AdamW starts afresh")
-    return Sharded(pm, optimizer, world, device, dtype, shapes)
+    sharded = Sharded(pm, optimizer, world, device, dtype, shapes)
+    sharded.swap = (swap, made) if swap is not None else None
+    return sharded
