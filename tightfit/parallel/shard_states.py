@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from tightfit.offload.placement import Tier
 from tightfit.offload.runtime.movers import strict_from_env, strict_seed
-from tightfit.offload.runtime.workers import Worker
+from tightfit.offload.runtime.workers import Worker, thread_budget
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 STRICT_DELAY_S = 0.01
@@ -64,6 +64,16 @@ def fsdp_units(model: nn.Module) -> list[tuple[str, nn.Module, list[nn.Parameter
         claimed.update(id(p) for p in mine)
         params[name] = mine
     return [(name, m, params[name]) for name, m in found]
+
+
+def _step_threads() -> int:
+    """The step thread's intra-op threads: on a GPU machine the host's cores are the optimizer's, shared by the node's
+    ranks, less one for the thread launching the GPU's kernels; on a CPU the compute needs them ([Note: thread
+    budget] in offload/runtime/workers.py)."""
+    import os
+
+    cores = max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    return thread_budget(cores, torch.cuda.is_available())["alone"]
 
 
 class _Unit:
@@ -115,7 +125,7 @@ class ShardStatesAdamW:
         self._slot_saves: list[list[Future]] = [[], []]
         strict = strict_from_env()
         self._late = random.Random(strict_seed()) if strict else None
-        self._worker = Worker("tightfit-shard-steps", threads=1)
+        self._worker = Worker("tightfit-shard-steps", threads=_step_threads())
         self._timers = {"optimizer_s": 0.0, "optimizer_exposed_s": 0.0, "nvme_read_bytes": 0, "nvme_write_bytes": 0}
         self._lock = threading.Lock()
         self._hooks = [u.module.register_forward_pre_hook(self._before_forward(u), prepend=True) for u in self.units]
@@ -174,6 +184,8 @@ class ShardStatesAdamW:
     # ---- checkpoints: the moments as the one-process format names them -------------------------------------------
 
     def read_moments(self, u: _Unit) -> dict[str, torch.Tensor]:
+        """`u`'s flat moments: its host tensors themselves, or copies read from the disk (zeros before its first
+        step). The caller has waited for its steps."""
         if u.fresh:
             return {m: torch.zeros(u.numel, dtype=torch.float32) for m in MOMENTS}
         if not self.on_disk:
@@ -184,6 +196,7 @@ class ShardStatesAdamW:
         return out
 
     def write_moments(self, u: _Unit, values: dict[str, torch.Tensor]) -> None:
+        """Store `u`'s flat moments (a checkpoint's, on resume)."""
         for f in [self.store.save(u.name, m, values[m]) for m in MOMENTS]:
             f.result()
         u.fresh = False
