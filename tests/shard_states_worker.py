@@ -5,8 +5,10 @@ Each rank builds the reference GPT twice from one seed, shards both with `fully_
 apply_zero), trains both on the same batches with the same clip (the global norm over both ranks), one stepped by
 torch's optimizer after the backward and one by ShardStatesAdamW (moments in host memory or in a swap folder of the
 rank's own), and compares every local shard and moment exactly at the end: between steps only the forward's pre-hook
-waits for them. With `resume` the ShardStatesAdamW
-side is rebuilt halfway from a gathered checkpoint (tightfit/parallel/state.py) and must go on bit for bit.
+waits for them. `:offload`: the shards in host memory
+(FSDP2's `CPUOffloadPolicy`; on a GPU machine the forward and backward on the GPU, the steps on the host). With
+`:resume` the ShardStatesAdamW side is rebuilt halfway from a gathered checkpoint (tightfit/parallel/state.py) and
+must go on bit for bit.
 Rank 0 prints `CASE <tier> OK exposed=<s> files=<n>` (the seconds forwards waited for a step; the swap files seen
 while training, none left after `close`); a mismatch raises.
 """
@@ -33,10 +35,12 @@ from tightfit.parallel.tensor_parallel import distribute_like
 STEPS, B, T, VOCAB, LR, WD, CLIP = 6, 8, 16, 64, 3e-3, 0.1, 0.5
 
 
-def build(mesh):
+def build(mesh, offload: bool = False):
+    """The test GPT sharded by FSDP2 over `mesh` (on its device); `offload`: the shards in host memory
+    (`CPUOffloadPolicy`, page-locked on a GPU), as `--strategy auto` shards a model whose states do not fit."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=VOCAB, block_size=T, n_layer=3, n_head=4, n_embd=32, bias=False))
-    return apply_zero(model, mesh, 3)
+    return apply_zero(model.to(mesh.device_type), mesh, 3, cpu_offload=offload)
 
 
 def groups(model):
@@ -68,10 +72,11 @@ def compare(step: int, ref, ref_opt, mine, opt) -> None:
         assert float(ref_opt.state[a]["step"]) == float(st["step"]), f"step {step}: {name}.step differs"
 
 
-def run(tier: str, resume: bool, root: Path) -> str:
+def run(tier: str, resume: bool, root: Path, offload: bool = False) -> str:
     rank = dist.get_rank()
-    mesh = build_mesh(parse_strategy("zero3", dist.get_world_size()).dims, torch.device("cpu"))["dp"]
-    ref, mine = build(mesh), build(mesh)
+    device = init_distributed().device  # CUDA where the process group is NCCL's (a GPU machine)
+    mesh = build_mesh(parse_strategy("zero3", dist.get_world_size()).dims, device)["dp"]
+    ref, mine = build(mesh, offload), build(mesh, offload)
     ref_opt = torch.optim.AdamW(groups(ref), lr=LR, betas=(0.9, 0.95), eps=1e-8, fused=True)
     folder = root / f"{tier}-rank{rank}"
     opt = ShardStatesAdamW(groups(mine), fsdp_units(mine), store_for(tier, folder), lr=LR, betas=(0.9, 0.95))
@@ -82,14 +87,14 @@ def run(tier: str, resume: bool, root: Path) -> str:
             full = [gather_full_state(_Pm(mine, opt), opt)]
             dist.broadcast_object_list(full, src=0)
             opt.close()
-            mine = build(mesh)
+            mine = build(mesh, offload)
             with torch.no_grad():  # the checkpoint's weights, sliced like each shard
                 for n, p in mine.named_parameters():
                     p.to_local().copy_(distribute_like(full[0][f"model.{n}"], p).to_local())
             opt = ShardStatesAdamW(groups(mine), fsdp_units(mine), store_for(tier, root / f"{tier}-again-rank{rank}"),
                                    lr=LR, betas=(0.9, 0.95))
             assert load_moments(_Pm(mine, opt), opt, full[0].__getitem__) > 0
-        x = torch.randint(0, VOCAB, (B, T + 1), generator=g)
+        x = torch.randint(0, VOCAB, (B, T + 1), generator=g).to(device)
         xs, ys = x[:, :-1].chunk(dist.get_world_size())[rank], x[:, 1:].chunk(dist.get_world_size())[rank]
         train_step(ref, ref_opt, xs, ys)
         train_step(mine, opt, xs, ys)
@@ -101,7 +106,7 @@ def run(tier: str, resume: bool, root: Path) -> str:
     opt.close()
     left = len(list(root.rglob("*.safetensors")))
     assert left == 0, f"{left} swap files left after close"
-    return f"CASE {tier}{':resume' if resume else ''} OK exposed={exposed:.4f} files={files}"
+    return f"OK exposed={exposed:.4f} files={files}"
 
 
 def run_trainee(root: Path) -> str:
@@ -136,7 +141,7 @@ def run_trainee(root: Path) -> str:
     counters = sharded.engine_counters()
     sharded.close()
     assert not folder.exists(), f"{folder} left after close"
-    return f"CASE trainee OK files={files} written={counters['nvme_write_bytes']:.0f}"
+    return f"OK files={files} written={counters['nvme_write_bytes']:.0f}"
 
 
 class _Pm:
@@ -152,10 +157,10 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="shard-states-"))
     try:
         for case in sys.argv[1:]:
-            tier, _, opt = case.partition(":")
-            line = run_trainee(root) if case == "trainee" else run(tier, opt == "resume", root)
+            tier, *opts = case.split(":")
+            line = run_trainee(root) if case == "trainee" else run(tier, "resume" in opts, root, "offload" in opts)
             if env.rank == 0:
-                print(f"[rank 0] {line}", flush=True)
+                print(f"[rank 0] CASE {case} {line}", flush=True)
     except BaseException as e:  # noqa: BLE001 - the test reads the line
         print(f"[rank {env.rank}] FAIL {type(e).__name__}: {e}", flush=True)
         leave_process(1)
