@@ -192,3 +192,38 @@ def test_what_if_takes_offload_as_the_run_does(monkeypatch):
     per_node = report.profile.n_params / 8 * 16 * 8
     note = next(n for n in d["notes"] if n.startswith("host memory for the offloaded shards"))
     assert format_size(int(report.profile.n_params / 8 * 16)) in note and format_size(int(per_node)) in note
+    # with --nvme the moments (8 of the 16 bytes) go to each rank's swap folder: half the host, the rest on disk
+    cfg.memory.nvme = "/tmp/swap"
+    chosen.notes.clear()  # the stand-in choice is the same object in both reports
+    note = next(n for n in what_if(cfg).to_dict()["notes"] if n.startswith("host memory for the offloaded shards"))
+    assert format_size(int(report.profile.n_params / 8 * 8)) in note and "moments on each rank's NVMe" in note
+
+
+def test_zero3_given_with_offload_auto_sends_the_states_to_the_host_only_where_its_shards_do_not_fit():
+    """`--strategy zero3 --offload auto`: FSDP2's CPU offload (tightfit's optimizer on the host shards) where even
+    the shards do not fit the GPU with every block recomputed; as FSDP2 leaves it where they do, where there is no GPU
+    to fit, and where checkpointing alone is enough. The what-if says it in one note, as a run does."""
+    from tightfit.parallel.auto import offload_if_short
+
+    plan = ParallelPlan(ParallelDims(dp=8), "zero3")
+    big = profile(70, layers=80, heads=64)  # 1.1 TB of states: 140 GB a GPU in 8 shards
+    offloaded, why = offload_if_short(plan, big, 80 * GiB)
+    assert offloaded.cpu_offload and "per GPU against 80.0 GiB" in why and "host memory" in why
+    assert offload_if_short(plan, big, 200 * GiB) == (plan, None)  # the shards fit
+    assert offload_if_short(plan, big, None) == (plan, None)  # no GPU: nothing to decide
+    assert offload_if_short(ParallelPlan(ParallelDims(dp=8), "zero2"), big, 80 * GiB) == (
+        ParallelPlan(ParallelDims(dp=8), "zero2"), None)
+    # the activations alone over the GPU: recomputing them is the cheaper remedy, unless --checkpointing off
+    long = profile(1, layers=32)
+    long = ModelProfile(**{**long.__dict__, "seq_len": 65536})
+    short_of = memory_per_gpu(plan, long)["total"] - 1
+    assert offload_if_short(plan, long, short_of)[1] is None
+    assert offload_if_short(plan, long, short_of, "off")[0].cpu_offload
+
+    cfg = Config()
+    cfg.parallel.nproc_per_node, cfg.parallel.strategy, cfg.memory.gpu_mem = 8, "zero3", "1GiB"
+    cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head = 24, 2048, 16  # 1.2 B parameters: 2.4 GB a shard
+    report = what_if(cfg)
+    assert report.choice.plan.cpu_offload and any("ZeRO-3's shards need" in n for n in report.choice.notes)
+    cfg.memory.gpu_mem = "80GiB"
+    assert not what_if(cfg).choice.plan.cpu_offload

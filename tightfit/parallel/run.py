@@ -80,11 +80,22 @@ def resolve_plan(cfg, world_size: int, model: torch.nn.Module, log) -> ParallelP
     """The plan for this run: `--strategy` as given, or `auto` decided by choose_strategy for this world."""
     from dataclasses import replace
 
-    if cfg.parallel.strategy != "auto":
-        return plan_from_config(cfg.parallel, world_size, cfg.memory.offload)
-    from tightfit.parallel.auto import choose_strategy
+    from tightfit.parallel.auto import choose_strategy, offload_if_short
     from tightfit.parallel.costs import Hardware, ModelProfile
     from tightfit.utils.sizes import parse_size
+
+    if cfg.parallel.strategy != "auto":
+        plan = plan_from_config(cfg.parallel, world_size, cfg.memory.offload)
+        if cfg.memory.offload != "auto" or not torch.cuda.is_available():
+            return plan
+        from tightfit.parallel.activation_checkpoint import gpu_memory
+
+        prof = ModelProfile.from_model(model, cfg.train.seq_len, cfg.train.micro_batch,
+                                       cfg.train.precision != "fp32")
+        plan, why = offload_if_short(plan, prof, gpu_memory(cfg, torch.device("cuda", 0)), cfg.memory.checkpointing)
+        if why is not None:
+            log(f"tightfit: {why}")
+        return plan
 
     if cfg.memory.gpu_mem:
         mem = parse_size(cfg.memory.gpu_mem, "--gpu-mem")

@@ -13,7 +13,7 @@ import torch
 
 from tightfit.errors import UsageError
 from tightfit.parallel.activation_checkpoint import wanted
-from tightfit.parallel.auto import StrategyChoice, choose_strategy
+from tightfit.parallel.auto import StrategyChoice, choose_strategy, offload_if_short
 from tightfit.parallel.costs import Hardware, ModelProfile, comm_per_step, memory_per_gpu
 from tightfit.parallel.plan import plan_from_config
 from tightfit.utils.sizes import format_size, parse_size
@@ -21,6 +21,9 @@ from tightfit.utils.sizes import format_size, parse_size
 CPU_OFFLOAD_BYTES = 16
 """Host bytes per parameter of FSDP2's CPU offload: the fp32 sharded parameter, its fp32 gradient, AdamW's two
 moments."""
+MOMENT_BYTES = 8
+"""Of those, AdamW's two fp32 moments: with `--nvme` they live in each rank's swap folder instead
+(tightfit/parallel/shard_states.py)."""
 
 DEFAULT_GPU_MEM = "80GiB"
 """Assumed per-GPU memory when --gpu-mem is not given (an H100/A100-80GB)."""
@@ -114,8 +117,11 @@ def what_if(cfg, model: torch.nn.Module | None = None, log=None) -> WhatIfReport
         if plan.engine:  # `tightfit plan` plans each rank's engine instead (parallel/rank_plan.py)
             raise UsageError(f"--offload {cfg.memory.offload} --strategy {cfg.parallel.strategy}: the offload engine "
                              "on every rank; `tightfit plan` with these flags prints a rank's plan")
+        why = None
+        if cfg.memory.offload == "auto":  # as the run decides it (run.resolve_plan)
+            plan, why = offload_if_short(plan, prof, hw.gpu_mem, cfg.memory.checkpointing)
         choice = StrategyChoice(cfg.parallel.strategy, plan.dims, "given by --strategy",
-                                f"given by --strategy {cfg.parallel.strategy}", plan)
+                                f"given by --strategy {cfg.parallel.strategy}", plan, notes=[why] if why else [])
     memory = comm = None
     if choice.plan is not None:
         plan = choice.plan
@@ -132,10 +138,20 @@ def what_if(cfg, model: torch.nn.Module | None = None, log=None) -> WhatIfReport
             choice.notes.append(f"activation checkpointing of every block ({why})")
         memory, comm = memory_per_gpu(plan, prof), comm_per_step(plan, prof)
         if plan.cpu_offload:  # FSDP2's CPUOffloadPolicy: the fp32 shard, its gradient and AdamW's moments
-            rank = int(prof.n_params / (plan.dims.pp * plan.dims.tp * plan.dims.dp) * CPU_OFFLOAD_BYTES)
-            choice.notes.append(f"host memory for the offloaded shards: {format_size(rank)} per rank, "
-                                f"{format_size(rank * hw.gpus_per_node)} per node (fp32 parameters, gradients "
-                                f"and AdamW moments, {CPU_OFFLOAD_BYTES} bytes a parameter)")
+            shard = prof.n_params / (plan.dims.pp * plan.dims.tp * plan.dims.dp)
+            if cfg.memory.nvme:  # the moments in each rank's swap folder (shard_states.py)
+                rank, disk = int(shard * (CPU_OFFLOAD_BYTES - MOMENT_BYTES)), int(shard * MOMENT_BYTES)
+                choice.notes.append(f"host memory for the offloaded shards: {format_size(rank)} per rank, "
+                                    f"{format_size(rank * hw.gpus_per_node)} per node (fp32 parameters and "
+                                    f"gradients, {CPU_OFFLOAD_BYTES - MOMENT_BYTES} bytes a parameter); AdamW's "
+                                    f"moments on each rank's NVMe: {format_size(disk)} per rank, "
+                                    f"{format_size(disk * hw.gpus_per_node)} per node")
+            else:
+                rank = int(shard * CPU_OFFLOAD_BYTES)
+                choice.notes.append(f"host memory for the offloaded shards: {format_size(rank)} per rank, "
+                                    f"{format_size(rank * hw.gpus_per_node)} per node (fp32 parameters, gradients "
+                                    f"and AdamW moments, {CPU_OFFLOAD_BYTES} bytes a parameter; with --nvme the "
+                                    f"moments go to each rank's swap folder)")
         if memory["total"] > hw.gpu_mem:
             what = ("lower --micro-batch or --seq-len" if plan.cpu_offload and prof.checkpointed else
                     "add --checkpointing on" if plan.cpu_offload else "combine with offload or raise the degrees")
