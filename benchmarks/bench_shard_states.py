@@ -68,8 +68,8 @@ def main() -> None:
     sides["shard states, host"] = (m, ShardStatesAdamW(groups(m), fsdp_units(m), MemoryStore(Tier.HOST, torch.device(
         "cpu")), lr=1e-3, betas=(0.9, 0.95)))
     m = build(args, mesh)
-    sides["shard states, nvme"] = (m, ShardStatesAdamW(groups(m), fsdp_units(m), DiskStore(str(
-        root / f"rank{env.rank}")), lr=1e-3, betas=(0.9, 0.95)))
+    sides["shard states, nvme"] = (m, ShardStatesAdamW(groups(m), fsdp_units(m), MemoryStore(
+        Tier.HOST, torch.device("cpu")), DiskStore(str(root / f"rank{env.rank}")), lr=1e-3, betas=(0.9, 0.95)))
     g = torch.Generator().manual_seed(1)
     times: dict[str, list[float]] = {k: [] for k in sides}
 

@@ -48,8 +48,19 @@ def groups(model):
             {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
 
 
-def store_for(tier: str, folder: Path):
-    return MemoryStore(Tier.HOST, torch.device("cpu")) if tier == "host" else DiskStore(str(folder))
+def stores_for(tier: str, folder: Path, root_bytes: int) -> dict:
+    """host: every unit's moments in host memory; nvme: every unit's on the disk; mixed: the root's (the first
+    unit) in host memory, the blocks' on the disk."""
+    host = MemoryStore(Tier.HOST, torch.device("cpu"))
+    if tier == "host":
+        return {"host": host}
+    return {"host": host, "disk": DiskStore(str(folder)), "host_room": root_bytes if tier == "mixed" else None}
+
+
+def make_opt(model, tier: str, folder: Path) -> ShardStatesAdamW:
+    units = fsdp_units(model)
+    root_bytes = 8 * sum(p.to_local().numel() for p in units[0][2])
+    return ShardStatesAdamW(groups(model), units, **stores_for(tier, folder, root_bytes), lr=LR, betas=(0.9, 0.95))
 
 
 def train_step(model, opt, x, y) -> None:
@@ -79,7 +90,7 @@ def run(tier: str, resume: bool, root: Path, offload: bool = False) -> str:
     ref, mine = build(mesh, offload), build(mesh, offload)
     ref_opt = torch.optim.AdamW(groups(ref), lr=LR, betas=(0.9, 0.95), eps=1e-8, fused=True)
     folder = root / f"{tier}-rank{rank}"
-    opt = ShardStatesAdamW(groups(mine), fsdp_units(mine), store_for(tier, folder), lr=LR, betas=(0.9, 0.95))
+    opt = make_opt(mine, tier, folder)
     files = 0
     g = torch.Generator().manual_seed(7)
     for s in range(STEPS):
@@ -91,14 +102,13 @@ def run(tier: str, resume: bool, root: Path, offload: bool = False) -> str:
             with torch.no_grad():  # the checkpoint's weights, sliced like each shard
                 for n, p in mine.named_parameters():
                     p.to_local().copy_(distribute_like(full[0][f"model.{n}"], p).to_local())
-            opt = ShardStatesAdamW(groups(mine), fsdp_units(mine), store_for(tier, root / f"{tier}-again-rank{rank}"),
-                                   lr=LR, betas=(0.9, 0.95))
+            opt = make_opt(mine, tier, root / f"{tier}-again-rank{rank}")
             assert load_moments(_Pm(mine, opt), opt, full[0].__getitem__) > 0
         x = torch.randint(0, VOCAB, (B, T + 1), generator=g).to(device)
         xs, ys = x[:, :-1].chunk(dist.get_world_size())[rank], x[:, 1:].chunk(dist.get_world_size())[rank]
         train_step(ref, ref_opt, xs, ys)
         train_step(mine, opt, xs, ys)
-        if tier == "nvme":
+        if tier != "host":
             files = max(files, len(list(folder.rglob("*.safetensors"))) if folder.exists() else 0)
     # Compared once at the end: between steps nothing waits but the forward's own pre-hook.
     compare(STEPS, ref, ref_opt, mine, opt)
@@ -109,10 +119,10 @@ def run(tier: str, resume: bool, root: Path, offload: bool = False) -> str:
     return f"OK exposed={exposed:.4f} files={files}"
 
 
-def run_trainee(root: Path) -> str:
-    """`tightfit train`'s parallel transform (trainee.shard) for a plan with FSDP2's CPU offload and `--nvme`: the
-    moments in the rank's own swap folder, the loop's calls (accumulate, clip_and_step, the checkpoint's gather),
-    the folder gone after `close`."""
+def run_trainee(root: Path, roomy: bool = False) -> str:
+    """`tightfit train`'s parallel transform (trainee.shard) for a plan with FSDP2's CPU offload, `--nvme` and a
+    `--cpu-mem` that FSDP2's own shards fill: every unit's moments in the rank's own swap folder, the loop's calls
+    (accumulate, clip_and_step, the checkpoint's gather), the folder gone after `close`."""
     from tightfit.config import Config
     from tightfit.parallel.plan import ParallelDims, ParallelPlan
     from tightfit.parallel.replicas import RANK_FOLDER
@@ -120,7 +130,8 @@ def run_trainee(root: Path) -> str:
     from tightfit.parallel.world import GroupWorld
 
     cfg = Config()
-    cfg.memory.nvme = str(root / "swap")
+    # 16 KiB: no host room past FSDP2's shards, every unit's moments on the disk; 1 GiB (roomy): every unit's in memory
+    cfg.memory.nvme, cfg.memory.cpu_mem = str(root / "swap"), "1GiB" if roomy else "16KiB"
     cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head, cfg.train.seq_len = 2, 32, 4, T
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=VOCAB, block_size=T, n_layer=2, n_head=4, n_embd=32, bias=False))
@@ -135,7 +146,7 @@ def run_trainee(root: Path) -> str:
         sharded.accumulate([(x[:, :-1], x[:, 1:])])
         sharded.clip_and_step(1.0)
     files = len(list(folder.rglob("*.safetensors")))
-    assert files == 3, f"{files} swap files in {folder}: one a unit (root, 2 blocks)"
+    assert files == (0 if roomy else 3), f"{files} swap files in {folder}: one a unit on the disk (root, 2 blocks)"
     groups_ = sharded.checkpoint_groups()
     assert dist.get_rank() != 0 or groups_, "rank 0 gathered nothing"
     counters = sharded.engine_counters()
@@ -158,7 +169,8 @@ def main() -> None:
     try:
         for case in sys.argv[1:]:
             tier, *opts = case.split(":")
-            line = run_trainee(root) if case == "trainee" else run(tier, "resume" in opts, root, "offload" in opts)
+            line = run_trainee(root, "roomy" in opts) if tier == "trainee" else run(tier, "resume" in opts, root,
+                                                                                     "offload" in opts)
             if env.rank == 0:
                 print(f"[rank 0] CASE {case} {line}", flush=True)
     except BaseException as e:  # noqa: BLE001 - the test reads the line

@@ -236,10 +236,11 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: DeviceMesh, device: 
 
 
 def make_optimizer(pm: ParallelModel, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.95), eps: float = 1e-8,
-                   moments_folder=None):
+                   moments_folder=None, host_room: int | None = None):
     """AdamW with decay on matrices only (biases, norms exempt); ZeRO-1 shards its states over dp. Under FSDP2's CPU
-    offload, `ShardStatesAdamW` (shard_states.py): each unit's moments in host memory, or in `moments_folder` (this
-    rank's swap folder) when given, each unit stepped under the next forward."""
+    offload, `ShardStatesAdamW` (shard_states.py): each unit's moments in host memory, or, with `moments_folder`
+    (this rank's swap folder), there for the units past the first that fit `host_room` bytes, each unit stepped under
+    the next forward."""
     decay = [p for p in pm.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in pm.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -248,9 +249,9 @@ def make_optimizer(pm: ParallelModel, lr: float, weight_decay: float = 0.0, beta
         from tightfit.offload.tiers.stores import DiskStore, MemoryStore
         from tightfit.parallel.shard_states import ShardStatesAdamW, fsdp_units
 
-        store = DiskStore(str(moments_folder)) if moments_folder is not None else MemoryStore(
-            Tier.HOST, torch.device("cpu"))
-        opt = ShardStatesAdamW(groups, fsdp_units(pm.module), store, lr=lr, betas=betas, eps=eps)
+        disk = DiskStore(str(moments_folder)) if moments_folder is not None else None
+        opt = ShardStatesAdamW(groups, fsdp_units(pm.module), MemoryStore(Tier.HOST, torch.device("cpu")), disk,
+                               host_room, lr=lr, betas=betas, eps=eps)
         pm.settle = opt.wait
         return opt
     zero1 = pm.mesh["dp"].get_group() if pm.plan.dp_mode == "zero1" and pm.plan.dims.dp > 1 else None

@@ -88,6 +88,15 @@ class _Unit:
         self.numel = n
         self.pending: Future | None = None  # its last queued step
         self.fresh = True  # moments never written: zeros, nothing to read
+        self.store = None  # the tier store of its moments (host memory or the rank's swap files)
+
+    @property
+    def on_disk(self) -> bool:
+        return self.store.tier == Tier.NVME
+
+    @property
+    def moment_bytes(self) -> int:
+        return len(MOMENTS) * 4 * self.numel
 
     def views(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         local = _local(self.params[i])
@@ -96,20 +105,31 @@ class _Unit:
 
 class ShardStatesAdamW:
     """AdamW over `param_groups` (FSDP2's sharded parameters, or plain ones; each group a dict with "params" and any of
-    lr, betas, eps, weight_decay), the moments of each of `units` in `store` (a MemoryStore of host memory, or a
+    lr, betas, eps, weight_decay), each of `units`' moments in `host` (a MemoryStore of host memory) or `disk` (a
     DiskStore of this rank's swap folder), stepped under the next forward. It answers what the training loop and
-    tightfit/parallel/state.py ask of an optimizer: `param_groups`, `step`, `zero_grad`, `state`."""
+    tightfit/parallel/state.py ask of an optimizer: `param_groups`, `step`, `zero_grad`, `state`.
 
-    def __init__(self, param_groups: list[dict], units: list[tuple[str, nn.Module, list[nn.Parameter]]], store,
-                 lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2) -> None:
+    [Note: the moments' tier, unit by unit] Without `disk` every unit's moments are in host memory. With it, the
+    units in forward order keep theirs in host memory while they fit `host_room` bytes (None: none do), and the rest
+    on the disk: the first units' steps, which the next forward waits for first, read no disk, and each later unit's
+    moments load while the units before it step."""
+
+    def __init__(self, param_groups: list[dict], units: list[tuple[str, nn.Module, list[nn.Parameter]]], host,
+                 disk=None, host_room: int | None = None, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2) -> None:
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         self.param_groups = [{**defaults, **g, "params": list(g["params"])} for g in param_groups if g["params"]]
-        self.store = store
+        self.stores = [s for s in (host, disk) if s is not None]
         self.units = [_Unit(*u) for u in units if u[2]]
         self._group_of = {id(p): k for k, g in enumerate(self.param_groups) for p in g["params"]}
         self._unit_of: dict[int, tuple[_Unit, int]] = {}
+        room = host_room if disk is not None else None
         for u in self.units:
-            store.allocate(u.name, {m: (u.numel, torch.float32) for m in MOMENTS}, lock=())
+            fits = room is None and disk is None or room is not None and u.moment_bytes <= room
+            u.store = host if fits else disk
+            if fits and room is not None:
+                room -= u.moment_bytes
+            u.store.allocate(u.name, {m: (u.numel, torch.float32) for m in MOMENTS}, lock=())
             for i, p in enumerate(u.params):
                 self._unit_of[id(p)] = (u, i)
         unstepped = [p for g in self.param_groups for p in g["params"] if id(p) not in self._unit_of]
@@ -117,11 +137,10 @@ class ShardStatesAdamW:
             raise ValueError(f"{len(unstepped)} parameters belong to no unit")
         self._steps: dict[int, torch.Tensor] = {}
         self._job: Future | None = None  # the step thread's last job: its units, then their last saves
-        self.on_disk = store.tier == Tier.NVME
-        largest = max((u.numel for u in self.units), default=0)
+        largest = max((u.numel for u in self.units if u.on_disk), default=0)
         # Two units' moments at a time on the disk's side: one stepping, the next loading.
         self._slots = [{m: torch.zeros(largest, dtype=torch.float32) for m in MOMENTS} for _ in range(2)] \
-            if self.on_disk else []
+            if largest else []
         self._slot_saves: list[list[Future]] = [[], []]
         strict = strict_from_env()
         self._late = random.Random(strict_seed()) if strict else None
@@ -179,7 +198,8 @@ class ShardStatesAdamW:
             for h in self._hooks:
                 h.remove()
             self._worker.shutdown()
-            self.store.close()
+            for store in self.stores:
+                store.close()
 
     # ---- checkpoints: the moments as the one-process format names them -------------------------------------------
 
@@ -188,16 +208,16 @@ class ShardStatesAdamW:
         step). The caller has waited for its steps."""
         if u.fresh:
             return {m: torch.zeros(u.numel, dtype=torch.float32) for m in MOMENTS}
-        if not self.on_disk:
-            return {m: self.store.tensor(u.name, m) for m in MOMENTS}
+        if not u.on_disk:
+            return {m: u.store.tensor(u.name, m) for m in MOMENTS}
         out = {m: torch.empty(u.numel, dtype=torch.float32) for m in MOMENTS}
-        for f in [self.store.load(u.name, m, out[m]) for m in MOMENTS]:
+        for f in [u.store.load(u.name, m, out[m]) for m in MOMENTS]:
             f.result()
         return out
 
     def write_moments(self, u: _Unit, values: dict[str, torch.Tensor]) -> None:
         """Store `u`'s flat moments (a checkpoint's, on resume)."""
-        for f in [self.store.save(u.name, m, values[m]) for m in MOMENTS]:
+        for f in [u.store.save(u.name, m, values[m]) for m in MOMENTS]:
             f.result()
         u.fresh = False
 
@@ -218,27 +238,32 @@ class ShardStatesAdamW:
         return wait_for_step
 
     def _run(self, work, hyper, futures: dict[str, Future]) -> None:
-        """Step `work`'s units in order, the next unit's moments loading while one steps. Every unit's future is
-        completed, with the error where one occurs (a forward waiting for it raises instead of waiting forever)."""
+        """Step `work`'s units in order, the next disk unit's moments loading while one steps (the n-th disk unit of
+        the step in buffer n % 2). Every unit's future is completed, with the error where one occurs (a forward
+        waiting for it raises instead of waiting forever)."""
         try:
-            loads = [self._load(work[0][0], 0)] if self.on_disk else []
+            on_disk = [k for k, (u, _) in enumerate(work) if u.on_disk]
+            slot_of = {k: n % 2 for n, k in enumerate(on_disk)}
+            loads = {on_disk[0]: self._load(work[on_disk[0]][0], 0)} if on_disk else {}
             for k, (u, grads) in enumerate(work):
-                if self.on_disk and k + 1 < len(work):
-                    loads.append(self._load(work[k + 1][0], (k + 1) % 2))
+                if u.on_disk:
+                    later = on_disk[on_disk.index(k) + 1:]
+                    if later:
+                        loads[later[0]] = self._load(work[later[0]][0], slot_of[later[0]])
                 if self._late is not None:
                     time.sleep(self._late.uniform(0.0, STRICT_DELAY_S))
                 t0 = time.perf_counter()
-                if self.on_disk:
-                    for f in loads[k]:
+                if u.on_disk:
+                    for f in loads.pop(k):
                         f.result()
-                    flat = {m: self._slots[k % 2][m][:u.numel] for m in MOMENTS}
+                    flat = {m: self._slots[slot_of[k]][m][:u.numel] for m in MOMENTS}
                 else:
-                    flat = {m: self.store.tensor(u.name, m) for m in MOMENTS}
+                    flat = {m: u.store.tensor(u.name, m) for m in MOMENTS}
                 self._step_unit(u, grads, flat, hyper)
-                if self.on_disk:
-                    self._slot_saves[k % 2] = [self.store.save(u.name, m, flat[m]) for m in MOMENTS]
+                if u.on_disk:
+                    self._slot_saves[slot_of[k]] = [u.store.save(u.name, m, flat[m]) for m in MOMENTS]
                     with self._lock:
-                        self._timers["nvme_write_bytes"] += 8 * u.numel
+                        self._timers["nvme_write_bytes"] += u.moment_bytes
                 u.fresh = False
                 with self._lock:
                     self._timers["optimizer_s"] += time.perf_counter() - t0
@@ -264,8 +289,8 @@ class ShardStatesAdamW:
                 buf[m][:u.numel].zero_()
             return []
         with self._lock:
-            self._timers["nvme_read_bytes"] += 8 * u.numel
-        return [self.store.load(u.name, m, buf[m][:u.numel]) for m in MOMENTS]
+            self._timers["nvme_read_bytes"] += u.moment_bytes
+        return [u.store.load(u.name, m, buf[m][:u.numel]) for m in MOMENTS]
 
     def _step_unit(self, u: _Unit, grads: list[torch.Tensor | None], flat: dict[str, torch.Tensor],
                    hyper: list[tuple]) -> None:

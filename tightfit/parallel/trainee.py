@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from tightfit.errors import UsageError
+from tightfit.utils.sizes import format_size
 from tightfit.train.trainee import NonFiniteWeight, autocast_for
 
 
@@ -170,16 +171,24 @@ def shard(model: torch.nn.Module, cfg, world, plan, dtype: torch.dtype, resume, 
     pm = parallelize(model, plan, build_mesh(plan.dims, device), device, checkpoint=recompute)
     if recompute:
         say(f"activation checkpointing: every block recomputes its forward in backward ({why})")
-    swap, made = None, False
-    if plan.cpu_offload and cfg.memory.nvme:  # FSDP2's CPU offload: the moments in this rank's own swap folder
+    swap, made, room = None, False, None
+    if plan.cpu_offload and cfg.memory.nvme:  # FSDP2's CPU offload: moments past the rank's host room on its NVMe
         from tightfit.parallel.rank_plan import rank_config
         from tightfit.parallel.replicas import make_rank_folder
+        from tightfit.utils.sizes import parse_size
 
-        swap = rank_config(cfg, world.rank)[1]
+        mine, swap = rank_config(cfg, world.rank)
         made = make_rank_folder(swap)
-        say(f"each unit's AdamW moments in {swap} (this rank's swap folder), stepped under the next forward")
+        # the rank's host budget less FSDP2's fp32 parameter and gradient shards, which live there too
+        shards = 8 * sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in pm.parameters())
+        room = max(0, parse_size(mine.memory.cpu_mem, "--cpu-mem") - shards)
     optimizer = make_optimizer(pm, lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2),
-                               moments_folder=swap)
+                               moments_folder=swap, host_room=room)
+    if swap is not None:
+        on_disk = [u for u in optimizer.units if u.on_disk]
+        say(f"AdamW's moments: {len(optimizer.units) - len(on_disk)} of {len(optimizer.units)} units in host memory, "
+            f"{len(on_disk)} ({format_size(sum(u.moment_bytes for u in on_disk))}) in {swap}, each unit stepped "
+            "under the next forward")
     if resume is not None and not load_moments(pm, optimizer, resume.get):
         say("notice: the checkpoint holds no optimizer moments; AdamW starts afresh")
     sharded = Sharded(pm, optimizer, world, device, dtype, shapes)
