@@ -184,6 +184,7 @@ def test_the_disk_time_of_a_phase_is_no_less_than_its_bytes_at_the_mixed_rate():
     assert disk_time(8e9, 8e9, fast_mix) == pytest.approx(4.0)  # never below the two directions' own times
 
 
+@pytest.mark.slow  # a whole probe of this machine, ~15-30 s: `make test-slow`
 def test_a_plan_without_a_cached_profile_probes_quickly_and_apart(tmp_path):
     """A plan that finds no cached profile measures the disk's burst only (the sustained measurement, up to a minute
     and gigabytes written, is `tightfit probe --nvme`'s), in a child process with the run's thread count: the
@@ -208,6 +209,7 @@ def test_a_plan_without_a_cached_profile_probes_quickly_and_apart(tmp_path):
     assert out["cached"], out  # the child cached what it measured, under this run's key
 
 
+@pytest.mark.slow  # a whole probe of this machine, ~15-30 s: `make test-slow`
 def test_probe_disk_volume_reaches_the_sustained_measurement(tmp_path, monkeypatch, capsys):
     """`tightfit probe --nvme DIR --disk-volume SIZE` measures over SIZE (not the default 16 GiB, a quarter of the
     free space at most), and the profile keeps the volume the rates hold for."""

@@ -196,7 +196,7 @@ def test_what_if_takes_offload_as_the_run_does(monkeypatch):
     cfg.memory.nvme = "/tmp/swap"
     chosen.notes.clear()  # the stand-in choice is the same object in both reports
     note = next(n for n in what_if(cfg).to_dict()["notes"] if n.startswith("host memory for the offloaded shards"))
-    assert format_size(int(report.profile.n_params / 8 * 8)) in note and "moments on each rank's NVMe" in note
+    assert format_size(int(report.profile.n_params / 8 * 8)) in note and "the rest on each rank's NVMe" in note
 
 
 def test_zero3_given_with_offload_auto_sends_the_states_to_the_host_only_where_its_shards_do_not_fit():

@@ -144,7 +144,8 @@ def what_if(cfg, model: torch.nn.Module | None = None, log=None) -> WhatIfReport
                 choice.notes.append(f"host memory for the offloaded shards: {format_size(rank)} per rank, "
                                     f"{format_size(rank * hw.gpus_per_node)} per node (fp32 parameters and "
                                     f"gradients, {CPU_OFFLOAD_BYTES - MOMENT_BYTES} bytes a parameter); AdamW's "
-                                    f"moments on each rank's NVMe: {format_size(disk)} per rank, "
+                                    f"moments beside them while the rank's host memory holds them, the rest on "
+                                    f"each rank's NVMe: at most {format_size(disk)} per rank, "
                                     f"{format_size(disk * hw.gpus_per_node)} per node")
             else:
                 rank = int(shard * CPU_OFFLOAD_BYTES)
