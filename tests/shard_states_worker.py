@@ -5,7 +5,8 @@ Each rank builds the reference GPT twice from one seed, shards both with `fully_
 apply_zero), trains both on the same batches with the same clip (the global norm over both ranks), one stepped by
 torch's optimizer after the backward and one by ShardStatesAdamW (moments in host memory or in a swap folder of the
 rank's own), and compares every local shard and moment exactly at the end: between steps only the forward's pre-hook
-waits for them. `:offload`: the shards in host memory
+waits for them. `:early`: no clip, each unit
+stepped during the backward as its gradients arrive (`step_during_backward`). `:offload`: the shards in host memory
 (FSDP2's `CPUOffloadPolicy`; on a GPU machine the forward and backward on the GPU, the steps on the host). With
 `:resume` the ShardStatesAdamW side is rebuilt halfway from a gathered checkpoint (tightfit/parallel/state.py) and
 must go on bit for bit.
@@ -63,12 +64,17 @@ def make_opt(model, tier: str, folder: Path) -> ShardStatesAdamW:
     return ShardStatesAdamW(groups(model), units, **stores_for(tier, folder, root_bytes), lr=LR, betas=(0.9, 0.95))
 
 
-def train_step(model, opt, x, y) -> None:
+def train_step(model, opt, x, y, early: bool = False) -> None:
+    """One step, clipped by the global norm; `early`: no clip, and ShardStatesAdamW told that each unit may step as
+    its gradients arrive (`step_during_backward`, what trainee.Sharded does when --grad-clip is 0)."""
+    if early and hasattr(opt, "step_during_backward"):
+        opt.step_during_backward()
     loss = model(x, y)
     loss.backward()
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, 2.0).full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(list(model.parameters()), CLIP, norm)
+    if not early:
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, 2.0).full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(list(model.parameters()), CLIP, norm)
     opt.step()
     opt.zero_grad(set_to_none=True)
 
@@ -83,7 +89,7 @@ def compare(step: int, ref, ref_opt, mine, opt) -> None:
         assert float(ref_opt.state[a]["step"]) == float(st["step"]), f"step {step}: {name}.step differs"
 
 
-def run(tier: str, resume: bool, root: Path, offload: bool = False) -> str:
+def run(tier: str, resume: bool, root: Path, offload: bool = False, early: bool = False) -> str:
     rank = dist.get_rank()
     device = init_distributed().device  # CUDA where the process group is NCCL's (a GPU machine)
     mesh = build_mesh(parse_strategy("zero3", dist.get_world_size()).dims, device)["dp"]
@@ -106,20 +112,20 @@ def run(tier: str, resume: bool, root: Path, offload: bool = False) -> str:
             assert load_moments(_Pm(mine, opt), opt, full[0].__getitem__) > 0
         x = torch.randint(0, VOCAB, (B, T + 1), generator=g).to(device)
         xs, ys = x[:, :-1].chunk(dist.get_world_size())[rank], x[:, 1:].chunk(dist.get_world_size())[rank]
-        train_step(ref, ref_opt, xs, ys)
-        train_step(mine, opt, xs, ys)
+        train_step(ref, ref_opt, xs, ys, early)
+        train_step(mine, opt, xs, ys, early)
         if tier != "host":
             files = max(files, len(list(folder.rglob("*.safetensors"))) if folder.exists() else 0)
     # Compared once at the end: between steps nothing waits but the forward's own pre-hook.
     compare(STEPS, ref, ref_opt, mine, opt)
-    exposed = opt.counters()["optimizer_exposed_s"]
+    exposed, in_backward = opt.counters()["optimizer_exposed_s"], opt.counters()["units_stepped_in_backward"]
     opt.close()
     left = len(list(root.rglob("*.safetensors")))
     assert left == 0, f"{left} swap files left after close"
-    return f"OK exposed={exposed:.4f} files={files}"
+    return f"OK exposed={exposed:.4f} files={files} in_backward={in_backward}"
 
 
-def run_trainee(root: Path, roomy: bool = False) -> str:
+def run_trainee(root: Path, roomy: bool = False, early: bool = False) -> str:
     """`tightfit train`'s parallel transform (trainee.shard) for a plan with FSDP2's CPU offload, `--nvme` and a
     `--cpu-mem` that FSDP2's own shards fill: every unit's moments in the rank's own swap folder, the loop's calls
     (accumulate, clip_and_step, the checkpoint's gather), the folder gone after `close`."""
@@ -132,6 +138,7 @@ def run_trainee(root: Path, roomy: bool = False) -> str:
     cfg = Config()
     # 16 KiB: no host room past FSDP2's shards, every unit's moments on the disk; 1 GiB (roomy): every unit's in memory
     cfg.memory.nvme, cfg.memory.cpu_mem = str(root / "swap"), "1GiB" if roomy else "16KiB"
+    cfg.optim.grad_clip = 0.0 if early else 1.0  # early: no clip, each unit steps in the last backward
     cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head, cfg.train.seq_len = 2, 32, 4, T
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=VOCAB, block_size=T, n_layer=2, n_head=4, n_embd=32, bias=False))
@@ -144,12 +151,13 @@ def run_trainee(root: Path, roomy: bool = False) -> str:
     for _ in range(3):
         x = torch.randint(0, VOCAB, (2, T + 1), generator=g)
         sharded.accumulate([(x[:, :-1], x[:, 1:])])
-        sharded.clip_and_step(1.0)
+        sharded.clip_and_step(cfg.optim.grad_clip)
     files = len(list(folder.rglob("*.safetensors")))
     assert files == (0 if roomy else 3), f"{files} swap files in {folder}: one a unit on the disk (root, 2 blocks)"
     groups_ = sharded.checkpoint_groups()
     assert dist.get_rank() != 0 or groups_, "rank 0 gathered nothing"
     counters = sharded.engine_counters()
+    assert counters["units_stepped_in_backward"] == (9 if early else 0), counters  # 3 units x 3 steps
     sharded.close()
     assert not folder.exists(), f"{folder} left after close"
     return f"OK files={files} written={counters['nvme_write_bytes']:.0f}"
@@ -169,8 +177,8 @@ def main() -> None:
     try:
         for case in sys.argv[1:]:
             tier, *opts = case.split(":")
-            line = run_trainee(root, "roomy" in opts) if tier == "trainee" else run(tier, "resume" in opts, root,
-                                                                                     "offload" in opts)
+            line = run_trainee(root, "roomy" in opts, "early" in opts) if tier == "trainee" else run(tier, "resume" in opts, root,
+                                                                                     "offload" in opts, "early" in opts)
             if env.rank == 0:
                 print(f"[rank 0] CASE {case} {line}", flush=True)
     except BaseException as e:  # noqa: BLE001 - the test reads the line

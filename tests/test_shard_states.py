@@ -26,7 +26,8 @@ def _run_worker(nproc: int, cases: list[str]) -> dict[str, re.Match]:
                           timeout=240)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and " FAIL " not in out, out[-3000:]
-    lines = {m.group(1): m for m in re.finditer(r"CASE (\S+) OK exposed=([\d.]+) files=(\d+)", out)}
+    lines = {m.group(1): m for m in re.finditer(r"CASE (\S+) OK exposed=([\d.]+) files=(\d+) in_backward=(\d+)",
+                                                 out)}
     assert sorted(lines) == sorted(c for c in cases if not c.startswith("trainee")), out[-3000:]
     assert all(f"CASE {c} OK" in out for c in cases if c.startswith("trainee")), out[-3000:]
     return lines
@@ -34,7 +35,10 @@ def _run_worker(nproc: int, cases: list[str]) -> dict[str, re.Match]:
 
 def test_shard_states_equal_torch_fused_adamw_on_fsdp2_shards():
     lines = _run_worker(2, ["host", "nvme", "mixed", "host:resume", "nvme:resume", "mixed:resume", "host:offload",
-                            "nvme:offload:resume", "trainee", "trainee:roomy"])
+                            "nvme:offload:resume", "mixed:early", "trainee", "trainee:roomy",
+                            "trainee:early"])
+    # without a clip each unit steps as FSDP2 hands it its reduce-scattered gradients: 4 units x 6 steps
+    assert int(lines["mixed:early"].group(4)) == 24 and int(lines["host"].group(4)) == 0
     assert float(lines["host"].group(2)) > 0, "no forward waited for a step: the pre-hook was not exercised"
     # a file per unit on the disk: root and 3 blocks; the root's moments in host memory when they fit its room
     assert [int(lines[t].group(3)) for t in ("host", "nvme", "mixed")] == [0, 4, 3]
@@ -117,3 +121,31 @@ def test_a_failed_write_of_the_moments_is_raised_not_read_back_stale():
     with pytest.raises(OSError, match="No space left"):
         _train(model, opt, 2)  # the second step's saves fail; the next forward or `wait` hears of it
         opt.wait()
+
+
+def test_units_step_during_the_backward_as_their_gradients_arrive():
+    """No clip: `step_during_backward` queues each unit once its parameters' gradients are final, before `step()`;
+    the result is torch's fused AdamW's to the bit."""
+    ref, mine = _model(), _model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    units = [("first", mine[0], list(mine[0].parameters())), ("last", mine[2], list(mine[2].parameters()))]
+    opt = ShardStatesAdamW([{"params": list(mine.parameters())}], units, MemoryStore(Tier.HOST, torch.device("cpu")),
+                           _FlakyDisk(fail_from=10**9), host_room=0, lr=1e-2)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(4):
+        x = torch.randn(6, 8, generator=g)
+        ref(x).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        opt.step_during_backward()
+        mine(x).square().mean().backward()
+        assert all(u.pending is not None and u.arrived == 2 for u in opt.units)  # queued before `step()`
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        opt.wait()
+        for u in opt.units:
+            u.pending = None
+    assert opt.counters()["units_stepped_in_backward"] == 8
+    for a, b in zip(ref.parameters(), mine.parameters()):
+        assert torch.equal(a, b)
+    opt.close()

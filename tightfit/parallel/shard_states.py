@@ -87,6 +87,7 @@ class _Unit:
             n += _local(p).numel()
         self.numel = n
         self.pending: Future | None = None  # its last queued step
+        self.arrived = 0  # its parameters whose gradients are final, in a backward a step was declared for
         self.fresh = True  # moments never written: zeros, nothing to read
         self.store = None  # the tier store of its moments (host memory or the rank's swap files)
 
@@ -136,7 +137,10 @@ class ShardStatesAdamW:
         if unstepped:
             raise ValueError(f"{len(unstepped)} parameters belong to no unit")
         self._steps: dict[int, torch.Tensor] = {}
-        self._job: Future | None = None  # the step thread's last job: its units, then their last saves
+        self._jobs: list[Future] = []  # the step thread's jobs since the last `wait`: their units, their last saves
+        self._disk_turn = 0  # which of the two buffers the next disk unit loads into (the step thread's alone)
+        self._declared: list[tuple] | None = None  # `step_during_backward`'s hyperparameters, until `step()`
+        self._grad_hooks: list = []
         largest = max((u.numel for u in self.units if u.on_disk), default=0)
         # Two units' moments at a time on the disk's side: one stepping, the next loading.
         self._slots = [{m: torch.zeros(largest, dtype=torch.float32) for m in MOMENTS} for _ in range(2)] \
@@ -145,32 +149,69 @@ class ShardStatesAdamW:
         strict = strict_from_env()
         self._late = random.Random(strict_seed()) if strict else None
         self._worker = Worker("tightfit-shard-steps", threads=_step_threads())
-        self._timers = {"optimizer_s": 0.0, "optimizer_exposed_s": 0.0, "nvme_read_bytes": 0, "nvme_write_bytes": 0}
+        self._timers = {"optimizer_s": 0.0, "optimizer_exposed_s": 0.0, "nvme_read_bytes": 0, "nvme_write_bytes": 0,
+                        "units_stepped_in_backward": 0}
         self._lock = threading.Lock()
         self._hooks = [u.module.register_forward_pre_hook(self._before_forward(u), prepend=True) for u in self.units]
         self.state = _TieredState(self)
 
     # ---- the loop's calls ----------------------------------------------------------------------------------------
 
+    def _hyper(self) -> list[tuple]:
+        return [(g["lr"], *g["betas"], g["eps"], g["weight_decay"]) for g in self.param_groups]
+
+    def step_during_backward(self) -> None:
+        """The coming backward is the step's last and nothing needs every gradient before a unit steps (no clip, no
+        loss scale): each unit is queued as soon as its parameters' gradients are all there ([Note: a unit stepped
+        during the backward]); `step()` queues the others."""
+        self._declared = self._hyper()
+        for u in self.units:
+            u.arrived = 0
+            for p in u.params:
+                self._grad_hooks.append(p.register_post_accumulate_grad_hook(self._on_grad(u)))
+
     @torch.no_grad()
     def step(self, closure=None):
-        """Queue every unit with gradients, in forward order; returns at once ([Note: steps under the next forward,
-        on FSDP2's shards])."""
+        """Queue every unit with gradients not queued during the backward, in forward order; returns at once ([Note:
+        steps under the next forward, on FSDP2's shards])."""
         if closure is not None:
             raise ValueError("ShardStatesAdamW takes no closure")
-        hyper = [(g["lr"], *g["betas"], g["eps"], g["weight_decay"]) for g in self.param_groups]
+        hyper = self._declared if self._declared is not None else self._hyper()
+        early = self._declared is not None
+        for h in self._grad_hooks:
+            h.remove()
+        self._grad_hooks, self._declared = [], None
         work = []
         for u in self.units:
+            if early and u.arrived >= len(u.params):
+                continue  # queued as its gradients arrived
             grads = [None if p.grad is None else _local(p.grad) for p in u.params]
             if any(g is not None for g in grads):
                 work.append((u, grads))
-        if not work:
-            return None
+        if work:
+            self._submit(work, hyper)
+        return None
+
+    def _submit(self, work: list, hyper: list[tuple]) -> None:
         futures = {u.name: Future() for u, _ in work}
         for u, _ in work:
             u.pending = futures[u.name]
-        self._job = self._worker.submit(self._run, work, hyper, futures)
-        return None
+        self._jobs.append(self._worker.submit(self._run, work, hyper, futures))
+
+    def _on_grad(self, u: _Unit):
+        """[Note: a unit stepped during the backward] A parameter's hook after its gradient is final for the step:
+        autograd's for a plain module, FSDP2's after the reduce-scatter of a sharded one (torch 2.13 and later call
+        a sharded parameter's post-accumulate-grad hooks there; before, none fires and `step()` queues every unit,
+        under the next forward). The unit is queued once every parameter of it has been called, with the
+        hyperparameters `step_during_backward` read."""
+        def arrived(param) -> None:
+            u.arrived += 1
+            if u.arrived == len(u.params) and self._declared is not None:
+                self._submit([(u, [_local(p.grad) if p.grad is not None else None for p in u.params])],
+                             self._declared)
+                with self._lock:
+                    self._timers["units_stepped_in_backward"] += 1
+        return arrived
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients (a queued step holds its own references to those it reads)."""
@@ -184,8 +225,9 @@ class ShardStatesAdamW:
         for u in self.units:
             if u.pending is not None:
                 u.pending.result()
-        if self._job is not None:
-            self._job.result()
+        jobs, self._jobs = self._jobs, []
+        for job in jobs:
+            job.result()
 
     def counters(self) -> dict[str, float]:
         with self._lock:
@@ -238,13 +280,14 @@ class ShardStatesAdamW:
         return wait_for_step
 
     def _run(self, work, hyper, futures: dict[str, Future]) -> None:
-        """Step `work`'s units in order, the next disk unit's moments loading while one steps (the n-th disk unit of
-        the step in buffer n % 2). Every unit's future is completed, with the error where one occurs (a forward
+        """Step `work`'s units in order, the next disk unit's moments loading while one steps (the disk units take
+        the two buffers in turn, across jobs). Every unit's future is completed, with the error where one occurs (a forward
         waiting for it raises instead of waiting forever)."""
         try:
             on_disk = [k for k, (u, _) in enumerate(work) if u.on_disk]
-            slot_of = {k: n % 2 for n, k in enumerate(on_disk)}
-            loads = {on_disk[0]: self._load(work[on_disk[0]][0], 0)} if on_disk else {}
+            slot_of = {k: (self._disk_turn + n) % 2 for n, k in enumerate(on_disk)}
+            self._disk_turn += len(on_disk)
+            loads = {on_disk[0]: self._load(work[on_disk[0]][0], slot_of[on_disk[0]])} if on_disk else {}
             for k, (u, grads) in enumerate(work):
                 if u.on_disk:
                     later = on_disk[on_disk.index(k) + 1:]

@@ -35,6 +35,7 @@ class Sharded:
                  shapes: list[tuple[str, tuple[int, ...]]]) -> None:
         self.pm, self.optimizer, self.world, self.device, self.dtype = pm, optimizer, world, device, dtype
         self.swap: tuple | None = None  # (this rank's swap folder, whether tightfit made it): shard()'s
+        self.step_early = False  # the optimizer steps each unit during the last backward (shard_states.py; no clip)
         self.model = pm.module
         self.shapes = shapes  # the whole model's (name, shape), before sharding: the checkpoint's signature
         self.autocast = autocast_for(device, dtype)
@@ -50,6 +51,8 @@ class Sharded:
     def accumulate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         parts = []
         for i, (x, y) in enumerate(batches):  # gradients reduced over dp once, in the last backward
+            if i == len(batches) - 1 and self.step_early:  # no clip: each unit steps as its gradients arrive
+                self.optimizer.step_during_backward()
             with self.autocast():
                 parts.append(self.pm.forward_backward(x.to(self.device), y.to(self.device), 1.0 / len(batches),
                                                       sync=i == len(batches) - 1))
@@ -193,4 +196,5 @@ def shard(model: torch.nn.Module, cfg, world, plan, dtype: torch.dtype, resume, 
         say("notice: the checkpoint holds no optimizer moments; AdamW starts afresh")
     sharded = Sharded(pm, optimizer, world, device, dtype, shapes)
     sharded.swap = (swap, made) if swap is not None else None
+    sharded.step_early = o.grad_clip <= 0 and hasattr(optimizer, "step_during_backward")
     return sharded
