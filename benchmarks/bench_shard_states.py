@@ -6,7 +6,8 @@ AdamW steps the whole model on the host after the backward while the GPU waits; 
 queues each unit and the next forward waits only for the unit it reaches. Run under torchrun, every rank builds the
 three optimizers over three copies of one model and trains them in alternating blocks of `--steps` clipped steps;
 rank 0 prints each side's median wall seconds a step, the ratio to torch's, and the share of the optimizer's time
-the forwards waited for (`optimizer_exposed_s / optimizer_s`).
+the forwards waited for (`optimizer_exposed_s / optimizer_s`). `--clip 0`: no clip, and tightfit's units step during
+the backward as their gradients arrive.
 
     .venv/bin/torchrun --nproc-per-node 2 benchmarks/bench_shard_states.py --layers 8 --embd 384 --steps 5 --rounds 5
 """
@@ -55,6 +56,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--clip", type=float, default=1.0, help="0: no clip, tightfit's units step during the backward")
     args = ap.parse_args()
     env = init_distributed()
     from torch.distributed.device_mesh import init_device_mesh
@@ -78,11 +80,14 @@ def main() -> None:
         t0 = time.perf_counter()
         for _ in range(steps):
             x = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
+            if args.clip <= 0 and hasattr(opt, "step_during_backward"):
+                opt.step_during_backward()  # no clip: each unit steps as its gradients arrive
             loss = model(x[:, :-1], x[:, 1:])
             loss.backward()
-            grads = [p.grad for p in model.parameters() if p.grad is not None]
-            norm = torch.nn.utils.get_total_norm(grads, 2.0).full_tensor()
-            torch.nn.utils.clip_grads_with_norm_(list(model.parameters()), 1.0, norm)
+            if args.clip > 0:
+                grads = [p.grad for p in model.parameters() if p.grad is not None]
+                norm = torch.nn.utils.get_total_norm(grads, 2.0).full_tensor()
+                torch.nn.utils.clip_grads_with_norm_(list(model.parameters()), args.clip, norm)
             opt.step()
             opt.zero_grad(set_to_none=True)
         if hasattr(opt, "wait"):
@@ -99,7 +104,7 @@ def main() -> None:
         params = sum(p.numel() for p in build(args, mesh).parameters())
         base = statistics.median(times["torch AdamW(fused)"])
         print(f"{env.world_size} ranks, GPT {args.layers} x {args.embd} ({params / 1e6:.1f} M parameters), "
-              f"{args.batch} x {args.seq} tokens a rank, clip 1.0; median of {args.rounds} blocks of {args.steps}")
+              f"{args.batch} x {args.seq} tokens a rank, clip {args.clip}; median of {args.rounds} blocks of {args.steps}")
         for name, ts in times.items():
             med = statistics.median(ts)
             line = f"{name:20} {med * 1e3:8.1f} ms a step  {med / base:5.3f}x torch's"
