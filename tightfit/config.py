@@ -142,7 +142,9 @@ class ParallelConfig:
                                 "(e.g. ddp, zero3, tp, pp, dp_tp, dp_pp, pp_tp, dp_pp_tp, zero1_pp_tp); with "
                                 "--offload host|nvme, ddp, zero1, zero2 and zero3 run the offload engine on each "
                                 "rank (zero1: each rank holds the optimizer states of its own units; zero2: and "
-                                "their gradients; zero3: and their parameters, sent for each use)")
+                                "their gradients; zero3: and their parameters, sent for each use); zero3 with "
+                                "--offload auto is FSDP2's, its states on the host where its shards do not fit "
+                                "the GPUs (the AdamW moments past the host's room on --nvme)")
     interconnect: str = _f("auto", "interconnect between the GPUs, for what-if planning (its assumed bandwidth); "
                                    "in a run of the engine on each rank, pcie: its all-reduce shares the offload's "
                                    "lanes",
