@@ -31,7 +31,7 @@ from tightfit.parallel.mesh import build_mesh, init_distributed, leave_process
 from tightfit.parallel.plan import parse_strategy
 from tightfit.parallel.shard_states import ShardStatesAdamW, fsdp_units
 from tightfit.parallel.state import gather_full_state, load_moments
-from tightfit.parallel.tensor_parallel import distribute_like
+from tightfit.parallel.tensor_parallel import distribute_like, full_tensor
 
 STEPS, B, T, VOCAB, LR, WD, CLIP = 6, 8, 16, 64, 3e-3, 0.1, 0.5
 
@@ -73,7 +73,7 @@ def train_step(model, opt, x, y, early: bool = False) -> None:
     loss.backward()
     if not early:
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads, 2.0).full_tensor()
+        norm = full_tensor(torch.nn.utils.get_total_norm(grads, 2.0))  # on the mesh's device (host grads on a GPU)
         torch.nn.utils.clip_grads_with_norm_(list(model.parameters()), CLIP, norm)
     opt.step()
     opt.zero_grad(set_to_none=True)

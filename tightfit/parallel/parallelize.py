@@ -32,7 +32,7 @@ from tightfit.parallel.activation_checkpoint import checkpoint_blocks
 from tightfit.parallel.data_parallel import apply_ddp, apply_zero, build_optimizer
 from tightfit.parallel.pipeline import apply_pp, build_stage_module, lm_loss
 from tightfit.parallel.plan import ParallelPlan
-from tightfit.parallel.tensor_parallel import apply_tp, full_tensor
+from tightfit.parallel.tensor_parallel import apply_tp, full_tensor, on_mesh_device
 
 
 def _logits(out) -> torch.Tensor:
@@ -187,7 +187,8 @@ class ParallelModel:
         total_sq = plain
         for gs in by_spec.values():
             n = torch.nn.utils.get_total_norm(gs, 2.0)
-            total_sq = total_sq + n.full_tensor().float().pow(2)
+            # the norm of host gradients (FSDP2's CPU offload) is reduced on the mesh's device
+            total_sq = total_sq + on_mesh_device(n).full_tensor().float().pow(2).to(total_sq.device)
         if self.plan.dims.pp > 1:
             dist.all_reduce(total_sq, group=self.mesh["pp"].get_group())
         total = float(total_sq.sqrt())

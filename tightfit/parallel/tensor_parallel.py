@@ -150,11 +150,24 @@ def _as_plain(placements, packed: list[int], mesh: DeviceMesh) -> list:
     return out
 
 
+def on_mesh_device(t: DTensor) -> DTensor:
+    """`t` with its local tensor on its mesh's device type, as a collective over the mesh needs it: FSDP2's CPU
+    offload keeps shards and their gradients in host memory on a CUDA mesh, whose NCCL collectives refuse a CPU
+    tensor (pytorch#148532: the clip's norm; a checkpoint's gather). The same DTensor where they already agree."""
+    local = t.to_local()
+    if local.device.type == t.device_mesh.device_type:
+        return t
+    return DTensor.from_local(local.to(t.device_mesh.device_type), t.device_mesh, t.placements, run_check=False,
+                              shape=t.shape, stride=t.stride())
+
+
 def full_tensor(t: DTensor) -> torch.Tensor:
     """`t.full_tensor()`, also for a packed projection's placement. DTensor cannot gather that one where it alone
     shards its dim (torch before 2.13: "unable to be interpreted into a corresponding shard_order"), and gathers
     it wrongly next to FSDP2's shard of the same dim. It is gathered as a plain Shard instead, giving [n ranks,
-    split_factor, width] along its dim, and put back in [split_factor, n, width] order. Collective."""
+    split_factor, width] along its dim, and put back in [split_factor, n, width] order. Collective; a shard in host
+    memory on a GPU mesh is gathered on the GPU (`on_mesh_device`)."""
+    t = on_mesh_device(t)
     mesh = t.device_mesh
     packed = _packed(t.placements, mesh)
     if not packed:
