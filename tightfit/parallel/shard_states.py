@@ -72,8 +72,9 @@ def _step_threads() -> int:
     budget] in offload/runtime/workers.py)."""
     import os
 
-    cores = max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    return thread_budget(cores, torch.cuda.is_available())["alone"]
+    from tightfit.parallel.rank_plan import local_ranks
+
+    return thread_budget(max(1, (os.cpu_count() or 1) // local_ranks()), torch.cuda.is_available())["alone"]
 
 
 class _Unit:
@@ -124,9 +125,9 @@ class ShardStatesAdamW:
         self.units = [_Unit(*u) for u in units if u[2]]
         self._group_of = {id(p): k for k, g in enumerate(self.param_groups) for p in g["params"]}
         self._unit_of: dict[int, tuple[_Unit, int]] = {}
-        room = host_room if disk is not None else None
+        room = None if disk is None else host_room or 0  # None: no limit
         for u in self.units:
-            fits = room is None and disk is None or room is not None and u.moment_bytes <= room
+            fits = room is None or u.moment_bytes <= room
             u.store = host if fits else disk
             if fits and room is not None:
                 room -= u.moment_bytes
@@ -141,6 +142,10 @@ class ShardStatesAdamW:
         self._disk_turn = 0  # which of the two buffers the next disk unit loads into (the step thread's alone)
         self._declared: list[tuple] | None = None  # `step_during_backward`'s hyperparameters, until `step()`
         self._grad_hooks: list = []
+        # A disk unit's moments read for `state` (a checkpoint's gather, a resume), kept until another unit's are
+        # asked for or the next step is queued (`_close_open`), so a unit's parameters read or write it once.
+        self._open: tuple[_Unit, dict[str, torch.Tensor]] | None = None
+        self._open_dirty = False
         largest = max((u.numel for u in self.units if u.on_disk), default=0)
         # Two units' moments at a time on the disk's side: one stepping, the next loading.
         self._slots = [{m: torch.zeros(largest, dtype=torch.float32) for m in MOMENTS} for _ in range(2)] \
@@ -193,6 +198,7 @@ class ShardStatesAdamW:
         return None
 
     def _submit(self, work: list, hyper: list[tuple]) -> None:
+        self._close_open()  # a resume's moments on the disk before the step reads them
         futures = {u.name: Future() for u, _ in work}
         for u, _ in work:
             u.pending = futures[u.name]
@@ -236,6 +242,7 @@ class ShardStatesAdamW:
     def close(self) -> None:
         try:
             self.wait()
+            self._close_open()
         finally:
             for h in self._hooks:
                 h.remove()
@@ -245,54 +252,65 @@ class ShardStatesAdamW:
 
     # ---- checkpoints: the moments as the one-process format names them -------------------------------------------
 
-    def read_moments(self, u: _Unit) -> dict[str, torch.Tensor]:
-        """`u`'s flat moments: its host tensors themselves, or copies read from the disk (zeros before its first
-        step). The caller has waited for its steps."""
-        if u.fresh:
-            return {m: torch.zeros(u.numel, dtype=torch.float32) for m in MOMENTS}
+    def moments_of(self, u: _Unit) -> dict[str, torch.Tensor]:
+        """`u`'s flat moments to read or write outside a step (the caller has waited for the steps): its host
+        tensors themselves (zeroed at allocation, as before a first step), or for a disk unit buffers read once
+        (zeros before its first step) and kept open; `mark_written` after writing them."""
         if not u.on_disk:
             return {m: u.store.tensor(u.name, m) for m in MOMENTS}
-        out = {m: torch.empty(u.numel, dtype=torch.float32) for m in MOMENTS}
-        for f in [u.store.load(u.name, m, out[m]) for m in MOMENTS]:
-            f.result()
-        return out
+        if self._open is not None and self._open[0] is u:
+            return self._open[1]
+        self._close_open()
+        flat = {m: torch.zeros(u.numel, dtype=torch.float32) for m in MOMENTS}
+        if not u.fresh:
+            for f in [u.store.load(u.name, m, flat[m]) for m in MOMENTS]:
+                f.result()
+        self._open = (u, flat)
+        return flat
 
-    def write_moments(self, u: _Unit, values: dict[str, torch.Tensor]) -> None:
-        """Store `u`'s flat moments (a checkpoint's, on resume)."""
-        for f in [u.store.save(u.name, m, values[m]) for m in MOMENTS]:
-            f.result()
-        u.fresh = False
+    def mark_written(self, u: _Unit) -> None:
+        """`moments_of(u)` was written (a checkpoint's values): a disk unit's go back before the next step."""
+        self._open_dirty = self._open_dirty or u.on_disk
+
+    def _close_open(self) -> None:
+        """The open disk unit's moments written back if they changed, and let go."""
+        if self._open is not None and self._open_dirty:
+            u, flat = self._open
+            for f in [u.store.save(u.name, m, flat[m]) for m in MOMENTS]:
+                f.result()
+            u.fresh = False
+        self._open, self._open_dirty = None, False
 
     # ---- the step thread ----------------------------------------------------------------------------------------
 
     def _before_forward(self, u: _Unit):
         def wait_for_step(module, args):
             fut = u.pending
-            if fut is None or fut.done():
-                if fut is not None:
-                    fut.result()
+            if fut is None:
                 return None
-            t0 = time.perf_counter()
+            if not fut.done():
+                t0 = time.perf_counter()
+                fut.exception()  # waits; the error is raised below
+                with self._lock:
+                    self._timers["optimizer_exposed_s"] += time.perf_counter() - t0
             fut.result()
-            with self._lock:
-                self._timers["optimizer_exposed_s"] += time.perf_counter() - t0
             return None
         return wait_for_step
 
     def _run(self, work, hyper, futures: dict[str, Future]) -> None:
         """Step `work`'s units in order, the next disk unit's moments loading while one steps (the disk units take
-        the two buffers in turn, across jobs). Every unit's future is completed, with the error where one occurs (a forward
-        waiting for it raises instead of waiting forever)."""
+        the two buffers in turn, across jobs). Every unit's future is completed, with the error where one occurs (a
+        forward waiting for it raises instead of waiting forever)."""
         try:
             on_disk = [k for k, (u, _) in enumerate(work) if u.on_disk]
             slot_of = {k: (self._disk_turn + n) % 2 for n, k in enumerate(on_disk)}
             self._disk_turn += len(on_disk)
+            following = dict(zip(on_disk, on_disk[1:]))  # each disk unit -> the disk unit after it
             loads = {on_disk[0]: self._load(work[on_disk[0]][0], slot_of[on_disk[0]])} if on_disk else {}
             for k, (u, grads) in enumerate(work):
-                if u.on_disk:
-                    later = on_disk[on_disk.index(k) + 1:]
-                    if later:
-                        loads[later[0]] = self._load(work[later[0]][0], slot_of[later[0]])
+                if k in following:
+                    nxt = following[k]
+                    loads[nxt] = self._load(work[nxt][0], slot_of[nxt])
                 if self._late is not None:
                     time.sleep(self._late.uniform(0.0, STRICT_DELAY_S))
                 t0 = time.perf_counter()
@@ -358,8 +376,9 @@ class ShardStatesAdamW:
 
 
 class _TieredState:
-    """`optimizer.state` as tightfit/parallel/state.py reads and writes it: param -> {exp_avg, exp_avg_sq, step},
-    the moments as DTensors sharded like the parameter (or plain tensors), read from and written to their tier."""
+    """`optimizer.state` as tightfit/parallel/state.py reads and writes it: `get(p)` -> {exp_avg, exp_avg_sq, step},
+    the moments as DTensors sharded like the parameter (or plain tensors), and `state[p] = {...}`, through their
+    tier (`moments_of`: a disk unit read once for all its parameters)."""
 
     def __init__(self, opt: ShardStatesAdamW) -> None:
         self.opt = opt
@@ -370,7 +389,7 @@ class _TieredState:
         if hit is None or id(p) not in self.opt._steps:
             return default
         u, i = hit
-        flat = self.opt.read_moments(u)
+        flat = self.opt.moments_of(u)
         out = {"step": self.opt._steps[id(p)].clone()}
         for m in MOMENTS:
             v = u.views(flat[m], i).clone()
@@ -382,18 +401,9 @@ class _TieredState:
     def __setitem__(self, p, value: dict) -> None:
         self.opt.wait()
         u, i = self.opt._unit_of[id(p)]
-        flat = {m: t.clone() for m, t in self.opt.read_moments(u).items()}
+        flat = self.opt.moments_of(u)
         for m in MOMENTS:
             u.views(flat[m], i).copy_(_local(value[m]).to("cpu", torch.float32))
-        self.opt.write_moments(u, flat)
+        self.opt.mark_written(u)
         self.opt._steps[id(p)] = torch.as_tensor(value["step"], dtype=torch.float32).reshape(()).clone().to(
             _local(p).device)
-
-    def __getitem__(self, p):
-        v = self.get(p)
-        if v is None:
-            raise KeyError(p)
-        return v
-
-    def __contains__(self, p) -> bool:
-        return self.get(p) is not None

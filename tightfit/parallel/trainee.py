@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from tightfit.errors import UsageError
-from tightfit.utils.sizes import format_size
+from tightfit.utils.sizes import format_size, parse_size
 from tightfit.train.trainee import NonFiniteWeight, autocast_for
 
 
@@ -178,7 +178,6 @@ def shard(model: torch.nn.Module, cfg, world, plan, dtype: torch.dtype, resume, 
     if plan.cpu_offload and cfg.memory.nvme:  # FSDP2's CPU offload: moments past the rank's host room on its NVMe
         from tightfit.parallel.rank_plan import rank_config
         from tightfit.parallel.replicas import make_rank_folder
-        from tightfit.utils.sizes import parse_size
 
         mine, swap = rank_config(cfg, world.rank)
         made = make_rank_folder(swap)
