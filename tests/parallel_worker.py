@@ -5,7 +5,8 @@ each case named on the command line, builds the same model from the same seed, p
 steps on its share of the same batches, and checks losses (relative difference <= 1e-5) and final weights.
 Rank 0 prints one line `CASE <name> OK max_loss_rel=... max_weight_diff=...` per case; a mismatch raises.
 
-Case syntax: strategy[:key=value,...] with keys tp, pp, sched, mb, offload, model (gpt|hf-gpt2|hf-llama), ac=1 (every
+Case syntax: strategy[:key=value,...] with keys tp, pp, sched, mb, offload, kept=N (with offload=1: the first N units
+of parallel/unit_split.py's order keep their shards on the device), model (gpt|hf-gpt2|hf-llama), ac=1 (every
 block's activations recomputed in backward: parallel/activation_checkpoint.py),
 accum=N (gradient accumulation over N calls, pp == 1), resume=1 (save the full state after 3 steps, rebuild
 everything from it and continue: must match too), and strided=refuse (DTensor refuses to redistribute a
@@ -156,6 +157,12 @@ def _run_case(spec: str, strategy: str, kv: dict, env, refs) -> str:
     plan = parse_strategy(strategy, env.world_size, tp=int(kv.get("tp", 0)), pp=int(kv.get("pp", 0)),
                           pp_schedule=kv.get("sched", "1f1b"), pp_microbatches=int(kv.get("mb", 2)),
                           cpu_offload=kv.get("offload") == "1")
+    if kv.get("kept"):  # the first N units keep their shards on the device, the rest offloaded (unit_split.py)
+        from dataclasses import replace
+
+        from tightfit.parallel.unit_split import zero3_units
+
+        plan = replace(plan, kept_on_device=tuple(zero3_units(build_model(kind), plan.dims.dp)[:int(kv["kept"])]))
     if kind not in refs:
         refs[kind] = reference(kind)
     ref_losses, ref_params = refs[kind]

@@ -36,12 +36,17 @@ from tightfit.parallel.tensor_parallel import distribute_like, full_tensor
 STEPS, B, T, VOCAB, LR, WD, CLIP = 6, 8, 16, 64, 3e-3, 0.1, 0.5
 
 
-def build(mesh, offload: bool = False):
+KEPT = ("root", "blocks.1")
+"""`:split`: the units whose shards stay on the device while the others' go to host memory."""
+
+
+def build(mesh, offload: bool = False, kept=()):
     """The test GPT sharded by FSDP2 over `mesh` (on its device); `offload`: the shards in host memory
-    (`CPUOffloadPolicy`, page-locked on a GPU), as `--strategy auto` shards a model whose states do not fit."""
+    (`CPUOffloadPolicy`, page-locked on a GPU), as `--strategy auto` shards a model whose states do not fit, but for
+    the units named in `kept` (parallel/unit_split.py)."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=VOCAB, block_size=T, n_layer=3, n_head=4, n_embd=32, bias=False))
-    return apply_zero(model.to(mesh.device_type), mesh, 3, cpu_offload=offload)
+    return apply_zero(model.to(mesh.device_type), mesh, 3, cpu_offload=offload, kept=kept)
 
 
 def groups(model):
@@ -58,10 +63,16 @@ def stores_for(tier: str, folder: Path, root_bytes: int) -> dict:
     return {"host": host, "disk": DiskStore(str(folder)), "host_room": root_bytes if tier == "mixed" else None}
 
 
-def make_opt(model, tier: str, folder: Path) -> ShardStatesAdamW:
+def make_opt(model, tier: str, folder: Path, kept=()) -> ShardStatesAdamW:
+    """`kept`: units whose moments are in device memory, stepped by `step()` on the device."""
     units = fsdp_units(model)
     root_bytes = 8 * sum(p.to_local().numel() for p in units[0][2])
-    return ShardStatesAdamW(groups(model), units, **stores_for(tier, folder, root_bytes), lr=LR, betas=(0.9, 0.95))
+    device = MemoryStore(Tier.DEVICE, next(model.parameters()).device) if kept else None
+    if kept:  # the units on the device hold their shards there (no CPU offload for them)
+        on_device = {n for n, _, ps in units if all(p.to_local().device == device.device for p in ps)}
+        assert on_device == set(kept) or device.device.type == "cpu", (on_device, kept)
+    return ShardStatesAdamW(groups(model), units, **stores_for(tier, folder, root_bytes), lr=LR, betas=(0.9, 0.95),
+                            device=device, resident=kept)
 
 
 def train_step(model, opt, x, y, early: bool = False) -> None:
@@ -71,10 +82,16 @@ def train_step(model, opt, x, y, early: bool = False) -> None:
         opt.step_during_backward()
     loss = model(x, y)
     loss.backward()
-    if not early:
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        norm = full_tensor(torch.nn.utils.get_total_norm(grads, 2.0))  # on the mesh's device (host grads on a GPU)
-        torch.nn.utils.clip_grads_with_norm_(list(model.parameters()), CLIP, norm)
+    if not early:  # the global norm over the devices the gradients are on (a split's: the GPU's and the host's)
+        by_device: dict = {}
+        for p in model.parameters():
+            if p.grad is not None:
+                by_device.setdefault(p.grad.to_local().device, []).append(p)
+        norms = [full_tensor(torch.nn.utils.get_total_norm([p.grad for p in ps], 2.0)).float().cpu()
+                 for ps in by_device.values()]
+        norm = torch.linalg.vector_norm(torch.stack(norms))
+        for device, ps in by_device.items():
+            torch.nn.utils.clip_grads_with_norm_(ps, CLIP, norm.to(device))
     opt.step()
     opt.zero_grad(set_to_none=True)
 
@@ -89,14 +106,16 @@ def compare(step: int, ref, ref_opt, mine, opt) -> None:
         assert float(ref_opt.state[a]["step"]) == float(st["step"]), f"step {step}: {name}.step differs"
 
 
-def run(tier: str, resume: bool, root: Path, offload: bool = False, early: bool = False) -> str:
+def run(tier: str, resume: bool, root: Path, offload: bool = False, early: bool = False, split: bool = False) -> str:
     rank = dist.get_rank()
     device = init_distributed().device  # CUDA where the process group is NCCL's (a GPU machine)
     mesh = build_mesh(parse_strategy("zero3", dist.get_world_size()).dims, device)["dp"]
-    ref, mine = build(mesh, offload), build(mesh, offload)
+    kept = KEPT if split else ()
+    offload = offload or split
+    ref, mine = build(mesh, offload, kept), build(mesh, offload, kept)
     ref_opt = torch.optim.AdamW(groups(ref), lr=LR, betas=(0.9, 0.95), eps=1e-8, fused=True)
     folder = root / f"{tier}-rank{rank}"
-    opt = make_opt(mine, tier, folder)
+    opt = make_opt(mine, tier, folder, kept)
     files = 0
     g = torch.Generator().manual_seed(7)
     for s in range(STEPS):
@@ -104,11 +123,11 @@ def run(tier: str, resume: bool, root: Path, offload: bool = False, early: bool 
             full = [gather_full_state(_Pm(mine, opt), opt)]
             dist.broadcast_object_list(full, src=0)
             opt.close()
-            mine = build(mesh, offload)
+            mine = build(mesh, offload, kept)
             with torch.no_grad():  # the checkpoint's weights, sliced like each shard
                 for n, p in mine.named_parameters():
                     p.to_local().copy_(distribute_like(full[0][f"model.{n}"], p).to_local())
-            opt = make_opt(mine, tier, root / f"{tier}-again-rank{rank}")
+            opt = make_opt(mine, tier, root / f"{tier}-again-rank{rank}", kept)
             assert load_moments(_Pm(mine, opt), opt, full[0].__getitem__) > 0
         x = torch.randint(0, VOCAB, (B, T + 1), generator=g).to(device)
         xs, ys = x[:, :-1].chunk(dist.get_world_size())[rank], x[:, 1:].chunk(dist.get_world_size())[rank]
@@ -177,8 +196,8 @@ def main() -> None:
     try:
         for case in sys.argv[1:]:
             tier, *opts = case.split(":")
-            line = run_trainee(root, "roomy" in opts, "early" in opts) if tier == "trainee" else run(tier, "resume" in opts, root,
-                                                                                     "offload" in opts, "early" in opts)
+            line = run_trainee(root, "roomy" in opts, "early" in opts) if tier == "trainee" else run(
+                tier, "resume" in opts, root, "offload" in opts, "early" in opts, "split" in opts)
             if env.rank == 0:
                 print(f"[rank 0] CASE {case} {line}", flush=True)
     except BaseException as e:  # noqa: BLE001 - the test reads the line

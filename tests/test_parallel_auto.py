@@ -199,26 +199,51 @@ def test_what_if_takes_offload_as_the_run_does(monkeypatch):
     assert format_size(int(report.profile.n_params / 8 * 8)) in note and "the rest on each rank's NVMe" in note
 
 
-def test_zero3_given_with_offload_auto_sends_the_states_to_the_host_only_where_its_shards_do_not_fit():
-    """`--strategy zero3 --offload auto`: FSDP2's CPU offload (tightfit's optimizer on the host shards) where even
-    the shards do not fit the GPU with every block recomputed; as FSDP2 leaves it where they do, where there is no GPU
-    to fit, and where checkpointing alone is enough. The what-if says it in one note, as a run does."""
-    from tightfit.parallel.auto import offload_if_short
+def _meta_gpt(layers: int, width: int, seq_len: int = 1024):
+    import torch
+
+    from tightfit.models.gpt import GPT, GPTConfig
+
+    with torch.device("meta"):
+        return GPT(GPTConfig(vocab_size=32000, block_size=seq_len, n_layer=layers, n_head=16, n_embd=width))
+
+
+def test_zero3_given_with_offload_auto_keeps_on_the_gpu_the_units_that_fit_and_sends_the_others_to_the_host():
+    """`--strategy zero3 --offload auto`: where ZeRO-3's shards do not fit the GPU with every block recomputed, the
+    blocks in forward order and then the root keep their shards, gradients and moments on the GPU while its memory
+    holds them (16 bytes a parameter of the rank's shard, after the gathered blocks and the activations), the
+    others are offloaded (FSDP2's CPU offload for those units alone); nothing changes where the shards fit, where
+    there is no budget, or where checkpointing alone is enough. The what-if says it in one note, as a run does."""
+    from dataclasses import replace
+
+    from tightfit.parallel.unit_split import KEPT_BYTES, KEPT_SHARE, split_units, zero3_units
 
     plan = ParallelPlan(ParallelDims(dp=8), "zero3")
-    big = profile(70, layers=80, heads=64)  # 1.1 TB of states: 140 GB a GPU in 8 shards
-    offloaded, why = offload_if_short(plan, big, 80 * GiB)
-    assert offloaded.cpu_offload and "per GPU against 80.0 GiB" in why and "host memory" in why
-    assert offload_if_short(plan, big, 200 * GiB) == (plan, None)  # the shards fit
-    assert offload_if_short(plan, big, None) == (plan, None)  # no GPU: nothing to decide
-    assert offload_if_short(ParallelPlan(ParallelDims(dp=8), "zero2"), big, 80 * GiB) == (
-        ParallelPlan(ParallelDims(dp=8), "zero2"), None)
+    model = _meta_gpt(24, 2048)  # 1.3 B parameters: 2.6 GB of states a rank in 8 shards
+    prof = ModelProfile.from_model(model, 1024, 1, True)
+    units = zero3_units(model, 8)
+    assert [n for n, _ in units] == [f"blocks.{i}" for i in range(24)] + ["root"]
+    assert sum(n for _, n in units) == pytest.approx(prof.n_params / 8, rel=1e-3)
+    offloaded = memory_per_gpu(replace(plan, cpu_offload=True), replace(prof, checkpointed=True))["total"]
+    block = units[0][1] * KEPT_BYTES
+    budget = int((offloaded + 10 * block + block // 2) / KEPT_SHARE)  # room for ten blocks' states and a half
+    split, why = split_units(plan, model, prof, budget, True)
+    assert split.cpu_offload and [n for n, _ in split.kept_on_device] == [f"blocks.{i}" for i in range(10)]
+    assert "10 of 25 units keep theirs on the GPU" in why and "host memory" in why
+    assert memory_per_gpu(split, replace(prof, checkpointed=True))["total"] <= KEPT_SHARE * budget
+    nothing, why = split_units(plan, model, prof, int(offloaded / KEPT_SHARE), True)  # room for no unit's states
+    assert nothing.cpu_offload and not nothing.kept_on_device and "every unit's go to host memory" in why
+    everything = memory_per_gpu(plan, replace(prof, checkpointed=True))["total"]
+    assert split_units(plan, model, prof, everything, True) == (plan, None)  # the shards fit
+    assert split_units(plan, model, prof, None, True) == (plan, None)  # no budget: nothing to decide
+    zero2 = ParallelPlan(ParallelDims(dp=8), "zero2")
+    assert split_units(zero2, model, prof, budget, True) == (zero2, None)
     # the activations alone over the GPU: recomputing them is the cheaper remedy, unless --checkpointing off
-    long = profile(1, layers=32)
-    long = ModelProfile(**{**long.__dict__, "seq_len": 65536})
-    short_of = memory_per_gpu(plan, long)["total"] - 1
-    assert offload_if_short(plan, long, short_of)[1] is None
-    assert offload_if_short(plan, long, short_of, "off")[0].cpu_offload
+    long = _meta_gpt(4, 1024, seq_len=65536)
+    lprof = ModelProfile.from_model(long, 65536, 1, True)
+    short_of = memory_per_gpu(plan, lprof)["total"] - 1
+    assert split_units(plan, long, lprof, short_of, True)[1] is None
+    assert split_units(plan, long, lprof, short_of, False)[0].cpu_offload
 
     cfg = Config()
     cfg.parallel.nproc_per_node, cfg.parallel.strategy, cfg.memory.gpu_mem = 8, "zero3", "1GiB"

@@ -145,6 +145,37 @@ def test_zero1_zero2_zero3_with_the_engine_shard_the_states(tiny_args, tmp_path,
     assert "resumed from" in resumed.stdout and f"step {STEPS + 2}/{STEPS + 2}" in resumed.stdout
 
 
+def test_zero3_on_fsdp2_keeps_the_units_that_fit_on_the_device_and_offloads_the_rest(tiny_args, tmp_path, plain):
+    """2 ranks, `--strategy zero3` with `--offload auto` and a device budget (`--gpu-mem`, the CPU device's as in one
+    process) that ZeRO-3's shards exceed by more than a block: FSDP2 keeps the first block's shards, gradients and
+    moments on the device, stepped there, and offloads the other block and the root (parallel/unit_split.py), whose
+    moments go to each rank's swap folder past its `--cpu-mem`; the losses of one process of plain PyTorch within
+    1e-6, the progress line and metrics.jsonl with the moments' disk bytes, the swap folders gone at the end."""
+    from tightfit.config import Config
+    from tightfit.parallel.costs import ModelProfile, memory_per_gpu
+    from tightfit.parallel.mesh import ParallelDims
+    from tightfit.parallel.plan import ParallelPlan
+    from tightfit.parallel.unit_split import KEPT_BYTES, KEPT_SHARE, zero3_units
+    from tightfit.train.loop import build_meta_model
+
+    cfg = Config()
+    cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head, cfg.train.seq_len, cfg.train.micro_batch = 2, 32, 2, 32, 4
+    model = build_meta_model(cfg)  # the blocks and activations are tiny_args' (the root's vocabulary aside)
+    offloaded = ParallelPlan(ParallelDims(dp=2), "zero3", cpu_offload=True)
+    fixed = memory_per_gpu(offloaded, ModelProfile.from_model(model, 32, 4, False))["total"]
+    budget = int((fixed + KEPT_BYTES * zero3_units(model, 2)[0][1] + 64) / KEPT_SHARE)  # one block's and no more
+    swap = tmp_path / "swap"
+    proc, two = _train(tiny_args, tmp_path / "two", "--grad-accum", "2", "--strategy", "zero3", "--gpu-mem",
+                       f"{budget}B", "--nvme", str(swap), "--cpu-mem", "1KiB", ranks=2)
+    _close(two, plain)
+    assert "1 of 3 units keep theirs on the GPU" in proc.stdout, proc.stdout[-2000:]
+    assert "1 of 3 units on the device, 0 of 3 units in host memory, 2 (" in proc.stdout, proc.stdout[-2000:]
+    assert re.search(r"\| disk [0-9.]+ GB/s \|", proc.stdout), proc.stdout[-2000:]
+    engine = [r for r in _metrics(tmp_path / "two") if r["kind"] == "train"][-1]["engine"]
+    assert engine["nvme_write_bytes"] > 0 and engine["optimizer_s"] > 0, engine
+    assert swap.is_dir() and not any(swap.iterdir()), list(swap.iterdir())
+
+
 @pytest.mark.slow
 def test_four_ranks_with_the_engine_train_as_one_process(tiny_args, tmp_path, plain):
     """4 ranks, each with every state on its own NVMe folder, against one process with 4x the micro-batches."""

@@ -1,7 +1,8 @@
 """ShardStatesAdamW (tightfit/parallel/shard_states.py) on FSDP2's ZeRO-3 shards, 2 gloo ranks: every local shard,
 moment and step count equal to `torch.optim.AdamW(fused=True)` on the same shards bit for bit, with each unit's
 moments in host memory, in the rank's own swap files, or split between them (the first unit's in memory, the rest on
-the disk), clipped by the global norm, the steps running on their own
+the disk), clipped by the global norm; with some units kept on the device (`:split`: FSDP2 offloads the others,
+their moments in device memory, stepped by `step()` itself); the steps running on their own
 thread under the next forward (the strict mode's delays make forwards arrive first: without the pre-hook that
 orders FSDP2's all-gather after the unit's step, the weights differ); resumed from a gathered checkpoint halfway, the
 same bits again; no swap file left after `close`. And `tightfit train`'s parallel transform (trainee.shard) with
@@ -35,11 +36,14 @@ def _run_worker(nproc: int, cases: list[str]) -> dict[str, re.Match]:
 
 def test_shard_states_equal_torch_fused_adamw_on_fsdp2_shards():
     lines = _run_worker(2, ["host", "nvme", "mixed", "host:resume", "nvme:resume", "mixed:resume", "host:offload",
-                            "nvme:offload:resume", "mixed:early", "trainee", "trainee:roomy",
-                            "trainee:early"])
+                            "nvme:offload:resume", "mixed:early", "mixed:split", "nvme:split:resume",
+                            "mixed:split:early", "trainee", "trainee:roomy", "trainee:early"])
     # without a clip each unit steps as FSDP2 hands it its reduce-scattered gradients: 4 units x 6 steps
     assert int(lines["mixed:early"].group(4)) == 24 and int(lines["host"].group(4)) == 0
-    assert float(lines["host"].group(2)) > 0, "no forward waited for a step: the pre-hook was not exercised"
+    # the root and a block kept on the device (FSDP2 offloads the other two): stepped by `step()`, not in backward
+    assert int(lines["mixed:split:early"].group(4)) == 12 and int(lines["nvme:split:resume"].group(3)) == 2
+    # some forward waited for its unit's step (the strict mode's delays; a loaded machine may hide one case's)
+    assert sum(float(m.group(2)) for m in lines.values()) > 0, "no forward waited: the pre-hook was not exercised"
     # a file per unit on the disk: root and 3 blocks; the root's moments in host memory when they fit its room
     assert [int(lines[t].group(3)) for t in ("host", "nvme", "mixed")] == [0, 4, 3]
 
@@ -47,9 +51,10 @@ def test_shard_states_equal_torch_fused_adamw_on_fsdp2_shards():
 @pytest.mark.cuda
 def test_a_world_of_one_on_a_gpu_with_fsdp2_cpu_offload():
     """One GPU, a process group of one (NCCL): FSDP2 gathers the host shards to the GPU for each use and sends the
-    gradients back, the steps run on the host's shards; equal to torch's fused AdamW on the same shards."""
+    gradients back, the steps run on the host's shards; with a split, the kept units' shards, moments and steps on
+    the GPU; equal to torch's fused AdamW on the same shards."""
     assert torch.cuda.is_available(), "needs a CUDA GPU"
-    _run_worker(1, ["host:offload", "nvme:offload", "host:offload:resume"])
+    _run_worker(1, ["host:offload", "nvme:offload", "host:offload:resume", "mixed:split", "nvme:split:resume"])
 
 
 # ---- one process: the optimizer alone over a plain module (one unit) -------------------------------------------

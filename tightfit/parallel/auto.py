@@ -81,25 +81,6 @@ def _tp_degrees(prof: ModelProfile, limit: int) -> list[int]:
     return [t for t in _divisors(limit) if t > 1 and prof.n_heads % t == 0] or [1]
 
 
-def offload_if_short(plan: ParallelPlan, prof: ModelProfile, gpu_mem: int | None,
-                     checkpointing: str = "auto") -> tuple[ParallelPlan, str | None]:
-    """`--strategy zero3` given with `--offload auto`: where even ZeRO-3's shards do not fit a GPU (`gpu_mem`; None:
-    no GPU, nothing to decide) — with every block's activations recomputed, unless `--checkpointing off` — their
-    states go to host memory as `--strategy auto` sends them (FSDP2's CPU offload, its optimizer tightfit's:
-    parallel/shard_states.py); returns the plan and the line that says so."""
-    if (gpu_mem is None or plan.dp_mode != "zero3" or plan.cpu_offload or plan.engine or plan.dims.pp > 1
-            or plan.dims.tp > 1):
-        return plan, None
-    # recomputing costs a forward; sending every state over the link costs more: the cheaper remedy first
-    need = memory_per_gpu(plan, prof if checkpointing == "off" else replace(prof, checkpointed=True))["total"]
-    if need <= gpu_mem:
-        return plan, None
-    return replace(plan, cpu_offload=True), (
-        f"ZeRO-3's shards need {format_size(need)} per GPU against {format_size(gpu_mem)}: their states go to host "
-        "memory (FSDP2's CPU offload; AdamW's moments in host memory, or with --nvme in each rank's swap folder, "
-        "each unit stepped under the next forward)")
-
-
 def choose_strategy(hw: Hardware, prof: ModelProfile, log: Callable[[str], None] | None = print) -> StrategyChoice:
     """Apply the rules (module docstring) to `hw` and `prof`; `log` receives the deciding rule."""
     choice = _choose(hw, prof)

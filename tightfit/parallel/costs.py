@@ -145,8 +145,9 @@ def memory_per_gpu(plan: ParallelPlan, prof: ModelProfile) -> dict[str, int]:
     g = p * prof.grad_bytes / (d.dp if stage >= 2 else 1)
     o = p * prof.optim_bytes / (d.dp if stage >= 1 else 1)
     gathered = prof.largest_block_params / d.tp * prof.weight_bytes * 2 if stage == 3 else 0
-    if plan.cpu_offload:
-        w = g = o = 0
+    if plan.cpu_offload:  # on the GPU only the units kept there (unit_split.py): fp32 shard, gradient, moments
+        kept = sum(n for _, n in plan.kept_on_device) / d.tp
+        w, g, o = kept * 4, kept * 4, kept * 8
     # Activations: a stage holds its layers' activations for the micro-batches in flight (pp for 1F1B, all m for
     # GPipe); TP splits most of them by tp.
     in_flight = 1 if d.pp == 1 else (min(d.pp, plan.pp_microbatches) if plan.pp_schedule == "1f1b"

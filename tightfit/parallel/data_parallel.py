@@ -97,12 +97,19 @@ def _torch_older_than(major: int, minor: int) -> bool:
     return tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2]) < (major, minor)
 
 
+def unit_name(name: str) -> str:
+    """A ZeRO-3 unit's name as plans and `shard_states.fsdp_units` give it: the module's own, "root" for the model."""
+    return name or "root"
+
+
 def apply_zero(module: nn.Module, dp_mesh: DeviceMesh, stage: int, cpu_offload: bool = False,
-               pipelined: bool = False) -> nn.Module:
+               pipelined: bool = False, kept: Iterable[str] = ()) -> nn.Module:
     """Shard training states over `dp_mesh` following ZeRO `stage` (1, 2 or 3); see the module docstring.
 
     Stage 1 returns a DDP wrapper: the optimizer-state sharding itself comes from `build_optimizer(..., zero1=True)`.
-    Stages 2 and 3 shard `module` in place with FSDP2 and return it.
+    Stages 2 and 3 shard `module` in place with FSDP2 and return it. With `cpu_offload` each unit's shards go to host
+    memory (`CPUOffloadPolicy`, one policy per `fully_shard` call) except the units named in `kept` (`unit_name`s),
+    whose shards stay on the device ([Note: shards kept on the GPU, unit by unit] in parallel/unit_split.py).
     """
     if stage not in (1, 2, 3):
         raise UsageError(f"--strategy: ZeRO stage must be 1, 2 or 3, got {stage}")
@@ -110,15 +117,21 @@ def apply_zero(module: nn.Module, dp_mesh: DeviceMesh, stage: int, cpu_offload: 
         raise UsageError("CPU offload of sharded states needs ZeRO stage 3 (--strategy zero3)")
     if stage == 1:
         return apply_ddp(module, dp_mesh, pipelined)
-    kwargs: dict = {"mesh": dp_mesh, "reshard_after_forward": stage == 3}
-    if cpu_offload:
-        # Pinned host memory needs CUDA; on a CPU-only machine the "host" is the device itself.
-        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    kept = set(kept)
+    names = {id(m): unit_name(n) for n, m in module.named_modules()}
+
+    def shard(m: nn.Module, reshard_after_forward: bool) -> None:
+        kwargs: dict = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward}
+        if cpu_offload and names[id(m)] not in kept:
+            # Pinned host memory needs CUDA; on a CPU-only machine the "host" is the device itself.
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+        fully_shard(m, **kwargs)
+
     for block in repeated_blocks(module):
-        fully_shard(block, **kwargs)
+        shard(block, stage == 3)
     # The root group (embeddings, final norm, head) is gathered at the start of forward and kept until the end of
     # backward anyway, so resharding it after forward would only add an all-gather.
-    fully_shard(module, **{**kwargs, "reshard_after_forward": False})
+    shard(module, False)
     return module
 
 

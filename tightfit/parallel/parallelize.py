@@ -180,8 +180,8 @@ class ParallelModel:
         by_spec: dict = {}
         plain = torch.zeros((), dtype=torch.float32, device=self._comm_device())
         for name, g in grads:
-            if isinstance(g, DTensor):
-                by_spec.setdefault((g.device_mesh, tuple(g.placements)), []).append(g)
+            if isinstance(g, DTensor):  # by device too: FSDP2's offloaded units' gradients are on the host
+                by_spec.setdefault((g.device_mesh, tuple(g.placements), g.to_local().device), []).append(g)
             else:
                 plain += g.detach().float().pow(2).sum()
         total_sq = plain
@@ -229,7 +229,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: DeviceMesh, device: 
         if plan.dp_mode in ("ddp", "zero1"):
             module = apply_ddp(module, mesh["dp"], pipelined=dims.pp > 1)
         else:
-            module = apply_zero(module, mesh["dp"], int(plan.dp_mode[-1]), plan.cpu_offload, dims.pp > 1)
+            module = apply_zero(module, mesh["dp"], int(plan.dp_mode[-1]), plan.cpu_offload, dims.pp > 1,
+                                kept=plan.kept_names)
     schedule = None
     if dims.pp > 1:
         schedule = apply_pp(module, mesh["pp"], device, plan.pp_schedule, plan.pp_microbatches)
@@ -239,9 +240,9 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: DeviceMesh, device: 
 def make_optimizer(pm: ParallelModel, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.95), eps: float = 1e-8,
                    moments_folder=None, host_room: int | None = None):
     """AdamW with decay on matrices only (biases, norms exempt); ZeRO-1 shards its states over dp. Under FSDP2's CPU
-    offload, `ShardStatesAdamW` (shard_states.py): each unit's moments in host memory, or, with `moments_folder`
-    (this rank's swap folder), there for the units past the first that fit `host_room` bytes, each unit stepped under
-    the next forward."""
+    offload, `ShardStatesAdamW` (shard_states.py): each offloaded unit's moments in host memory, or, with
+    `moments_folder` (this rank's swap folder), there for the units past the first that fit `host_room` bytes, each
+    unit stepped under the next forward; the units the plan keeps on the device (unit_split.py) have theirs there."""
     decay = [p for p in pm.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in pm.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -251,8 +252,10 @@ def make_optimizer(pm: ParallelModel, lr: float, weight_decay: float = 0.0, beta
         from tightfit.parallel.shard_states import ShardStatesAdamW, fsdp_units
 
         disk = DiskStore(str(moments_folder)) if moments_folder is not None else None
+        kept = pm.plan.kept_names
+        device = MemoryStore(Tier.DEVICE, pm._comm_device()) if kept else None
         opt = ShardStatesAdamW(groups, fsdp_units(pm.module), MemoryStore(Tier.HOST, torch.device("cpu")), disk,
-                               host_room, lr=lr, betas=betas, eps=eps)
+                               host_room, lr=lr, betas=betas, eps=eps, device=device, resident=kept)
         pm.settle = opt.wait
         return opt
     zero1 = pm.mesh["dp"].get_group() if pm.plan.dp_mode == "zero1" and pm.plan.dims.dp > 1 else None

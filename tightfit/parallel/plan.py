@@ -35,6 +35,9 @@ class ParallelPlan:
     """Pipeline schedule: gpipe (all forwards, then all backwards) or 1f1b (bounded in-flight activations)."""
     pp_microbatches: int = 4
     """Micro-batches per step; the bubble is (pp-1)/(m+pp-1)."""
+    kept_on_device: tuple[tuple[str, int], ...] = ()
+    """With `cpu_offload`: the units (their names, `data_parallel.unit_name`, with one rank's shard's elements) whose
+    shards, gradients and moments stay on the device; the others' go to host memory (parallel/unit_split.py)."""
     engine: bool = False
     """Pure data parallelism only: every rank runs its own offload engine, each state on that rank's tiers as the
     planner places it, gradients averaged over dp as they leave the device (replicas.py); with zero1 each unit's
@@ -50,12 +53,18 @@ class ParallelPlan:
             raise UsageError("--pp-microbatches: must be a positive integer")
         if self.cpu_offload and self.dp_mode != "zero3":
             raise UsageError("CPU offload of sharded states needs --strategy zero3")
+        if self.kept_on_device and not self.cpu_offload:
+            raise UsageError("units kept on the device are the exceptions to a CPU offload: set cpu_offload")
         if self.engine and (self.cpu_offload or self.dims.pp > 1 or self.dims.tp > 1):
             raise UsageError("the offload engine on every rank is for pure data parallelism: --strategy ddp, zero1, "
                              "zero2 or zero3")
         if self.pp_schedule == "1f1b" and 1 < self.dims.pp > self.pp_microbatches:
             raise UsageError(f"--pp-microbatches {self.pp_microbatches}: 1F1B needs at least one micro-batch per "
                              f"stage ({self.dims.pp}); raise it or use --pp-schedule gpipe")
+
+    @property
+    def kept_names(self) -> frozenset[str]:
+        return frozenset(name for name, _ in self.kept_on_device)
 
     @property
     def name(self) -> str:

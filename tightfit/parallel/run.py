@@ -80,19 +80,25 @@ def resolve_plan(cfg, world_size: int, model: torch.nn.Module, log) -> ParallelP
     """The plan for this run: `--strategy` as given, or `auto` decided by choose_strategy for this world."""
     from dataclasses import replace
 
-    from tightfit.parallel.auto import choose_strategy, offload_if_short
+    from tightfit.parallel.auto import choose_strategy
     from tightfit.parallel.costs import Hardware, ModelProfile
     from tightfit.utils.sizes import parse_size
 
     if cfg.parallel.strategy != "auto":
         plan = plan_from_config(cfg.parallel, world_size, cfg.memory.offload)
-        if cfg.memory.offload != "auto" or not torch.cuda.is_available():
+        if cfg.memory.offload != "auto":
             return plan
         from tightfit.parallel.activation_checkpoint import gpu_memory
+        from tightfit.parallel.unit_split import split_units
 
-        prof = ModelProfile.from_model(model, cfg.train.seq_len, cfg.train.micro_batch,
-                                       cfg.train.precision != "fp32")
-        plan, why = offload_if_short(plan, prof, gpu_memory(cfg, torch.device("cuda", 0)), cfg.memory.checkpointing)
+        # a rank's GPU; on CPU ranks the device is the CPU, with --gpu-mem as its budget (as in one process)
+        cuda = torch.cuda.is_available()
+        budget = gpu_memory(cfg, torch.device("cuda", 0)) if cuda else \
+            parse_size(cfg.memory.gpu_mem, "--gpu-mem") if cfg.memory.gpu_mem else None
+        mixed = cfg.train.precision in ("bf16", "fp16") or cfg.train.precision == "auto" and cuda
+        prof = ModelProfile.from_model(model, cfg.train.seq_len, cfg.train.micro_batch, mixed)
+        recompute = cfg.memory.checkpointing == "on" or cfg.memory.checkpointing == "auto" and cuda
+        plan, why = split_units(plan, model, prof, budget, recompute)
         if why is not None:
             log(f"tightfit: {why}")
         return plan

@@ -90,7 +90,13 @@ class _Unit:
         self.pending: Future | None = None  # its last queued step
         self.arrived = 0  # its parameters whose gradients are final, in a backward a step was declared for
         self.fresh = True  # moments never written: zeros, nothing to read
-        self.store = None  # the tier store of its moments (host memory or the rank's swap files)
+        self.store = None  # the tier store of its moments (device or host memory, or the rank's swap files)
+
+    @property
+    def resident(self) -> bool:
+        """Its shards and moments on the device: stepped by `step()` itself, on the device ([Note: a unit kept on
+        the device])."""
+        return self.store.tier == Tier.DEVICE
 
     @property
     def on_disk(self) -> bool:
@@ -114,22 +120,32 @@ class ShardStatesAdamW:
     [Note: the moments' tier, unit by unit] Without `disk` every unit's moments are in host memory. With it, the
     units in forward order keep theirs in host memory while they fit `host_room` bytes (None: none do), and the rest
     on the disk: the first units' steps, which the next forward waits for first, read no disk, and each later unit's
-    moments load while the units before it step."""
+    moments load while the units before it step.
+
+    [Note: a unit kept on the device] The units named in `resident` keep their shards on the device (FSDP2 without
+    CPU offload for them: parallel/unit_split.py) and their moments in `device` (a MemoryStore of the device's
+    memory); `step()` steps them itself, on the device, in the caller's stream order, before it returns: a GPU runs
+    their kernels after the backward's and before the next forward's, and no thread but the loop's issues work on
+    the device. They are never stepped during the backward (FSDP2's reduce-scatter stream owns their gradients
+    until the backward ends)."""
 
     def __init__(self, param_groups: list[dict], units: list[tuple[str, nn.Module, list[nn.Parameter]]], host,
                  disk=None, host_room: int | None = None, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2) -> None:
+                 weight_decay: float = 1e-2, device=None, resident=()) -> None:
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         self.param_groups = [{**defaults, **g, "params": list(g["params"])} for g in param_groups if g["params"]]
-        self.stores = [s for s in (host, disk) if s is not None]
+        self.stores = [s for s in (device, host, disk) if s is not None]
         self.units = [_Unit(*u) for u in units if u[2]]
+        resident = set(resident)
+        if resident and device is None:
+            raise ValueError("units kept on the device need a device store for their moments")
         self._group_of = {id(p): k for k, g in enumerate(self.param_groups) for p in g["params"]}
         self._unit_of: dict[int, tuple[_Unit, int]] = {}
         room = None if disk is None else host_room or 0  # None: no limit
         for u in self.units:
             fits = room is None or u.moment_bytes <= room
-            u.store = host if fits else disk
-            if fits and room is not None:
+            u.store = device if u.name in resident else host if fits else disk
+            if fits and room is not None and u.name not in resident:
                 room -= u.moment_bytes
             u.store.allocate(u.name, {m: (u.numel, torch.float32) for m in MOMENTS}, lock=())
             for i, p in enumerate(u.params):
@@ -172,7 +188,7 @@ class ShardStatesAdamW:
         self._declared = self._hyper()
         for u in self.units:
             u.arrived = 0
-            for p in u.params:
+            for p in (u.params if not u.resident else ()):  # [Note: a unit kept on the device]
                 self._grad_hooks.append(p.register_post_accumulate_grad_hook(self._on_grad(u)))
 
     @torch.no_grad()
@@ -186,15 +202,24 @@ class ShardStatesAdamW:
         for h in self._grad_hooks:
             h.remove()
         self._grad_hooks, self._declared = [], None
-        work = []
+        work, here = [], []
         for u in self.units:
-            if early and u.arrived >= len(u.params):
+            if early and u.arrived >= len(u.params) and not u.resident:
                 continue  # queued as its gradients arrived
             grads = [None if p.grad is None else _local(p.grad) for p in u.params]
             if any(g is not None for g in grads):
-                work.append((u, grads))
+                (here if u.resident else work).append((u, grads))
         if work:
             self._submit(work, hyper)
+        if here:  # [Note: a unit kept on the device]
+            t0 = time.perf_counter()
+            for u, grads in here:
+                self._step_unit(u, grads, {m: u.store.tensor(u.name, m) for m in MOMENTS}, hyper)
+                u.fresh = False
+            spent = time.perf_counter() - t0
+            with self._lock:
+                self._timers["optimizer_s"] += spent
+                self._timers["optimizer_exposed_s"] += spent
         return None
 
     def _submit(self, work: list, hyper: list[tuple]) -> None:
@@ -256,7 +281,7 @@ class ShardStatesAdamW:
         """`u`'s flat moments to read or write outside a step (the caller has waited for the steps): its host
         tensors themselves (zeroed at allocation, as before a first step), or for a disk unit buffers read once
         (zeros before its first step) and kept open; `mark_written` after writing them."""
-        if not u.on_disk:
+        if not u.on_disk:  # device or host memory
             return {m: u.store.tensor(u.name, m) for m in MOMENTS}
         if self._open is not None and self._open[0] is u:
             return self._open[1]
@@ -403,7 +428,7 @@ class _TieredState:
         u, i = self.opt._unit_of[id(p)]
         flat = self.opt.moments_of(u)
         for m in MOMENTS:
-            u.views(flat[m], i).copy_(_local(value[m]).to("cpu", torch.float32))
+            u.views(flat[m], i).copy_(_local(value[m]).to(flat[m].device, torch.float32))
         self.opt.mark_written(u)
         self.opt._steps[id(p)] = torch.as_tensor(value["step"], dtype=torch.float32).reshape(()).clone().to(
             _local(p).device)

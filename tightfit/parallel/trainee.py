@@ -181,14 +181,20 @@ def shard(model: torch.nn.Module, cfg, world, plan, dtype: torch.dtype, resume, 
 
         mine, swap = rank_config(cfg, world.rank)
         made = make_rank_folder(swap)
-        # the rank's host budget less FSDP2's fp32 parameter and gradient shards, which live there too
-        shards = 8 * sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in pm.parameters())
+        # the rank's host budget less what else is there: FSDP2's fp32 parameter and gradient shards of the
+        # offloaded units (every unit's on a CPU, whose device is the host), and on a CPU the kept units' moments
+        local = {p: p.to_local() if hasattr(p, "to_local") else p for p in pm.parameters()}
+        on_host = sum(t.numel() for t in local.values() if t.device.type == "cpu")
+        kept = sum(n for _, n in plan.kept_on_device) if device.type != "cuda" else 0
+        shards = 8 * (on_host + kept)
         room = max(0, parse_size(mine.memory.cpu_mem, "--cpu-mem") - shards)
     optimizer = make_optimizer(pm, lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2),
                                moments_folder=swap, host_room=room)
     if swap is not None:
         on_disk = [u for u in optimizer.units if u.on_disk]
-        say(f"AdamW's moments: {len(optimizer.units) - len(on_disk)} of {len(optimizer.units)} units in host memory, "
+        kept = [u for u in optimizer.units if u.resident]
+        say(f"AdamW's moments: {len(kept)} of {len(optimizer.units)} units on the device, " * bool(kept) +
+            f"{len(optimizer.units) - len(on_disk) - len(kept)} of {len(optimizer.units)} units in host memory, "
             f"{len(on_disk)} ({format_size(sum(u.moment_bytes for u in on_disk))}) in {swap}, each unit stepped "
             "under the next forward")
     if resume is not None and not load_moments(pm, optimizer, resume.get):

@@ -13,7 +13,7 @@ import torch
 
 from tightfit.errors import UsageError
 from tightfit.parallel.activation_checkpoint import wanted
-from tightfit.parallel.auto import StrategyChoice, choose_strategy, offload_if_short
+from tightfit.parallel.auto import StrategyChoice, choose_strategy
 from tightfit.parallel.costs import Hardware, ModelProfile, comm_per_step, memory_per_gpu
 from tightfit.parallel.plan import plan_from_config
 from tightfit.utils.sizes import format_size, parse_size
@@ -108,8 +108,8 @@ def what_if(cfg, model: torch.nn.Module | None = None, log=None) -> WhatIfReport
     hw = hardware_from_config(cfg)
     precision = cfg.train.precision
     mixed = precision in ("bf16", "fp16") or precision == "auto"  # auto means bf16 on GPUs
-    prof = ModelProfile.from_model(model if model is not None else _meta_model(cfg), cfg.train.seq_len,
-                                   cfg.train.micro_batch, mixed)
+    model = model if model is not None else _meta_model(cfg)
+    prof = ModelProfile.from_model(model, cfg.train.seq_len, cfg.train.micro_batch, mixed)
     if cfg.parallel.strategy == "auto":
         choice = choose_strategy(hw, prof, log=log)
     else:  # as the run takes it
@@ -119,7 +119,9 @@ def what_if(cfg, model: torch.nn.Module | None = None, log=None) -> WhatIfReport
                              "on every rank; `tightfit plan` with these flags prints a rank's plan")
         why = None
         if cfg.memory.offload == "auto":  # as the run decides it (run.resolve_plan)
-            plan, why = offload_if_short(plan, prof, hw.gpu_mem, cfg.memory.checkpointing)
+            from tightfit.parallel.unit_split import split_units
+
+            plan, why = split_units(plan, model, prof, hw.gpu_mem, cfg.memory.checkpointing != "off")
         choice = StrategyChoice(cfg.parallel.strategy, plan.dims, "given by --strategy",
                                 f"given by --strategy {cfg.parallel.strategy}", plan, notes=[why] if why else [])
     memory = comm = None
@@ -138,7 +140,8 @@ def what_if(cfg, model: torch.nn.Module | None = None, log=None) -> WhatIfReport
             choice.notes.append(f"activation checkpointing of every block ({why})")
         memory, comm = memory_per_gpu(plan, prof), comm_per_step(plan, prof)
         if plan.cpu_offload:  # FSDP2's CPUOffloadPolicy: the fp32 shard, its gradient and AdamW's moments
-            shard = prof.n_params / (plan.dims.pp * plan.dims.tp * plan.dims.dp)
+            shard = prof.n_params / (plan.dims.pp * plan.dims.tp * plan.dims.dp) - sum(
+                n for _, n in plan.kept_on_device)
             if cfg.memory.nvme:  # the moments in each rank's swap folder (shard_states.py)
                 rank, disk = int(shard * (CPU_OFFLOAD_BYTES - MOMENT_BYTES)), int(shard * MOMENT_BYTES)
                 choice.notes.append(f"host memory for the offloaded shards: {format_size(rank)} per rank, "

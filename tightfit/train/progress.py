@@ -181,12 +181,14 @@ def _mem_text(mem: dict[str, int]) -> str:
 
 def _rates_text(engine: dict[str, float] | None) -> str:
     """" | link 1.2 GB/s disk 0.4 GB/s": the engine's bytes between host and device, and to and from its swap files,
-    per second of the steps they were counted over."""
+    per second of the steps they were counted over; each where it is counted (FSDP2's own copies under ZeRO-3 are
+    not: parallel/shard_states.py counts the moments' disk bytes alone)."""
     if not engine or not engine.get("step_s"):
         return ""
-    link = (engine["h2d_bytes"] + engine["d2h_bytes"]) / engine["step_s"] / 1e9
-    disk = (engine["nvme_read_bytes"] + engine["nvme_write_bytes"]) / engine["step_s"] / 1e9
-    return f" | link {link:.2f} GB/s disk {disk:.2f} GB/s"
+    rates = [(name, sum(engine[k] for k in keys) / engine["step_s"] / 1e9)
+             for name, keys in (("link", ("h2d_bytes", "d2h_bytes")), ("disk", ("nvme_read_bytes", "nvme_write_bytes")))
+             if all(k in engine for k in keys)]
+    return " | " + " ".join(f"{name} {rate:.2f} GB/s" for name, rate in rates) if rates else ""
 
 
 class EngineWindow:
