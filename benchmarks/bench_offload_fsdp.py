@@ -15,6 +15,10 @@ process (bench_gpu_util.py), so each has a clean CUDA context, its own cap
 - tightfit: what `tightfit train` does: the planner places every state for the same cap (`--gpu-mem`, the cap
   unless `--gpu-mem-gib` says otherwise) and the machine's RAM (no NVMe), `tightfit.wrap` with that plan,
   `tightfit.optim.AdamW` stepping each unit during backward (no clipping), the plan printed.
+- zero3: `tightfit train --strategy zero3` in a world of one: FSDP2 over tightfit's split of the units under the
+  same cap (the units that fit keep their states on the GPU, the others FSDP2's CPU offload: parallel/unit_split.py),
+  tightfit's `ShardStatesAdamW` (offloaded units stepped on the host as their gradients arrive, kept ones on the GPU),
+  autocast as the run's; against the engine's step (issue 43: within 10%) and FSDP2's tokens/s.
 - tightfit-at-fsdp2-peak (on a GPU, where tightfit reserved more than FSDP2): tightfit again, its `--gpu-mem` set
   to the bytes FSDP2 reserved at its peak.
 - tightfit-cpu-casts (with `--compare-casts`, where the plan had the GPU cast the uploaded masters,
@@ -46,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_gpu_util as util  # noqa: E402
 
 VOCAB = 256
-SIDES = ("fsdp2", "tightfit")
+SIDES = ("fsdp2", "tightfit", "zero3")
 
 
 def _config(args):
@@ -163,6 +167,64 @@ def run_tightfit(args) -> dict:
         mem.close()
 
 
+def run_zero3(args) -> dict:
+    """`tightfit train --strategy zero3` in a world of one: FSDP2 over tightfit's split of the units under the cap
+    (parallel/unit_split.py: the units that fit keep their states on the GPU, the rest FSDP2's CPU offload),
+    `ShardStatesAdamW` stepping each offloaded unit on the host during the backward (no clip) and each kept one on
+    the GPU, the forward under autocast as the run's (FSDP2 gathers the fp32 shards)."""
+    from dataclasses import replace
+
+    import torch
+    import torch.distributed as dist
+
+    from tightfit.models.gpt import GPT
+    from tightfit.parallel.costs import ModelProfile
+    from tightfit.parallel.mesh import ParallelDims, build_mesh
+    from tightfit.parallel.parallelize import make_optimizer, parallelize
+    from tightfit.parallel.plan import ParallelPlan
+    from tightfit.parallel.unit_split import split_units, zero3_units
+    from tightfit.train.trainee import autocast_for
+
+    device = util.cap_device(args.device, args.cap_gib)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1,
+                            init_method=f"tcp://127.0.0.1:{args.port or _free_port()}")
+    try:
+        torch.manual_seed(0)
+        model = GPT(_config(args))
+        dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+        plan = ParallelPlan(ParallelDims(dp=1), "zero3")
+        prof = ModelProfile.from_model(model, args.seq, args.batch, dtype != torch.float32)
+        budget = int((args.gpu_mem_gib or args.cap_gib) * 2**30)
+        # every block's activations kept, as on the FSDP2 side
+        plan, why = split_units(plan, model, prof, budget, checkpointed=False)
+        if not plan.cpu_offload:  # the shards fit: FSDP2 over the GPU alone (a world of one shards nothing else)
+            plan = replace(plan, cpu_offload=True, kept_on_device=tuple(zero3_units(model, 1)))
+        print(why or "every unit kept on the GPU", file=sys.stderr, flush=True)
+        pm = parallelize(model, plan, build_mesh(plan.dims, device), device)
+        opt = make_optimizer(pm, lr=1e-4, weight_decay=0.1)
+        autocast = autocast_for(device, dtype)
+        util.reset_peaks(device)
+
+        def step(x, y) -> float:
+            opt.step_during_backward()  # no clip: each offloaded unit steps as FSDP2 hands it its gradients
+            with autocast():
+                loss = pm.module(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.item()
+
+        out = util.timed_steps(device, args.steps, args.warmup, _batches(args, device), step, args.batch * args.seq)
+        opt.wait()
+        out["split"] = why
+        out["kept_units"] = [name for name, _ in plan.kept_on_device]
+        out["optimizer"] = "ShardStatesAdamW: " + ", ".join(f"{k} {v:.3f}" for k, v in opt.counters().items())
+        opt.close()
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
 def _with(args, **changes):
     """A copy of the parsed arguments with `changes` (a side run in this process with other settings)."""
     return argparse.Namespace(**{**vars(args), **changes})
@@ -207,7 +269,7 @@ def parse_args(argv=None):
 
 def main() -> None:
     args = parse_args()
-    run = {"fsdp2": run_fsdp2, "tightfit": run_tightfit}
+    run = {"fsdp2": run_fsdp2, "tightfit": run_tightfit, "zero3": run_zero3}
     if args.side:
         util.child_main(args.result, lambda: run[args.side](args))
         return
@@ -225,6 +287,9 @@ def main() -> None:
     ok = all("error" not in results[s] for s in SIDES)
     if ok:
         results["tokens_per_s_ratio"] = results["tightfit"]["tokens_per_s"] / results["fsdp2"]["tokens_per_s"]
+        # tightfit's ZeRO-3 (FSDP2, the split, its optimizer) against its one-process engine and FSDP2's offload
+        results["zero3_vs_engine_step"] = results["zero3"]["median_step_s"] / results["tightfit"]["median_step_s"]
+        results["zero3_vs_fsdp2_tokens_per_s"] = results["zero3"]["tokens_per_s"] / results["fsdp2"]["tokens_per_s"]
     fsdp_peak = results["fsdp2"].get("peak_cuda_reserved")
     ours = results["tightfit"].get("peak_cuda_reserved", 0)
     if fsdp_peak and not args.gpu_mem_gib and ours > fsdp_peak:
