@@ -18,7 +18,7 @@ process (bench_gpu_util.py), so each has a clean CUDA context, its own cap
 - zero3: `tightfit train --strategy zero3` in a world of one: FSDP2 over tightfit's split of the units under the
   same cap (the units that fit keep their states on the GPU, the others FSDP2's CPU offload: parallel/unit_split.py),
   tightfit's `ShardStatesAdamW` (offloaded units stepped on the host as their gradients arrive, kept ones on the GPU),
-  autocast as the run's; against the engine's step (issue 43: within 10%) and FSDP2's tokens/s.
+  bf16 gathers and autocast as the run's; against the engine's step (issue 43: within 10%) and FSDP2's tokens/s.
 - tightfit-at-fsdp2-peak (on a GPU, where tightfit reserved more than FSDP2): tightfit again, its `--gpu-mem` set
   to the bytes FSDP2 reserved at its peak.
 - tightfit-cpu-casts (with `--compare-casts`, where the plan had the GPU cast the uploaded masters,
@@ -171,7 +171,7 @@ def run_zero3(args) -> dict:
     """`tightfit train --strategy zero3` in a world of one: FSDP2 over tightfit's split of the units under the cap
     (parallel/unit_split.py: the units that fit keep their states on the GPU, the rest FSDP2's CPU offload),
     `ShardStatesAdamW` stepping each offloaded unit on the host during the backward (no clip) and each kept one on
-    the GPU, the forward under autocast as the run's (FSDP2 gathers the fp32 shards)."""
+    the GPU, the forward under autocast as the run's (FSDP2 gathers the fp32 shards in bf16, as the fsdp2 side)."""
     from dataclasses import replace
 
     import torch
@@ -200,7 +200,8 @@ def run_zero3(args) -> dict:
         if not plan.cpu_offload:  # the shards fit: FSDP2 over the GPU alone (a world of one shards nothing else)
             plan = replace(plan, cpu_offload=True, kept_on_device=tuple(zero3_units(model, 1)))
         print(why or "every unit kept on the GPU", file=sys.stderr, flush=True)
-        pm = parallelize(model, plan, build_mesh(plan.dims, device), device)
+        pm = parallelize(model, plan, build_mesh(plan.dims, device), device,
+                         param_dtype=dtype if dtype == torch.bfloat16 else None)
         opt = make_optimizer(pm, lr=1e-4, weight_decay=0.1)
         autocast = autocast_for(device, dtype)
         util.reset_peaks(device)

@@ -60,6 +60,9 @@ def test_benchmarks_smoke_and_one_figures_file(tmp_path):
     # The same model, seed and batches on both sides: the first losses agree to bf16 rounding.
     assert abs(b["fsdp2"]["losses"][0] - b["tightfit"]["losses"][0]) < 0.05
     assert b["tokens_per_s_ratio"] > 0
+    # tightfit train's ZeRO-3 in a world of one: the same model and batches, its optimizer's units stepped
+    assert len(b["zero3"]["losses"]) == 3 and abs(b["zero3"]["losses"][0] - b["fsdp2"]["losses"][0]) < 0.05
+    assert "units_stepped_in_backward" in b["zero3"]["optimizer"] and b["zero3_vs_engine_step"] > 0
     # tightfit's side carries its plan's prediction beside the measurement, and its threads' times.
     pv = b["tightfit"]["plan_vs_measured"]
     assert pv["predicted"]["step_s"] > 0 and pv["measured"]["step_s"] == b["tightfit"]["median_step_s"]

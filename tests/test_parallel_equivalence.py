@@ -21,7 +21,7 @@ HAS_HF = importlib.util.find_spec("transformers") is not None
 # `:accum=2` accumulates gradients over 2 calls (dp sync on the last only).
 # `:resume=1` cases also save the full state after 3 steps, rebuild everything from it and continue (state.py).
 TWO = ["ddp", "zero1", "zero2", "zero3", "zero3:offload=1", "zero3:offload=1,resume=1", "zero3:offload=1,accum=2",
-       "zero3:offload=1,kept=2,resume=1", "tp", "pp:sched=gpipe", "pp:sched=1f1b",
+       "zero3:offload=1,kept=2,resume=1", "zero3:bf16=1,accum=2", "tp", "pp:sched=gpipe", "pp:sched=1f1b",
        "zero1:resume=1", "zero3:resume=1", "tp:resume=1", "pp:resume=1", "ddp:accum=2", "zero3:accum=2",
        "zero3:ac=1,resume=1", "pp:ac=1", "tp:ac=1"]
 TWO_HF = ["tp:model=hf-gpt2,strided=refuse", "tp:model=hf-llama", "tp:model=hf-gpt2,resume=1,strided=refuse",

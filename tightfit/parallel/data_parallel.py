@@ -33,7 +33,7 @@ from collections.abc import Iterable
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -103,13 +103,16 @@ def unit_name(name: str) -> str:
 
 
 def apply_zero(module: nn.Module, dp_mesh: DeviceMesh, stage: int, cpu_offload: bool = False,
-               pipelined: bool = False, kept: Iterable[str] = ()) -> nn.Module:
+               pipelined: bool = False, kept: Iterable[str] = (), param_dtype: torch.dtype | None = None) -> nn.Module:
     """Shard training states over `dp_mesh` following ZeRO `stage` (1, 2 or 3); see the module docstring.
 
     Stage 1 returns a DDP wrapper: the optimizer-state sharding itself comes from `build_optimizer(..., zero1=True)`.
     Stages 2 and 3 shard `module` in place with FSDP2 and return it. With `cpu_offload` each unit's shards go to host
     memory (`CPUOffloadPolicy`, one policy per `fully_shard` call) except the units named in `kept` (`unit_name`s),
     whose shards stay on the device ([Note: shards kept on the GPU, unit by unit] in parallel/unit_split.py).
+    `param_dtype` (bf16 training): FSDP2 gathers each unit's fp32 shards cast to it and reduces the gradients in fp32
+    (`MixedPrecisionPolicy`), so a gathered unit costs its compute dtype's bytes, as `costs.memory_per_gpu` counts
+    them, and the all-gathers half of fp32's; the shards stay fp32, the master weights.
     """
     if stage not in (1, 2, 3):
         raise UsageError(f"--strategy: ZeRO stage must be 1, 2 or 3, got {stage}")
@@ -122,6 +125,8 @@ def apply_zero(module: nn.Module, dp_mesh: DeviceMesh, stage: int, cpu_offload: 
 
     def shard(m: nn.Module, reshard_after_forward: bool) -> None:
         kwargs: dict = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward}
+        if param_dtype is not None:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         if cpu_offload and names[id(m)] not in kept:
             # Pinned host memory needs CUDA; on a CPU-only machine the "host" is the device itself.
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())

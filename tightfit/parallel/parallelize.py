@@ -214,9 +214,11 @@ class ParallelModel:
 
 
 def parallelize(model: nn.Module, plan: ParallelPlan, mesh: DeviceMesh, device: torch.device,
-                checkpoint: bool = False) -> ParallelModel:
+                checkpoint: bool = False, param_dtype: torch.dtype | None = None) -> ParallelModel:
     """Apply PP split, TP, activation checkpointing (`checkpoint`: every block), DP and the PP schedule to `model`
-    (built identically on every rank), in that order (torchtitan's)."""
+    (built identically on every rank), in that order (torchtitan's). `param_dtype`: the dtype FSDP2 gathers the
+    fp32 shards in (bf16 training; `apply_zero`), without pipeline stages (whose schedule infers the activations'
+    dtypes itself)."""
     dims = plan.dims
     module = model.to(device)
     if dims.pp > 1:
@@ -230,7 +232,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, mesh: DeviceMesh, device: 
             module = apply_ddp(module, mesh["dp"], pipelined=dims.pp > 1)
         else:
             module = apply_zero(module, mesh["dp"], int(plan.dp_mode[-1]), plan.cpu_offload, dims.pp > 1,
-                                kept=plan.kept_names)
+                                kept=plan.kept_names, param_dtype=param_dtype if dims.pp == 1 else None)
     schedule = None
     if dims.pp > 1:
         schedule = apply_pp(module, mesh["pp"], device, plan.pp_schedule, plan.pp_microbatches)

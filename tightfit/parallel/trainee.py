@@ -171,7 +171,8 @@ def shard(model: torch.nn.Module, cfg, world, plan, dtype: torch.dtype, resume, 
     device = world.env.device
     recompute, why = wanted(cfg.memory.checkpointing, plan, ModelProfile.from_model(
         model, cfg.train.seq_len, cfg.train.micro_batch, dtype != torch.float32), gpu_memory(cfg, device))
-    pm = parallelize(model, plan, build_mesh(plan.dims, device), device, checkpoint=recompute)
+    pm = parallelize(model, plan, build_mesh(plan.dims, device), device, checkpoint=recompute,
+                     param_dtype=torch.bfloat16 if dtype == torch.bfloat16 else None)
     if recompute:
         say(f"activation checkpointing: every block recomputes its forward in backward ({why})")
     swap, made, room = None, False, None
