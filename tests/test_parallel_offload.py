@@ -385,3 +385,22 @@ def test_gloo_averages_go_through_a_kept_flat_buffer():
     assert got["reduced_to_owner"], got  # zero2: the owner has the mean, bit for bit; the other's untouched
     assert got["norms"] == [3.0, 4.0, 5.0], got  # each rank's own norms summed, a unit every rank holds once
 
+
+
+def test_a_gpu_rank_compares_its_device_peak_with_the_strategys_prediction(monkeypatch):
+    """`tightfit train --strategy zero3` on GPUs: each rank's allocated peak beside what `costs.memory_per_gpu`
+    predicted for it (the figure the split and the checkpointing were decided by), in the run's closing lines and
+    metrics.jsonl; nothing on a CPU rank, which has no device apart from its host."""
+    import torch
+
+    from tightfit.parallel.trainee import Sharded
+
+    rank = Sharded.__new__(Sharded)
+    rank.world = type("World", (), {"rank": 1})()
+    rank.predicted_device, rank.device = 1000 * 2**20, torch.device("cpu")
+    assert rank.compare_with_plan(0.5) is None and rank.plan_record(0.5, 0.6) is None
+    rank.device = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 800 * 2**20)
+    assert rank.compare_with_plan(0.5) == "plan (rank 1): device peak 1000.0 MiB predicted, 800.0 MiB measured (+25%)"
+    record = rank.plan_record(0.5, 0.6)
+    assert record["predicted"]["device_peak"] == 1000 * 2**20 and record["measured"]["device_peak"] == 800 * 2**20

@@ -35,6 +35,7 @@ class Sharded:
                  shapes: list[tuple[str, tuple[int, ...]]]) -> None:
         self.pm, self.optimizer, self.world, self.device, self.dtype = pm, optimizer, world, device, dtype
         self.swap: tuple | None = None  # (this rank's swap folder, whether tightfit made it): shard()'s
+        self.predicted_device: int | None = None  # a GPU rank's device bytes by costs.memory_per_gpu: shard()'s
         self.step_early = False  # the optimizer steps each unit during the last backward (shard_states.py; no clip)
         self.model = pm.module
         self.shapes = shapes  # the whole model's (name, shape), before sharding: the checkpoint's signature
@@ -134,10 +135,21 @@ class Sharded:
         return counters() if counters is not None else None
 
     def compare_with_plan(self, step_seconds: float) -> str | None:
-        return None
+        """On a GPU rank: the device peak `costs.memory_per_gpu` predicted for this strategy (the figure the split of
+        unit_split.py and the checkpointing were decided by) against CUDA's allocated peak; None on a CPU rank."""
+        record = self.plan_record(step_seconds, None)
+        if record is None:
+            return None
+        p, m = record["predicted"]["device_peak"], record["measured"]["device_peak"]
+        return (f"plan (rank {self.world.rank}): device peak {format_size(p)} predicted, {format_size(m)} measured "
+                f"({(p - m) / max(m, 1):+.0%})")
 
-    def plan_record(self, step_seconds: float, run_seconds_per_step: float) -> dict | None:
-        return None
+    def plan_record(self, step_seconds: float, run_seconds_per_step: float | None) -> dict | None:
+        if self.predicted_device is None or self.device.type != "cuda":
+            return None
+        return {"predicted": {"device_peak": self.predicted_device},
+                "measured": {"device_peak": torch.cuda.max_memory_allocated(self.device), "step_s": step_seconds},
+                "run_seconds_per_step": run_seconds_per_step}
 
     def summary_fields(self) -> dict:
         return {"strategy": self.pm.plan.name, "mesh": list(self.pm.plan.dims.shape()), "ranks": self.world.size}
@@ -169,8 +181,12 @@ def shard(model: torch.nn.Module, cfg, world, plan, dtype: torch.dtype, resume, 
             for n, p in model.named_parameters():
                 p.copy_(resume.get(f"model.{n}"))
     device = world.env.device
-    recompute, why = wanted(cfg.memory.checkpointing, plan, ModelProfile.from_model(
-        model, cfg.train.seq_len, cfg.train.micro_batch, dtype != torch.float32), gpu_memory(cfg, device))
+    if device.type == "cuda" and cfg.memory.gpu_mem:  # a rank's budget is its cap, as one process's (memory.py)
+        from tightfit.train.memory import cap_device_memory
+
+        cap_device_memory(device, parse_size(cfg.memory.gpu_mem, "--gpu-mem"))
+    profile = ModelProfile.from_model(model, cfg.train.seq_len, cfg.train.micro_batch, dtype != torch.float32)
+    recompute, why = wanted(cfg.memory.checkpointing, plan, profile, gpu_memory(cfg, device))
     pm = parallelize(model, plan, build_mesh(plan.dims, device), device, checkpoint=recompute,
                      param_dtype=torch.bfloat16 if dtype == torch.bfloat16 else None)
     if recompute:
@@ -202,5 +218,11 @@ def shard(model: torch.nn.Module, cfg, world, plan, dtype: torch.dtype, resume, 
         say("notice: the checkpoint holds no optimizer moments; AdamW starts afresh")
     sharded = Sharded(pm, optimizer, world, device, dtype, shapes)
     sharded.swap = (swap, made) if swap is not None else None
+    if device.type == "cuda" and plan.dims.pp == 1:
+        from dataclasses import replace
+
+        from tightfit.parallel.costs import memory_per_gpu
+
+        sharded.predicted_device = memory_per_gpu(plan, replace(profile, checkpointed=recompute))["total"]
     sharded.step_early = o.grad_clip <= 0 and hasattr(optimizer, "step_during_backward")
     return sharded
