@@ -276,13 +276,17 @@ def markdown(f: dict) -> str:
         lines += ["## tightfit vs FSDP2 + CPUOffloadPolicy (`benchmarks/bench_offload_fsdp.py`)", "",
                   f"GPT {c['layers']} layers x {c['embd']}, batch {c['batch']} x {c['seq']}, {c['dtype']}, cap "
                   f"{c['cap_gib']} GiB for both sides (set_per_process_memory_fraction).", ""] + header
-        lines += [_side_row(s, b[s]) for s in ("fsdp2", "tightfit", "tightfit-at-fsdp2-peak", "tightfit-cpu-casts")
-                  if s in b]
+        lines += [_side_row(s, b[s]) for s in ("fsdp2", "tightfit", "zero3", "tightfit-at-fsdp2-peak",
+                                                "tightfit-cpu-casts") if s in b]
         lines += _plan_lines(b, ("tightfit",))
         if "tokens_per_s_ratio" in b:
             lines += ["", f"tightfit / FSDP2 tokens/s: {b['tokens_per_s_ratio']:.2f} under the cap"
                       + (f", {b['tokens_per_s_ratio_at_fsdp2_peak']:.2f} with tightfit's budget at FSDP2's peak"
                          if "tokens_per_s_ratio_at_fsdp2_peak" in b else "")
+                      + (f"; `--strategy zero3` in a world of one (FSDP2 over tightfit's split, its optimizer): "
+                         f"{b['zero3_vs_engine_step']:.2f}x the engine's step, {b['zero3_vs_fsdp2_tokens_per_s']:.2f}x "
+                         f"FSDP2's tokens/s ({(b['zero3'].get('split') or 'every unit on the GPU')[:120]})"
+                         if "zero3_vs_engine_step" in b else "")
                       + (f"; the GPU casting the masters / the CPU's step casting them: "
                          f"{b['tokens_per_s_ratio_device_casts']:.2f}" if "tokens_per_s_ratio_device_casts" in b
                          else "")]
