@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tightfit.models.gpt import GPT, GPTConfig
+from tightfit.parallel.data_parallel import repeated_blocks
 from tightfit.parallel.mesh import build_mesh, init_distributed, leave_process, shutdown
 from tightfit.parallel.parallelize import make_optimizer, parallelize
 from tightfit.parallel.plan import parse_strategy
@@ -174,7 +175,7 @@ def _run_case(spec: str, strategy: str, kv: dict, env, refs) -> str:
                      param_dtype=torch.bfloat16 if bf16 else None)
     opt = make_optimizer(pm, lr=LR, weight_decay=WD, eps=EPS)
     gathered: set = set()  # the dtypes a block's parameters have while it computes (FSDP2 gathers them so)
-    blocks = [m for n, m in pm.module.named_modules() if n.endswith("blocks.0")]
+    blocks = repeated_blocks(pm.module)[:1]
     hooks = [b.register_forward_pre_hook(lambda m, i: gathered.update(p.dtype for p in m.parameters()))
              for b in blocks]  # after FSDP2's own pre-hook (its all-gather), before its post-forward reshard
     dp_rank, b = mesh["dp"].get_local_rank(), B // plan.dims.dp

@@ -25,7 +25,7 @@ TWO = ["ddp", "zero1", "zero2", "zero3", "zero3:offload=1", "zero3:offload=1,res
        "zero1:resume=1", "zero3:resume=1", "tp:resume=1", "pp:resume=1", "ddp:accum=2", "zero3:accum=2",
        "zero3:ac=1,resume=1", "pp:ac=1", "tp:ac=1"]
 TWO_HF = ["tp:model=hf-gpt2,strided=refuse", "tp:model=hf-llama", "tp:model=hf-gpt2,resume=1,strided=refuse",
-          "zero3:model=hf-llama,ac=1"]
+          "zero3:model=hf-llama,ac=1", "zero3:model=hf-llama,offload=1,kept=2,resume=1"]
 FOUR = ["dp_tp", "zero2_tp", "zero1_tp", "pp_tp", "dp_pp:sched=gpipe", "dp_pp:sched=1f1b", "zero1_pp",
         "zero3_pp", "ddp", "zero3", "pp:pp=4,mb=4,sched=1f1b", "tp:tp=4",
         "zero1_tp:resume=1", "zero1_pp:resume=1", "dp_pp:resume=1", "pp_tp:resume=1", "dp_tp:accum=2"]
