@@ -187,9 +187,14 @@ def _run_case(spec: str, strategy: str, kv: dict, env, refs) -> str:
         x, y = batch(s)
         x, y = x[dp_rank * b:(dp_rank + 1) * b], y[dp_rank * b:(dp_rank + 1) * b]
         accum = int(kv.get("accum", 1))  # gradient accumulation over `accum` calls, dp sync on the last only
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):  # the run's, with --precision bf16
-            parts = [pm.forward_backward(xa, ya, 1.0 / accum, sync=i == accum - 1)
-                     for i, (xa, ya) in enumerate(zip(x.chunk(accum), y.chunk(accum)))]
+        parts = []
+        for i, (xa, ya) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):  # the run's, with --precision bf16
+                parts.append(pm.forward_backward(xa, ya, 1.0 / accum, sync=i == accum - 1))
+            if i == 0 and accum > 1 and plan.dp_mode in ("zero2", "zero3") and plan.dims.pp == 1:
+                # reduce-scattered into the shards at once, not held whole until the last micro-batch
+                held = [n for n, p in pm.module.named_parameters() if p.requires_grad and p.grad is None]
+                assert not held, f"{spec}: no sharded gradient after micro-batch 1: {held[:3]}"
         local = torch.stack(parts).mean()
         pm.clip_grad_norm_(CLIP)
         opt.step()

@@ -83,11 +83,15 @@ class ParallelModel:
 
         Gradients end up averaged over the dp ranks and the micro-batches: those of one step on the global batch.
         Accumulating over several calls (pp == 1): `scale` = 1/calls, and `sync=False` on all but the last, which
-        skips the dp gradient reduction until then (DDP `no_sync`, FSDP2 `set_requires_gradient_sync`), so a step
-        costs one reduction whatever the accumulation.
+        skips the dp gradient reduction until then under DDP (`no_sync`, and `replicate`'s), so a step costs one
+        all-reduce whatever the accumulation. Not under ZeRO-2/3 (`fully_shard`): there each micro-batch's gradients
+        are reduce-scattered into the shards, since FSDP2 skipping it would keep every unit's unsharded fp32
+        gradients on the device until the last micro-batch — the whole model's, 4 bytes a parameter on every rank,
+        which ZeRO-3 is there to avoid and `costs.memory_per_gpu` does not count (a Llama-2-70B on 8 GPUs: 257 GiB a
+        GPU); a reduce-scatter per micro-batch is the price, as DeepSpeed's ZeRO-2/3 pay it.
         """
         if self.schedule is None:
-            with self._grad_sync(sync):
+            with self._grad_sync(sync or self.plan.dp_mode in ("zero2", "zero3")):
                 loss = lm_loss(self.logits(x), y)
                 (loss * scale if scale != 1.0 else loss).backward()
             return loss.detach()
