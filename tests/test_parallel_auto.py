@@ -139,6 +139,10 @@ def test_memory_shrinks_with_each_zero_stage_and_comm_matches_zero_paper():
     assert comm["ddp"] == pytest.approx(2 * 7 / 8 * psi, rel=1e-6)
     assert comm["zero2"] == pytest.approx(comm["ddp"], rel=1e-6)  # ZeRO-2: same volume as DDP
     assert comm["zero3"] == pytest.approx(1.5 * comm["ddp"], rel=1e-6)  # ZeRO-3: 3 psi vs 2 psi
+    # 4 micro-batches a step: ZeRO-2/3 gather and reduce-scatter for each, DDP all-reduces once
+    four = {m: comm_per_step(ParallelPlan(ParallelDims(dp=8), m), prof, micro_batches=4)["dp"]
+            for m in ("ddp", "zero2", "zero3")}
+    assert four == {"ddp": comm["ddp"], "zero2": 4 * comm["zero2"], "zero3": 4 * comm["zero3"]}
 
 
 def test_what_if_report():
@@ -216,7 +220,7 @@ def test_zero3_given_with_offload_auto_keeps_on_the_gpu_the_units_that_fit_and_s
     there is no budget, or where checkpointing alone is enough. The what-if says it in one note, as a run does."""
     from dataclasses import replace
 
-    from tightfit.parallel.unit_split import KEPT_BYTES, KEPT_SHARE, split_units, zero3_units
+    from tightfit.parallel.unit_split import KEPT_BYTES, KEPT_SHARE, host_link_bytes, split_units, zero3_units
 
     plan = ParallelPlan(ParallelDims(dp=8), "zero3")
     model = _meta_gpt(24, 2048)  # 1.3 B parameters: 2.6 GB of states a rank in 8 shards
@@ -231,6 +235,10 @@ def test_zero3_given_with_offload_auto_keeps_on_the_gpu_the_units_that_fit_and_s
     assert split.cpu_offload and [n for n, _ in split.kept_on_device] == [f"blocks.{i}" for i in range(10)]
     assert "10 of 25 units keep theirs on the GPU" in why and "host memory" in why
     assert memory_per_gpu(split, replace(prof, checkpointed=True))["total"] <= KEPT_SHARE * budget
+    # the offloaded units' fp32 shards up at every all-gather (a block's twice a micro-batch, the root's once), their
+    # gradients down each micro-batch: 4 micro-batches
+    blocks, root = sum(n for _, n in units[10:24]), units[-1][1]
+    assert host_link_bytes(units, split.kept_names, 4) == (16 * (2 * blocks + root), 16 * (blocks + root))
     nothing, why = split_units(plan, model, prof, int(offloaded / KEPT_SHARE), True)  # room for no unit's states
     assert nothing.cpu_offload and not nothing.kept_on_device and "every unit's go to host memory" in why
     everything = memory_per_gpu(plan, replace(prof, checkpointed=True))["total"]
@@ -250,5 +258,6 @@ def test_zero3_given_with_offload_auto_keeps_on_the_gpu_the_units_that_fit_and_s
     cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head = 24, 2048, 16  # 1.2 B parameters: 2.4 GB a shard
     report = what_if(cfg)
     assert report.choice.plan.cpu_offload and any("ZeRO-3's shards need" in n for n in report.choice.notes)
+    assert any("cross each GPU's host link" in n for n in report.choice.notes)
     cfg.memory.gpu_mem = "80GiB"
     assert not what_if(cfg).choice.plan.cpu_offload

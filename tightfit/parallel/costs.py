@@ -158,7 +158,8 @@ def memory_per_gpu(plan: ParallelPlan, prof: ModelProfile) -> dict[str, int]:
     return out
 
 
-def comm_per_step(plan: ParallelPlan, prof: ModelProfile, global_batch: int | None = None) -> dict[str, int]:
+def comm_per_step(plan: ParallelPlan, prof: ModelProfile, global_batch: int | None = None,
+                  micro_batches: int = 1) -> dict[str, int]:
     """Bytes each GPU sends per optimizer step, by dimension (ring collectives: an all-reduce of X bytes over n
     ranks sends 2(n−1)/n·X, an all-gather or reduce-scatter (n−1)/n·X, a broadcast from each owner ~(n−1)/n·X).
 
@@ -168,6 +169,8 @@ def comm_per_step(plan: ParallelPlan, prof: ModelProfile, global_batch: int | No
       reduce-scatter, ≤ 3Ψ.
     - tp: 4 all-reduces of the [b, s, h] activations per layer per micro-batch (2 forward, 2 backward).
     - pp: each micro-batch's activation forward and its gradient backward across each stage boundary.
+    `micro_batches` (`--grad-accum`, pp == 1): ZeRO-2/3 gather and reduce-scatter again for each (parallelize.py's
+    forward_backward), DDP and ZeRO-1 all-reduce once a step.
     """
     d = plan.dims
     psi = prof.n_params / (d.pp * d.tp)  # elements this rank's dp group reduces
@@ -181,6 +184,8 @@ def comm_per_step(plan: ParallelPlan, prof: ModelProfile, global_batch: int | No
         w_again = (prof.blocks_params or prof.n_params) / (d.pp * d.tp) * prof.weight_bytes
         dp_bytes = {"ddp": 2 * frac * g, "zero1": 2 * frac * g + frac * w, "zero2": frac * (g + w),
                     "zero3": frac * (w + w_again + g)}[plan.dp_mode]
+        if plan.dp_mode in ("zero2", "zero3") and d.pp == 1:
+            dp_bytes *= micro_batches
     mb = prof.micro_batch
     micro = plan.pp_microbatches if d.pp > 1 else 1
     act = mb * prof.seq_len * prof.hidden * prof.weight_bytes  # one [b, s, h] activation

@@ -53,6 +53,21 @@ def zero3_units(model: nn.Module, dp: int) -> list[tuple[str, int]]:
     return [u for u in units if u[1]]
 
 
+HOST_LINK_BW = 25e9
+"""Bytes a second each way between a GPU and host memory, assumed for a what-if: PCIe 4.0 x16 (an H200's measured
+55 GB/s, benchmarks/RESULTS.md batch AP, is PCIe 5.0's)."""
+
+
+def host_link_bytes(units: list[tuple[str, int]], kept: frozenset[str], micro_batches: int) -> tuple[int, int]:
+    """(up, down) bytes a step between each GPU and its host for the offloaded units (those not in `kept`): FSDP2
+    copies an offloaded unit's fp32 shard to the GPU for each all-gather — a block's twice a micro-batch (forward,
+    and backward after resharding), the root's once (kept gathered from forward to backward) — and each micro-batch's
+    reduce-scattered fp32 gradient shard back (parallelize.py reduces every micro-batch under ZeRO-3)."""
+    off = [(name, n) for name, n in units if name not in kept]
+    up = 4 * micro_batches * sum((1 if name == "root" else 2) * n for name, n in off)
+    return up, 4 * micro_batches * sum(n for _, n in off)
+
+
 def split_units(plan: ParallelPlan, model: nn.Module, prof: ModelProfile, gpu_mem: int | None,
                 checkpointed: bool) -> tuple[ParallelPlan, str | None]:
     """`--strategy zero3` with `--offload auto`: where ZeRO-3's shards do not fit a GPU of `gpu_mem` bytes (None: no

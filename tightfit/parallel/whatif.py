@@ -138,7 +138,7 @@ def what_if(cfg, model: torch.nn.Module | None = None, log=None) -> WhatIfReport
 
             prof = replace(prof, checkpointed=True)
             choice.notes.append(f"activation checkpointing of every block ({why})")
-        memory, comm = memory_per_gpu(plan, prof), comm_per_step(plan, prof)
+        memory, comm = memory_per_gpu(plan, prof), comm_per_step(plan, prof, micro_batches=cfg.train.grad_accum)
         if plan.cpu_offload:  # FSDP2's CPUOffloadPolicy: the fp32 shard, its gradient and AdamW's moments
             shard = prof.n_params / (plan.dims.pp * plan.dims.tp * plan.dims.dp) - sum(
                 n for _, n in plan.kept_on_device)
@@ -156,6 +156,15 @@ def what_if(cfg, model: torch.nn.Module | None = None, log=None) -> WhatIfReport
                                     f"{format_size(rank * hw.gpus_per_node)} per node (fp32 parameters, gradients "
                                     f"and AdamW moments, {CPU_OFFLOAD_BYTES} bytes a parameter; with --nvme the "
                                     f"moments go to each rank's swap folder)")
+        if plan.cpu_offload and plan.dims.pp == plan.dims.tp == 1:  # what the offloaded units cost the host link
+            from tightfit.parallel.unit_split import HOST_LINK_BW, host_link_bytes, zero3_units
+
+            up, down = host_link_bytes(zero3_units(model, plan.dims.dp), plan.kept_names, cfg.train.grad_accum)
+            choice.notes.append(f"the offloaded units cross each GPU's host link {format_size(up)} up a step (their "
+                                f"fp32 shards at every all-gather: a block's twice a micro-batch, the root's once, "
+                                f"{cfg.train.grad_accum} micro-batches) and {format_size(down)} down (their gradients "
+                                f"each micro-batch): about {max(up, down) / HOST_LINK_BW * 1e3:,.0f} ms a step at "
+                                f"{HOST_LINK_BW / 1e9:.0f} GB/s each way (assumed: PCIe 4.0 x16)")
         if memory["total"] > hw.gpu_mem:
             what = ("lower --micro-batch or --seq-len" if plan.cpu_offload and prof.checkpointed else
                     "add --checkpointing on" if plan.cpu_offload else "combine with offload or raise the degrees")
