@@ -19,7 +19,7 @@ and must divide the head count.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from tightfit.parallel.costs import Hardware, ModelProfile, memory_per_gpu
 from tightfit.parallel.mesh import ParallelDims
