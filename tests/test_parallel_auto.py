@@ -171,8 +171,9 @@ def test_what_if_report():
 
 
 def test_what_if_takes_offload_as_the_run_does(monkeypatch):
-    """FSDP2's CPU offload (`--strategy auto`'s choice where even ZeRO-3's shards do not fit the GPUs) is planned
-    with nothing of the states on the GPU and the host memory it takes per rank and node; `--strategy zero3
+    """FSDP2's CPU offload (`--strategy auto`'s choice where even ZeRO-3's shards do not fit the GPUs) is split as
+    an explicit zero3's (none where recomputation is enough; here, on a GPU too small for any unit, every unit) and
+    planned with the host memory it takes per rank and node; `--strategy zero3
     --offload host|nvme` is the offload engine on every rank in a run (parallel/params_exchange.py), which the
     what-if leaves to `tightfit plan`'s per-rank plan, in one line."""
     import tightfit.parallel.whatif as whatif_module
@@ -188,11 +189,17 @@ def test_what_if_takes_offload_as_the_run_does(monkeypatch):
             what_if(cfg)
     cfg.parallel.strategy, cfg.memory.offload = "auto", "auto"
     offloaded = ParallelPlan(ParallelDims(dp=8), "zero3", cpu_offload=True)
-    chosen = whatif_module.StrategyChoice("zero3", offloaded.dims, "test", "test", offloaded)
+    chosen = whatif_module.StrategyChoice("zero3", offloaded.dims, "test", "test", offloaded,
+                                          notes=["ZeRO-3 shards do not fit either: their states go to host memory"])
     monkeypatch.setattr(whatif_module, "choose_strategy", lambda *a, **k: chosen)
+    # auto's offload is split as zero3's (unit_split.py): where every shard fits with recomputation, none goes
+    assert not what_if(cfg).choice.plan.cpu_offload
+    cfg.memory.gpu_mem = "1MiB"  # room for no unit's states: every unit offloaded, said once
     report = what_if(cfg)
     d = report.to_dict()
     assert d["cpu_offload"] and d["memory_per_gpu"]["weights"] == d["memory_per_gpu"]["optim"] == 0
+    assert [n for n in d["notes"] if "host memory" in n and "ZeRO-3" in n] == [
+        n for n in d["notes"] if n.startswith("ZeRO-3's shards need") and "every unit's go to host memory" in n]
     per_node = report.profile.n_params / 8 * 16 * 8
     note = next(n for n in d["notes"] if n.startswith("host memory for the offloaded shards"))
     assert format_size(int(report.profile.n_params / 8 * 16)) in note and format_size(int(per_node)) in note

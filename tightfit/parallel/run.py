@@ -116,12 +116,22 @@ def resolve_plan(cfg, world_size: int, model: torch.nn.Module, log) -> ParallelP
         link = "pcie" if cfg.parallel.nnodes == 1 else "ethernet"
     hw = Hardware(gpus_per_node=world_size // cfg.parallel.nnodes, nnodes=cfg.parallel.nnodes, gpu_mem=mem,
                   interconnect=link)
-    prof = ModelProfile.from_model(model, cfg.train.seq_len, cfg.train.micro_batch, cfg.train.precision != "fp32")
+    cuda = torch.cuda.is_available()
+    mixed = cfg.train.precision in ("bf16", "fp16") or cfg.train.precision == "auto" and cuda
+    prof = ModelProfile.from_model(model, cfg.train.seq_len, cfg.train.micro_batch, mixed)
     choice = choose_strategy(hw, prof, log=log)
     if choice.plan is None:  # pragma: no cover - world_size > 1 always yields a plan
         raise UsageError("--strategy auto chose a single-GPU strategy for a distributed run")
-    return replace(choice.plan, pp_schedule=cfg.parallel.pp_schedule,
-                   pp_microbatches=max(cfg.parallel.pp_microbatches, choice.plan.pp_microbatches))
+    plan = choice.plan
+    if cfg.memory.offload == "auto":  # FSDP2's CPU offload for the units that do not fit alone (unit_split.py)
+        from tightfit.parallel.unit_split import split_offload
+
+        recompute = cfg.memory.checkpointing == "on" or cfg.memory.checkpointing == "auto" and cuda
+        plan, why = split_offload(plan, model, prof, mem, recompute)
+        if why is not None:
+            log(f"tightfit: {why}")
+    return replace(plan, pp_schedule=cfg.parallel.pp_schedule,
+                   pp_microbatches=max(cfg.parallel.pp_microbatches, plan.pp_microbatches))
 
 
 def run_worker(cfg) -> NoReturn:

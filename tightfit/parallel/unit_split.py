@@ -96,3 +96,14 @@ def split_units(plan: ParallelPlan, model: nn.Module, prof: ModelProfile, gpu_me
     return split, (f"ZeRO-3's shards need {format_size(need)} per GPU against {format_size(gpu_mem)}: {on_gpu} to host "
                    "memory (FSDP2's CPU offload for those units; their AdamW moments in host memory, or with --nvme "
                    "past each rank's host room in its swap folder, each unit stepped under the next forward)")
+
+
+def split_offload(plan: ParallelPlan, model: nn.Module, prof: ModelProfile, gpu_mem: int | None,
+                  checkpointed: bool) -> tuple[ParallelPlan, str | None]:
+    """`--strategy auto`'s FSDP2 CPU offload of the whole model (auto.RULE_NODE_ZERO) split as an explicit
+    `--strategy zero3`'s is: the units that fit stay on the GPU, or none is offloaded where recomputing every block's
+    activations is enough. Other plans are returned as they are."""
+    if not plan.cpu_offload or plan.kept_on_device or plan.dims.pp > 1 or plan.dims.tp > 1:
+        return plan, None
+    return split_units(replace(plan, cpu_offload=False), model, prof, gpu_mem, checkpointed)
+

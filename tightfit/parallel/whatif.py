@@ -112,6 +112,14 @@ def what_if(cfg, model: torch.nn.Module | None = None, log=None) -> WhatIfReport
     prof = ModelProfile.from_model(model, cfg.train.seq_len, cfg.train.micro_batch, mixed)
     if cfg.parallel.strategy == "auto":
         choice = choose_strategy(hw, prof, log=log)
+        if choice.plan is not None and choice.plan.cpu_offload and cfg.memory.offload == "auto":  # as the run does
+            from dataclasses import replace
+
+            from tightfit.parallel.unit_split import split_offload
+
+            plan, why = split_offload(choice.plan, model, prof, hw.gpu_mem, cfg.memory.checkpointing != "off")
+            choice = replace(choice, plan=plan, notes=[n for n in choice.notes if "host memory" not in n]
+                             + ([why] if why else []))
     else:  # as the run takes it
         plan = plan_from_config(cfg.parallel, hw.world_size, cfg.memory.offload)
         if plan.engine:  # `tightfit plan` plans each rank's engine instead (parallel/rank_plan.py)
