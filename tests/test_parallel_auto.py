@@ -145,6 +145,19 @@ def test_memory_shrinks_with_each_zero_stage_and_comm_matches_zero_paper():
     assert four == {"ddp": comm["ddp"], "zero2": 4 * comm["zero2"], "zero3": 4 * comm["zero3"]}
 
 
+def test_a_pipelined_zero_stage_holds_its_parameters_and_gradients_whole():
+    """Under `zero2_pp`/`zero3_pp` torch's pipeline schedule keeps each FSDP2 stage gathered, its gradients unsharded,
+    until the step's last micro-batch: a stage's whole parameters and gradients count, not 1/dp of them."""
+    prof = profile(7)
+    plan = ParallelPlan(ParallelDims(pp=2, dp=4), "zero3", pp_microbatches=4)
+    m = memory_per_gpu(plan, prof)
+    stage = prof.n_params / 2
+    assert m["grads"] == int(stage * prof.grad_bytes) and m["gathered"] == int(stage * prof.weight_bytes)
+    assert m["weights"] == int(stage * prof.weight_bytes / 4)  # the shards at rest stay 1/dp
+    flat = memory_per_gpu(ParallelPlan(ParallelDims(dp=8), "zero3"), prof)
+    assert flat["grads"] == int(prof.n_params * prof.grad_bytes / 8)  # without stages: reduce-scattered
+
+
 def test_what_if_report():
     cfg = Config()
     cfg.parallel.nproc_per_node, cfg.parallel.nnodes, cfg.parallel.interconnect = 8, 2, "nvlink"

@@ -145,6 +145,11 @@ def memory_per_gpu(plan: ParallelPlan, prof: ModelProfile) -> dict[str, int]:
     g = p * prof.grad_bytes / (d.dp if stage >= 2 else 1)
     o = p * prof.optim_bytes / (d.dp if stage >= 1 else 1)
     gathered = prof.largest_block_params / d.tp * prof.weight_bytes * 2 if stage == 3 else 0
+    if stage >= 2 and d.pp > 1:
+        # torch's pipeline schedule keeps an FSDP2 stage's parameters gathered and its gradients unsharded from the
+        # first micro-batch's backward to the step's end (pipelining/stage.py: no reshard after backward, no
+        # reduction until the last): the stage's whole parameters and gradients, beside the shards at rest
+        gathered, g = p * prof.weight_bytes, p * prof.grad_bytes
     if plan.cpu_offload:  # on the GPU only the units kept there (unit_split.py): fp32 shard, gradient, moments
         kept = sum(n for _, n in plan.kept_on_device) / d.tp
         w, g, o = kept * 4, kept * 4, kept * 8
