@@ -203,7 +203,7 @@ def test_what_if_takes_offload_as_the_run_does(monkeypatch):
     cfg.parallel.strategy, cfg.memory.offload = "auto", "auto"
     offloaded = ParallelPlan(ParallelDims(dp=8), "zero3", cpu_offload=True)
     chosen = whatif_module.StrategyChoice("zero3", offloaded.dims, "test", "test", offloaded,
-                                          notes=["ZeRO-3 shards do not fit either: their states go to host memory"])
+                                          notes=[auto.NOTE_ZERO3_OFFLOAD])
     monkeypatch.setattr(whatif_module, "choose_strategy", lambda *a, **k: chosen)
     # auto's offload is split as zero3's (unit_split.py): where every shard fits with recomputation, none goes
     assert not what_if(cfg).choice.plan.cpu_offload

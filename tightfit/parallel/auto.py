@@ -37,6 +37,8 @@ RULE_MULTI_FAST_ZERO = "several nodes, fast interconnect -> ZeRO"
 RULE_MULTI_FAST_3D = "several nodes, fast interconnect, ZeRO-3 alone does not fit -> PP+TP+DP"
 RULE_MULTI_SLOW_SHORT = "several nodes, slow interconnect, memory short -> DP+PP+TP+ZeRO-1"
 RULE_MULTI_SLOW_FITS = "several nodes, slow interconnect, model fits -> DDP"
+NOTE_ZERO3_OFFLOAD = "ZeRO-3 shards do not fit either: their states go to host memory"
+"""RULE_NODE_ZERO's note where it offloads; a run and `tightfit plan` replace it by unit_split.py's line."""
 
 
 @dataclass(frozen=True)
@@ -127,7 +129,7 @@ def _choose(hw: Hardware, prof: ModelProfile) -> StrategyChoice:
                 plan = ParallelPlan(ParallelDims(dp=G), "zero3", cpu_offload=True)
             return done("zero3", plan, RULE_NODE_ZERO,
                         f"largest layer needs {format_size(prof.largest_layer_bytes)}",
-                        () if ok else ["ZeRO-3 shards do not fit either: their states go to host memory"])
+                        () if ok else [NOTE_ZERO3_OFFLOAD])
         plan, ok = _smallest((ParallelPlan(ParallelDims(dp=G // t, tp=t), "ddp") for t in _tp_degrees(prof, G)),
                              prof, hw)
         return done("tp" if plan.dims.dp == 1 else "dp_tp", plan, RULE_NODE_TP,

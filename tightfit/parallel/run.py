@@ -76,36 +76,42 @@ def _lock_out_dir(cfg, env):
     return lock
 
 
+def _said(planned: tuple[ParallelPlan, str | None], log) -> ParallelPlan:
+    """The plan of a (plan, why) pair, its line logged where there is one."""
+    plan, why = planned
+    if why is not None:
+        log(f"tightfit: {why}")
+    return plan
+
+
 def resolve_plan(cfg, world_size: int, model: torch.nn.Module, log) -> ParallelPlan:
-    """The plan for this run: `--strategy` as given, or `auto` decided by choose_strategy for this world."""
+    """The plan for this run: `--strategy` as given, or `auto` decided by choose_strategy for this world; with
+    `--offload auto`, FSDP2's CPU offload for the ZeRO-3 units that do not fit a GPU alone (unit_split.py)."""
     from dataclasses import replace
 
     from tightfit.parallel.auto import choose_strategy
     from tightfit.parallel.costs import Hardware, ModelProfile
+    from tightfit.parallel.unit_split import split_offload, split_units
     from tightfit.utils.sizes import parse_size
 
+    cuda = torch.cuda.is_available()
+    mixed = cfg.train.precision in ("bf16", "fp16") or cfg.train.precision == "auto" and cuda  # auto: fp32 on a CPU
+    recompute = cfg.memory.checkpointing == "on" or cfg.memory.checkpointing == "auto" and cuda
     if cfg.parallel.strategy != "auto":
         plan = plan_from_config(cfg.parallel, world_size, cfg.memory.offload)
         if cfg.memory.offload != "auto":
             return plan
         from tightfit.parallel.activation_checkpoint import gpu_memory
-        from tightfit.parallel.unit_split import split_units
 
         # a rank's GPU; on CPU ranks the device is the CPU, with --gpu-mem as its budget (as in one process)
-        cuda = torch.cuda.is_available()
         budget = gpu_memory(cfg, torch.device("cuda", 0)) if cuda else \
             parse_size(cfg.memory.gpu_mem, "--gpu-mem") if cfg.memory.gpu_mem else None
-        mixed = cfg.train.precision in ("bf16", "fp16") or cfg.train.precision == "auto" and cuda
         prof = ModelProfile.from_model(model, cfg.train.seq_len, cfg.train.micro_batch, mixed)
-        recompute = cfg.memory.checkpointing == "on" or cfg.memory.checkpointing == "auto" and cuda
-        plan, why = split_units(plan, model, prof, budget, recompute)
-        if why is not None:
-            log(f"tightfit: {why}")
-        return plan
+        return _said(split_units(plan, model, prof, budget, recompute), log)
 
     if cfg.memory.gpu_mem:
         mem = parse_size(cfg.memory.gpu_mem, "--gpu-mem")
-    elif torch.cuda.is_available():
+    elif cuda:
         mem = torch.cuda.get_device_properties(0).total_memory
     else:  # CPU ranks share the host's memory
         import psutil
@@ -116,20 +122,13 @@ def resolve_plan(cfg, world_size: int, model: torch.nn.Module, log) -> ParallelP
         link = "pcie" if cfg.parallel.nnodes == 1 else "ethernet"
     hw = Hardware(gpus_per_node=world_size // cfg.parallel.nnodes, nnodes=cfg.parallel.nnodes, gpu_mem=mem,
                   interconnect=link)
-    cuda = torch.cuda.is_available()
-    mixed = cfg.train.precision in ("bf16", "fp16") or cfg.train.precision == "auto" and cuda
     prof = ModelProfile.from_model(model, cfg.train.seq_len, cfg.train.micro_batch, mixed)
     choice = choose_strategy(hw, prof, log=log)
     if choice.plan is None:  # pragma: no cover - world_size > 1 always yields a plan
         raise UsageError("--strategy auto chose a single-GPU strategy for a distributed run")
     plan = choice.plan
-    if cfg.memory.offload == "auto":  # FSDP2's CPU offload for the units that do not fit alone (unit_split.py)
-        from tightfit.parallel.unit_split import split_offload
-
-        recompute = cfg.memory.checkpointing == "on" or cfg.memory.checkpointing == "auto" and cuda
-        plan, why = split_offload(plan, model, prof, mem, recompute)
-        if why is not None:
-            log(f"tightfit: {why}")
+    if cfg.memory.offload == "auto":
+        plan = _said(split_offload(plan, model, prof, mem, recompute), log)
     return replace(plan, pp_schedule=cfg.parallel.pp_schedule,
                    pp_microbatches=max(cfg.parallel.pp_microbatches, plan.pp_microbatches))
 

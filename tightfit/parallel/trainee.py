@@ -200,10 +200,10 @@ def shard(model: torch.nn.Module, cfg, world, plan, dtype: torch.dtype, resume, 
         made = make_rank_folder(swap)
         # the rank's host budget less what else is there: FSDP2's fp32 parameter and gradient shards of the
         # offloaded units (every unit's on a CPU, whose device is the host), and on a CPU the kept units' moments
-        local = {p: p.to_local() if hasattr(p, "to_local") else p for p in pm.parameters()}
-        on_host = sum(t.numel() for t in local.values() if t.device.type == "cpu")
-        kept = sum(n for _, n in plan.kept_on_device) if device.type != "cuda" else 0
-        shards = 8 * (on_host + kept)
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in pm.parameters()]
+        on_host = sum(t.numel() for t in local if t.device.type == "cpu")
+        kept_moments = sum(n for _, n in plan.kept_on_device) if device.type != "cuda" else 0
+        shards = 8 * (on_host + kept_moments)
         room = max(0, parse_size(mine.memory.cpu_mem, "--cpu-mem") - shards)
     optimizer = make_optimizer(pm, lr=o.lr, weight_decay=o.weight_decay, betas=(o.beta1, o.beta2),
                                moments_folder=swap, host_room=room)

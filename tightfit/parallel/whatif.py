@@ -13,7 +13,7 @@ import torch
 
 from tightfit.errors import UsageError
 from tightfit.parallel.activation_checkpoint import wanted
-from tightfit.parallel.auto import StrategyChoice, choose_strategy
+from tightfit.parallel.auto import NOTE_ZERO3_OFFLOAD, StrategyChoice, choose_strategy
 from tightfit.parallel.costs import Hardware, ModelProfile, comm_per_step, memory_per_gpu
 from tightfit.parallel.plan import plan_from_config
 from tightfit.utils.sizes import format_size, parse_size
@@ -118,7 +118,7 @@ def what_if(cfg, model: torch.nn.Module | None = None, log=None) -> WhatIfReport
             from tightfit.parallel.unit_split import split_offload
 
             plan, why = split_offload(choice.plan, model, prof, hw.gpu_mem, cfg.memory.checkpointing != "off")
-            choice = replace(choice, plan=plan, notes=[n for n in choice.notes if "host memory" not in n]
+            choice = replace(choice, plan=plan, notes=[n for n in choice.notes if n != NOTE_ZERO3_OFFLOAD]
                              + ([why] if why else []))
     else:  # as the run takes it
         plan = plan_from_config(cfg.parallel, hw.world_size, cfg.memory.offload)
