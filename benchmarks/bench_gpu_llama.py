@@ -128,7 +128,8 @@ def run_side(args, side: str) -> dict:
         cfg.memory.nvme = args.nvme or tempfile.mkdtemp(prefix="tightfit-bench-")
     if device.type == "cuda" and side != "plain-uncapped":
         cfg.memory.gpu_mem = f"{args.gpu_mem_gib or args.cap_gib}GiB"
-    mem = setup_memory(model, cfg, device, torch.bfloat16)  # plain: model.to(device) + fused AdamW
+    # plain: model.to(device) + fused AdamW; a tightfit side runs the engine even where its plan would move nothing
+    mem = setup_memory(model, cfg, device, torch.bfloat16, plain_if_still=False)
     print(mem.describe(), file=sys.stderr, flush=True)
     try:
         util.reset_peaks(device)

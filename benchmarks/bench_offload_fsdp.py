@@ -138,7 +138,8 @@ def run_tightfit(args) -> dict:
     if args.cpu_casts:  # the plan's other choice: masters cast by the CPU's step (docs/PLANNER.md, decision 8)
         search._cpu_casts = lambda *a: False
     try:
-        mem = setup_memory(model, cfg, device, dtype, autocast=False)  # its loop runs bf16 as given, as FSDP2 does
+        # its loop runs bf16 as given, as FSDP2 does; the engine's side even where its plan would move nothing
+        mem = setup_memory(model, cfg, device, dtype, autocast=False, plain_if_still=False)
     finally:
         search._cpu_casts = offered
     print(mem.describe(), file=sys.stderr, flush=True)

@@ -118,7 +118,7 @@ def _cmd_plan(cfg: Config, as_json: bool, hardware: str | None = None) -> int:
     from tightfit.planner import make_plan
     from tightfit.train.loop import build_meta_model
 
-    plan = make_plan(build_meta_model(cfg), cfg, hw, what_if=hw is not None)
+    plan = make_plan(build_meta_model(cfg), cfg, hw, what_if=hw is not None, plain_if_still=True)  # as train runs
     print(plan.to_json() if as_json else plan.table())
     return 0
 

@@ -173,8 +173,9 @@ class Plan:
         lines = [f"plan ({self.mode}): {len(self.profile.units)} units x 4 states: {where}",
                  f"  predicted peak: {peaks}, process RSS {self._figure('rss_peak')}"
                  + (" (saving a checkpoint)" if self._save_bound() else ""),
-                 f"  device: the engine's own count at most {self._figure('device_engine_peak')}; activations "
-                 f"{format_size(pr.breakdown.get('device', {}).get('activations', 0))} at the device's peak",
+                 (f"  device: the engine's own count at most {self._figure('device_engine_peak')}; activations "
+                  if self.shape.engine else "  device: plain PyTorch, no offload engine; activations ")
+                 + f"{format_size(pr.breakdown.get('device', {}).get('activations', 0))} at the device's peak",
                  f"  predicted step: {self._figure('step_s')} ({pr.tokens_per_s:,.0f} tokens/s), "
                  f"bottleneck: {pr.bottleneck}; the host issues its ops in {pr.host_s * 1e3:.1f} ms"]
         if self.shape.ranks > 1:
@@ -190,7 +191,7 @@ class Plan:
                           "host)")
         if extras:
             lines.append("  " + "; ".join(extras))
-        lines += [f"  {r}" for r in self.reasons if r.startswith(("accumulation:", "boundaries:", "warning:",
+        lines += [f"  {r}" for r in self.reasons if r.startswith(("engine:", "accumulation:", "boundaries:", "warning:",
                                                                   "what more memory buys"))]
         return "\n".join(lines)
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from tightfit.errors import UsageError
-from tightfit.offload.placement import Tier
+from tightfit.offload.placement import State, Tier
 from tightfit.planner.budgets import budgets_from, device_ok, violations
 from tightfit.planner.costs import TrainShape
 from tightfit.planner.hardware import HardwareProfile, current
@@ -26,7 +26,7 @@ from tightfit.utils.sizes import format_size
 
 
 def make_plan(model: nn.Module, cfg, hardware: HardwareProfile | None = None, names: Naming = CLI,
-              what_if: bool = False, autocast: bool = True, averaging=None) -> Plan:
+              what_if: bool = False, autocast: bool = True, averaging=None, plain_if_still: bool = False) -> Plan:
     """Plan where every state of `model` (which may live on the meta device) goes, and predict the result.
 
     `hardware`: a profile to plan for (tests, what-ifs); None reads this machine's cached profile (probing it
@@ -36,7 +36,9 @@ def make_plan(model: nn.Module, cfg, hardware: HardwareProfile | None = None, na
     forward under `torch.autocast`, as `tightfit train` and the Hugging Face Trainer do (the trace then makes its
     casts: planner/autocast_trace.py); False for a loop that runs the compute dtype as given. `averaging`: the plan
     is one rank's of replicas that average their gradients over a group (`tightfit.parallel.links.Averaging`),
-    priced in its step. Raises UsageError when no placement fits.
+    priced in its step. `plain_if_still`: the loop can run plain PyTorch instead of the engine (`tightfit train` in
+    one process): under --offload auto a placement that moves nothing is then planned as plain PyTorch
+    ([Note: nothing to move, no engine]). Raises UsageError when no placement fits.
     """
     from tightfit.config import parse_nvme, precision_name
 
@@ -97,6 +99,9 @@ def make_plan(model: nn.Module, cfg, hardware: HardwareProfile | None = None, na
             tier, need, have = violations(res.prediction, budgets)[0]
             raise UsageError(f"unit-major order needs {format_size(need)} {tier} memory, {format_size(have)} "
                              "available")
+        return as_plan(res, hw, shape)
+
+    def as_plan(res, hw: HardwareProfile, shape: TrainShape) -> Plan:
         placement = res.placement if not elsewhere else replace(
             res.placement, stepped_elsewhere=elsewhere, grads_elsewhere=grads_elsewhere, exchanged=exchanged)
         return Plan(placement, res.prediction, {"device": budgets.device, "host": budgets.host,
@@ -104,7 +109,16 @@ def make_plan(model: nn.Module, cfg, hardware: HardwareProfile | None = None, na
                     budgets.source, res.reasons, mode, shape, res.profile, hw, budgets.shared)
 
     plan = place(hardware)
-    if accumulation is None and (why := _why_not_unit_major(cfg, profile)):
+    if plain_if_still and mode == "auto" and averaging is None and cfg.memory.accumulation != "unit" \
+            and moves_nothing(plan):
+        plain = replace(shape, engine=False)
+        where = "GPU" if plan.hardware.cuda else "CPU"
+        res = fixed(profile, hardware, budgets, plain, Tier.DEVICE, "off", names.set("offload", "auto"), names)
+        res.reasons.insert(0, f"engine: none; every state fits on the {where} and nothing would move between tiers, "
+                              f"so plain PyTorch and fused AdamW run the step ({names.set('offload', 'device')} runs "
+                              "the offload engine there)")
+        plan = as_plan(res, hardware, plain)
+    if accumulation is None and plan.shape.engine and (why := _why_not_unit_major(cfg, profile)):
         plan.reasons.insert(0, why)
     swap = plan.prediction.peak.get("nvme", 0)
     if swap and (at_volume := hardware.at_disk_volume(swap)) is not hardware:
@@ -114,7 +128,7 @@ def make_plan(model: nn.Module, cfg, hardware: HardwareProfile | None = None, na
     for warning in (plan.disk_warning(), plan.pressure_warning()):
         if warning is not None:
             plan.reasons.append(warning)
-    if mode == "auto":
+    if mode == "auto" and plan.shape.engine:  # plain PyTorch: everything fits already, nothing to buy
         from tightfit.planner.suggest import what_more_buys
 
         line = what_more_buys(profile, plan.hardware, budgets, shape, cfg.memory.checkpointing, names,
@@ -130,6 +144,21 @@ def make_plan(model: nn.Module, cfg, hardware: HardwareProfile | None = None, na
 
         write_trace(plan, cfg.memory.trace)
     return plan
+
+
+def moves_nothing(plan: Plan) -> bool:
+    """Does the plan leave every state of every unit on the device, with no layer tiled and no unit checkpointed?
+
+    [Note: nothing to move, no engine] Such a plan gives the offload engine nothing to do that plain PyTorch does
+    not: no state crosses a link, no unit is recomputed or tiled. What the engine still does there is its own cost:
+    hooks at every unit, its gradients' hand-off into its flat buffers, its queued steps (about 3 ms a step of the
+    reference GPT on the 2-core VM, 2-5% of a step: benchmarks/RESULTS.md, batches AO and AT). So `tightfit train
+    --offload auto` runs plain PyTorch and fused AdamW then, planned as `--offload none` is (the engine's host time
+    not counted) and compared with the run as any plan is; `--offload device` still runs the engine there."""
+    p = plan.placement
+    if p.tiled_linears or p.checkpoint_units:
+        return False
+    return all(p.of(u.name).tier(s) == Tier.DEVICE for u in plan.profile.units for s in State)
 
 
 def _accumulation(cfg, profile, names: Naming) -> str | None:

@@ -27,6 +27,20 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def _materialised(model: nn.Module, device: torch.device) -> nn.Module:
+    """`model` on `device`; parameters on the meta device (an offloadable Hugging Face model is built so: its
+    weights are read into it afterwards) are allocated there empty, each once (tied weights stay tied), the real
+    buffers (rotary tables) moved as they are."""
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.is_meta:
+                if id(p) not in made:
+                    made[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                module._parameters[name] = made[id(p)]
+    return model.to(device)
+
+
 def check_buildable(n: int, cfg: Config, device_type: str) -> None:
     """Refuse, before a byte is allocated, a model whose construction alone cannot fit this machine's memory.
 
@@ -205,13 +219,45 @@ class _Stepping:
 
         import_state(self.model, self.optimizer, get)
 
+    plan = None
+    """The plan the run was made with (None: `--offload none`, which plans nothing)."""
+
+    def _measured(self, step_seconds: float) -> dict:
+        raise NotImplementedError
+
+    def compare_with_plan(self, step_seconds: float) -> str | None:
+        return None if self.plan is None else self.plan.compare(self._measured(step_seconds))
+
+    def plan_record(self, step_seconds: float, run_seconds_per_step: float | None = None) -> dict | None:
+        """The comparison as data, for metrics.jsonl: each predicted figure beside its measurement (the median step;
+        the run's seconds per step, evaluation and saves included, beside it), and what the step's prediction was
+        made of (a GPU check reads it: scripts/gpu_check_report.py)."""
+        if self.plan is None:
+            return None
+        pr, hw = self.plan.prediction, self.plan.hardware
+        return {"predicted": {key: value for _, key, value, _ in self.plan.figures()},
+                "measured": self._measured(step_seconds),
+                "step_terms": {"compute_s": pr.compute_s, "host_s": pr.host_s, "copy_s": pr.copy_s,
+                               "nvme_s": pr.nvme_s, "optim_s": pr.optim_s, "passes_s": pr.passes_s,
+                               "optim_after_s": pr.optim_after_s, "allreduce_s": pr.allreduce_s,
+                               "exchange_s": pr.exchange_s,
+                               "allreduce_bus_bw": self.plan.shape.allreduce_bw, "bottleneck": pr.bottleneck},
+                "hardware": {k: getattr(hw, k) for k in ("device_name", "op_overhead_s", "unit_overhead_s",
+                                                         "stream_overhead_s", "step_overhead_s", "duplex_bw",
+                                                         "host_pass_bw", "device_workspace", "probe_version",
+                                                         "matmul_flops", "attention_flops")},
+                "run_seconds_per_step": run_seconds_per_step}
+
 
 class PlainMemory(_Stepping):
-    """Everything on one device, torch's fused AdamW: the reference every other placement is checked against."""
+    """Everything on one device, torch's fused AdamW: the reference every other placement is checked against, and
+    what `--offload auto` runs where its plan moves nothing (`plan`: [Note: nothing to move, no engine] in
+    planner/planner.py)."""
 
-    def __init__(self, model: nn.Module, cfg: Config, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, model: nn.Module, cfg: Config, device: torch.device, dtype: torch.dtype, plan=None) -> None:
         self.device = device
-        self.model = model.to(device)
+        self.plan = plan
+        self.model = _materialised(model, device)
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(param_groups(self.model, o.weight_decay), lr=o.lr,
                                            betas=(o.beta1, o.beta2), fused=True)
@@ -220,6 +266,8 @@ class PlainMemory(_Stepping):
         self._peak_rss = _rss()
 
     def describe(self) -> str:
+        if self.plan is not None:
+            return self.plan.summary()
         return f"memory: plain PyTorch, every state on {self.device} (--offload none)"
 
     def clip_grad_norm(self, max_norm: float) -> float:
@@ -241,11 +289,12 @@ class PlainMemory(_Stepping):
             return {"device": torch.cuda.max_memory_allocated(self.device), "host": self._peak_rss}
         return {"host": self._peak_rss}
 
-    def compare_with_plan(self, step_seconds: float) -> str | None:
-        return None
-
-    def plan_record(self, step_seconds: float, run_seconds_per_step: float | None = None) -> dict | None:
-        return None
+    def _measured(self, step_seconds: float) -> dict:
+        p = self.peak_memory()
+        measured = {"rss_peak": p["host"], "step_s": step_seconds}
+        if "device" in p:
+            measured["device_peak"] = p["device"]
+        return measured
 
     def engine_counters(self) -> dict[str, float] | None:
         return None  # no engine: nothing moves between tiers
@@ -351,27 +400,6 @@ class OffloadMemory(_Stepping):
             measured["device_peak"] = p["cuda_allocated"]
         return measured
 
-    def compare_with_plan(self, step_seconds: float) -> str | None:
-        return self.plan.compare(self._measured(step_seconds))
-
-    def plan_record(self, step_seconds: float, run_seconds_per_step: float | None = None) -> dict | None:
-        """The comparison as data, for metrics.jsonl: each predicted figure beside its measurement (the median step;
-        the run's seconds per step, evaluation and saves included, beside it), and what the step's prediction was
-        made of (a GPU check reads it: scripts/gpu_check_report.py)."""
-        pr, hw = self.plan.prediction, self.plan.hardware
-        return {"predicted": {key: value for _, key, value, _ in self.plan.figures()},
-                "measured": self._measured(step_seconds),
-                "step_terms": {"compute_s": pr.compute_s, "host_s": pr.host_s, "copy_s": pr.copy_s,
-                               "nvme_s": pr.nvme_s, "optim_s": pr.optim_s, "passes_s": pr.passes_s,
-                               "optim_after_s": pr.optim_after_s, "allreduce_s": pr.allreduce_s,
-                               "exchange_s": pr.exchange_s,
-                               "allreduce_bus_bw": self.plan.shape.allreduce_bw, "bottleneck": pr.bottleneck},
-                "hardware": {k: getattr(hw, k) for k in ("device_name", "op_overhead_s", "unit_overhead_s",
-                                                         "stream_overhead_s", "step_overhead_s", "duplex_bw",
-                                                         "host_pass_bw", "device_workspace", "probe_version",
-                                                         "matmul_flops", "attention_flops")},
-                "run_seconds_per_step": run_seconds_per_step}
-
 
 def cap_device_memory(device: torch.device, gpu_mem: int) -> float | None:
     """Cap the CUDA caching allocator's reserved bytes at --gpu-mem; returns the fraction set (None off CUDA).
@@ -390,11 +418,13 @@ def cap_device_memory(device: torch.device, gpu_mem: int) -> float | None:
 
 def setup_memory(model: nn.Module, cfg: Config, device: torch.device, dtype: torch.dtype,
                  planned: Callable | None = None, autocast: bool = True, averaging=None,
-                 say: Callable[[str], None] | None = None) -> MemorySetup:
+                 say: Callable[[str], None] | None = None, plain_if_still: bool = True) -> MemorySetup:
     """Pick how the run holds its model: plain PyTorch (--offload none), or the offload engine with the plan.
     `planned(plan)` runs once the plan is made, before the engine allocates anything (a check that can refuse the
     run while that is cheap). `autocast`: whether the loop's forward runs under `torch.autocast` (`tightfit
-    train`'s does; `make_plan`). `averaging`: one rank of replicas averaging gradients (`make_plan`)."""
+    train`'s does; `make_plan`). `averaging`: one rank of replicas averaging gradients (`make_plan`).
+    `plain_if_still`: under --offload auto, plain PyTorch where the plan moves nothing ([Note: nothing to move, no
+    engine] in planner/planner.py); False keeps the engine (a benchmark of the engine's side)."""
     if cfg.memory.gpu_mem is not None:
         from tightfit.utils.sizes import parse_size
 
@@ -415,10 +445,12 @@ def setup_memory(model: nn.Module, cfg: Config, device: torch.device, dtype: tor
     hw = replace(hw, runtime_rss=max(hw.runtime_rss, process_floor(model, device, dtype)))
     t1 = time.perf_counter()
     say(f"setup: planning {sum(p.numel() for p in model.parameters()):,} parameters")
-    plan = make_plan(model, cfg, hw, autocast=autocast, averaging=averaging)
+    plan = make_plan(model, cfg, hw, autocast=autocast, averaging=averaging, plain_if_still=plain_if_still)
     if planned is not None:
         planned(plan)
     t2 = time.perf_counter()
+    if not plan.shape.engine:  # [Note: nothing to move, no engine] in planner/planner.py
+        return PlainMemory(model, cfg, device, dtype, plan)
     say(f"setup: planned in {t2 - t1:.0f} s (the machine's profile {t1 - t0:.0f} s); building the tiers")
     return OffloadMemory(model, cfg, device, dtype, plan)
 
