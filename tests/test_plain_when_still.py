@@ -50,6 +50,14 @@ def test_a_plan_that_moves_nothing_is_plain_pytorch_when_the_loop_can_run_it():
     assert plain.prediction.step_s <= engine.prediction.step_s
 
 
+def test_under_autocast_the_engine_stays():
+    """bf16: plain PyTorch would keep fp32 parameters (frozen ones too) and their casts, which the plan does not
+    count."""
+    c = _cfg()
+    c.train.precision = "bf16"
+    assert make_plan(_meta_gpt(), c, GPU, plain_if_still=True).shape.engine
+
+
 @pytest.mark.parametrize("flags, why", [
     ({"gpu_mem": "64MiB"}, "states offloaded"),
     ({"checkpointing": "on"}, "units recomputed"),

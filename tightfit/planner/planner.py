@@ -110,7 +110,7 @@ def make_plan(model: nn.Module, cfg, hardware: HardwareProfile | None = None, na
 
     plan = place(hardware)
     if plain_if_still and mode == "auto" and averaging is None and cfg.memory.accumulation != "unit" \
-            and moves_nothing(plan):
+            and shape.compute_bytes == 4 and moves_nothing(plan):
         plain = replace(shape, engine=False)
         where = "GPU" if plan.hardware.cuda else "CPU"
         res = fixed(profile, hardware, budgets, plain, Tier.DEVICE, "off", names.set("offload", "auto"), names)
@@ -154,7 +154,11 @@ def moves_nothing(plan: Plan) -> bool:
     hooks at every unit, its gradients' hand-off into its flat buffers, its queued steps (about 3 ms a step of the
     reference GPT on the 2-core VM, 2-5% of a step: benchmarks/RESULTS.md, batches AO and AT). So `tightfit train
     --offload auto` runs plain PyTorch and fused AdamW then, planned as `--offload none` is (the engine's host time
-    not counted) and compared with the run as any plan is; `--offload device` still runs the engine there."""
+    not counted) and compared with the run as any plan is; `--offload device` still runs the engine there.
+    Only in fp32, where plain PyTorch holds what the plan counts (the parameters are their own master). Under bf16 or
+    fp16 autocast plain PyTorch keeps fp32 parameters, frozen ones included, and saves their casts for the backward:
+    a LoRA fine-tune's frozen base at 4 + 2 bytes a parameter where the plan counts the engine's 2. Until the plan
+    counts that layout, the engine runs those."""
     p = plan.placement
     if p.tiled_linears or p.checkpoint_units:
         return False
