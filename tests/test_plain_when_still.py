@@ -108,3 +108,36 @@ def test_a_streamed_hugging_face_model_is_filled_in_place(tiny_args, tmp_path, l
     auto = _run(tiny_args, tmp_path / "auto", *model)
     losses = lambda records: [r["loss"] for r in records if r["kind"] == "train"]
     assert losses(auto) == losses(none)
+
+
+def test_a_lora_fine_tune_that_fits_is_plain_pytorch_with_the_adapters_of_a_plain_run(tiny_args, tmp_path,
+                                                                                     llama_folder):
+    """The frozen base streamed in under peft's names, the adapters' initial values drawn as a plain run draws
+    them: the same steps as `--offload none`."""
+    pytest.importorskip("peft")
+    flags = ["--model", f"hf:{llama_folder}", "--lora", "r=4,alpha=8"]
+    none = _run(tiny_args, tmp_path / "none", *flags, "--offload", "none")
+    auto = _run(tiny_args, tmp_path / "auto", *flags)
+    losses = lambda records: [r["loss"] for r in records if r["kind"] == "train"]
+    assert losses(auto) == losses(none) and losses(auto)
+    weights = lambda run: {k: v for k, v in read_all(run).items() if k.startswith("model.")}
+    a, n = weights(tmp_path / "auto"), weights(tmp_path / "none")
+    assert a.keys() == n.keys() and all(torch.equal(a[k], n[k]) for k in a)
+
+
+def test_tied_weights_streamed_in_stay_one_parameter(tiny_args, tmp_path):
+    """GPT-2 ties its head to its embedding: built on the meta device, the two modules hold one parameter, which
+    plain PyTorch allocates once, so it trains as one (as `--offload none`'s model does)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    folder = tmp_path / "gpt2"
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=256,
+                                                         n_positions=64)).save_pretrained(folder)
+    flags = ["--model", f"hf:{folder}"]
+    none = _run(tiny_args, tmp_path / "none", *flags, "--offload", "none")
+    auto = _run(tiny_args, tmp_path / "auto", *flags)
+    losses = lambda records: [r["loss"] for r in records if r["kind"] == "train"]
+    assert losses(auto) == losses(none) and losses(auto)
+    weights = lambda run: {k: v for k, v in read_all(run).items() if k.startswith("model.")}
+    a, n = weights(tmp_path / "auto"), weights(tmp_path / "none")
+    assert a.keys() == n.keys() and all(torch.equal(a[k], n[k]) for k in a)
