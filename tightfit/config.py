@@ -116,7 +116,8 @@ class MemoryConfig:
     cpu_mem: str | None = _f(None, "host memory budget, e.g. 16GiB (default: available RAM, less headroom); "
                                    "without a GPU it bounds the whole process")
     nvme: str | None = _f(None, "swap folder for the NVMe tier, optionally with a size: PATH[:SIZE]")
-    offload: str = _f("auto", "offload: auto (planner decides), none (plain PyTorch), or a tier for every state",
+    offload: str = _f("auto", "offload: auto (planner decides; plain PyTorch in fp32 where nothing would move), none "
+                              "(plain PyTorch, no plan), or a tier for every state (the offload engine)",
                       ("auto", "none", "device", "host", "nvme"))
     checkpointing: str = _f("auto", "activation checkpointing: of the units the plan picks (one process, the engine "
                                     "on each rank), or of every block under ddp/zero/tp/pp (auto: where a rank's "
