@@ -69,11 +69,24 @@ def test_the_engine_stays_wherever_it_has_work(flags, why):
     assert plan.shape.engine, why
 
 
-def _run(tiny_args, out_dir, *extra) -> list[dict]:
+def _args(tiny_args, out_dir) -> list[str]:
     i = tiny_args.index("--out-dir")
-    args = tiny_args[: i + 1] + [str(out_dir)] + tiny_args[i + 2:]
-    assert main(["train", *args, "--steps", "6", *extra]) == 0
+    return tiny_args[: i + 1] + [str(out_dir)] + tiny_args[i + 2:]
+
+
+def _run(tiny_args, out_dir, *extra) -> list[dict]:
+    assert main(["train", *_args(tiny_args, out_dir), "--steps", "6", *extra]) == 0
     return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _losses(records: list[dict]) -> list[float]:
+    return [r["loss"] for r in records if r["kind"] == "train"]
+
+
+def _same_weights(a, b, prefixes: tuple[str, ...] = ("model.",)) -> bool:
+    """Do the checkpoints of runs `a` and `b` hold the same tensors under `prefixes`, bit for bit?"""
+    wa, wb = ({k: v for k, v in read_all(run).items() if k.startswith(prefixes)} for run in (a, b))
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 def test_auto_runs_plain_pytorch_bit_for_bit_and_compares_it_with_its_plan(tiny_args, tmp_path, capsys, monkeypatch):
@@ -85,17 +98,12 @@ def test_auto_runs_plain_pytorch_bit_for_bit_and_compares_it_with_its_plan(tiny_
     out = capsys.readouterr().out
     assert not built, "the engine was built for a plan that moves nothing"
     assert "engine: none" in out and "predicted vs measured" in out and "process RSS" in out
-    losses = lambda records: [r["loss"] for r in records if r["kind"] == "train"]
-    assert losses(auto) == losses(none) and losses(auto)
-    weights = lambda run: {k: v for k, v in read_all(run).items() if k.startswith(("model.", "optim."))}
-    a, n = weights(tmp_path / "auto"), weights(tmp_path / "none")
-    assert a.keys() == n.keys() and all(torch.equal(a[k], n[k]) for k in a)
+    assert _losses(auto) == _losses(none) and _losses(auto)
+    assert _same_weights(tmp_path / "auto", tmp_path / "none", ("model.", "optim."))
     record = next(r for r in auto if r["kind"] == "plan_vs_measured")
     assert record["measured"]["rss_peak"] > 0 and record["predicted"]["rss_peak"] > 0
     # --offload device still runs the engine on the same tier, and resumes the plain run's checkpoint.
-    assert main(["train", *tiny_args[:tiny_args.index("--out-dir") + 1], str(tmp_path / "auto"),
-                 *tiny_args[tiny_args.index("--out-dir") + 2:], "--steps", "8", "--resume", "--offload",
-                 "device"]) == 0
+    assert main(["train", *_args(tiny_args, tmp_path / "auto"), "--steps", "8", "--resume", "--offload", "device"]) == 0
     assert built
 
 
@@ -106,8 +114,7 @@ def test_a_streamed_hugging_face_model_is_filled_in_place(tiny_args, tmp_path, l
     model = ["--model", f"hf:{llama_folder}"]
     none = _run(tiny_args, tmp_path / "none", *model, "--offload", "none")
     auto = _run(tiny_args, tmp_path / "auto", *model)
-    losses = lambda records: [r["loss"] for r in records if r["kind"] == "train"]
-    assert losses(auto) == losses(none)
+    assert _losses(auto) == _losses(none)
 
 
 def test_a_lora_fine_tune_that_fits_is_plain_pytorch_with_the_adapters_of_a_plain_run(tiny_args, tmp_path,
@@ -118,11 +125,8 @@ def test_a_lora_fine_tune_that_fits_is_plain_pytorch_with_the_adapters_of_a_plai
     flags = ["--model", f"hf:{llama_folder}", "--lora", "r=4,alpha=8"]
     none = _run(tiny_args, tmp_path / "none", *flags, "--offload", "none")
     auto = _run(tiny_args, tmp_path / "auto", *flags)
-    losses = lambda records: [r["loss"] for r in records if r["kind"] == "train"]
-    assert losses(auto) == losses(none) and losses(auto)
-    weights = lambda run: {k: v for k, v in read_all(run).items() if k.startswith("model.")}
-    a, n = weights(tmp_path / "auto"), weights(tmp_path / "none")
-    assert a.keys() == n.keys() and all(torch.equal(a[k], n[k]) for k in a)
+    assert _losses(auto) == _losses(none) and _losses(auto)
+    assert _same_weights(tmp_path / "auto", tmp_path / "none")
 
 
 def test_tied_weights_streamed_in_stay_one_parameter(tiny_args, tmp_path):
@@ -136,8 +140,5 @@ def test_tied_weights_streamed_in_stay_one_parameter(tiny_args, tmp_path):
     flags = ["--model", f"hf:{folder}"]
     none = _run(tiny_args, tmp_path / "none", *flags, "--offload", "none")
     auto = _run(tiny_args, tmp_path / "auto", *flags)
-    losses = lambda records: [r["loss"] for r in records if r["kind"] == "train"]
-    assert losses(auto) == losses(none) and losses(auto)
-    weights = lambda run: {k: v for k, v in read_all(run).items() if k.startswith("model.")}
-    a, n = weights(tmp_path / "auto"), weights(tmp_path / "none")
-    assert a.keys() == n.keys() and all(torch.equal(a[k], n[k]) for k in a)
+    assert _losses(auto) == _losses(none) and _losses(auto)
+    assert _same_weights(tmp_path / "auto", tmp_path / "none")

@@ -106,4 +106,3 @@ def split_offload(plan: ParallelPlan, model: nn.Module, prof: ModelProfile, gpu_
     if not plan.cpu_offload or plan.kept_on_device or plan.dims.pp > 1 or plan.dims.tp > 1:
         return plan, None
     return split_units(replace(plan, cpu_offload=False), model, prof, gpu_mem, checkpointed)
-
