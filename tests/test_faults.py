@@ -271,6 +271,34 @@ def test_checkpoint_disk_full_keeps_the_last_checkpoint(corpus, tmp_path, small_
     assert f"at step {step}" in resumed.stdout
 
 
+def test_a_full_disk_at_a_checkpoints_verdict_is_one_line_and_leaves_its_record(tmp_path, monkeypatch):
+    """The disk can fill between a checkpoint's commit and its health verdict, which the loop writes into it a step
+    later: that write is the checkpoint's too, so a full disk there is the same one line naming --out-dir, the
+    record as it was and no temporary file (test_checkpoint_disk_full_keeps_the_last_checkpoint met it at random:
+    a traceback from health.py)."""
+    import errno
+    import types
+
+    from tightfit.errors import UsageError
+    from tightfit.train import health
+
+    folder = tmp_path / "step-00000003"
+    folder.mkdir()
+    health.write_record(folder, {"verdict": health.UNKNOWN, "loss": 2.5})
+    before = (folder / health.HEALTH).read_bytes()
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(health, "os", types.SimpleNamespace(**{**{k: getattr(os, k) for k in dir(os)
+                                                                  if not k.startswith("__")}, "fsync": full}))
+    with pytest.raises(UsageError) as e:
+        health.set_verdict(folder, health.HEALTHY, 2.4)
+    assert str(e.value).startswith("--out-dir: ") and "No space left" in str(e.value) and "--resume" in str(e.value)
+    assert (folder / health.HEALTH).read_bytes() == before
+    assert sorted(p.name for p in folder.iterdir()) == [health.HEALTH]
+
+
 def test_read_only_out_dir_is_one_line(corpus, tmp_path, small_disk):
     disk = small_disk("1m", "ro")
     err = _one_error_line(_run(_argv(corpus, disk / "run")))

@@ -139,14 +139,19 @@ class RunHealth:
 # ---- on disk --------------------------------------------------------------------------------------------------
 
 def write_record(folder: Path, record: dict) -> None:
-    """Write `folder/health.json` atomically (a temporary name, fsync, rename): old or new, never half."""
+    """Write `folder/health.json` atomically (a temporary name, fsync, rename): old or new, never half; a write that
+    fails (a full disk) leaves the old record and no temporary file."""
     tmp = folder / f".{HEALTH}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-    with os.fdopen(fd, "w") as f:
-        json.dump(record, f, separators=(",", ":"))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, folder / HEALTH)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f, separators=(",", ":"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, folder / HEALTH)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_record(folder: Path) -> dict | None:
@@ -177,7 +182,14 @@ def set_verdict(folder: Path, verdict: str, next_loss: float) -> None:
         return
     rec["verdict"] = verdict
     rec["next_loss"] = next_loss if math.isfinite(next_loss) else None
-    write_record(folder, rec)
+    try:
+        write_record(folder, rec)
+    except OSError as e:  # the checkpoint's own write says the same (checkpoint_writer.py, `_disk_error`)
+        from tightfit.errors import UsageError
+
+        raise UsageError(f"--out-dir: cannot write the health verdict of the checkpoint in {folder} "
+                         f"({e.strerror or e}); the checkpoint is untouched; free space and resume with "
+                         "--resume") from None
 
 
 def verdict_of(folder: Path) -> str:
