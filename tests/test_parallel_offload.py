@@ -112,7 +112,7 @@ def test_zero1_zero2_zero3_with_the_engine_shard_the_states(tiny_args, tmp_path,
     swap = tmp_path / "swap"
     extra = ["--nvme", str(swap)] if tier == "nvme" else []
     if strategy == "zero3":  # 2 held-out batches to one rank, 1 to the other: every rank still runs 2 forwards
-        extra += ["--eval-batches", "3"]
+        extra += ["--eval-batches", "3", "--zero3-params", "exchange"]  # under --offload host the plan could choose
     proc, two = _train(tiny_args, tmp_path / "two", "--grad-accum", "2", "--strategy", strategy, "--offload", tier,
                        "--accumulation", order, *extra, ranks=2)
     _close(two, plain)
@@ -174,6 +174,31 @@ def test_zero3_on_fsdp2_keeps_the_units_that_fit_on_the_device_and_offloads_the_
     engine = [r for r in _metrics(tmp_path / "two") if r["kind"] == "train"][-1]["engine"]
     assert engine["nvme_write_bytes"] > 0 and engine["optimizer_s"] > 0, engine
     assert swap.is_dir() and not any(swap.iterdir()), list(swap.iterdir())
+
+
+def test_zero3_with_the_offload_runs_fsdp2_or_the_exchange_as_the_plan_or_the_flag_says(tiny_args, tmp_path, plain):
+    """2 ranks, `--strategy zero3 --offload host`: `--zero3-params fsdp2` runs FSDP2's ZeRO-3 with every unit's shards
+    in host memory and ShardStatesAdamW (no engine: no exchange bytes), auto prices both paths and says which runs
+    and why; both train as one process of plain PyTorch within 1e-6 ([Note: two ZeRO-3s with the offload])."""
+    proc, fsdp2 = _train(tiny_args, tmp_path / "fsdp2", "--grad-accum", "2", "--strategy", "zero3", "--offload", "host",
+                         "--zero3-params", "fsdp2", ranks=2)
+    _close(fsdp2, plain)
+    assert "tightfit: ZeRO-3 with --offload: FSDP2's (each rank's shards in its host memory" in proc.stdout
+    assert "AdamW's moments" not in proc.stdout  # no --nvme: every unit's moments in host memory
+    engine = [r for r in _metrics(tmp_path / "fsdp2") if r["kind"] == "train"][-1]["engine"]
+    assert "exchange_bytes" not in engine and engine["optimizer_s"] > 0, engine
+    proc, auto = _train(tiny_args, tmp_path / "auto", "--grad-accum", "2", "--strategy", "zero3", "--offload", "host",
+                        ranks=2)
+    _close(auto, plain)
+    said = re.search(r"tightfit: ZeRO-3 with --offload: (FSDP2's|the offload engine's exchange) .*: predicted step: "
+                     r"FSDP2's all-gathers ([0-9,]+) ms, the exchange ([0-9,]+) ms", proc.stdout)
+    assert said, proc.stdout[-3000:]
+    fsdp2_ms, exchange_ms = (float(g.replace(",", "")) for g in said.groups()[1:])
+    from tightfit.parallel.zero3_path import FSDP2_BY
+
+    assert (said.group(1) == "FSDP2's") == (fsdp2_ms <= FSDP2_BY * exchange_ms)
+    ran_exchange = "exchange_bytes" in [r for r in _metrics(tmp_path / "auto") if r["kind"] == "train"][-1]["engine"]
+    assert ran_exchange == (said.group(1) != "FSDP2's")
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import sys
 import types
 import typing
@@ -143,9 +144,17 @@ class ParallelConfig:
                                 "(e.g. ddp, zero3, tp, pp, dp_tp, dp_pp, pp_tp, dp_pp_tp, zero1_pp_tp); with "
                                 "--offload host|nvme, ddp, zero1, zero2 and zero3 run the offload engine on each "
                                 "rank (zero1: each rank holds the optimizer states of its own units; zero2: and "
-                                "their gradients; zero3: and their parameters, sent for each use); zero3 with "
+                                "their gradients; zero3: and their parameters, sent for each use, or with --offload "
+                                "host FSDP2's shards in host memory where the plan finds that faster: "
+                                "--zero3-params); zero3 with "
                                 "--offload auto is FSDP2's, its states on the host where its shards do not fit "
                                 "the GPUs (the AdamW moments past the host's room on --nvme)")
+    zero3_params: str = _f("auto", "with --strategy zero3 and --offload host|nvme, how each unit's parameters reach "
+                                   "the ranks: fsdp2 (FSDP2's all-gather of every rank's shard from its host memory, "
+                                   "for each micro-batch), exchange (the offload engine: each unit's owner holds its "
+                                   "states, on NVMe too, and broadcasts its parameters for each use), auto (the "
+                                   "faster by the plan under --offload host; the exchange under --offload nvme)",
+                           ("auto", "fsdp2", "exchange"))
     interconnect: str = _f("auto", "interconnect between the GPUs, for what-if planning (its assumed bandwidth); "
                                    "in a run of the engine on each rank, pcie: its all-reduce shares the offload's "
                                    "lanes",
@@ -359,6 +368,11 @@ def validate(cfg: Config) -> None:
         if not all(t in {"dp", "ddp", "pp", "tp", *DP_MODES} for t in tokens):
             raise UsageError(f"--strategy: cannot read {cfg.parallel.strategy!r}; use auto, or tokens dp, ddp, zero1, "
                              "zero2, zero3, pp, tp joined by '_' (e.g. dp_pp_tp, zero1_pp)")
+    if cfg.parallel.zero3_params != "auto" and not (
+            cfg.memory.offload in ("host", "nvme") and cfg.parallel.strategy == "zero3"
+            and max(world, int(os.environ.get("WORLD_SIZE", "1"))) > 1):
+        raise UsageError(f"--zero3-params {cfg.parallel.zero3_params}: chooses how --strategy zero3 with --offload "
+                         "host|nvme moves the parameters on several processes; add those, or drop it")
     # Sizes are parsed here so a bad one fails before any work starts.
     from tightfit.utils.sizes import parse_size
 

@@ -77,6 +77,16 @@ def rank_plan(cfg, hw=None) -> tuple[object, dict]:
         shares = [sum(trainable[name] for name, r in owner.items() if r == k) for k in range(ranks)]
     plan = make_plan(model, mine, hw, what_if=hw is not None, averaging=averaging)
     averaged = allreduce_bytes(plan.profile, plan.shape)
+    path = None  # zero3: FSDP2's all-gathers or the exchange ([Note: two ZeRO-3s with the offload])
+    if strategy == "zero3":
+        from tightfit.parallel.plan import plan_from_config
+        from tightfit.parallel.zero3_path import choose, price
+
+        fsdp2 = price(cfg, model, plan_from_config(p, ranks, cfg.memory.offload), plan, averaging.bus_bw, cuda) \
+            if cfg.memory.offload == "host" else None
+        chosen, why = choose(p.zero3_params, cfg.memory.offload, fsdp2, plan.prediction.step_s)
+        path = {"runs": chosen, "why": why, "exchange_step_s": plan.prediction.step_s,
+                "fsdp2": fsdp2.to_dict() if fsdp2 is not None else None}
     return plan, {"ranks": ranks, "strategy": strategy, "engine": True, "cpu_mem_per_rank": mine.memory.cpu_mem,
                   "nvme_per_rank": mine.memory.nvme, "allreduce_bytes_per_step": averaged,
                   # a ring all-reduce sends 2(n-1)/n of its bytes, zero2/3's reduce to each unit's rank (n-1)/n
@@ -87,7 +97,7 @@ def rank_plan(cfg, hw=None) -> tuple[object, dict]:
                   "order": "unit" if plan.shape.unit_major else "micro",
                   "exchange_bytes_per_step": exchange_bytes(plan.profile, plan.shape),
                   "stepped_parameters_per_rank": shares,
-                  "exchange_s": plan.prediction.exchange_s}
+                  "exchange_s": plan.prediction.exchange_s, "zero3_path": path}
 
 
 def rank_plan_text(plan, ranks: dict) -> str:
@@ -115,6 +125,19 @@ def rank_plan_text(plan, ranks: dict) -> str:
         shares = ranks["stepped_parameters_per_rank"]
         exchange += (f"\nparameters each rank steps and holds the {held} of: " + " / ".join(f"{n:,}" for n in shares)
                      + f" (rank 0's is {shares[0] / max(shares):.0%} of the largest)")
+    path = ranks.get("zero3_path")
+    if path is not None:
+        from tightfit.parallel.zero3_path import describe
+
+        f = path["fsdp2"]
+        if f is not None:
+            exchange += (f"\nFSDP2's ZeRO-3 instead (every rank's shards in its host memory): a "
+                         f"{f['step_s'] * 1e3:,.0f} ms step (compute {f['compute_s'] * 1e3:,.0f} ms; all-gathers and "
+                         f"reduce-scatters {f['collectives_s'] * 1e3:,.0f} ms, host link {f['link_s'] * 1e3:,.0f} ms, "
+                         f"the CPU's AdamW {f['optimizer_s'] * 1e3:,.0f} ms), {format_size(f['host_bytes'])} of host "
+                         f"memory a rank" + (f", {format_size(f['device_bytes'])} a GPU" if f["device_bytes"] else "")
+                         + ("" if f["fits"] else " (does not fit)"))
+        exchange += "\n" + describe(path["runs"], path["why"]).removeprefix("tightfit: ")
     return (f"{ranks['ranks']} ranks, strategy {ranks['strategy']}, the offload engine on each: {whose}, for "
             f"{host} of host memory{disk}\n{plan.table()}\n"
             f"gradients averaged over the ranks {once}: {format_size(ranks['allreduce_bytes_per_step'])} a step, "
