@@ -112,7 +112,8 @@ def choose(asked: str, offload: str, fsdp2: Fsdp2Step | None, exchange_s: float)
     if offload == "nvme":
         return "exchange", "--offload nvme: only the exchange puts the parameters on the disk"
     if fsdp2 is None or not fsdp2.fits:
-        return "exchange", "FSDP2's shards do not fit a rank's host memory or its GPU" if fsdp2 else "nothing priced"
+        return "exchange", ("FSDP2's shards do not fit a rank's host memory or its GPU" if fsdp2 else
+                            "the exchange could not be planned, so neither was priced")
     path = "fsdp2" if fsdp2.step_s <= FSDP2_BY * exchange_s else "exchange"
     return path, (f"predicted step: FSDP2's all-gathers {fsdp2.step_s * 1e3:,.0f} ms, the exchange "
                   f"{exchange_s * 1e3:,.0f} ms")
@@ -146,7 +147,6 @@ def decide(model: nn.Module, cfg, world, plan: ParallelPlan, say) -> ParallelPla
     asked, offload = cfg.parallel.zero3_params, cfg.memory.offload
     fsdp2, exchange_s = None, 0.0
     if asked == "auto" and offload == "host":
-        import torch
         import torch.distributed as dist
 
         from tightfit.errors import UsageError
@@ -165,14 +165,13 @@ def decide(model: nn.Module, cfg, world, plan: ParallelPlan, say) -> ParallelPla
             averaging = measured(group, device, cfg.parallel.interconnect, local_ranks())
         owner, elsewhere = shard_setup(model, 0, world.size, "zero3")  # rank 0's plan, on every rank alike
         averaging = replace(averaging, stepped_elsewhere=elsewhere, grads_elsewhere=True, exchanged=frozenset(owner))
-        mine, _ = rank_config(cfg, 0)
+        mine, _ = rank_config(cfg, 0, folder=False)
         try:
             exchange = make_plan(model, mine, None, averaging=averaging)
             exchange_s = exchange.prediction.step_s
             fsdp2 = price(cfg, model, plan, exchange, averaging.bus_bw, device.type == "cuda")
         except UsageError:  # the exchange cannot be planned: it will say why; nothing to choose
             fsdp2 = None
-        del torch
     path, why = choose(asked, offload, fsdp2, exchange_s)
     agreed = world.max_over_ranks([int(path == "fsdp2")], "the choice of ZeRO-3's path")[0]
     path = "fsdp2" if agreed else "exchange"
