@@ -154,3 +154,50 @@ def test_a_rank_whose_swap_disk_refuses_it_is_one_line_for_the_run(tiny_args, tm
         assert theirs.read_text() == "not tightfit's"
     else:
         assert listing == [], listing  # the run's files on the small disk taken back
+
+
+@pytest.mark.slow
+def test_the_writer_killed_mid_save_stops_the_group_and_the_last_committed_checkpoint_resumes(tmp_path, corpus):
+    """2 ranks started directly, checkpoints every 3 steps of a 28 M-parameter model (a save writes ~340 MB): once
+    the first is committed, rank 0 is killed with SIGKILL while it writes a later one (its `.partial-step-` folder
+    there, not yet renamed). Rank 1 stops within the bound with one line naming itself and the save it was in; the
+    partial folder is not a checkpoint: a resume (one process) continues from the last committed one and takes the
+    killed run's partial folder back."""
+    out = tmp_path / "run"
+    model = ["--n-layer", "4", "--n-embd", "768", "--n-head", "12", "--seq-len", "32", "--micro-batch", "1",
+             "--eval-interval", "100000", "--data", str(corpus)]
+    cmd = [sys.executable, "-m", "tightfit.cli", "train", *model, "--out-dir", str(out), "--steps", "100000",
+           "--log-interval", "1", "--strategy", "ddp", "--save-interval", "3", "--keep-checkpoints", "3"]
+    procs, logs = start_ranks(cmd, tmp_path)
+    checkpoints = out / "checkpoints"
+    try:
+        _wait_for(logs[0], "4/100000 | loss", timeout=300)
+        committed = sorted(p.name for p in checkpoints.glob("step-*"))
+        assert committed, list(checkpoints.iterdir())
+        t0 = time.time()
+        while not any(checkpoints.glob(".partial-step-*")) and time.time() - t0 < 120:
+            time.sleep(0.002)
+        partial = sorted(p.name for p in checkpoints.glob(".partial-step-*"))
+        procs[0].send_signal(signal.SIGKILL)
+        t0 = time.time()
+        rc = procs[1].wait(timeout=BOUND_S)
+        elapsed = time.time() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    survivor = logs[1].read_text()
+    assert partial, "no save was seen in progress"
+    step = int(partial[0].split("-")[2])
+    assert rc == 1 and elapsed < BOUND_S, survivor[-2000:]
+    lost = [line for line in survivor.splitlines() if line.startswith("tightfit: error:")]
+    assert len(lost) == 1 and lost[0].startswith("tightfit: error: rank 1: lost contact with another rank"), lost
+    assert not (checkpoints / f"step-{step:08d}").exists()  # killed before its commit
+    last = sorted(p.name for p in checkpoints.glob("step-*"))[-1]
+    assert int(last.split("-")[1]) < step
+    resumed = subprocess.run([*cmd[:cmd.index("--steps")], "--steps", str(int(last.split("-")[1]) + 1),
+                              "--log-interval", "1", "--resume"],
+                             env=rank_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {checkpoints / last} at step {int(last.split('-')[1])}" in resumed.stdout, resumed.stdout
+    assert not any(checkpoints.glob(".partial-step-*")), list(checkpoints.iterdir())
