@@ -1,5 +1,5 @@
-"""Which ZeRO-3 runs `--strategy zero3 --offload host`: FSDP2's or the engine's exchange (tightfit/parallel/zero3_path.py,
-[Note: two ZeRO-3s with the offload]). The choice by the predicted step, FSDP2's terms, the what-ifs either way, the
+"""Which ZeRO-3 runs `--strategy zero3 --offload host`: FSDP2's or the engine's exchange
+(tightfit/parallel/zero3_path.py, [Note: two ZeRO-3s with the offload]). The choice by the predicted step, FSDP2's terms, the what-ifs either way, the
 flag's one-line refusal; the runs of both paths against plain PyTorch are tests/test_parallel_offload.py's."""
 
 from __future__ import annotations
