@@ -202,7 +202,8 @@ def test_zero3_with_offload_host_runs_the_path_its_plan_predicts_faster(tiny_arg
                      r"FSDP2's all-gathers ([0-9,]+) ms, the exchange ([0-9,]+) ms", proc.stdout)
     assert said, proc.stdout[-3000:]
     fsdp2_ms, exchange_ms = (float(g.replace(",", "")) for g in said.groups()[1:])
-    assert (said.group(1) == "FSDP2's") == (fsdp2_ms <= FSDP2_BY * exchange_ms)
+    if abs(fsdp2_ms - FSDP2_BY * exchange_ms) > 1.0:  # the line's whole milliseconds decide away from the edge
+        assert (said.group(1) == "FSDP2's") == (fsdp2_ms <= FSDP2_BY * exchange_ms)
     ran_exchange = "exchange_bytes" in [r for r in _metrics(tmp_path / "auto") if r["kind"] == "train"][-1]["engine"]
     assert ran_exchange == (said.group(1) != "FSDP2's")
 
