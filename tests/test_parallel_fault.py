@@ -39,6 +39,21 @@ def _wait_for(proc_out_path, text: str, timeout: float) -> None:
     raise AssertionError(f"{text!r} not seen in {timeout}s:\n{proc_out_path.read_text()[-2000:]}")
 
 
+def _kill_and_wait(procs, victim: int, survivor: int, until):
+    """Run `until()` (what must happen first), SIGKILL rank `victim` and wait for rank `survivor` to leave: (what
+    `until` returned, the survivor's status, the seconds it took); no rank's process is left running."""
+    try:
+        seen = until()
+        procs[victim].send_signal(signal.SIGKILL)
+        t0 = time.time()
+        rc = procs[survivor].wait(timeout=BOUND_S)
+        return seen, rc, time.time() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
 @pytest.mark.parametrize("engine", [None, pytest.param("ddp", marks=pytest.mark.slow),
                                     pytest.param("zero2", marks=pytest.mark.slow),
                                     pytest.param("zero3", marks=pytest.mark.slow)],
@@ -49,16 +64,7 @@ def test_killed_rank_without_torchrun(tiny_args, tmp_path, engine):
     and says so in the same line."""
     extra = ["--offload", "nvme", "--nvme", str(tmp_path / "swap"), "--strategy", engine] if engine else []
     procs, logs = start_ranks(_train_args(tiny_args) + extra, tmp_path)
-    try:
-        _wait_for(logs[0], "3/100000 | loss", timeout=180)
-        procs[1].send_signal(signal.SIGKILL)
-        t0 = time.time()
-        rc = procs[0].wait(timeout=BOUND_S)
-        elapsed = time.time() - t0
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    _, rc, elapsed = _kill_and_wait(procs, 1, 0, lambda: _wait_for(logs[0], "3/100000 | loss", timeout=180))
     out = logs[0].read_text()
     assert rc == 1, out[-2000:]
     assert "tightfit: error: rank 0: lost contact with another rank" in out, out[-2000:]
@@ -170,22 +176,16 @@ def test_the_writer_killed_mid_save_stops_the_group_and_the_last_committed_check
            "--log-interval", "1", "--strategy", "ddp", "--save-interval", "3", "--keep-checkpoints", "3"]
     procs, logs = start_ranks(cmd, tmp_path)
     checkpoints = out / "checkpoints"
-    try:
+
+    def saving() -> list[str]:  # a checkpoint committed, then a later save's folder being written
         _wait_for(logs[0], "4/100000 | loss", timeout=300)
-        committed = sorted(p.name for p in checkpoints.glob("step-*"))
-        assert committed, list(checkpoints.iterdir())
+        assert any(checkpoints.glob("step-*")), list(checkpoints.iterdir())
         t0 = time.time()
         while not any(checkpoints.glob(".partial-step-*")) and time.time() - t0 < 120:
             time.sleep(0.002)
-        partial = sorted(p.name for p in checkpoints.glob(".partial-step-*"))
-        procs[0].send_signal(signal.SIGKILL)
-        t0 = time.time()
-        rc = procs[1].wait(timeout=BOUND_S)
-        elapsed = time.time() - t0
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+        return sorted(p.name for p in checkpoints.glob(".partial-step-*"))
+
+    partial, rc, elapsed = _kill_and_wait(procs, 0, 1, saving)
     survivor = logs[1].read_text()
     assert partial, "no save was seen in progress"
     step = int(partial[0].split("-")[2])

@@ -65,14 +65,10 @@ def rank_plan(cfg, hw=None) -> tuple[object, dict]:
     strategy = p.strategy if p.strategy in ("zero1", "zero2", "zero3") else "ddp"
     shares = None  # the parameters each rank steps
     if strategy != "ddp":  # rank 0's units; every rank steps a share as alike as the units allow
-        from dataclasses import replace
-
         from tightfit.offload.step.units import find_units
-        from tightfit.parallel.sharded_optimizer import shard_setup
+        from tightfit.parallel.sharded_optimizer import shard_averaging
 
-        owner, elsewhere = shard_setup(model, 0, ranks, strategy)
-        averaging = replace(averaging, stepped_elsewhere=elsewhere, grads_elsewhere=strategy != "zero1",
-                            exchanged=frozenset(owner) if strategy == "zero3" else frozenset())
+        owner, averaging = shard_averaging(model, 0, ranks, strategy, averaging)
         trainable = {s.name: s.train_numel for s in find_units(model)}
         shares = [sum(trainable[name] for name, r in owner.items() if r == k) for k in range(ranks)]
     plan = make_plan(model, mine, hw, what_if=hw is not None, averaging=averaging)

@@ -263,14 +263,15 @@ def average_over_ranks(engine, group=None) -> GradientAverager:
 
 
 def replicate(model: torch.nn.Module, cfg, world, device: torch.device, dtype: torch.dtype, resume,
-              planned: Callable | None, say: Callable[[str], None], sharding: str | None = None) -> Replicated:
+              planned: Callable | None, say: Callable[[str], None], sharding: str | None = None,
+              averaged: tuple | None = None) -> Replicated:
     """This rank's replica: `model` held by its own engine as its plan says, its gradients averaged over `world`.
     `sharding`: "zero1", each unit's master and moments on one rank alone; "zero2", and its gradients reduced to that
     rank (parallel/sharded_optimizer.py); "zero3", and its compute params held there, sent for each use
-    (parallel/params_exchange.py)."""
+    (parallel/params_exchange.py). `averaged`: the gradients' group and its averaging, where `gradients_group`
+    has measured them already (zero3_path.decide)."""
     from tightfit.offload.step.engine import find_engine
-    from tightfit.parallel.links import measured
-    from tightfit.parallel.rank_plan import local_ranks, rank_config
+    from tightfit.parallel.rank_plan import rank_config
     from tightfit.planner.probe import load_or_probe
 
     mine, swap = rank_config(cfg, world.rank)
@@ -283,21 +284,15 @@ def replicate(model: torch.nn.Module, cfg, world, device: torch.device, dtype: t
     if world.is_main and refused is None:
         load_or_probe(str(swap) if swap is not None else None)
     world.barrier("the hardware probe")
-    group = dist.new_group(backend=dist.get_backend())  # the gradients' own
-    with world.collective("the all-reduce's bandwidth, measured before planning"):
-        averaging = measured(group, device, cfg.parallel.interconnect, local_ranks())
+    group, averaging = averaged or gradients_group(world, device, cfg)
     owner, exchange = None, None
     if sharding:
-        from dataclasses import replace
-
-        from tightfit.parallel.sharded_optimizer import shard_setup
+        from tightfit.parallel.sharded_optimizer import shard_averaging
 
         exchange = dist.new_group(backend=dist.get_backend())  # the exchange's and the norms' own
         # the gathers' (point to point between host tensors): gloo, also where the run's backend is NCCL
         gathers = exchange if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-        owner, elsewhere = shard_setup(model, world.rank, world.size, sharding)
-        averaging = replace(averaging, stepped_elsewhere=elsewhere, grads_elsewhere=sharding in ("zero2", "zero3"),
-                            exchanged=frozenset(owner) if sharding == "zero3" else frozenset())
+        owner, averaging = shard_averaging(model, world.rank, world.size, sharding, averaging)
         # ZeRO-3: the parameters' exchange, beside the other collectives, on a group of its own
         params_group = dist.new_group(backend=dist.get_backend()) if sharding == "zero3" else None
     if refused is None:
@@ -323,6 +318,17 @@ def replicate(model: torch.nn.Module, cfg, world, device: torch.device, dtype: t
 
         return ShardedOptimizer(inner, world, averager, swap, made, owner, exchange, sharding, gathers)
     return Replicated(inner, world, averager, swap, made)
+
+
+def gradients_group(world, device: torch.device, cfg):
+    """(the gradients' own process group, its `links.Averaging` with the bus bandwidth measured in it now).
+    Collective: every rank calls it."""
+    from tightfit.parallel.links import measured
+    from tightfit.parallel.rank_plan import local_ranks
+
+    group = dist.new_group(backend=dist.get_backend())
+    with world.collective("the all-reduce's bandwidth, measured before planning"):
+        return group, measured(group, device, cfg.parallel.interconnect, local_ranks())
 
 
 def make_rank_folder(swap: Path | None) -> bool:

@@ -420,3 +420,13 @@ def shard_setup(model: torch.nn.Module, rank: int, ranks: int, strategy: str = "
         raise UsageError(f"--strategy {strategy} with the offload engine: the model has {len(owner)} trainable units for "
                          f"{ranks} ranks, so a rank would step none; use fewer ranks or --strategy ddp")
     return owner, frozenset(name for name, r in owner.items() if r != rank)
+
+
+def shard_averaging(model: torch.nn.Module, rank: int, ranks: int, strategy: str, averaging):
+    """(every unit's owner, `averaging` as rank `rank`'s plan prices a `strategy` sharding: the units it does not
+    step, under zero2/zero3 their gradients reduced to their owners, under zero3 their params held there alone)."""
+    from dataclasses import replace
+
+    owner, elsewhere = shard_setup(model, rank, ranks, strategy)
+    return owner, replace(averaging, stepped_elsewhere=elsewhere, grads_elsewhere=strategy in ("zero2", "zero3"),
+                          exchanged=frozenset(owner) if strategy == "zero3" else frozenset())

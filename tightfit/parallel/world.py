@@ -80,11 +80,12 @@ class GroupWorld(World):
         from tightfit.parallel.trainee import shard
 
         plan = resolve_plan(cfg, self.size, model, say)
+        averaged = None  # the gradients' group and averaging, where choosing ZeRO-3's path measured them
         if plan.engine and plan.dp_mode == "zero3":  # FSDP2's or the exchange ([Note: two ZeRO-3s with the offload])
             from tightfit.parallel.zero3_path import decide
 
-            plan = decide(model, cfg, self, plan, say)
+            plan, averaged = decide(model, cfg, self, plan, say)
         if plan.engine:
             return replicate(model, cfg, self, device, dtype, resume, planned, say,
-                             sharding=plan.dp_mode if plan.dp_mode != "ddp" else None)
+                             sharding=plan.dp_mode if plan.dp_mode != "ddp" else None, averaged=averaged)
         return shard(model, cfg, self, plan, dtype, resume, say)

@@ -34,9 +34,6 @@ import torch.nn as nn
 
 from tightfit.parallel.plan import ParallelPlan
 
-PATHS = ("auto", "fsdp2", "exchange")
-"""`--zero3-params`: the plan's choice, FSDP2's all-gather of each rank's shard, or the engine's exchange."""
-
 FSDP2_BY = 0.95
 """FSDP2 is chosen where its predicted step is at most this share of the exchange's: the two predictions share their
 compute, and what FSDP2's leaves out (its hooks and copies for each unit, each micro-batch) costs it a few percent
@@ -140,19 +137,19 @@ def price(cfg, model: nn.Module, plan: ParallelPlan, exchange, bus_bw: float, cu
                       exchange.budgets.get("host"), gpu)
 
 
-def decide(model: nn.Module, cfg, world, plan: ParallelPlan, say) -> ParallelPlan:
+def decide(model: nn.Module, cfg, world, plan: ParallelPlan, say) -> tuple[ParallelPlan, tuple | None]:
     """The ZeRO-3 this rank runs for `plan` (zero3 with the engine): `plan` itself (the exchange) or FSDP2's
     (`fsdp2_plan`), as `--zero3-params` asks or, with auto under `--offload host`, the faster by the plan, the same
-    on every rank (one vote). Prices what it must in the group: the machine's profile, the bus bandwidth."""
+    on every rank (one vote). Prices what it must in the group: the machine's profile, the bus bandwidth. Returns the
+    plan and, where it measured them, the gradients' group and averaging (`replicas.gradients_group`), for the
+    exchange's engine to average over."""
     asked, offload = cfg.parallel.zero3_params, cfg.memory.offload
-    fsdp2, exchange_s = None, 0.0
+    fsdp2, exchange_s, averaged = None, 0.0, None
     if asked == "auto" and offload == "host":
-        import torch.distributed as dist
-
         from tightfit.errors import UsageError
-        from tightfit.parallel.links import measured
-        from tightfit.parallel.rank_plan import local_ranks, rank_config
-        from tightfit.parallel.sharded_optimizer import shard_setup
+        from tightfit.parallel.rank_plan import rank_config
+        from tightfit.parallel.replicas import gradients_group
+        from tightfit.parallel.sharded_optimizer import shard_averaging
         from tightfit.planner import make_plan
         from tightfit.planner.probe import load_or_probe
 
@@ -160,11 +157,8 @@ def decide(model: nn.Module, cfg, world, plan: ParallelPlan, say) -> ParallelPla
             load_or_probe(None)
         world.barrier("the hardware probe")
         device = world.env.device
-        group = dist.new_group(backend=dist.get_backend())
-        with world.collective("the all-reduce's bandwidth, measured to choose ZeRO-3's path"):
-            averaging = measured(group, device, cfg.parallel.interconnect, local_ranks())
-        owner, elsewhere = shard_setup(model, 0, world.size, "zero3")  # rank 0's plan, on every rank alike
-        averaging = replace(averaging, stepped_elsewhere=elsewhere, grads_elsewhere=True, exchanged=frozenset(owner))
+        averaged = gradients_group(world, device, cfg)
+        _, averaging = shard_averaging(model, 0, world.size, "zero3", averaged[1])  # rank 0's plan, on every rank
         mine, _ = rank_config(cfg, 0, folder=False)
         try:
             exchange = make_plan(model, mine, None, averaging=averaging)
@@ -176,4 +170,4 @@ def decide(model: nn.Module, cfg, world, plan: ParallelPlan, say) -> ParallelPla
     agreed = world.max_over_ranks([int(path == "fsdp2")], "the choice of ZeRO-3's path")[0]
     path = "fsdp2" if agreed else "exchange"
     say(describe(path, why))
-    return fsdp2_plan(plan) if path == "fsdp2" else plan
+    return (fsdp2_plan(plan), None) if path == "fsdp2" else (plan, averaged)
